@@ -1,0 +1,185 @@
+"""Operator registry: (operator, device type, dtype) → qualified implementation.
+
+Each operator module registers its implementations at import time with :func:`register`. Model
+code calls :func:`dispatch`, which resolves the implementation for the active runtime mode,
+records the choice in the active trace, and calls it. Strict mode fails closed: a missing strict
+implementation raises :class:`NoStrictKernelError`; ``auto`` falls back to the production
+implementation and records the fallback.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .runtime import Runtime, current_runtime
+
+# DESIGN.md §5: the operator inventory. Every registered op must be one of these.
+OPERATORS: tuple[str, ...] = (
+    "latent_pack_unpack",
+    "latent_normalize",
+    "latent_proj_gemm",
+    "txt_in_rmsnorm_linear",
+    "timestep_embed_mlp",
+    "adaln_mod_projection",
+    "adaln_modulation",
+    "adaln_gate_residual",
+    "qkv_bias_gemm",
+    "qk_rmsnorm",
+    "multi_axis_rope",
+    "joint_attn_qk_gemm",
+    "joint_attn_softmax",
+    "joint_attn_av_gemm",
+    "joint_attention_fused",
+    "attn_out_bias_gemm",
+    "mlp_up_gemm_gelu",
+    "mlp_down_gemm",
+    "final_adaln_out",
+    "cfg_combine_renorm",
+    "flow_sigma_table",
+    "flow_sde_step_logp",
+)
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+
+
+class NoStrictKernelError(RuntimeError):
+    """Strict mode asked for an operator that has no qualified implementation here."""
+
+
+@dataclass(frozen=True)
+class KernelImpl:
+    """One implementation of one operator.
+
+    Attributes:
+        op: operator name from :data:`OPERATORS`.
+        backend: ``cpu_strict`` | ``triton`` | ``torch`` (production) | ``cuda_ext``.
+        device: torch device type it runs on (``cpu`` or ``cuda``).
+        dtypes: execution dtypes it is qualified for.
+        fn: the callable; all implementations of one op share a signature.
+        strict: qualified for strict mode (batch-invariant, fixed reduction order).
+        kernel_name: name of the kernel(s) launched.
+        source: the module whose source is hashed into the kernel identity.
+        config: static launch configuration (tile sizes, warps); never depends on batch or tokens.
+        reduction_order: the documented reduction tree, one line.
+        accumulator: accumulator dtype.
+    """
+
+    op: str
+    backend: str
+    device: str
+    dtypes: frozenset
+    fn: Callable[..., Any]
+    strict: bool
+    kernel_name: str
+    source: Any = None
+    config: dict = field(default_factory=dict)
+    reduction_order: str = ""
+    accumulator: str = "fp32"
+
+    @property
+    def source_hash(self) -> str:
+        return _source_hash(self.source if self.source is not None else self.fn)
+
+    def identity(self) -> dict[str, Any]:
+        return {
+            "op": self.op,
+            "backend": self.backend,
+            "device": self.device,
+            "kernel": self.kernel_name,
+            "source_sha256": self.source_hash,
+            "config": dict(self.config),
+            "reduction_order": self.reduction_order,
+            "accumulator": self.accumulator,
+            "split_k": False if self.strict else None,
+            "strict": self.strict,
+        }
+
+
+_HASH_CACHE: dict[int, str] = {}
+
+
+def _source_hash(obj: Any) -> str:
+    key = id(obj)
+    if key not in _HASH_CACHE:
+        try:
+            src = inspect.getsource(obj)
+        except (OSError, TypeError):
+            src = repr(obj)
+        _HASH_CACHE[key] = hashlib.sha256(src.encode()).hexdigest()[:16]
+    return _HASH_CACHE[key]
+
+
+_REGISTRY: dict[tuple[str, str, str], list[KernelImpl]] = {}
+
+
+def register(impl: KernelImpl) -> KernelImpl:
+    """Add an implementation; registering the same (op, backend, device) twice replaces it."""
+    if impl.op not in OPERATORS:
+        raise ValueError(f"unknown operator {impl.op!r}; the inventory is {OPERATORS}")
+    for dt in impl.dtypes:
+        slot = _REGISTRY.setdefault((impl.op, impl.device, DTYPE_NAMES.get(dt, str(dt))), [])
+        slot[:] = [i for i in slot if i.backend != impl.backend]
+        slot.append(impl)
+    return impl
+
+
+def implementations(op: str | None = None) -> list[KernelImpl]:
+    """Every registered implementation (of ``op`` if given), deduplicated."""
+    _ensure_loaded()
+    seen: dict[int, KernelImpl] = {}
+    for (o, _, _), impls in _REGISTRY.items():
+        if op is None or o == op:
+            for i in impls:
+                seen[id(i)] = i
+    return list(seen.values())
+
+
+def _ensure_loaded() -> None:
+    # Importing the backends registers them; done lazily to keep import cycles out.
+    from . import backends  # noqa: F401
+
+
+def resolve(op: str, device: torch.device | str, dtype: torch.dtype, runtime: Runtime | None = None) -> tuple[KernelImpl, bool]:
+    """Pick the implementation for ``op`` on ``device``/``dtype`` under ``runtime``.
+
+    Returns ``(impl, fell_back)``. Raises :class:`NoStrictKernelError` in strict/audit mode when no
+    strict implementation is qualified for the combination.
+    """
+    _ensure_loaded()
+    runtime = runtime or current_runtime()
+    dev = torch.device(device).type
+    dname = DTYPE_NAMES.get(dtype, str(dtype))
+    impls = _REGISTRY.get((op, dev, dname), [])
+    strict_impls = [i for i in impls if i.strict]
+    prod = [i for i in impls if not i.strict]
+    if runtime is Runtime.OFF:
+        if prod:
+            return prod[0], False
+        raise RuntimeError(f"operator {op} has no production implementation for device={dev} dtype={dname}")
+    if strict_impls:
+        # Prefer compiled kernels over the CPU strict backend when both are registered for a device.
+        order = {"triton": 0, "cuda_ext": 1, "cpu_strict": 2}
+        return sorted(strict_impls, key=lambda i: order.get(i.backend, 9))[0], False
+    if runtime is Runtime.AUTO and prod:
+        return prod[0], True
+    qualified = sorted({(i_dev, i_dt) for (o, i_dev, i_dt), v in _REGISTRY.items() if o == op and any(i.strict for i in v)})
+    raise NoStrictKernelError(
+        f"strict mode: operator {op!r} has no qualified strict kernel for device={dev} dtype={dname} "
+        f"(qualified: {', '.join(f'{d}/{t}' for d, t in qualified) or 'none'}). "
+        "Use runtime=auto to fall back (recorded in the trace) or runtime=off for the production path."
+    )
+
+
+def dispatch(op: str, device: torch.device | str, dtype: torch.dtype, *args: Any, **kwargs: Any) -> Any:
+    """Resolve ``op`` for the active runtime, record it in the active trace, and call it."""
+    from .trace import record
+
+    runtime = current_runtime()
+    impl, fell_back = resolve(op, device, dtype, runtime)
+    record(op, impl, runtime, torch.device(device).type, dtype, fell_back)
+    return impl.fn(*args, **kwargs)

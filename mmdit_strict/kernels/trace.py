@@ -1,0 +1,101 @@
+"""Operator trace: which implementation ran for each operator, and under which arithmetic policy.
+
+Capture with :func:`capture_trace`; the resulting :class:`OperatorTrace` dumps to JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from .runtime import Runtime, tf32_state
+
+
+@dataclass
+class TraceRecord:
+    op: str
+    requested: str
+    actual_backend: str
+    device: str
+    dtype: str
+    kernel: dict[str, Any]
+    fallback: bool
+    calls: int = 0
+
+
+@dataclass
+class OperatorTrace:
+    """Aggregated per (op, device, dtype, backend): counts plus the kernel identity and policy."""
+
+    records: dict[tuple, TraceRecord] = field(default_factory=dict)
+
+    def add(self, op: str, impl: Any, runtime: Runtime, device: str, dtype: torch.dtype, fell_back: bool) -> None:
+        from .registry import DTYPE_NAMES
+
+        dname = DTYPE_NAMES.get(dtype, str(dtype))
+        key = (op, device, dname, impl.backend)
+        rec = self.records.get(key)
+        if rec is None:
+            rec = TraceRecord(
+                op=op,
+                requested=runtime.value,
+                actual_backend=impl.backend,
+                device=device,
+                dtype=dname,
+                kernel=impl.identity(),
+                fallback=fell_back,
+            )
+            self.records[key] = rec
+        rec.calls += 1
+
+    @property
+    def fallbacks(self) -> list[TraceRecord]:
+        return [r for r in self.records.values() if r.fallback]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "policy": {
+                **tf32_state(),
+                "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+                "float32_matmul_precision": torch.get_float32_matmul_precision(),
+            },
+            "fallbacks": len(self.fallbacks),
+            "operators": [vars(r) for r in sorted(self.records.values(), key=lambda r: (r.op, r.device, r.dtype))],
+        }
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "operators": len({r.op for r in self.records.values()}),
+            "calls": sum(r.calls for r in self.records.values()),
+            "backends": sorted({r.actual_backend for r in self.records.values()}),
+            "fallbacks": [f"{r.op}:{r.device}/{r.dtype}->{r.actual_backend}" for r in self.fallbacks],
+        }
+
+    def dump(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2, default=str))
+
+
+_TRACE: contextvars.ContextVar[OperatorTrace | None] = contextvars.ContextVar("mmdit_strict_trace", default=None)
+
+
+@contextlib.contextmanager
+def capture_trace(trace: OperatorTrace | None = None) -> Iterator[OperatorTrace]:
+    """Record every dispatched operator inside the block into ``trace`` (a new one by default)."""
+    trace = trace if trace is not None else OperatorTrace()
+    token = _TRACE.set(trace)
+    try:
+        yield trace
+    finally:
+        _TRACE.reset(token)
+
+
+def record(op: str, impl: Any, runtime: Runtime, device: str, dtype: torch.dtype, fell_back: bool) -> None:
+    trace = _TRACE.get()
+    if trace is not None:
+        trace.add(op, impl, runtime, device, dtype, fell_back)

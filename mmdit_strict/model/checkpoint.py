@@ -1,0 +1,225 @@
+"""diffusers-format checkpoints: resolve (local folder or hub id), validate, load, save atomically.
+
+Layout: ``config.json`` plus ``diffusion_pytorch_model.safetensors`` or shards listed in
+``diffusion_pytorch_model.safetensors.index.json``. Every tensor is checked against the model's own
+state dict: missing, unexpected and mis-shaped tensors are reported by name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from ..config.arch import ArchConfig
+from ..kernels.runtime import Runtime
+
+if TYPE_CHECKING:
+    from .mmdit import MMDiT
+
+WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
+INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
+CONFIG_NAME = "config.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, corrupt, truncated or does not match the architecture."""
+
+
+def resolve_checkpoint_dir(
+    path_or_repo_id: str | Path, subfolder: str | None = None, revision: str | None = None, local_files_only: bool | None = None
+) -> Path:
+    """Return the local folder holding ``config.json`` and the weights.
+
+    A local folder is used as is (or its ``transformer/`` subfolder for a pipeline folder); anything
+    else is a hub repo id downloaded through huggingface_hub, from the cache only when offline
+    (``HF_HUB_OFFLINE=1`` or ``local_files_only=True``).
+    """
+    p = Path(path_or_repo_id).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise CheckpointError(f"{p} is a file; pass the folder that holds {CONFIG_NAME} and the safetensors")
+        folder = p / subfolder if subfolder else p
+        if not (folder / CONFIG_NAME).exists() and subfolder is None and (p / "transformer" / CONFIG_NAME).exists():
+            folder = p / "transformer"
+        if not (folder / CONFIG_NAME).exists():
+            raise CheckpointError(f"no {CONFIG_NAME} in {folder}: not a diffusers transformer folder")
+        return folder
+    repo_id = str(path_or_repo_id)
+    if repo_id.count("/") != 1 or repo_id.startswith(("/", ".")):
+        raise CheckpointError(f"{repo_id!r} is neither an existing folder nor a hub repo id (owner/name)")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    offline = local_files_only if local_files_only is not None else os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
+    sub = subfolder if subfolder is not None else "transformer"
+    try:
+        root = Path(
+            snapshot_download(
+                repo_id, revision=revision, local_files_only=offline,
+                allow_patterns=[f"{sub}/*", CONFIG_NAME, WEIGHTS_NAME, INDEX_NAME, "*.safetensors"] if sub else None,
+            )
+        )
+    except LocalEntryNotFoundError as exc:
+        raise CheckpointError(f"{repo_id} is not in the local Hugging Face cache and the hub is offline") from exc
+    except Exception as exc:  # network, auth, missing repo: one clear message
+        raise CheckpointError(f"could not fetch {repo_id} from the hub: {exc}") from exc
+    for folder in (root / sub, root):
+        if (folder / CONFIG_NAME).exists():
+            return folder
+    raise CheckpointError(f"{repo_id} has no {CONFIG_NAME} under {sub or 'the root'}")
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / INDEX_NAME
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise CheckpointError(f"{index} is not a valid safetensors index: {exc}") from exc
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (folder / f).exists()]
+        if missing:
+            raise CheckpointError(f"shards listed in {index.name} are missing: {missing}")
+        return [folder / f for f in files]
+    single = folder / WEIGHTS_NAME
+    if single.exists():
+        return [single]
+    others = sorted(folder.glob("*.safetensors"))
+    if others:
+        return others
+    raise CheckpointError(f"no safetensors weights in {folder} (expected {WEIGHTS_NAME} or {INDEX_NAME})")
+
+
+def read_state_dict(files: Iterable[Path]) -> dict[str, torch.Tensor]:
+    """Read every tensor; a corrupt or truncated file raises :class:`CheckpointError` naming it."""
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as fh:
+                for key in fh.keys():
+                    if key in state:
+                        raise CheckpointError(f"tensor {key} appears in more than one shard ({f.name})")
+                    state[key] = fh.get_tensor(key)
+        except SafetensorError as exc:
+            raise CheckpointError(f"{f} is corrupt or truncated: {exc}") from exc
+        except (OSError, RuntimeError) as exc:
+            raise CheckpointError(f"could not read {f}: {exc}") from exc
+    return state
+
+
+def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Raise :class:`CheckpointError` naming every missing, unexpected or mis-shaped tensor."""
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    misshaped = sorted(
+        f"{k}: checkpoint {tuple(state[k].shape)} vs model {expected[k]}"
+        for k in set(expected) & set(state)
+        if tuple(state[k].shape) != expected[k]
+    )
+    bad_dtype = sorted(k for k, v in state.items() if not v.is_floating_point())
+    problems = []
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): {_clip(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors ({len(unexpected)}): {_clip(unexpected)}")
+    if misshaped:
+        problems.append(f"mis-shaped tensors ({len(misshaped)}): {_clip(misshaped)}")
+    if bad_dtype:
+        problems.append(f"non-floating tensors: {_clip(bad_dtype)}")
+    if problems:
+        raise CheckpointError("checkpoint does not match the architecture: " + "; ".join(problems))
+    nonfinite = sorted(k for k, v in state.items() if not torch.isfinite(v).all())
+    if nonfinite:
+        raise CheckpointError(f"checkpoint tensors contain NaN/Inf: {_clip(nonfinite)}")
+
+
+def _clip(items: list[str], n: int = 8) -> str:
+    return ", ".join(items[:n]) + (f", … (+{len(items) - n} more)" if len(items) > n else "")
+
+
+def load_pretrained(
+    cls: type["MMDiT"],
+    path_or_repo_id: str | Path,
+    *,
+    runtime: str | Runtime,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    subfolder: str | None,
+    revision: str | None,
+    local_files_only: bool | None,
+) -> "MMDiT":
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"execution dtype must be torch.float32 or torch.bfloat16, got {dtype}")
+    folder = resolve_checkpoint_dir(path_or_repo_id, subfolder, revision, local_files_only)
+    try:
+        raw_cfg = json.loads((folder / CONFIG_NAME).read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{folder / CONFIG_NAME} is not valid JSON: {exc}") from exc
+    arch = ArchConfig.from_diffusers_config(raw_cfg)
+    with torch.device("meta"):
+        model = cls(arch, runtime=runtime)
+    state = read_state_dict(_weight_files(folder))
+    check_state_dict(model, state)
+    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    model.checkpoint_path = str(folder)  # type: ignore[attr-defined]
+    return model.eval()
+
+
+def save_pretrained(model: "MMDiT", directory: str | Path, max_shard_size: int = 2 * 1024**3) -> Path:
+    """Write config + weights into ``directory`` atomically (a temp folder renamed into place)."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k in sorted(state):
+        nbytes = state[k].numel() * state[k].element_size()
+        if shards[-1] and size + nbytes > max_shard_size:
+            shards.append({})
+            size = 0
+        shards[-1][k] = state[k]
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            name = f"diffusion_pytorch_model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(tmp / name), metadata={"format": "pt"})
+            weight_map.update({k: name for k in shard})
+        total = sum(v.numel() * v.element_size() for v in state.values())
+        (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (tmp / CONFIG_NAME).write_text(json.dumps(model.config.to_diffusers_config(), indent=2))
+    if directory.exists():
+        backup = directory.with_name(directory.name + ".old")
+        os.replace(directory, backup)
+        os.replace(tmp, directory)
+        import shutil
+
+        shutil.rmtree(backup, ignore_errors=True)
+    else:
+        os.replace(tmp, directory)
+    return directory
+
+
+def state_dict_hash(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over (name, dtype, shape, raw bytes) of every tensor in name order."""
+    h = hashlib.sha256()
+    for k in sorted(state):
+        t = state[k].detach().to("cpu").contiguous()
+        h.update(k.encode())
+        h.update(str(t.dtype).encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()

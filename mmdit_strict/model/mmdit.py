@@ -1,0 +1,267 @@
+"""The Qwen-Image MMDiT: one parameter tree, two forwards (production and strict).
+
+``MMDiT.forward`` takes the same arguments as diffusers' ``QwenImageTransformer2DModel.forward``.
+With ``runtime="off"`` it runs plain PyTorch (cuBLAS / MKL GEMMs, SDPA); with ``strict`` / ``auto`` /
+``audit`` it runs the strict graph of registry operators on packed rows (``strict.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+from ..config.arch import ArchConfig
+from ..kernels.runtime import Runtime, runtime_mode
+from .layers import AdaNormOut, DoubleStreamBlock, RMSNorm, TimeTextEmbed
+from .rope import normalize_img_shapes, rope_tables
+
+logger = logging.getLogger(__name__)
+
+# Linear layers LoRA may attach to (PEFT ``target_modules`` names, matched as module-name suffixes).
+LORA_TARGETS: tuple[str, ...] = (
+    "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+    "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
+    "img_mod.1", "txt_mod.1",
+)
+
+
+@dataclass
+class MMDiTOutput:
+    """Mirror of diffusers' ``Transformer2DModelOutput``: ``.sample`` or ``[0]``."""
+
+    sample: torch.Tensor
+
+    def __getitem__(self, idx: int) -> torch.Tensor:
+        if idx != 0:
+            raise IndexError("MMDiTOutput holds one tensor (index 0)")
+        return self.sample
+
+
+@dataclass
+class ModelInputs:
+    """Validated forward inputs."""
+
+    hidden_states: torch.Tensor  # (B, Ti, Cin)
+    encoder_hidden_states: torch.Tensor  # (B, L, Ct)
+    txt_mask: torch.Tensor | None  # (B, L) bool, prefix-valid, or None
+    txt_lens: list[int]  # valid text tokens per sample
+    sigma: torch.Tensor  # (B,) model dtype
+    img_shapes: list[list[tuple[int, int, int]]]
+
+
+class MMDiT(nn.Module):
+    """Qwen-Image double-stream MMDiT (diffusers parameter names and forward semantics)."""
+
+    def __init__(self, config: ArchConfig, runtime: str | Runtime = "off") -> None:
+        super().__init__()
+        self.config = config
+        self.runtime = Runtime.parse(runtime)
+        d = config.hidden_size
+        self.img_in = nn.Linear(config.in_channels, d)
+        self.txt_norm = RMSNorm(config.joint_attention_dim, config.eps)
+        self.txt_in = nn.Linear(config.joint_attention_dim, d)
+        self.time_text_embed = TimeTextEmbed(config)
+        self.transformer_blocks = nn.ModuleList([DoubleStreamBlock(config) for _ in range(config.num_layers)])
+        self.norm_out = AdaNormOut(config)
+        self.proj_out = nn.Linear(d, config.patch_size**2 * config.out_channels)
+        self.gradient_checkpointing = False
+        self.audit_records: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.img_in.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.img_in.weight.device
+
+    def set_runtime(self, runtime: str | Runtime) -> "MMDiT":
+        self.runtime = Runtime.parse(runtime)
+        return self
+
+    def enable_gradient_checkpointing(self, enabled: bool = True) -> "MMDiT":
+        self.gradient_checkpointing = enabled
+        return self
+
+    def lora_target_modules(self) -> list[str]:
+        """Full names of every linear layer a LoRA may attach to."""
+        return [n for n, _ in self.named_modules() if any(n.endswith(t) for t in LORA_TARGETS)]
+
+    # ------------------------------------------------------------------ checkpoints
+    @classmethod
+    def from_pretrained(
+        cls,
+        path_or_repo_id: str | Path,
+        *,
+        runtime: str | Runtime = "off",
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        subfolder: str | None = None,
+        revision: str | None = None,
+        local_files_only: bool | None = None,
+    ) -> "MMDiT":
+        """Load a diffusers-format transformer (``config.json`` + safetensors, sharded or not).
+
+        ``path_or_repo_id`` is a local folder (the transformer folder or a pipeline folder with a
+        ``transformer/`` subfolder) or a Hugging Face repo id, resolved through huggingface_hub
+        (from the local cache when offline).
+        """
+        from .checkpoint import load_pretrained
+
+        return load_pretrained(
+            cls, path_or_repo_id, runtime=runtime, dtype=dtype, device=device,
+            subfolder=subfolder, revision=revision, local_files_only=local_files_only,
+        )
+
+    def save_pretrained(self, directory: str | Path, max_shard_size: int = 2 * 1024**3) -> Path:
+        """Write ``config.json`` and safetensors in diffusers' layout (atomically)."""
+        from .checkpoint import save_pretrained
+
+        return save_pretrained(self, directory, max_shard_size=max_shard_size)
+
+    # ------------------------------------------------------------------ inputs
+    def validate_inputs(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        encoder_hidden_states_mask: torch.Tensor | None,
+        timestep: torch.Tensor | float,
+        img_shapes: Any,
+    ) -> ModelInputs:
+        cfg = self.config
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
+            raise ValueError(f"hidden_states must be a (B, image_tokens, {cfg.in_channels}) tensor, got {_desc(hidden_states)}")
+        B, Ti, C = hidden_states.shape
+        if C != cfg.in_channels:
+            raise ValueError(f"hidden_states must have {cfg.in_channels} channels per token, got shape {tuple(hidden_states.shape)}")
+        if not isinstance(encoder_hidden_states, torch.Tensor) or encoder_hidden_states.dim() != 3:
+            raise ValueError(
+                f"encoder_hidden_states must be a (B, text_tokens, {cfg.joint_attention_dim}) tensor, got {_desc(encoder_hidden_states)}"
+            )
+        if encoder_hidden_states.shape[0] != B or encoder_hidden_states.shape[2] != cfg.joint_attention_dim:
+            raise ValueError(
+                f"expected encoder_hidden_states of shape ({B}, L, {cfg.joint_attention_dim}), got {tuple(encoder_hidden_states.shape)}"
+            )
+        for name, t in (("hidden_states", hidden_states), ("encoder_hidden_states", encoder_hidden_states)):
+            if t.dtype != self.dtype:
+                raise ValueError(f"{name} has dtype {t.dtype} but the model runs in {self.dtype}; cast the input")
+            if t.device != self.device:
+                raise ValueError(f"{name} is on {t.device} but the model is on {self.device}")
+            if not torch.isfinite(t).all():
+                raise ValueError(f"{name} contains NaN or Inf")
+        L = encoder_hidden_states.shape[1]
+        if L < 1:
+            raise ValueError("encoder_hidden_states needs at least one text token")
+        mask = None
+        txt_lens = [L] * B
+        if encoder_hidden_states_mask is not None:
+            m = encoder_hidden_states_mask
+            if not isinstance(m, torch.Tensor) or tuple(m.shape) != (B, L):
+                raise ValueError(f"encoder_hidden_states_mask must have shape ({B}, {L}), got {_desc(m)}")
+            if m.device != self.device:
+                raise ValueError(f"encoder_hidden_states_mask is on {m.device} but the model is on {self.device}")
+            if m.dtype != torch.bool:
+                if m.is_floating_point() and not torch.isfinite(m).all():
+                    raise ValueError("encoder_hidden_states_mask contains NaN or Inf")
+                if not ((m == 0) | (m == 1)).all():
+                    raise ValueError("encoder_hidden_states_mask must hold only 0 and 1")
+                m = m != 0
+            lens = m.sum(dim=1)
+            prefix = torch.arange(L, device=m.device)[None, :] < lens[:, None]
+            if not torch.equal(prefix, m):
+                raise ValueError("encoder_hidden_states_mask must be a prefix mask (valid tokens first, padding after)")
+            if (lens == 0).any():
+                raise ValueError("every sample needs at least one valid text token (a row of the mask is all zero)")
+            txt_lens = [int(v) for v in lens.tolist()]
+            mask = m
+        sigma = torch.as_tensor(timestep, device=self.device)
+        if sigma.dim() == 0:
+            sigma = sigma.expand(B)
+        if sigma.dim() != 1 or sigma.shape[0] != B:
+            raise ValueError(f"timestep must be a scalar or a ({B},) tensor of sigmas, got shape {tuple(sigma.shape)}")
+        if not sigma.is_floating_point() or not torch.isfinite(sigma).all():
+            raise ValueError("timestep must be finite floating-point sigmas (the pipeline passes t / 1000)")
+        shapes = normalize_img_shapes(img_shapes, B, Ti)
+        return ModelInputs(hidden_states, encoder_hidden_states, mask, txt_lens, sigma.to(self.dtype), shapes)
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_hidden_states_mask: torch.Tensor | None = None,
+        timestep: torch.Tensor | float | None = None,
+        img_shapes: Sequence[Any] | None = None,
+        guidance: torch.Tensor | None = None,
+        attention_kwargs: dict[str, Any] | None = None,
+        return_dict: bool = True,
+        **unsupported: Any,
+    ) -> MMDiTOutput | tuple[torch.Tensor]:
+        """Predict the flow velocity for packed latents.
+
+        Args:
+            hidden_states: ``(B, T_img, 64)`` packed latents.
+            encoder_hidden_states: ``(B, L, 3584)`` prompt embeddings.
+            encoder_hidden_states_mask: ``(B, L)`` 1 for valid, 0 for padding (prefix masks).
+            timestep: ``(B,)`` sigma in [0, 1] (the pipeline passes ``t / 1000``).
+            img_shapes: latent grids, ``[[(1, H/2, W/2)]] * B`` as diffusers' pipeline passes them.
+            return_dict: return :class:`MMDiTOutput` (else a 1-tuple).
+
+        Returns:
+            ``(B, T_img, 64)`` velocity in the model dtype.
+        """
+        if guidance is not None:
+            raise ValueError("guidance embeddings are outside the Qwen-Image Phase A contract")
+        bad = {k: v for k, v in unsupported.items() if v is not None}
+        if bad:
+            raise ValueError(f"unsupported forward arguments: {sorted(bad)} (Phase A covers the base text-to-image model)")
+        if encoder_hidden_states is None or timestep is None:
+            raise ValueError("encoder_hidden_states and timestep are required")
+        inputs = self.validate_inputs(hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_shapes)
+        if self.runtime is Runtime.OFF:
+            out = self.production_forward(inputs)
+        else:
+            from .strict import strict_forward
+
+            with runtime_mode(self.runtime):
+                out = strict_forward(self, inputs)
+            if self.runtime is Runtime.AUDIT:
+                with torch.no_grad():
+                    prod = self.production_forward(inputs)
+                    diff = (prod.float() - out.detach().float()).abs()
+                    self.audit_records.append({"max_abs_drift": float(diff.max()), "byte_equal": torch.equal(prod, out.detach())})
+        return MMDiTOutput(out) if return_dict else (out,)
+
+    def production_forward(self, inputs: ModelInputs, capture: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """Plain PyTorch forward on padded ``(B, T, D)`` tensors (runtime ``off``)."""
+        cfg = self.config
+        x = inputs.hidden_states
+        B, L = inputs.encoder_hidden_states.shape[:2]
+        img = self.img_in(x)  # (B, Ti, D)
+        txt = self.txt_in(self.txt_norm(inputs.encoder_hidden_states))  # (B, L, D)
+        temb = self.time_text_embed(inputs.sigma, img.dtype)  # (B, D)
+        tables = [rope_tables(s, L, cfg.axes_dims_rope, cfg.rope_theta, x.device) for s in inputs.img_shapes]
+        rope = tuple(torch.stack([t[i] for t in tables]) for i in range(4))
+        for i, block in enumerate(self.transformer_blocks):
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                img, txt = torch.utils.checkpoint.checkpoint(block, img, txt, inputs.txt_mask, temb, rope, use_reentrant=False)
+            else:
+                img, txt = block(img, txt, inputs.txt_mask, temb, rope)
+            if capture is not None:
+                capture[f"block{i}.img"] = img.detach().reshape(-1, img.shape[-1])
+                capture[f"block{i}.txt"] = torch.cat([txt[b, : inputs.txt_lens[b]] for b in range(B)]).detach()
+        return self.proj_out(self.norm_out(img, temb))
+
+
+def _desc(t: Any) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"tensor of shape {tuple(t.shape)} ({t.dtype})"
+    return type(t).__name__

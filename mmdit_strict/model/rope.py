@@ -1,0 +1,93 @@
+"""Multi-axis RoPE tables for Qwen-Image (DESIGN.md §2).
+
+Angles are computed in FP64 on the CPU from integer positions and rounded once to FP32, so every
+device and every batch composition gets the same table bytes. Axis order is (frame, height, width);
+spatial indices are centred (``scale_rope``): a side of ``n`` cells gets ``-(n - n//2) .. n//2 - 1``.
+Text token ``j`` sits on the diagonal at ``max(h//2, w//2) + j`` on all three axes.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import torch
+
+ImgShape = tuple[int, int, int]
+
+
+def _axis_inv_freq(dim: int, theta: float) -> torch.Tensor:
+    # (dim/2,) FP64: theta^(-2i/dim)
+    return 1.0 / torch.pow(torch.tensor(float(theta), dtype=torch.float64), torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+
+
+def _centred(n: int) -> torch.Tensor:
+    return torch.cat([torch.arange(-(n - n // 2), 0, dtype=torch.float64), torch.arange(0, n // 2, dtype=torch.float64)])
+
+
+@functools.lru_cache(maxsize=256)
+def _image_angles(shapes: tuple[ImgShape, ...], axes: tuple[int, int, int], theta: float) -> torch.Tensor:
+    parts = []
+    for idx, (f, h, w) in enumerate(shapes):
+        pf = torch.arange(idx, idx + f, dtype=torch.float64)
+        ph, pw = _centred(h), _centred(w)
+        af = torch.outer(pf, _axis_inv_freq(axes[0], theta))[:, None, None, :].expand(f, h, w, -1)
+        ah = torch.outer(ph, _axis_inv_freq(axes[1], theta))[None, :, None, :].expand(f, h, w, -1)
+        aw = torch.outer(pw, _axis_inv_freq(axes[2], theta))[None, None, :, :].expand(f, h, w, -1)
+        parts.append(torch.cat([af, ah, aw], dim=-1).reshape(f * h * w, -1))
+    return torch.cat(parts, dim=0)
+
+
+@functools.lru_cache(maxsize=256)
+def _text_angles(start: int, length: int, axes: tuple[int, int, int], theta: float) -> torch.Tensor:
+    pos = torch.arange(start, start + length, dtype=torch.float64)
+    inv = torch.cat([_axis_inv_freq(a, theta) for a in axes])
+    return torch.outer(pos, inv)
+
+
+def text_offset(shapes: Sequence[ImgShape]) -> int:
+    """First text position: ``max(h//2, w//2)`` over the sample's image shapes."""
+    return max(max(h // 2, w // 2) for (_, h, w) in shapes)
+
+
+def rope_tables(
+    shapes: Sequence[ImgShape], txt_len: int, axes_dims: Sequence[int], theta: float, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sample FP32 tables: ``(img_cos, img_sin, txt_cos, txt_sin)``, each ``(tokens, head_dim/2)``."""
+    shapes_t = tuple((int(f), int(h), int(w)) for f, h, w in shapes)
+    axes = tuple(int(a) for a in axes_dims)
+    img = _image_angles(shapes_t, axes, float(theta))  # type: ignore[arg-type]
+    txt = _text_angles(text_offset(shapes_t), int(txt_len), axes, float(theta))  # type: ignore[arg-type]
+    out = []
+    for ang in (img, txt):
+        out.append(torch.cos(ang).to(torch.float32).to(device))
+        out.append(torch.sin(ang).to(torch.float32).to(device))
+    return out[0], out[1], out[2], out[3]
+
+
+def normalize_img_shapes(img_shapes: object, batch: int, tokens: int) -> list[list[ImgShape]]:
+    """Accept diffusers' ``img_shapes`` forms and return one list of (f, h, w) per sample.
+
+    Accepted: ``(f, h, w)``; ``[(f, h, w)]`` (shared); ``[[(f, h, w), ...]] * B`` (per sample).
+    """
+    if img_shapes is None:
+        raise ValueError("img_shapes is required: one (frame, height, width) latent grid per sample")
+    def is_triple(o: object) -> bool:
+        return isinstance(o, (tuple, list)) and len(o) == 3 and all(isinstance(v, int) for v in o)
+    if is_triple(img_shapes):
+        per = [[tuple(img_shapes)]] * batch  # type: ignore[arg-type]
+    elif isinstance(img_shapes, (list, tuple)) and len(img_shapes) > 0 and all(is_triple(s) for s in img_shapes):
+        per = [[tuple(s) for s in img_shapes]] * batch  # type: ignore[union-attr]
+    elif isinstance(img_shapes, (list, tuple)) and len(img_shapes) == batch and all(
+        isinstance(s, (list, tuple)) and len(s) > 0 and all(is_triple(t) for t in s) for s in img_shapes
+    ):
+        per = [[tuple(t) for t in s] for s in img_shapes]  # type: ignore[union-attr]
+    else:
+        raise ValueError(
+            f"img_shapes must be (f, h, w), [(f, h, w), ...] or one list of (f, h, w) per sample (batch {batch}); got {img_shapes!r}"
+        )
+    for b, shapes in enumerate(per):
+        n = sum(f * h * w for f, h, w in shapes)
+        if n != tokens:
+            raise ValueError(f"img_shapes of sample {b} describe {n} tokens but hidden_states has {tokens} image tokens")
+    return per  # type: ignore[return-value]

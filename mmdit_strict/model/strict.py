@@ -1,0 +1,165 @@
+"""The strict forward: the MMDiT composed only of registry operators, on packed rows.
+
+Padding never enters: each sample's valid text rows and its image rows are packed, every operator
+sees ``seqlens``, and per-sample vectors (timestep embedding, modulation) are ``(B, D)``. The same
+parameters as the production forward are read; LoRA layers (PEFT) are applied unmerged through the
+GEMM operators' ``lora`` argument.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+from ..kernels.registry import dispatch
+from .rope import rope_tables
+
+if TYPE_CHECKING:
+    from .mmdit import MMDiT, ModelInputs
+
+_CAPTURE: contextvars.ContextVar[dict[str, torch.Tensor] | None] = contextvars.ContextVar("mmdit_capture", default=None)
+
+
+@contextlib.contextmanager
+def capture_operators() -> Iterator[dict[str, torch.Tensor]]:
+    """Record every operator output of strict forwards in the block: ``{"block3.img.mlp_up_gemm_gelu": (M, N)}``."""
+    store: dict[str, torch.Tensor] = {}
+    token = _CAPTURE.set(store)
+    try:
+        yield store
+    finally:
+        _CAPTURE.reset(token)
+
+
+def _op(name: str, where: str, ref: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    out = dispatch(name, ref.device, ref.dtype, *args, **kwargs)
+    store = _CAPTURE.get()
+    if store is not None:
+        key = f"{where}.{name}"
+        if isinstance(out, tuple):
+            for i, o in enumerate(out):
+                store[f"{key}.{i}"] = o.detach().clone()
+        else:
+            store[key] = out.detach().clone()
+    return out
+
+
+def linear_params(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
+    """(weight, bias, lora) of a plain ``nn.Linear`` or a PEFT LoRA-wrapped one (active adapters, unmerged)."""
+    base = getattr(module, "base_layer", None)
+    if base is None:
+        return module.weight, module.bias, None
+    if getattr(module, "merged", False):
+        raise RuntimeError("strict mode never merges LoRA into base weights: unmerge the adapter first")
+    lora = None
+    for name in getattr(module, "active_adapters", []):
+        if name in getattr(module, "lora_A", {}):
+            if lora is not None:
+                raise NotImplementedError("strict mode supports one active LoRA adapter per layer")
+            if getattr(module, "use_dora", {}).get(name, False):
+                raise NotImplementedError("DoRA adapters are not supported in strict mode")
+            lora = (module.lora_A[name].weight, module.lora_B[name].weight, float(module.scaling[name]))
+    return base.weight, base.bias, lora
+
+
+def _gemm(op: str, where: str, x: torch.Tensor, module: nn.Module, seqlens: tuple[int, ...], **kw: Any) -> torch.Tensor:
+    w, b, lora = linear_params(module)
+    return _op(op, where, x, x, w, b, seqlens=seqlens, lora=lora, **kw)
+
+
+def _block(
+    i: int, block: nn.Module, img: torch.Tensor, txt: torch.Tensor, temb: torch.Tensor,
+    rope: tuple[torch.Tensor, ...], iseq: tuple[int, ...], tseq: tuple[int, ...], heads: int, head_dim: int, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    B = len(iseq)
+    ones = (1,) * B
+    img_cos, img_sin, txt_cos, txt_sin = rope
+    wi, wt = f"block{i}.img", f"block{i}.txt"
+    # (B, 6D) each, chunked as (shift, scale, gate) × (attention, MLP)
+    imod = _gemm("adaln_mod_projection", wi, temb, block.img_mod[1], ones, prologue="silu").chunk(6, dim=-1)
+    tmod = _gemm("adaln_mod_projection", wt, temb, block.txt_mod[1], ones, prologue="silu").chunk(6, dim=-1)
+    imod = [m.contiguous() for m in imod]
+    tmod = [m.contiguous() for m in tmod]
+
+    hi = _op("adaln_modulation", wi, img, img, imod[0], imod[1], seqlens=iseq, eps=eps)
+    ht = _op("adaln_modulation", wt, txt, txt, tmod[0], tmod[1], seqlens=tseq, eps=eps)
+    a = block.attn
+
+    def heads_of(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(t.shape[0], heads, head_dim)
+
+    def qk(where: str, h: torch.Tensor, proj: nn.Module, norm: nn.Module, cos: torch.Tensor, sin: torch.Tensor, seq: tuple[int, ...]) -> torch.Tensor:
+        t = heads_of(_gemm("qkv_bias_gemm", where, h, proj, seq))
+        t = _op("qk_rmsnorm", where, t, t, norm.weight, seqlens=seq, eps=eps)
+        return _op("multi_axis_rope", where, t, t, cos, sin)
+
+    qi = qk(wi + ".q", hi, a.to_q, a.norm_q, img_cos, img_sin, iseq)
+    ki = qk(wi + ".k", hi, a.to_k, a.norm_k, img_cos, img_sin, iseq)
+    vi = heads_of(_gemm("qkv_bias_gemm", wi + ".v", hi, a.to_v, iseq))
+    qt = qk(wt + ".q", ht, a.add_q_proj, a.norm_added_q, txt_cos, txt_sin, tseq)
+    kt = qk(wt + ".k", ht, a.add_k_proj, a.norm_added_k, txt_cos, txt_sin, tseq)
+    vt = heads_of(_gemm("qkv_bias_gemm", wt + ".v", ht, a.add_v_proj, tseq))
+    ot, oi = _op("joint_attention_fused", f"block{i}.joint", qi, qt, kt, vt, qi, ki, vi, txt_seqlens=tseq, img_seqlens=iseq)
+
+    img = _op("adaln_gate_residual", wi + ".attn", img, img, _gemm("attn_out_bias_gemm", wi, oi, a.to_out[0], iseq), imod[2], seqlens=iseq)
+    txt = _op("adaln_gate_residual", wt + ".attn", txt, txt, _gemm("attn_out_bias_gemm", wt, ot, a.to_add_out, tseq), tmod[2], seqlens=tseq)
+
+    def mlp(where: str, x: torch.Tensor, mods: list, ff: nn.Module, seq: tuple[int, ...]) -> torch.Tensor:
+        h = _op("adaln_modulation", where + ".mlp", x, x, mods[3], mods[4], seqlens=seq, eps=eps)
+        u = _gemm("mlp_up_gemm_gelu", where, h, ff.net[0].proj, seq, epilogue="gelu_tanh")
+        y = _gemm("mlp_down_gemm", where, u, ff.net[2], seq)
+        return _op("adaln_gate_residual", where + ".mlp", x, x, y, mods[5], seqlens=seq)
+
+    img = mlp(wi, img, imod, block.img_mlp, iseq)
+    txt = mlp(wt, txt, tmod, block.txt_mlp, tseq)
+    return img, txt
+
+
+def pack_text(ehs: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    """(B, L, C) padded → (sum lens, C) valid rows, sample by sample."""
+    return torch.cat([ehs[b, :n] for b, n in enumerate(lens)], dim=0)
+
+
+def strict_forward(model: "MMDiT", inputs: "ModelInputs", block_capture: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """Strict forward. Returns ``(B, T_img, out)`` in the model dtype."""
+    cfg = model.config
+    x = inputs.hidden_states
+    B, Ti, _ = x.shape
+    dev = x.device
+    iseq = (Ti,) * B
+    tseq = tuple(inputs.txt_lens)
+    eps = cfg.eps
+
+    tables = [rope_tables(s, n, cfg.axes_dims_rope, cfg.rope_theta, dev) for s, n in zip(inputs.img_shapes, inputs.txt_lens)]
+    rope = (
+        torch.cat([t[0] for t in tables]), torch.cat([t[1] for t in tables]),
+        torch.cat([t[2] for t in tables]), torch.cat([t[3] for t in tables]),
+    )
+    emb = model.time_text_embed.timestep_embedder
+    temb = _op("timestep_embed_mlp", "embed", x, inputs.sigma.to(torch.float32), emb.linear_1.weight, emb.linear_1.bias,
+               emb.linear_2.weight, emb.linear_2.bias, channels=cfg.timestep_channels, scale=cfg.timestep_scale)
+    img = _gemm("latent_proj_gemm", "img_in", x.reshape(B * Ti, -1), model.img_in, iseq)
+    w, b, lora = linear_params(model.txt_in)
+    txt_rows = pack_text(inputs.encoder_hidden_states, inputs.txt_lens)
+    txt = _op("txt_in_rmsnorm_linear", "txt_in", txt_rows, txt_rows, model.txt_norm.weight, w, b, seqlens=tseq, eps=eps, lora=lora)
+
+    heads, head_dim = cfg.num_attention_heads, cfg.attention_head_dim
+    for i, block in enumerate(model.transformer_blocks):
+        if model.gradient_checkpointing and torch.is_grad_enabled():
+            img, txt = torch.utils.checkpoint.checkpoint(
+                _block, i, block, img, txt, temb, rope, iseq, tseq, heads, head_dim, eps, use_reentrant=False
+            )
+        else:
+            img, txt = _block(i, block, img, txt, temb, rope, iseq, tseq, heads, head_dim, eps)
+        if block_capture is not None:
+            block_capture[f"block{i}.img"] = img.detach()
+            block_capture[f"block{i}.txt"] = txt.detach()
+    w, b, lora = linear_params(model.norm_out.linear)
+    h = _op("final_adaln_out", "norm_out", img, img, temb, w, b, seqlens=iseq, eps=eps, lora=lora)
+    out = _gemm("latent_proj_gemm", "proj_out", h, model.proj_out, iseq)
+    return out.reshape(B, Ti, -1)
