@@ -1,0 +1,193 @@
+"""``mmdit-strict``: the command-line interface.
+
+Every command that runs something takes hydra-style overrides after its name
+(``mmdit-strict run runtime=off sampler.num_steps=4``); ``--help`` on each command says more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+EXIT_OK, EXIT_DRIFT, EXIT_ERROR = 0, 1, 2
+
+_OVERRIDES_HELP = (
+    "hydra-style overrides: group=option (model=tiny, runtime=off, experiment=recompute_off) and "
+    "key=value (sampler.num_steps=4, recompute.micro_batch=2); +key=value adds a new key under extra"
+)
+
+
+def _compose(args: argparse.Namespace):
+    from ..config.compose import compose
+
+    return compose(args.overrides, config_dir=args.config_dir)
+
+
+def _add_overrides(p: argparse.ArgumentParser) -> None:
+    p.add_argument("overrides", nargs="*", help=_OVERRIDES_HELP)
+    p.add_argument("--config-dir", default=None, help="folder holding config.yaml and the groups (default: ./configs)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def cmd_fingerprint(args: argparse.Namespace) -> int:
+    from ..config.arch import preset
+    from ..fingerprint import fingerprint
+
+    print(fingerprint(preset(args.preset)))
+    return EXIT_OK
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from ..config.compose import to_yaml
+
+    print(to_yaml(_compose(args)), end="")
+    return EXIT_OK
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from ..trajectories.pipeline import run_all
+    from .wandb_log import log_run
+
+    cfg = _compose(args)
+    result = run_all(cfg, progress=not args.quiet and cfg.progress)
+    log_run(cfg, result)
+    print(result.summary)
+    print(f"report: {Path(cfg.output_dir) / 'report' / 'report.md'}")
+    return EXIT_OK if result.byte_identical else EXIT_DRIFT
+
+
+def cmd_rollout(args: argparse.Namespace) -> int:
+    from ..config.compose import save_resolved
+    from ..trajectories import run_rollout
+
+    cfg = _compose(args)
+    out = Path(cfg.output_dir)
+    save_resolved(cfg, out)
+    traj = run_rollout(cfg, out / "rollout", progress=not args.quiet and cfg.progress)
+    print(f"rollout: {traj.num_steps} steps × {len(traj.sample_ids)} samples [{traj.manifest['runtime']}] → {out / 'rollout'}")
+    return EXIT_OK
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    """Issue 2's ``sample``: a rollout of the tiny default, printing the per-step hashes."""
+    from ..config.compose import save_resolved
+    from ..trajectories import run_rollout
+
+    cfg = _compose(args)
+    out = Path(cfg.output_dir)
+    save_resolved(cfg, out)
+    traj = run_rollout(cfg, out / "rollout", progress=not args.quiet and cfg.progress)
+    for step in traj.manifest["steps"]:
+        print(f"step {step['step']:3d} sigma {step['sigma']:.4f}  x[0] {step['x'][0][:16]}  logp[0] {step['logp_values'][0]:+.6f}")
+    print(f"latents and hashes → {out / 'rollout'}")
+    return EXIT_OK
+
+
+def cmd_recompute(args: argparse.Namespace) -> int:
+    from ..trajectories import read, run_recompute
+
+    cfg = _compose(args)
+    out = Path(cfg.output_dir)
+    rollout = read(args.rollout or out / "rollout")
+    traj = run_recompute(cfg, rollout, out / "recompute", progress=not args.quiet and cfg.progress)
+    print(f"recompute: {traj.num_steps} steps × {len(traj.sample_ids)} samples [{traj.manifest['runtime']}] → {out / 'recompute'}")
+    return EXIT_OK
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from ..trajectories import compare, read, summary_line
+
+    a, b = read(args.a), read(args.b)
+    comp = compare(a, b)
+    if args.json:
+        print(json.dumps(comp.to_dict(), indent=2, default=str))
+    print(summary_line(comp))
+    return EXIT_OK if comp.byte_identical else EXIT_DRIFT
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from omegaconf import OmegaConf
+
+    from ..trajectories import read
+    from ..trajectories.pipeline import compare_stage
+
+    run_dir = Path(args.run_dir)
+    cfg_path = run_dir / "config.yaml"
+    if not cfg_path.exists():
+        raise FileNotFoundError(f"{run_dir} has no config.yaml: not a run folder made by `mmdit-strict run`")
+    cfg = OmegaConf.load(cfg_path)
+    result = compare_stage(cfg, read(run_dir / "rollout"), read(run_dir / "recompute"), run_dir)
+    print(result.summary)
+    print((run_dir / "report" / "report.md").read_text() if args.print else f"report: {run_dir / 'report' / 'report.md'}")
+    return EXIT_OK if result.byte_identical else EXIT_DRIFT
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    module = importlib.import_module(f"mmdit_strict.bench.{args.which}")
+    return int(module.main(["--out", args.out]) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mmdit-strict",
+        description="Byte-identical rollout and training recomputation for Qwen-Image Flow-GRPO, "
+        "and the tools that say where two runs first drift.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    sub = parser.add_subparsers(dest="command", metavar="command")
+
+    def add(name: str, fn: Callable[[argparse.Namespace], int], help_: str, overrides: bool = True) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_, description=help_)
+        if overrides:
+            _add_overrides(p)
+        p.set_defaults(func=fn)
+        return p
+
+    add("run", cmd_run, "main job: rollout → recompute → compare → report; exit 0 when byte-identical, 1 on drift")
+    add("rollout", cmd_rollout, "sample trajectories (batched CFG + Flow-GRPO SDE) into OUTPUT_DIR/rollout")
+    p = add("recompute", cmd_recompute, "training-side recomputation of a rollout into OUTPUT_DIR/recompute")
+    p.add_argument("--rollout", default=None, help="rollout artifact folder (default: OUTPUT_DIR/rollout)")
+    add("sample", cmd_sample, "sample the configured model and print per-step hashes (a rollout)")
+    p = add("compare", cmd_compare, "compare two trajectory artifacts; exit 0 when byte-identical, 1 on drift", overrides=False)
+    p.add_argument("a", help="first artifact folder (e.g. runs/default/rollout)")
+    p.add_argument("b", help="second artifact folder")
+    p.add_argument("--json", action="store_true", help="print the full comparison as JSON")
+    p = add("report", cmd_report, "re-run compare + localize on a run folder and write its report", overrides=False)
+    p.add_argument("run_dir", help="a folder made by `mmdit-strict run`")
+    p.add_argument("--print", action="store_true", help="print the markdown report")
+    add("config", cmd_config, "print the composed, resolved config")
+    p = add("fingerprint", cmd_fingerprint, "print the sha256 fingerprint of the model/arithmetic contract", overrides=False)
+    p.add_argument("--preset", default="qwen-image", help="architecture preset (qwen-image | tiny)")
+    p = add("bench", cmd_bench, "run a benchmark and write its JSON + markdown report", overrides=False)
+    p.add_argument("which", choices=["cpu_strict", "gemm"], help="cpu_strict: CPU strict vs production forward; gemm: Triton GEMM engine (GPU)")
+    p.add_argument("--out", default="experiments/local", help="output folder")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_ERROR
+    from ..config.compose import ConfigError
+    from ..kernels.registry import NoStrictKernelError
+    from ..model.checkpoint import CheckpointError
+    from ..trajectories.artifact import TrajectoryError
+
+    try:
+        return args.func(args)
+    except (ConfigError, CheckpointError, TrajectoryError, NoStrictKernelError, ValueError, FileNotFoundError) as exc:
+        print(f"mmdit-strict {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

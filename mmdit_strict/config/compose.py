@@ -1,0 +1,200 @@
+"""Hydra-style composition of ``configs/`` with OmegaConf.
+
+``configs/config.yaml`` holds a ``defaults`` list naming one option per group (``model: tiny``);
+each group is a folder of YAML files merged under the group's key, unless the file starts with
+``# @package _global_`` (the ``experiment`` group), which merges at the root. Command-line
+overrides work as in hydra:
+
+* ``group=option`` picks another file of a group (``runtime=off``);
+* ``key.sub=value`` sets an existing key (an unknown key is an error listing the valid ones);
+* ``+key=value`` adds a key under the free-form ``extra`` mapping or any dict-typed node.
+
+The result is validated against :class:`~mmdit_strict.config.schema.RunConfig`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from .schema import CHOICES, RunConfig
+
+GLOBAL_PACKAGE = "# @package _global_"
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message says which and what is valid."""
+
+
+def default_config_dir() -> Path:
+    """``$MMDIT_STRICT_CONFIG_DIR``, else ``./configs``, else the repository's ``configs/``."""
+    env = os.environ.get("MMDIT_STRICT_CONFIG_DIR")
+    candidates = [Path(env)] if env else []
+    candidates += [Path.cwd() / "configs", Path(__file__).resolve().parents[2] / "configs"]
+    for c in candidates:
+        if (c / "config.yaml").exists():
+            return c
+    raise ConfigError(f"no config.yaml found in {[str(c) for c in candidates]}; pass --config-dir")
+
+
+def groups(config_dir: Path) -> dict[str, list[str]]:
+    """Config groups and their options (folder name → YAML stems)."""
+    return {
+        d.name: sorted(p.stem for p in d.glob("*.yaml"))
+        for d in sorted(config_dir.iterdir()) if d.is_dir() and not d.name.startswith((".", "_"))
+    }
+
+
+def _load_yaml(path: Path) -> tuple[DictConfig, bool]:
+    try:
+        text = path.read_text()
+        node = OmegaConf.create(text) if text.strip() else OmegaConf.create({})
+    except (OSError, OmegaConfBaseException, Exception) as exc:  # yaml errors come in several types
+        raise ConfigError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(node, DictConfig):
+        raise ConfigError(f"{path} must hold a mapping")
+    return node, text.lstrip().startswith(GLOBAL_PACKAGE)
+
+
+def _parse_override(item: str) -> tuple[str, str, bool]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not of the form key=value or group=option")
+    key, value = item.split("=", 1)
+    add = key.startswith("+")
+    key = key.lstrip("+").strip()
+    if not key:
+        raise ConfigError(f"override {item!r} has an empty key")
+    return key, value, add
+
+
+def _valid_keys(node: Any, prefix: str) -> list[str]:
+    if not isinstance(node, DictConfig):
+        return []
+    return sorted(f"{prefix}{k}" for k in node.keys())
+
+
+def compose(overrides: Sequence[str] = (), config_dir: str | Path | None = None, config_name: str = "config") -> DictConfig:
+    """Compose ``config_name`` with ``overrides`` and return a validated, resolved, read-only config."""
+    cdir = Path(config_dir) if config_dir else default_config_dir()
+    primary_path = cdir / f"{config_name}.yaml"
+    if not primary_path.exists():
+        raise ConfigError(f"no {config_name}.yaml in {cdir}")
+    primary, _ = _load_yaml(primary_path)
+    known_groups = groups(cdir)
+
+    parsed = [_parse_override(o) for o in overrides]
+    group_choice = {k: v for k, v, add in parsed if k in known_groups}
+    value_overrides = [(k, v, add) for k, v, add in parsed if k not in known_groups]
+
+    defaults = OmegaConf.to_container(primary.pop("defaults")) if "defaults" in primary else ["_self_"]
+    order: list[tuple[str, str | None]] = []
+    for entry in defaults:  # type: ignore[union-attr]
+        if entry == "_self_":
+            order.append(("_self_", None))
+        elif isinstance(entry, dict) and len(entry) == 1:
+            (g, opt), = entry.items()
+            order.append((str(g), None if opt is None else str(opt)))
+        else:
+            raise ConfigError(f"bad defaults entry {entry!r} in {primary_path}")
+    listed = {g for g, _ in order}
+    for g in group_choice:
+        if g not in listed:
+            order.insert(len(order) - 1 if order and order[-1][0] == "_self_" else len(order), (g, None))
+
+    merged = OmegaConf.structured(RunConfig)
+    choices: dict[str, str] = {}
+    try:
+        for g, opt in order:
+            if g == "_self_":
+                merged = OmegaConf.merge(merged, primary)
+                continue
+            opt = group_choice.get(g, opt)
+            if opt in (None, "null", "none"):
+                continue
+            path = cdir / g / f"{opt}.yaml"
+            if not path.exists():
+                raise ConfigError(f"unknown option {opt!r} for config group {g!r}; choose one of {known_groups.get(g, [])}")
+            node, is_global = _load_yaml(path)
+            nested_defaults = node.pop("defaults", None)
+            if nested_defaults is not None:  # an experiment may pick group options
+                for nd in OmegaConf.to_container(nested_defaults):  # type: ignore[union-attr]
+                    for ng, nopt in dict(nd).items():
+                        ng = str(ng).replace("override ", "").strip("/ ")
+                        if ng in group_choice:
+                            continue
+                        npath = cdir / ng / f"{nopt}.yaml"
+                        if not npath.exists():
+                            raise ConfigError(f"{path}: unknown option {nopt!r} for group {ng!r}")
+                        nnode, _ = _load_yaml(npath)
+                        merged = OmegaConf.merge(merged, {ng: nnode})
+                        choices[ng] = str(nopt)
+            merged = OmegaConf.merge(merged, node if is_global else {g: node})
+            choices[g] = opt
+    except (ConfigKeyError, ValidationError) as exc:
+        raise ConfigError(_explain(exc, merged)) from exc
+
+    for key, value, add in value_overrides:
+        parent_key, _, leaf = key.rpartition(".")
+        parent = OmegaConf.select(merged, parent_key) if parent_key else merged
+        if parent is None or not isinstance(parent, DictConfig):
+            raise ConfigError(f"unknown config key {key!r}: {parent_key!r} is not a config section")
+        exists = leaf in parent
+        if not exists and not add:
+            raise ConfigError(
+                f"unknown config key {key!r}; valid keys here: {', '.join(_valid_keys(parent, parent_key + '.' if parent_key else ''))}"
+                + (" (prefix with + to add a new key)" if parent_key == "extra" else "")
+            )
+        try:
+            # YAML 1.1 reads on/off/yes/no as booleans; keep them as text (``runtime=off``), a bool field still parses them.
+            if value.lower() in ("on", "off", "yes", "no") or value == "":
+                parsed_value: Any = value
+            else:
+                parsed_value = OmegaConf.create({"v": value}).v
+            if add and not exists:
+                with_flag = OmegaConf.is_struct(parent)
+                OmegaConf.set_struct(parent, False)
+                parent[leaf] = parsed_value
+                OmegaConf.set_struct(parent, with_flag)
+            else:
+                OmegaConf.update(merged, key, parsed_value, merge=False)
+        except (ValidationError, ConfigKeyError) as exc:
+            raise ConfigError(f"bad value for {key}: {value!r} ({exc.msg if hasattr(exc, 'msg') else exc})") from exc
+
+    for key, allowed in CHOICES.items():
+        val = OmegaConf.select(merged, key)
+        if val not in allowed:
+            raise ConfigError(f"{key}={val!r} is not one of {[a for a in allowed]}")
+    try:
+        OmegaConf.resolve(merged)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"cannot resolve interpolations: {exc}") from exc
+    merged_choices = OmegaConf.create({"choices": choices})
+    OmegaConf.set_struct(merged, False)
+    merged["_choices_"] = merged_choices.choices
+    OmegaConf.set_readonly(merged, True)
+    return merged
+
+
+def _explain(exc: Exception, node: DictConfig) -> str:
+    key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
+    parent_key = str(key).rpartition(".")[0] if key else ""
+    parent = OmegaConf.select(node, parent_key) if parent_key else node
+    valid = _valid_keys(parent, parent_key + "." if parent_key else "")
+    return f"unknown or invalid config key {key!r}: {getattr(exc, 'msg', exc)}; valid keys: {', '.join(valid)}"
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg)
+
+
+def save_resolved(cfg: DictConfig, directory: str | Path) -> Path:
+    """Write the resolved config beside a run's outputs (``config.yaml``), atomically."""
+    from ..io import atomic_write_text
+
+    path = Path(directory) / "config.yaml"
+    atomic_write_text(path, to_yaml(cfg))
+    return path

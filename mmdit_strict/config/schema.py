@@ -1,0 +1,135 @@
+"""Typed run configuration (the schema every YAML in ``configs/`` is validated against).
+
+Unknown keys are errors: the composed config is merged onto these dataclasses with OmegaConf's
+struct mode, so a typo names itself and the valid keys beside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class ModelConfig:
+    """Which transformer, on which device, in which execution dtype."""
+
+    preset: str = "tiny"  # architecture preset: tiny | qwen-image
+    checkpoint: Optional[str] = None  # diffusers folder or hub id; None → deterministic random init
+    init_seed: int = 0  # seed of the random init when checkpoint is None
+    dtype: str = "float32"  # float32 | bfloat16
+    device: str = "cpu"  # cpu | cuda
+    num_layers: Optional[int] = None  # override the preset's block count (for quick experiments)
+
+
+@dataclass
+class RuntimeConfig:
+    """Runtime mode of both sides unless a side overrides it."""
+
+    mode: str = "strict"  # strict | audit | auto | off
+
+
+@dataclass
+class SamplerConfig:
+    """Flow-GRPO sampling: sigma schedule, CFG and the SDE."""
+
+    num_steps: int = 6
+    height: int = 128  # pixels; latent grid = height / 16 tokens per side
+    width: int = 128
+    cfg_scale: float = 4.0
+    eta: float = 0.7  # SDE noise level
+    sde: bool = True  # False: deterministic Euler (ODE) steps, logp not defined
+
+
+@dataclass
+class PromptsConfig:
+    """Pre-encoded prompts (Phase A starts from embeddings)."""
+
+    num_prompts: int = 4
+    embeddings: Optional[str] = None  # safetensors with prompt_embeds (N, L, C) and prompt_mask (N, L); None → synthetic
+    min_tokens: int = 4  # synthetic prompts: valid lengths drawn in [min_tokens, max_tokens]
+    max_tokens: int = 12
+    negative_tokens: int = 3  # synthetic negative prompt length
+    seed: int = 0
+
+
+@dataclass
+class RolloutConfig:
+    """The sampling engine side."""
+
+    runtime: Optional[str] = None  # None → runtime.mode
+    batch_size: int = 4  # prompts per forward
+    cfg_layout: str = "batched"  # batched: cond and neg in one forward | sequential: two forwards
+    pad_to: Optional[int] = None  # pad prompts to this many tokens (None → longest in the batch)
+    save_tensors: bool = True  # store v_t, x_t, logp_t tensors (hashes are always stored)
+
+
+@dataclass
+class LoraConfig:
+    """The policy's LoRA adapter: attached (unmerged) on both sides, as in GRPO the rollout samples the policy being trained."""
+
+    rank: int = 4  # 0 → no LoRA
+    alpha: float = 4.0
+    targets: list = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj",
+                                                   "add_v_proj", "to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2"])
+    init: str = "random"  # zero_b: B = 0 (PEFT default, policy unchanged) | random: both random (tests a live adapter)
+    seed: int = 0
+
+
+@dataclass
+class RecomputeConfig:
+    """The training side: re-evaluates every step from the recorded x_t with autograd on."""
+
+    runtime: Optional[str] = None  # None → runtime.mode
+    micro_batch: int = 3
+    shuffle: bool = True  # shuffle sample order before splitting into micro-batches
+    shuffle_seed: int = 1
+    cfg_layout: str = "sequential"
+    grad_checkpointing: bool = True
+    autograd: bool = True  # autograd on, and backward of -sum(logp) per micro-batch (LoRA grads)
+    pad_to: Optional[int] = None
+
+
+@dataclass
+class CompareConfig:
+    localize: bool = True  # re-run the first drifting step with operator capture
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # offline | online | disabled
+    project: str = "mmdit-strict"
+    entity: Optional[str] = None
+
+
+@dataclass
+class RunConfig:
+    """Everything one ``mmdit-strict`` command needs."""
+
+    seed: int = 0
+    output_dir: str = "runs/default"
+    resume: bool = True  # skip stages whose verified artifacts already exist
+    progress: bool = True
+    model: ModelConfig = field(default_factory=ModelConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    prompts: PromptsConfig = field(default_factory=PromptsConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    compare: CompareConfig = field(default_factory=CompareConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    extra: dict = field(default_factory=dict)  # free-form user keys (``+extra.foo=1``)
+
+
+CHOICES: dict[str, tuple[Any, ...]] = {
+    "model.dtype": ("float32", "bfloat16"),
+    "model.preset": ("tiny", "qwen-image"),
+    "runtime.mode": ("strict", "audit", "auto", "off"),
+    "rollout.runtime": (None, "strict", "audit", "auto", "off"),
+    "recompute.runtime": (None, "strict", "audit", "auto", "off"),
+    "rollout.cfg_layout": ("batched", "sequential"),
+    "recompute.cfg_layout": ("batched", "sequential"),
+    "lora.init": ("zero_b", "random"),
+    "wandb.mode": ("offline", "online", "disabled"),
+}

@@ -1,0 +1,120 @@
+"""Compare two trajectories: first drifting (step, sample, quantity) and per-step drift curves."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from .artifact import Trajectory, TrajectoryError
+from .hashing import ulp_distance
+
+QUANTITIES = ("v", "x", "logp")
+
+
+@dataclass
+class FirstDrift:
+    step: int
+    sample_id: int
+    quantity: str  # v | x | logp
+    sigma: float
+    max_abs: float | None = None
+    max_ulp: int | None = None
+
+
+@dataclass
+class Comparison:
+    byte_identical: bool
+    first: FirstDrift | None
+    steps: int
+    samples: int
+    differing: dict[str, int]  # quantity → number of (step, sample) pairs whose hashes differ
+    curves: dict[str, list[float]] = field(default_factory=dict)  # per step: v/x/logp max-abs, kl mean/max
+    logp_ratio: dict[str, float] = field(default_factory=dict)  # exp(logp_b - logp_a) at step 0
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        return d
+
+
+_SAME_INPUTS = ("sigma_sha256", "init_latents_sha256", "prompt_hashes", "sample_ids", "cfg_scale", "eta", "sde")
+
+
+def check_comparable(a: Trajectory, b: Trajectory) -> list[str]:
+    """Raise if the two sides did not replay the same inputs; return warnings for policy differences."""
+    ma, mb = a.manifest, b.manifest
+    for key in _SAME_INPUTS:
+        if ma.get(key) != mb.get(key):
+            raise TrajectoryError(f"the trajectories do not share their replay inputs: {key} differs")
+    if ma["noise"]["keys"] != mb["noise"]["keys"]:
+        raise TrajectoryError("the trajectories do not share their noise keys")
+    warnings = []
+    for key in ("fingerprint", "weights_sha256", "lora_sha256"):
+        if ma.get(key) != mb.get(key):
+            warnings.append(f"{key} differs between the sides: drift is expected")
+    return warnings
+
+
+def compare(a: Trajectory, b: Trajectory) -> Comparison:
+    """Hash-compare every (step, sample) in order (v, then x, then logp); curves when both hold tensors."""
+    warnings = check_comparable(a, b)
+    S, ids = a.num_steps, a.sample_ids
+    first: FirstDrift | None = None
+    differing = {q: 0 for q in QUANTITIES}
+    for s in range(S):
+        for n, sid in enumerate(ids):
+            for q in QUANTITIES:
+                if a.step_hashes(s, q)[n] != b.step_hashes(s, q)[n]:
+                    differing[q] += 1
+                    if first is None:
+                        first = FirstDrift(s, sid, q, a.manifest["steps"][s]["sigma"])
+    comp = Comparison(first is None, first, S, len(ids), differing, warnings=warnings)
+    if a.has_tensors() and b.has_tensors():
+        comp.curves = drift_curves(a, b)
+        if first is not None:
+            ta = _tensor(a, first.quantity, first.step)[ids.index(first.sample_id)]
+            tb = _tensor(b, first.quantity, first.step)[ids.index(first.sample_id)]
+            first.max_abs = float((ta.double() - tb.double()).abs().max())
+            first.max_ulp = int(ulp_distance(ta, tb).max())
+        if a.manifest["sde"]:
+            r = torch.exp(b.tensors["logp"][0].double() - a.tensors["logp"][0].double())
+            comp.logp_ratio = {"min": float(r.min()), "max": float(r.max()), "mean": float(r.mean())}
+    return comp
+
+
+def _tensor(t: Trajectory, q: str, step: int) -> torch.Tensor:
+    return t.tensors["x"][step + 1] if q == "x" else t.tensors[q][step]
+
+
+def drift_curves(a: Trajectory, b: Trajectory) -> dict[str, list[float]]:
+    """Per step: max-abs drift of v, x, logp, and the KL between the two sides' Gaussian transitions.
+
+    Both sides start a step from the same recorded x_t, so the transition means differ by
+    ``Δv · c · dt`` with ``c = 1 + std²(1 − σ)/(2σ)``; with equal std the KL per sample is
+    ``mean(Δmean²) / (2 (std √−dt)²)`` (FP64).
+    """
+    m = a.manifest
+    out: dict[str, list[float]] = {f"{q}_max_abs": [] for q in QUANTITIES}
+    out["kl_mean"], out["kl_max"] = [], []
+    sig = [float(s) for s in m["sigma_table"]]
+    smax = sig[1] if len(sig) > 1 else 0.0
+    for s in range(a.num_steps):
+        for q in QUANTITIES:
+            out[f"{q}_max_abs"].append(float((_tensor(a, q, s).double() - _tensor(b, q, s).double()).abs().max()))
+        if not m["sde"]:
+            out["kl_mean"].append(0.0)
+            out["kl_max"].append(0.0)
+            continue
+        sigma, sigma_prev, eta = sig[s], sig[s + 1], float(m["eta"])
+        std = math.sqrt(sigma / (1 - (smax if sigma == 1 else sigma))) * eta
+        dt = sigma_prev - sigma
+        c = 1 + std * std * (1 - sigma) / (2 * sigma)
+        dmean = (a.tensors["v"][s].double() - b.tensors["v"][s].double()) * c * dt
+        var = (std * math.sqrt(-dt)) ** 2
+        kl = (dmean * dmean).flatten(1).mean(1) / (2 * var)
+        out["kl_mean"].append(float(kl.mean()))
+        out["kl_max"].append(float(kl.max()))
+    return out

@@ -1,0 +1,63 @@
+"""One denoising step's velocity for a batch of samples: model forwards + CFG combine.
+
+This is the only place rollout and recompute touch the model, so both sides differ only in what
+the config lets them differ in: runtime mode, batch composition, CFG layout, padding, autograd.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..model import MMDiT
+from ..sampling import cfg_combine
+
+
+def _pad(rows: Sequence[torch.Tensor], pad_to: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    L = max(r.shape[0] for r in rows)
+    if pad_to is not None:
+        if pad_to < L:
+            raise ValueError(f"pad_to={pad_to} is shorter than the longest prompt ({L} tokens)")
+        L = pad_to
+    C = rows[0].shape[1]
+    out = rows[0].new_zeros(len(rows), L, C)
+    mask = torch.zeros(len(rows), L, dtype=torch.long, device=rows[0].device)
+    for i, r in enumerate(rows):
+        out[i, : r.shape[0]] = r
+        mask[i, : r.shape[0]] = 1
+    return out, mask
+
+
+def velocity(
+    model: MMDiT,
+    x: torch.Tensor,  # (B, T, 64) in the model dtype
+    cond: Sequence[torch.Tensor],  # B prompts, each (L_i, C)
+    neg: torch.Tensor,  # (L_neg, C)
+    sigma: float,
+    grid: tuple[int, int],
+    cfg_scale: float,
+    cfg_layout: str,
+    pad_to: int | None = None,
+) -> torch.Tensor:
+    """CFG-combined velocity ``(B, T, 64)`` in FP32."""
+    B = x.shape[0]
+    shapes = [[(1, grid[0], grid[1])]] * B
+    negs = [neg] * B
+
+    def forward(xs: torch.Tensor, prompts: Sequence[torch.Tensor]) -> torch.Tensor:
+        ehs, mask = _pad(prompts, pad_to)
+        n = xs.shape[0]
+        t = torch.full((n,), sigma, dtype=torch.float32, device=xs.device)
+        return model(xs, ehs, mask, t, [shapes[0]] * n, return_dict=False)[0]
+
+    if cfg_scale == 1.0:
+        return forward(x, cond).float()
+    if cfg_layout == "batched":
+        both = forward(torch.cat([x, x]), list(cond) + negs).float()
+        v_cond, v_neg = both[:B], both[B:]
+    elif cfg_layout == "sequential":
+        v_cond, v_neg = forward(x, cond).float(), forward(x, negs).float()
+    else:
+        raise ValueError(f"cfg_layout must be 'batched' or 'sequential', got {cfg_layout!r}")
+    return cfg_combine(v_cond, v_neg, float(cfg_scale))

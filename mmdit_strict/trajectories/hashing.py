@@ -1,0 +1,47 @@
+"""Raw-byte hashes of tensors (dtype, shape and bytes; -0.0 and +0.0 differ, as bytes do)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().to("cpu").contiguous().reshape(-1)
+    if t.numel() == 0:
+        return b""
+    return t.view(torch.uint8).numpy().tobytes() if t.dtype != torch.uint8 else t.numpy().tobytes()
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    h = hashlib.sha256()
+    h.update(f"{t.dtype}|{tuple(t.shape)}|".encode())
+    h.update(tensor_bytes(t))
+    return h.hexdigest()
+
+
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise distance in units in the last place between two FP32 (or BF16) tensors, as int64."""
+    if a.dtype != b.dtype:
+        raise ValueError(f"ulp_distance needs equal dtypes, got {a.dtype} and {b.dtype}")
+    if a.dtype == torch.float32:
+        ia, ib = a.contiguous().view(torch.int32).long(), b.contiguous().view(torch.int32).long()
+        top = 0x80000000
+    elif a.dtype == torch.bfloat16:
+        ia, ib = a.contiguous().view(torch.int16).long(), b.contiguous().view(torch.int16).long()
+        top = 0x8000
+    else:
+        raise ValueError(f"ulp_distance supports float32 and bfloat16, got {a.dtype}")
+    # map the sign-magnitude bit pattern onto a monotone integer line
+    oa = torch.where(ia < 0, -(ia + top), ia)
+    ob = torch.where(ib < 0, -(ib + top), ib)
+    return (oa - ob).abs()

@@ -1,0 +1,184 @@
+"""First-drift localizer: re-run the first drifting step on both sides with operator capture.
+
+Each side's forward for the drifting sample is replayed with that side's runtime, batch
+composition (rollout batch or recompute micro-batch), CFG layout and padding, through the
+operator graph with every operator output captured. Walking the operators in execution order,
+the first whose rows for the drifting sample differ in bytes is the first drift: operator, block,
+stream, logical row (token within the sample), element, max-abs and ULP distance. A side that ran
+``runtime=off`` is replayed through the same operator graph with the production kernels.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from ..kernels.runtime import Runtime, runtime_mode
+from ..model.strict import capture_operators, strict_forward
+from .artifact import Trajectory
+from .compare import FirstDrift
+from .engine import _pad
+from .hashing import ulp_distance
+from .recompute import recorded_prompts
+from .setup import build_side_model
+
+_KEY = re.compile(r"^(?:block(?P<block>\d+)\.)?(?P<stream>[a-z_]+)(?:\.(?P<sub>[a-z.]+?))?\.(?P<op>[a-z_]+)(?:\.(?P<part>\d))?$")
+
+
+@dataclass
+class OperatorDrift:
+    branch: str  # cond | neg
+    key: str
+    operator: str
+    block: int | None
+    stream: str  # img | txt | embed | ...
+    logical_row: int  # token (or sample-vector) row within the drifting sample
+    element: int  # column within that row
+    max_abs: float
+    max_ulp: int
+    rows_differing: int
+    rows_total: int
+
+
+@dataclass
+class Localization:
+    sample_id: int
+    step: int
+    first: OperatorDrift | None
+    notes: list[str] = field(default_factory=list)
+    block_drift: list[float] = field(default_factory=list)  # per block: max-abs of the image-stream block output
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _side_batch(traj: Trajectory, position: int) -> list[int]:
+    side = traj.manifest["side"]
+    ids = list(range(len(traj.sample_ids)))
+    if traj.manifest["kind"] == "rollout":
+        size = side["batch_size"]
+        groups = [ids[i:i + size] for i in range(0, len(ids), size)]
+    else:
+        order = [traj.sample_ids.index(s) for s in side["order"]]
+        size = side["micro_batch"]
+        groups = [order[i:i + size] for i in range(0, len(order), size)]
+    for g in groups:
+        if position in g:
+            return g
+    raise ValueError(f"sample position {position} not found in the {traj.manifest['kind']} batches")
+
+
+def _replay(cfg: DictConfig, traj: Trajectory, ref: Trajectory, step: int, position: int) -> dict[str, dict[str, torch.Tensor]]:
+    """Captured operator rows of the drifting sample, per CFG branch, for one side."""
+    runtime = Runtime.parse(traj.manifest["runtime"])
+    model = build_side_model(cfg, runtime)
+    side = traj.manifest["side"]
+    prompts = recorded_prompts(ref, model.dtype, cfg.model.device)
+    batch = _side_batch(traj, position)
+    j = batch.index(position)
+    grid = tuple(traj.manifest["grid"])
+    T = grid[0] * grid[1]
+    x = ref.tensors["x"][step][batch].to(device=cfg.model.device, dtype=model.dtype)
+    sigma = float(ref.tensors["sigmas"][step])
+    cond = [prompts.embeds[i] for i in batch]
+    negs = [prompts.negative] * len(batch)
+
+    def run(xs: torch.Tensor, rows: list[torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[int]]:
+        ehs, mask = _pad(rows, side.get("pad_to"))
+        t = torch.full((xs.shape[0],), sigma, dtype=torch.float32, device=xs.device)
+        inputs = model.validate_inputs(xs, ehs, mask, t, [[(1, grid[0], grid[1])]] * xs.shape[0])
+        with runtime_mode(runtime), capture_operators() as cap, torch.no_grad():
+            strict_forward(model, inputs)
+        return cap, [r.shape[0] for r in rows]
+
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    if side["cfg_layout"] == "batched":
+        cap, lens = run(torch.cat([x, x]), cond + negs)
+        out["cond"] = _sample_rows(cap, j, T, lens)
+        out["neg"] = _sample_rows(cap, len(batch) + j, T, lens)
+    else:
+        cap, lens = run(x, cond)
+        out["cond"] = _sample_rows(cap, j, T, lens)
+        cap, lens = run(x, negs)
+        out["neg"] = _sample_rows(cap, j, T, lens)
+    return out
+
+
+def _stream(key: str) -> str:
+    if key.endswith("joint_attention_fused.0"):
+        return "txt"
+    if key.endswith("joint_attention_fused.1"):
+        return "img"
+    m = _KEY.match(key)
+    return m.group("stream") if m else "?"
+
+
+def _sample_rows(cap: dict[str, torch.Tensor], pos: int, T: int, txt_lens: list[int]) -> dict[str, torch.Tensor]:
+    rows = {}
+    for key, t in cap.items():
+        if "adaln_mod_projection" in key or "timestep_embed_mlp" in key:
+            rows[key] = t[pos:pos + 1]
+        elif _stream(key) in ("txt", "txt_in"):
+            start = sum(txt_lens[:pos])
+            rows[key] = t[start:start + txt_lens[pos]]
+        else:
+            rows[key] = t[pos * T:(pos + 1) * T]
+    return rows
+
+
+def _describe(branch: str, key: str, a: torch.Tensor, b: torch.Tensor) -> OperatorDrift:
+    fa, fb = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[fa.element_size()]
+    neq = fa.contiguous().view(as_int) != fb.contiguous().view(as_int)
+    row_bad = neq.any(dim=1)
+    r = int(row_bad.nonzero()[0])
+    e = int(neq[r].nonzero()[0])
+    m = _KEY.match(key)
+    op = key.split(".")[-2] if key.split(".")[-1].isdigit() else key.split(".")[-1]
+    return OperatorDrift(
+        branch=branch, key=key, operator=op,
+        block=int(m.group("block")) if m and m.group("block") else None,
+        stream=_stream(key), logical_row=r, element=e,
+        max_abs=float((fa.double() - fb.double()).abs().max()),
+        max_ulp=int(ulp_distance(fa, fb).max()) if fa.dtype in (torch.float32, torch.bfloat16) else -1,
+        rows_differing=int(row_bad.sum()), rows_total=int(fa.shape[0]),
+    )
+
+
+def localize(cfg: DictConfig, rollout: Trajectory, recompute: Trajectory, first: FirstDrift) -> Localization:
+    """Name the first operator whose output differs for ``first``'s sample at ``first``'s step."""
+    position = rollout.sample_ids.index(first.sample_id)
+    a = _replay(cfg, rollout, rollout, first.step, position)
+    b = _replay(cfg, recompute, rollout, first.step, position)
+    loc = Localization(first.sample_id, first.step, None)
+    for branch in ("cond", "neg"):
+        for key, ta in a[branch].items():
+            tb = b[branch].get(key)
+            if tb is None:
+                loc.notes.append(f"{branch}:{key} missing on the recompute side")
+                continue
+            if not torch.equal(ta.view(torch.uint8) if ta.is_floating_point() else ta,
+                               tb.view(torch.uint8) if tb.is_floating_point() else tb):
+                loc.first = _describe(branch, key, ta, tb)
+                break
+        if loc.first is not None:
+            break
+    cond_a, cond_b = a["cond"], b["cond"]
+    i = 0
+    while f"block{i}.img.mlp.adaln_gate_residual" in cond_a:
+        k = f"block{i}.img.mlp.adaln_gate_residual"
+        loc.block_drift.append(float((cond_a[k].double() - cond_b[k].double()).abs().max()))
+        i += 1
+    if loc.first is None:
+        loc.notes.append(
+            "every captured operator output of this sample is byte-equal on both sides: the drift is after the "
+            "transformer (CFG combine or the SDE step), or depends on state the replay does not reproduce"
+        )
+    for name, t in (("rollout", rollout), ("recompute", recompute)):
+        if t.manifest["runtime"] == "off":
+            loc.notes.append(f"the {name} side ran runtime=off; it was replayed through the operator graph with production kernels")
+    return loc

@@ -1,0 +1,94 @@
+"""Recompute: the training side re-evaluates every step from the recorded x_t with autograd on.
+
+It replays the rollout artifact's inputs (prompt embeddings, initial latents, sigma table, keyed
+noise), in its own batch composition: shuffled sample order, micro-batches, its own CFG layout
+and padding, LoRA attached, gradient checkpointing, and a backward of ``-sum(logp)`` per micro-batch.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+from tqdm.auto import tqdm
+
+from ..kernels.runtime import runtime_mode
+from ..kernels.trace import capture_trace
+from . import artifact
+from .engine import velocity
+from .record import StepRecorder, build_trajectory, model_hashes
+from .rollout import step_latents
+from .setup import Prompts, build_side_model, side_runtime
+
+
+def recorded_prompts(traj: artifact.Trajectory, dtype: torch.dtype, device: str) -> Prompts:
+    n = len(traj.manifest["prompt_hashes"]["prompts"])
+    embeds = [traj.tensors[f"prompt.{i}"].to(device=device, dtype=dtype) for i in range(n)]
+    return Prompts(embeds, traj.tensors["negative"].to(device=device, dtype=dtype))
+
+
+def micro_batches(ids: list[int], size: int, shuffle: bool, seed: int) -> list[list[int]]:
+    if size < 1:
+        raise ValueError(f"recompute.micro_batch must be >= 1, got {size}")
+    order = list(ids)
+    if shuffle:
+        random.Random(seed).shuffle(order)
+    return [order[i:i + size] for i in range(0, len(order), size)]
+
+
+def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | Path, progress: bool = True) -> artifact.Trajectory:
+    """Recompute v_t, x_{t+1}, logp_t for every recorded step and write the artifact to ``out_dir``."""
+    if not rollout.has_tensors():
+        raise artifact.TrajectoryError("the rollout artifact holds no tensors; rerun rollout with rollout.save_tensors=true")
+    t0 = time.perf_counter()
+    runtime = side_runtime(cfg, "recompute")
+    model = build_side_model(cfg, runtime)
+    model.enable_gradient_checkpointing(bool(cfg.recompute.grad_checkpointing))
+    hashes = model_hashes(model)
+    for key, val in hashes.items():
+        if val != rollout.manifest[key]:
+            raise artifact.TrajectoryError(
+                f"recompute model {key} {str(val)[:12]}… differs from the rollout's {str(rollout.manifest[key])[:12]}…: "
+                "not the same policy (check model.* and lora.* overrides)"
+            )
+    device = cfg.model.device
+    prompts = recorded_prompts(rollout, model.dtype, device)
+    grid = tuple(rollout.manifest["grid"])
+    sigmas = rollout.tensors["sigmas"]
+    S = sigmas.shape[0] - 1
+    ids = rollout.sample_ids
+    xs = rollout.tensors["x"].to(device)
+    rec = StepRecorder(S, xs[0])
+    mbs = micro_batches(list(range(len(ids))), int(cfg.recompute.micro_batch), bool(cfg.recompute.shuffle), int(cfg.recompute.shuffle_seed))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    bar = tqdm(total=S * len(mbs), desc=f"recompute [{runtime.value}]", disable=not progress, leave=False)
+    grad_norms = []
+    with capture_trace() as trace, runtime_mode(runtime):
+        for step in range(S):
+            for mb in mbs:
+                x_t, x_rec = xs[step][mb], xs[step + 1][mb]
+                with torch.set_grad_enabled(bool(cfg.recompute.autograd)):
+                    v = velocity(model, x_t.to(model.dtype), [prompts.embeds[i] for i in mb], prompts.negative,
+                                 float(sigmas[step]), grid, float(cfg.sampler.cfg_scale), cfg.recompute.cfg_layout, cfg.recompute.pad_to)
+                    x_next, logp = step_latents(cfg, v, x_t, sigmas, step, [ids[i] for i in mb], prev_sample=x_rec)
+                    if logp.requires_grad:
+                        (-logp.sum()).backward()
+                rec.put(step, mb, v, x_next, logp)
+                bar.update(1)
+            if trainable and trainable[0].grad is not None:
+                grad_norms.append(float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in trainable if p.grad is not None))))
+                for p in trainable:
+                    p.grad = None
+    bar.close()
+    side = {"micro_batch": int(cfg.recompute.micro_batch), "shuffle": bool(cfg.recompute.shuffle),
+            "order": [ids[i] for mb in mbs for i in mb], "cfg_layout": cfg.recompute.cfg_layout, "pad_to": cfg.recompute.pad_to,
+            "autograd": bool(cfg.recompute.autograd), "grad_checkpointing": bool(cfg.recompute.grad_checkpointing),
+            "lora_grad_norm_per_step": grad_norms}
+    traj = build_trajectory("recompute", cfg, model, runtime, prompts, sigmas, ids, grid, rec, trace,
+                            time.perf_counter() - t0, side, True)
+    artifact.write(traj, out_dir)
+    trace.dump(Path(out_dir) / "trace.json")
+    return traj

@@ -1,0 +1,98 @@
+"""Collects one side's per-step tensors and builds its artifact manifest."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from ..fingerprint import fingerprint
+from ..kernels.runtime import Runtime
+from ..kernels.trace import OperatorTrace
+from ..model import MMDiT, state_dict_hash
+from ..sampling import noise_key
+from .artifact import Trajectory, hardware_info, software_info
+from .hashing import tensor_sha256
+from .setup import Prompts, base_state, lora_state
+
+
+class StepRecorder:
+    """Holds v_t, x_{t+1}, logp_t for every (step, sample) of one side, indexed by sample position."""
+
+    def __init__(self, num_steps: int, x0: torch.Tensor) -> None:
+        N = x0.shape[0]
+        self.x = torch.empty((num_steps + 1,) + tuple(x0.shape), dtype=torch.float32)
+        self.x[0] = x0.detach().cpu()
+        self.v = torch.empty((num_steps,) + tuple(x0.shape), dtype=torch.float32)
+        self.logp = torch.empty(num_steps, N, dtype=torch.float32)
+
+    def put(self, step: int, rows: list[int], v: torch.Tensor, x_next: torch.Tensor, logp: torch.Tensor) -> None:
+        idx = torch.tensor(rows)
+        self.v[step, idx] = v.detach().float().cpu()
+        self.x[step + 1, idx] = x_next.detach().float().cpu()
+        self.logp[step, idx] = logp.detach().float().cpu()
+
+
+def model_hashes(model: MMDiT) -> dict[str, str | None]:
+    lora = lora_state(model)
+    return {"weights_sha256": state_dict_hash(base_state(model)), "lora_sha256": state_dict_hash(lora) if lora else None}
+
+
+def build_trajectory(
+    kind: str, cfg: DictConfig, model: MMDiT, runtime: Runtime, prompts: Prompts, sigmas: torch.Tensor,
+    sample_ids: list[int], grid: tuple[int, int], rec: StepRecorder, trace: OperatorTrace, wall_s: float,
+    side: dict[str, Any], save_tensors: bool,
+) -> Trajectory:
+    S = sigmas.shape[0] - 1
+    steps = []
+    for s in range(S):
+        steps.append({
+            "step": s,
+            "sigma": float(sigmas[s]),
+            "sigma_prev": float(sigmas[s + 1]),
+            "v": [tensor_sha256(rec.v[s, n]) for n in range(len(sample_ids))],
+            "x": [tensor_sha256(rec.x[s + 1, n]) for n in range(len(sample_ids))],
+            "logp": [tensor_sha256(rec.logp[s, n]) for n in range(len(sample_ids))],
+            "logp_values": [float(v) for v in rec.logp[s]],
+        })
+    tensors: dict[str, torch.Tensor] = {
+        "init_latents": rec.x[0].clone(),
+        "sigmas": sigmas.detach().cpu().clone(),
+        "negative": prompts.negative.detach().cpu().clone(),
+    }
+    for i, e in enumerate(prompts.embeds):
+        tensors[f"prompt.{i}"] = e.detach().cpu().clone()
+    if save_tensors:
+        tensors.update({"v": rec.v, "x": rec.x, "logp": rec.logp})
+    manifest = {
+        "kind": kind,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "fingerprint": fingerprint(model.config),
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        "runtime": runtime.value,
+        "side": side,
+        **model_hashes(model),
+        "prompt_hashes": prompts.hashes(),
+        "sample_ids": sample_ids,
+        "grid": list(grid),
+        "sigma_table": [float(v) for v in sigmas],
+        "sigma_sha256": tensor_sha256(tensors["sigmas"]),
+        "init_latents_sha256": tensor_sha256(tensors["init_latents"]),
+        "cfg_scale": float(cfg.sampler.cfg_scale),
+        "eta": float(cfg.sampler.eta),
+        "sde": bool(cfg.sampler.sde),
+        "noise": {
+            "seed": int(cfg.seed),
+            "generator": "torch.Generator(cpu).manual_seed(key); torch.randn float32",
+            "keys": {str(i): [noise_key(int(cfg.seed), i, s, "sde") for s in range(S)] for i in sample_ids},
+            "initial_keys": {str(i): noise_key(int(cfg.seed), i, 0, "initial_latents") for i in sample_ids},
+        },
+        "trace": trace.summary(),
+        "software": software_info(),
+        "hardware": hardware_info(str(model.device)),
+        "wall_seconds": round(wall_s, 3),
+        "steps": steps,
+    }
+    return Trajectory(manifest, tensors)

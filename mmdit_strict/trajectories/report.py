@@ -1,0 +1,145 @@
+"""Reports: markdown + JSON + PNG plots of a comparison (readable in a terminal and on GitHub)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..io import atomic_write_text
+from .artifact import Trajectory
+from .compare import Comparison
+from .localize import Localization
+
+
+def _plot_steps(comp: Comparison, path: Path) -> bool:
+    if not comp.curves:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = list(range(comp.steps))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for q, style in (("v", "o-"), ("x", "s-"), ("logp", "^-")):
+        vals = [max(v, 1e-30) for v in comp.curves[f"{q}_max_abs"]]
+        axes[0].semilogy(steps, vals, style, label=f"{q} max |Δ|")
+    axes[0].set_xlabel("denoising step")
+    axes[0].set_title("drift per step (1e-30 = byte-identical)")
+    axes[0].legend()
+    axes[1].semilogy(steps, [max(v, 1e-30) for v in comp.curves["kl_mean"]], "o-", label="mean over samples")
+    axes[1].semilogy(steps, [max(v, 1e-30) for v in comp.curves["kl_max"]], "s--", label="max over samples")
+    axes[1].set_xlabel("denoising step")
+    axes[1].set_title("KL(rollout ‖ recompute) of the SDE transition")
+    axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _plot_blocks(loc: Localization, path: Path) -> bool:
+    if not loc.block_drift:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    ax.semilogy(range(len(loc.block_drift)), [max(v, 1e-30) for v in loc.block_drift], "o-")
+    ax.set_xlabel("block")
+    ax.set_ylabel("max |Δ| image stream")
+    ax.set_title(f"drift per block, step {loc.step}, sample {loc.sample_id}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def summary_line(comp: Comparison, loc: Localization | None = None) -> str:
+    if comp.byte_identical:
+        return f"byte-identical: {comp.steps} steps × {comp.samples} samples, v_t, x_t and logp_t equal in every byte"
+    f = comp.first
+    assert f is not None
+    line = f"DRIFT: first at step {f.step} (sigma {f.sigma:.4f}), sample {f.sample_id}, {f.quantity}"
+    if f.max_abs is not None:
+        line += f" (max |Δ| {f.max_abs:.3e}, {f.max_ulp} ULP)"
+    if loc is not None and loc.first is not None:
+        o = loc.first
+        where = f"block {o.block} " if o.block is not None else ""
+        line += (f"; first operator: {o.operator} ({where}{o.stream} stream, {o.branch} branch), "
+                 f"row {o.logical_row}, element {o.element}, max |Δ| {o.max_abs:.3e}, {o.max_ulp} ULP")
+    return line
+
+
+def write_report(out_dir: str | Path, rollout: Trajectory, recompute: Trajectory, comp: Comparison,
+                 loc: Localization | None = None) -> dict[str, Any]:
+    """Write ``report.md``, ``report.json`` and plots into ``out_dir``; return the JSON payload."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plots = {}
+    if _plot_steps(comp, out / "drift_per_step.png"):
+        plots["per_step"] = "drift_per_step.png"
+    if loc is not None and _plot_blocks(loc, out / "drift_per_block.png"):
+        plots["per_block"] = "drift_per_block.png"
+    ra, rb = rollout.manifest, recompute.manifest
+    payload = {
+        "summary": summary_line(comp, loc),
+        "byte_identical": comp.byte_identical,
+        "comparison": comp.to_dict(),
+        "localization": loc.to_dict() if loc else None,
+        "sides": {
+            name: {"runtime": m["runtime"], "side": {k: v for k, v in m["side"].items() if k != "order"},
+                   "trace": m["trace"], "wall_seconds": m["wall_seconds"], "fingerprint": m["fingerprint"]}
+            for name, m in (("rollout", ra), ("recompute", rb))
+        },
+        "plots": plots,
+        "sigma_table": ra["sigma_table"],
+    }
+    atomic_write_text(out / "report.json", json.dumps(payload, indent=2, default=str))
+    atomic_write_text(out / "report.md", render_markdown(payload, comp))
+    return payload
+
+
+def render_markdown(p: dict[str, Any], comp: Comparison) -> str:
+    lines = ["# mmdit-strict: rollout vs recompute", "", f"**{p['summary']}**", ""]
+    lines += ["| | rollout | recompute |", "|---|---|---|"]
+    ra, rb = p["sides"]["rollout"], p["sides"]["recompute"]
+    lines.append(f"| runtime | {ra['runtime']} | {rb['runtime']} |")
+    lines.append(f"| batching | batch {ra['side'].get('batch_size')}, CFG {ra['side'].get('cfg_layout')} | "
+                 f"micro-batch {rb['side'].get('micro_batch')}, shuffled={rb['side'].get('shuffle')}, CFG {rb['side'].get('cfg_layout')} |")
+    lines.append(f"| autograd / checkpointing | no / no | {rb['side'].get('autograd')} / {rb['side'].get('grad_checkpointing')} |")
+    lines.append(f"| operators (calls) | {ra['trace']['operators']} ({ra['trace']['calls']}) | {rb['trace']['operators']} ({rb['trace']['calls']}) |")
+    lines.append(f"| backends | {', '.join(ra['trace']['backends'])} | {', '.join(rb['trace']['backends'])} |")
+    lines.append(f"| fallbacks | {len(ra['trace']['fallbacks'])} | {len(rb['trace']['fallbacks'])} |")
+    lines.append(f"| wall time | {ra['wall_seconds']} s | {rb['wall_seconds']} s |")
+    lines.append("")
+    c = p["comparison"]
+    lines.append(f"Compared {c['steps']} steps × {c['samples']} samples. (step, sample) pairs whose hash differs: "
+                 f"v {c['differing']['v']}, x {c['differing']['x']}, logp {c['differing']['logp']}.")
+    if c.get("logp_ratio"):
+        r = c["logp_ratio"]
+        lines.append(f"GRPO ratio exp(logp_recompute − logp_rollout) at step 0: min {r['min']:.9f}, max {r['max']:.9f}.")
+    lines.append("")
+    loc = p.get("localization")
+    if loc and loc.get("first"):
+        o = loc["first"]
+        lines += ["## First drift", "", "| field | value |", "|---|---|"]
+        for k in ("operator", "block", "stream", "branch", "logical_row", "element", "max_abs", "max_ulp", "rows_differing", "rows_total", "key"):
+            lines.append(f"| {k} | {o[k]} |")
+        lines.append("")
+    if loc and loc.get("notes"):
+        lines += [f"- {n}" for n in loc["notes"]] + [""]
+    if comp.curves:
+        lines += ["## Drift per step", "", "| step | sigma | v max-abs | x max-abs | logp max-abs | KL mean |", "|---|---|---|---|---|---|"]
+        for s in range(comp.steps):
+            cv = comp.curves
+            lines.append(f"| {s} | {p['sigma_table'][s]:.4f} | {cv['v_max_abs'][s]:.3e} | {cv['x_max_abs'][s]:.3e} | {cv['logp_max_abs'][s]:.3e} | {cv['kl_mean'][s]:.3e} |")
+        lines.append("")
+    for name, f in p["plots"].items():
+        lines.append(f"![{name}]({f})")
+    if c.get("warnings"):
+        lines += ["", "Warnings:"] + [f"- {w}" for w in c["warnings"]]
+    return "\n".join(lines) + "\n"

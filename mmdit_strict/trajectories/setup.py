@@ -1,0 +1,126 @@
+"""Build what a run side needs from the config: model (+ LoRA), prompts, schedule."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from ..config.arch import ArchConfig, preset
+from ..kernels.runtime import Runtime
+from ..model import MMDiT, build_model, state_dict_hash
+from ..sampling import sigma_table
+from .hashing import tensor_sha256
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Prompts:
+    """Pre-encoded prompts: per-prompt valid rows (no padding), plus the shared negative prompt."""
+
+    embeds: list[torch.Tensor]  # each (L_i, C)
+    negative: torch.Tensor  # (L_neg, C)
+
+    def hashes(self) -> dict[str, Any]:
+        return {"prompts": [tensor_sha256(e) for e in self.embeds], "negative": tensor_sha256(self.negative)}
+
+
+def side_runtime(cfg: DictConfig, side: str) -> Runtime:
+    value = cfg[side].runtime
+    return Runtime.parse(value if value is not None else cfg.runtime.mode)
+
+
+def arch_from_config(cfg: DictConfig) -> ArchConfig:
+    arch = preset(cfg.model.preset)
+    if cfg.model.num_layers is not None:
+        arch = dataclasses.replace(arch, num_layers=int(cfg.model.num_layers))
+    return arch
+
+
+def build_side_model(cfg: DictConfig, runtime: Runtime) -> MMDiT:
+    """The model one side runs: checkpoint or deterministic init, then the policy's LoRA."""
+    dtype = DTYPES[cfg.model.dtype]
+    if cfg.model.checkpoint:
+        model = MMDiT.from_pretrained(cfg.model.checkpoint, runtime=runtime, dtype=dtype, device=cfg.model.device)
+    else:
+        model = build_model(arch_from_config(cfg), seed=cfg.model.init_seed, runtime=runtime.value, dtype=dtype, device=cfg.model.device)
+    if cfg.lora.rank > 0:
+        attach_lora(model, cfg.lora)
+    model.requires_grad_(False)
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            p.requires_grad_(True)
+    return model
+
+
+def attach_lora(model: MMDiT, lcfg: DictConfig) -> MMDiT:
+    """Inject a PEFT LoRA adapter (unmerged) and initialise it deterministically from ``lcfg.seed``."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    config = LoraConfig(r=int(lcfg.rank), lora_alpha=float(lcfg.alpha), target_modules=list(lcfg.targets), lora_dropout=0.0)
+    inject_adapter_in_model(config, model)
+    gen = torch.Generator().manual_seed(int(lcfg.seed))
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if "lora_A" in name:
+                p.copy_((torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5).to(p.dtype))
+            elif "lora_B" in name:
+                val = 0.05 * torch.randn(p.shape, generator=gen) if lcfg.init == "random" else torch.zeros(p.shape)
+                p.copy_(val.to(p.dtype))
+    return model
+
+
+def lora_state(model: MMDiT) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in model.state_dict().items() if "lora_" in k}
+
+
+def base_state(model: MMDiT) -> dict[str, torch.Tensor]:
+    return {k.replace(".base_layer", ""): v for k, v in model.state_dict().items() if "lora_" not in k}
+
+
+def make_prompts(cfg: DictConfig, arch: ArchConfig, device: str) -> Prompts:
+    """Load prompt embeddings from safetensors, or draw synthetic ones keyed by (seed, prompt id)."""
+    p = cfg.prompts
+    if p.embeddings:
+        from safetensors.torch import load_file
+
+        data = load_file(p.embeddings)
+        for key in ("prompt_embeds", "prompt_mask", "negative_embeds"):
+            if key not in data:
+                raise ValueError(f"{p.embeddings} must hold prompt_embeds (N, L, C), prompt_mask (N, L) and negative_embeds (L, C); missing {key}")
+        embeds = [data["prompt_embeds"][i, : int(data["prompt_mask"][i].sum())] for i in range(data["prompt_embeds"].shape[0])]
+        neg = data["negative_embeds"]
+    else:
+        if not 1 <= p.min_tokens <= p.max_tokens:
+            raise ValueError(f"prompts need 1 <= min_tokens <= max_tokens, got {p.min_tokens}, {p.max_tokens}")
+        embeds = []
+        for i in range(p.num_prompts):
+            g = torch.Generator().manual_seed(1_000_003 * (p.seed + 1) + i)
+            n = int(torch.randint(p.min_tokens, p.max_tokens + 1, (1,), generator=g))
+            embeds.append(torch.randn(n, arch.joint_attention_dim, generator=g))
+        g = torch.Generator().manual_seed(7_777_777 + p.seed)
+        neg = torch.randn(p.negative_tokens, arch.joint_attention_dim, generator=g)
+    dtype = DTYPES[cfg.model.dtype]
+    for e in embeds + [neg]:
+        if e.dim() != 2 or e.shape[1] != arch.joint_attention_dim:
+            raise ValueError(f"prompt embeddings must be (L, {arch.joint_attention_dim}), got {tuple(e.shape)}")
+        if not torch.isfinite(e).all():
+            raise ValueError("prompt embeddings contain NaN or Inf")
+    return Prompts([e.to(device=device, dtype=dtype) for e in embeds], neg.to(device=device, dtype=dtype))
+
+
+def latent_grid(cfg: DictConfig, arch: ArchConfig) -> tuple[int, int]:
+    """(h, w) tokens of the packed latent grid: pixels / (VAE 8 × patch)."""
+    unit = 8 * arch.patch_size
+    if cfg.sampler.height % unit or cfg.sampler.width % unit:
+        raise ValueError(f"sampler.height and sampler.width must be multiples of {unit}, got {cfg.sampler.height}×{cfg.sampler.width}")
+    return cfg.sampler.height // unit, cfg.sampler.width // unit
+
+
+def schedule(cfg: DictConfig, arch: ArchConfig) -> torch.Tensor:
+    h, w = latent_grid(cfg, arch)
+    return sigma_table(int(cfg.sampler.num_steps), h * w)
