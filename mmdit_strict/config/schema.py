@@ -88,6 +88,9 @@ class RecomputeConfig:
     grad_checkpointing: bool = True
     autograd: bool = True  # autograd on, and backward of -sum(logp) per micro-batch (LoRA grads)
     pad_to: Optional[int] = None
+    # Deliberate mismatch to validate the localizer: "<operator key>@<step>", e.g. "block1.img.mlp_down_gemm@2"
+    # bumps that operator's first output element by 2^-10·max(|x|,1) at that step (strict graph only).
+    inject_fault: Optional[str] = None
 
 
 @dataclass

@@ -23,6 +23,30 @@ if TYPE_CHECKING:
     from .mmdit import MMDiT, ModelInputs
 
 _CAPTURE: contextvars.ContextVar[dict[str, torch.Tensor] | None] = contextvars.ContextVar("mmdit_capture", default=None)
+_FAULT: contextvars.ContextVar[str | None] = contextvars.ContextVar("mmdit_fault", default=None)
+
+
+@contextlib.contextmanager
+def inject_fault(key: str | None) -> Iterator[None]:
+    """Perturb the first element of operator output ``key`` (e.g. ``block1.img.mlp_down_gemm``) by 2⁻¹⁰·max(|x|, 1).
+
+    (A one-ULP bump is usually absorbed by the next rounding and never reaches v_t.)
+
+    A deliberate, known mismatch: it validates that compare/localize name the right step, block and
+    operator. ``None`` does nothing.
+    """
+    token = _FAULT.set(key)
+    try:
+        yield
+    finally:
+        _FAULT.reset(token)
+
+
+def _bump(out: torch.Tensor) -> torch.Tensor:
+    first = out.detach().reshape(-1)[:1]
+    bump = torch.zeros_like(out)
+    bump.view(-1)[:1] = first.abs().clamp_min(1.0) * 2.0**-10
+    return out + bump
 
 
 @contextlib.contextmanager
@@ -38,6 +62,9 @@ def capture_operators() -> Iterator[dict[str, torch.Tensor]]:
 
 def _op(name: str, where: str, ref: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
     out = dispatch(name, ref.device, ref.dtype, *args, **kwargs)
+    fault = _FAULT.get()
+    if fault is not None and fault == f"{where}.{name}":
+        out = tuple(_bump(o) for o in out) if isinstance(out, tuple) else _bump(out)
     store = _CAPTURE.get()
     if store is not None:
         key = f"{where}.{name}"

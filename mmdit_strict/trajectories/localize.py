@@ -18,12 +18,12 @@ import torch
 from omegaconf import DictConfig
 
 from ..kernels.runtime import Runtime, runtime_mode
-from ..model.strict import capture_operators, strict_forward
+from ..model.strict import capture_operators, inject_fault, strict_forward
 from .artifact import Trajectory
 from .compare import FirstDrift
 from .engine import _pad
 from .hashing import ulp_distance
-from .recompute import recorded_prompts
+from .recompute import parse_fault, recorded_prompts
 from .setup import build_side_model
 
 _KEY = re.compile(r"^(?:block(?P<block>\d+)\.)?(?P<stream>[a-z_]+)(?:\.(?P<sub>[a-z.]+?))?\.(?P<op>[a-z_]+)(?:\.(?P<part>\d))?$")
@@ -87,11 +87,14 @@ def _replay(cfg: DictConfig, traj: Trajectory, ref: Trajectory, step: int, posit
     cond = [prompts.embeds[i] for i in batch]
     negs = [prompts.negative] * len(batch)
 
+    fault_key, fault_step = parse_fault(side.get("inject_fault"))
+    fault = fault_key if fault_step == step else None
+
     def run(xs: torch.Tensor, rows: list[torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[int]]:
         ehs, mask = _pad(rows, side.get("pad_to"))
         t = torch.full((xs.shape[0],), sigma, dtype=torch.float32, device=xs.device)
         inputs = model.validate_inputs(xs, ehs, mask, t, [[(1, grid[0], grid[1])]] * xs.shape[0])
-        with runtime_mode(runtime), capture_operators() as cap, torch.no_grad():
+        with runtime_mode(runtime), capture_operators() as cap, inject_fault(fault), torch.no_grad():
             strict_forward(model, inputs)
         return cap, [r.shape[0] for r in rows]
 

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from ..kernels.runtime import runtime_mode
 from ..kernels.trace import capture_trace
+from ..model.strict import inject_fault
 from . import artifact
 from .engine import velocity
 from .record import StepRecorder, build_trajectory, model_hashes
@@ -37,6 +38,16 @@ def micro_batches(ids: list[int], size: int, shuffle: bool, seed: int) -> list[l
     if shuffle:
         random.Random(seed).shuffle(order)
     return [order[i:i + size] for i in range(0, len(order), size)]
+
+
+def parse_fault(spec: str | None) -> tuple[str | None, int | None]:
+    """``"block1.img.mlp_down_gemm@2"`` → (key, step); ``None`` → (None, None)."""
+    if not spec:
+        return None, None
+    key, _, step = spec.partition("@")
+    if not key or (step and not step.isdigit()):
+        raise ValueError(f"recompute.inject_fault must look like 'block1.img.mlp_down_gemm@2', got {spec!r}")
+    return key, int(step) if step else 0
 
 
 def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | Path, progress: bool = True) -> artifact.Trajectory:
@@ -66,11 +77,13 @@ def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | 
     trainable = [p for p in model.parameters() if p.requires_grad]
     bar = tqdm(total=S * len(mbs), desc=f"recompute [{runtime.value}]", disable=not progress, leave=False)
     grad_norms = []
+    fault_key, fault_step = parse_fault(cfg.recompute.inject_fault)
     with capture_trace() as trace, runtime_mode(runtime):
         for step in range(S):
+            fault_here = fault_key if step == fault_step else None
             for mb in mbs:
                 x_t, x_rec = xs[step][mb], xs[step + 1][mb]
-                with torch.set_grad_enabled(bool(cfg.recompute.autograd)):
+                with inject_fault(fault_here), torch.set_grad_enabled(bool(cfg.recompute.autograd)):
                     v = velocity(model, x_t.to(model.dtype), [prompts.embeds[i] for i in mb], prompts.negative,
                                  float(sigmas[step]), grid, float(cfg.sampler.cfg_scale), cfg.recompute.cfg_layout, cfg.recompute.pad_to)
                     x_next, logp = step_latents(cfg, v, x_t, sigmas, step, [ids[i] for i in mb], prev_sample=x_rec)
@@ -86,6 +99,7 @@ def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | 
     side = {"micro_batch": int(cfg.recompute.micro_batch), "shuffle": bool(cfg.recompute.shuffle),
             "order": [ids[i] for mb in mbs for i in mb], "cfg_layout": cfg.recompute.cfg_layout, "pad_to": cfg.recompute.pad_to,
             "autograd": bool(cfg.recompute.autograd), "grad_checkpointing": bool(cfg.recompute.grad_checkpointing),
+            "inject_fault": cfg.recompute.inject_fault,
             "lora_grad_norm_per_step": grad_norms}
     traj = build_trajectory("recompute", cfg, model, runtime, prompts, sigmas, ids, grid, rec, trace,
                             time.perf_counter() - t0, side, True)
