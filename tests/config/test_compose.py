@@ -1,0 +1,80 @@
+"""Hydra-style composition: defaults, group options, dotted overrides, and clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mmdit_strict.cli.main import main
+from mmdit_strict.config.compose import ConfigError, compose
+
+
+def test_defaults() -> None:
+    cfg = compose([])
+    assert cfg.model.preset == "tiny" and cfg.runtime.mode == "strict" and cfg.sampler.num_steps == 6
+    assert cfg._choices_.model == "tiny"
+
+
+def test_group_and_key_overrides() -> None:
+    cfg = compose(["runtime=off", "sampler.num_steps=3", "+extra.note=hi", "recompute.runtime=off", "sampler.sde=false"])
+    assert cfg.runtime.mode == "off" and cfg.sampler.num_steps == 3 and cfg.extra.note == "hi"
+    assert cfg.recompute.runtime == "off" and cfg.sampler.sde is False
+
+
+def test_experiment_overrides_globals() -> None:
+    cfg = compose(["experiment=recompute_off"])
+    assert cfg.recompute.runtime == "off" and cfg.output_dir == "runs/recompute_off"
+    # a command-line key still wins over the experiment
+    assert compose(["experiment=recompute_off", "output_dir=elsewhere"]).output_dir == "elsewhere"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("sampler.stepz=3", "unknown config key 'sampler.stepz'; valid keys here: sampler.cfg_scale"),
+        ("nope=1", "unknown config key 'nope'"),
+        ("runtime=fast", "unknown option 'fast' for config group 'runtime'"),
+        ("model.dtype=float16", "model.dtype='float16' is not one of"),
+        ("sampler.num_steps=many", "bad value for sampler.num_steps"),
+        ("justakey", "not of the form key=value"),
+    ],
+)
+def test_bad_overrides(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        compose([override])
+
+
+def test_unknown_key_in_a_yaml_file(tmp_path: Path) -> None:
+    cdir = tmp_path / "configs"
+    (cdir / "sampler").mkdir(parents=True)
+    (cdir / "config.yaml").write_text("defaults:\n  - sampler: bad\n  - _self_\n")
+    (cdir / "sampler" / "bad.yaml").write_text("num_stepz: 4\n")
+    with pytest.raises(ConfigError, match="num_stepz"):
+        compose([], config_dir=cdir)
+
+
+def test_resolved_config_is_saved_and_cli_prints_it(capsys: pytest.CaptureFixture) -> None:
+    assert main(["config", "sampler.num_steps=2"]) == 0
+    assert "num_steps: 2" in capsys.readouterr().out
+    assert main(["config", "sampler.bogus=1"]) == 2
+    assert "unknown config key 'sampler.bogus'" in capsys.readouterr().err
+
+
+def test_fingerprint_is_stable_and_sensitive(capsys: pytest.CaptureFixture) -> None:
+    from mmdit_strict import fingerprint
+    from mmdit_strict.config.arch import preset
+
+    assert main(["fingerprint"]) == 0
+    printed = capsys.readouterr().out.strip()
+    assert printed == fingerprint() and len(printed) == 64
+    assert fingerprint(preset("tiny")) != fingerprint(preset("qwen-image"))
+    assert fingerprint("tiny") == fingerprint(preset("tiny"))
+
+
+@pytest.mark.parametrize("command", ["run", "rollout", "recompute", "compare", "report", "sample", "config", "fingerprint", "bench"])
+def test_every_command_has_help(command: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--help"])
+    assert exc.value.code == 0
+    assert "usage: mmdit-strict" in capsys.readouterr().out

@@ -1,0 +1,80 @@
+"""The main job end to end on the tiny default (issue 4's "Done when")."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mmdit_strict.cli.main import main
+from mmdit_strict.config.compose import compose
+from mmdit_strict.trajectories.pipeline import run_all
+
+SMALL = ["sampler.num_steps=3", "prompts.num_prompts=3", "wandb.mode=disabled", "progress=false"]
+
+
+def _run(tmp_path: Path, *overrides: str):
+    cfg = compose([f"output_dir={tmp_path}", *SMALL, *overrides])
+    return run_all(cfg, progress=False)
+
+
+def test_strict_run_is_byte_identical(tmp_path: Path) -> None:
+    result = _run(tmp_path / "strict")
+    assert result.byte_identical, result.summary
+    assert result.comparison.differing == {"v": 0, "x": 0, "logp": 0}
+    assert result.comparison.logp_ratio["min"] == 1.0 and result.comparison.logp_ratio["max"] == 1.0
+    report = json.loads((tmp_path / "strict" / "report" / "report.json").read_text())
+    assert report["byte_identical"] is True
+    assert (tmp_path / "strict" / "report" / "report.md").read_text().startswith("# mmdit-strict")
+    assert (tmp_path / "strict" / "report" / "drift_per_step.png").stat().st_size > 1000
+    assert (tmp_path / "strict" / "config.yaml").exists()
+    # both sides ran only strict kernels, with no fallback
+    for side in report["sides"].values():
+        assert side["trace"]["backends"] == ["cpu_strict"] and side["trace"]["fallbacks"] == []
+
+
+def test_recompute_off_drifts_at_first_operator(tmp_path: Path) -> None:
+    result = _run(tmp_path / "off", "recompute.runtime=off")
+    assert not result.byte_identical
+    first = result.comparison.first
+    assert (first.step, first.quantity) == (0, "v")
+    loc = result.localization
+    assert loc is not None and loc.first is not None
+    # the first operator the production path runs differently is the timestep MLP (plain F.linear)
+    assert loc.first.operator == "timestep_embed_mlp" and loc.first.block is None
+    assert loc.first.max_ulp > 0 and loc.first.max_abs > 0
+
+
+def test_injected_fault_is_localized(tmp_path: Path) -> None:
+    result = _run(tmp_path / "fault", "recompute.inject_fault=block1.img.mlp_down_gemm@1")
+    first = result.comparison.first
+    assert first is not None and first.step == 1 and first.quantity == "v"
+    o = result.localization.first
+    assert (o.operator, o.block, o.stream, o.branch, o.logical_row, o.element) == ("mlp_down_gemm", 1, "img", "cond", 0, 0)
+    assert o.rows_differing == 1
+    # steps before the fault stay byte-identical
+    assert result.comparison.curves["v_max_abs"][0] == 0.0
+
+
+def test_resume_reuses_verified_stages(tmp_path: Path) -> None:
+    out = tmp_path / "resume"
+    _run(out)
+    stamp = (out / "rollout" / "manifest.json").stat().st_mtime_ns
+    again = _run(out)
+    assert again.byte_identical
+    assert (out / "rollout" / "manifest.json").stat().st_mtime_ns == stamp
+    # a corrupted stage is re-run rather than trusted
+    data = bytearray((out / "recompute" / "tensors.safetensors").read_bytes())
+    data[-5] ^= 0xFF
+    (out / "recompute" / "tensors.safetensors").write_bytes(bytes(data))
+    assert _run(out).byte_identical
+
+
+def test_cli_run_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["run", "--quiet", f"output_dir={tmp_path / 'cli'}", *SMALL]) == 0
+    assert "byte-identical" in capsys.readouterr().out
+    assert main(["run", "--quiet", f"output_dir={tmp_path / 'cli_off'}", *SMALL, "recompute.runtime=off"]) == 1
+    assert "DRIFT: first at step 0" in capsys.readouterr().out
+    assert main(["compare", str(tmp_path / "cli" / "rollout"), str(tmp_path / "cli" / "recompute")]) == 0
+    assert main(["report", str(tmp_path / "cli_off")]) == 1
