@@ -72,7 +72,8 @@ class MMDiT(nn.Module):
         self.norm_out = AdaNormOut(config)
         self.proj_out = nn.Linear(d, config.patch_size**2 * config.out_channels)
         self.gradient_checkpointing = False
-        self.audit_records: list[dict[str, Any]] = []
+        self.audit_records: list[dict[str, Any]] = []  # runtime=audit: one drift record per forward
+        self.last_block_capture: dict[str, torch.Tensor] | None = None  # runtime=audit: strict block outputs
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -228,17 +229,39 @@ class MMDiT(nn.Module):
         inputs = self.validate_inputs(hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_shapes)
         if self.runtime is Runtime.OFF:
             out = self.production_forward(inputs)
+            _trace_production(self, out)
         else:
             from .strict import strict_forward
 
+            audit = self.runtime is Runtime.AUDIT
+            blocks: dict[str, torch.Tensor] | None = {} if audit else None
             with runtime_mode(self.runtime):
-                out = strict_forward(self, inputs)
-            if self.runtime is Runtime.AUDIT:
-                with torch.no_grad():
-                    prod = self.production_forward(inputs)
-                    diff = (prod.float() - out.detach().float()).abs()
-                    self.audit_records.append({"max_abs_drift": float(diff.max()), "byte_equal": torch.equal(prod, out.detach())})
+                out = strict_forward(self, inputs, block_capture=blocks)
+            if audit:
+                self.last_block_capture = blocks
+                self.audit_records.append(self._audit(inputs, out, blocks))
         return MMDiTOutput(out) if return_dict else (out,)
+
+    @torch.no_grad()
+    def _audit(self, inputs: ModelInputs, out: torch.Tensor, blocks: dict[str, torch.Tensor] | None) -> dict[str, Any]:
+        """Run the production path beside the strict one and record how far it drifts, per block too.
+
+        Never changes the returned (strict) result.
+        """
+        prod_blocks: dict[str, torch.Tensor] = {}
+        prod = self.production_forward(inputs, capture=prod_blocks)
+        rec: dict[str, Any] = {
+            "max_abs_drift": float((prod.float() - out.detach().float()).abs().max()),
+            "byte_equal": torch.equal(prod, out.detach()),
+            "per_block": [],
+        }
+        for i in range(self.config.num_layers):
+            row = {}
+            for stream in ("img", "txt"):
+                a, b = prod_blocks[f"block{i}.{stream}"], (blocks or {})[f"block{i}.{stream}"]
+                row[stream] = float((a.float() - b.float()).abs().max())
+            rec["per_block"].append(row)
+        return rec
 
     def production_forward(self, inputs: ModelInputs, capture: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Plain PyTorch forward on padded ``(B, T, D)`` tensors (runtime ``off``)."""
@@ -259,6 +282,27 @@ class MMDiT(nn.Module):
                 capture[f"block{i}.img"] = img.detach().reshape(-1, img.shape[-1])
                 capture[f"block{i}.txt"] = torch.cat([txt[b, : inputs.txt_lens[b]] for b in range(B)]).detach()
         return self.proj_out(self.norm_out(img, temb))
+
+
+# Operator calls one production forward makes (per block and outside the blocks), for the trace.
+_PRODUCTION_CALLS_PER_BLOCK = {
+    "adaln_mod_projection": 2, "adaln_modulation": 4, "qkv_bias_gemm": 6, "qk_rmsnorm": 4, "multi_axis_rope": 4,
+    "joint_attention_fused": 1, "attn_out_bias_gemm": 2, "adaln_gate_residual": 4, "mlp_up_gemm_gelu": 2, "mlp_down_gemm": 2,
+}
+_PRODUCTION_CALLS_OUTSIDE = {"timestep_embed_mlp": 1, "latent_proj_gemm": 2, "txt_in_rmsnorm_linear": 1, "final_adaln_out": 1}
+
+
+def _trace_production(model: MMDiT, out: torch.Tensor) -> None:
+    """Record the production path's operators (plain PyTorch modules) in the active trace."""
+    from ..kernels.registry import resolve
+    from ..kernels.trace import record
+
+    n = model.config.num_layers
+    calls = {**{k: v * n for k, v in _PRODUCTION_CALLS_PER_BLOCK.items()}, **_PRODUCTION_CALLS_OUTSIDE}
+    for op, count in calls.items():
+        impl, _ = resolve(op, out.device, out.dtype, Runtime.OFF)
+        for _ in range(count):
+            record(op, impl, Runtime.OFF, out.device.type, out.dtype, False)
 
 
 def _desc(t: Any) -> str:

@@ -22,6 +22,7 @@ class FirstDrift:
     sigma: float
     max_abs: float | None = None
     max_ulp: int | None = None
+    block: int | None = None  # first block whose image-stream hash differs (audit-mode artifacts only)
 
 
 @dataclass
@@ -71,6 +72,8 @@ def compare(a: Trajectory, b: Trajectory) -> Comparison:
                     differing[q] += 1
                     if first is None:
                         first = FirstDrift(s, sid, q, a.manifest["steps"][s]["sigma"])
+    if first is not None:
+        first.block = _first_block(a, b, first.step, ids.index(first.sample_id))
     comp = Comparison(first is None, first, S, len(ids), differing, warnings=warnings)
     if a.has_tensors() and b.has_tensors():
         comp.curves = drift_curves(a, b)
@@ -83,6 +86,17 @@ def compare(a: Trajectory, b: Trajectory) -> Comparison:
             r = torch.exp(b.tensors["logp"][0].double() - a.tensors["logp"][0].double())
             comp.logp_ratio = {"min": float(r.min()), "max": float(r.max()), "mean": float(r.mean())}
     return comp
+
+
+def _first_block(a: Trajectory, b: Trajectory, step: int, n: int) -> int | None:
+    ha = a.manifest["steps"][step].get("blocks")
+    hb = b.manifest["steps"][step].get("blocks")
+    if not ha or not hb or ha[n] is None or hb[n] is None:
+        return None
+    for i, (x, y) in enumerate(zip(ha[n], hb[n])):
+        if x != y:
+            return i
+    return None
 
 
 def _tensor(t: Trajectory, q: str, step: int) -> torch.Tensor:

@@ -10,8 +10,10 @@ from typing import Sequence
 
 import torch
 
+from ..kernels.runtime import Runtime
 from ..model import MMDiT
 from ..sampling import cfg_combine
+from .hashing import tensor_sha256
 
 
 def _pad(rows: Sequence[torch.Tensor], pad_to: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,8 +41,13 @@ def velocity(
     cfg_scale: float,
     cfg_layout: str,
     pad_to: int | None = None,
+    block_hashes: list[list[str]] | None = None,
 ) -> torch.Tensor:
-    """CFG-combined velocity ``(B, T, 64)`` in FP32."""
+    """CFG-combined velocity ``(B, T, 64)`` in FP32.
+
+    In ``audit`` runtime, ``block_hashes`` (if given) receives, per sample of the conditional
+    branch, the sha256 of every block's image-stream output rows.
+    """
     B = x.shape[0]
     shapes = [[(1, grid[0], grid[1])]] * B
     negs = [neg] * B
@@ -51,13 +58,27 @@ def velocity(
         t = torch.full((n,), sigma, dtype=torch.float32, device=xs.device)
         return model(xs, ehs, mask, t, [shapes[0]] * n, return_dict=False)[0]
 
+    def collect_blocks() -> None:
+        # the last forward's strict block outputs: image rows are (n·T, D) in sample order
+        if block_hashes is None or model.runtime is not Runtime.AUDIT or model.last_block_capture is None:
+            return
+        cap, T = model.last_block_capture, x.shape[1]
+        for j in range(B):
+            block_hashes.append([tensor_sha256(cap[f"block{i}.img"][j * T:(j + 1) * T])
+                                 for i in range(model.config.num_layers)])
+
     if cfg_scale == 1.0:
-        return forward(x, cond).float()
+        v = forward(x, cond).float()
+        collect_blocks()
+        return v
     if cfg_layout == "batched":
         both = forward(torch.cat([x, x]), list(cond) + negs).float()
+        collect_blocks()
         v_cond, v_neg = both[:B], both[B:]
     elif cfg_layout == "sequential":
-        v_cond, v_neg = forward(x, cond).float(), forward(x, negs).float()
+        v_cond = forward(x, cond).float()
+        collect_blocks()
+        v_neg = forward(x, negs).float()
     else:
         raise ValueError(f"cfg_layout must be 'batched' or 'sequential', got {cfg_layout!r}")
     return cfg_combine(v_cond, v_neg, float(cfg_scale))

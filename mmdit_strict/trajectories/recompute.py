@@ -84,12 +84,14 @@ def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | 
             for mb in mbs:
                 x_t, x_rec = xs[step][mb], xs[step + 1][mb]
                 with inject_fault(fault_here), torch.set_grad_enabled(bool(cfg.recompute.autograd)):
+                    blocks: list[list[str]] = []
                     v = velocity(model, x_t.to(model.dtype), [prompts.embeds[i] for i in mb], prompts.negative,
-                                 float(sigmas[step]), grid, float(cfg.sampler.cfg_scale), cfg.recompute.cfg_layout, cfg.recompute.pad_to)
+                                 float(sigmas[step]), grid, float(cfg.sampler.cfg_scale), cfg.recompute.cfg_layout, cfg.recompute.pad_to,
+                                 block_hashes=blocks)
                     x_next, logp = step_latents(cfg, v, x_t, sigmas, step, [ids[i] for i in mb], prev_sample=x_rec)
                     if logp.requires_grad:
                         (-logp.sum()).backward()
-                rec.put(step, mb, v, x_next, logp)
+                rec.put(step, mb, v, x_next, logp, blocks)
                 bar.update(1)
             if trainable and trainable[0].grad is not None:
                 grad_norms.append(float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in trainable if p.grad is not None))))

@@ -27,12 +27,29 @@ class StepRecorder:
         self.x[0] = x0.detach().cpu()
         self.v = torch.empty((num_steps,) + tuple(x0.shape), dtype=torch.float32)
         self.logp = torch.empty(num_steps, N, dtype=torch.float32)
+        self.blocks: list[list[list[str] | None]] = [[None] * N for _ in range(num_steps)]
 
-    def put(self, step: int, rows: list[int], v: torch.Tensor, x_next: torch.Tensor, logp: torch.Tensor) -> None:
+    def put(self, step: int, rows: list[int], v: torch.Tensor, x_next: torch.Tensor, logp: torch.Tensor,
+            block_hashes: list[list[str]] | None = None) -> None:
+        if block_hashes:
+            for r, h in zip(rows, block_hashes):
+                self.blocks[step][r] = h
         idx = torch.tensor(rows)
         self.v[step, idx] = v.detach().float().cpu()
         self.x[step + 1, idx] = x_next.detach().float().cpu()
         self.logp[step, idx] = logp.detach().float().cpu()
+
+
+def audit_summary(model: MMDiT) -> dict[str, Any] | None:
+    """runtime=audit: how far the production path drifted from strict over all forwards of this side."""
+    recs = model.audit_records
+    if not recs:
+        return None
+    per_block = [
+        {s: max(r["per_block"][i][s] for r in recs) for s in ("img", "txt")} for i in range(len(recs[0]["per_block"]))
+    ]
+    return {"forwards": len(recs), "byte_equal_forwards": sum(bool(r["byte_equal"]) for r in recs),
+            "max_abs_drift": max(r["max_abs_drift"] for r in recs), "per_block_max_abs": per_block}
 
 
 def model_hashes(model: MMDiT) -> dict[str, str | None]:
@@ -57,6 +74,8 @@ def build_trajectory(
             "logp": [tensor_sha256(rec.logp[s, n]) for n in range(len(sample_ids))],
             "logp_values": [float(v) for v in rec.logp[s]],
         })
+        if any(h is not None for h in rec.blocks[s]):
+            steps[-1]["blocks"] = rec.blocks[s]  # audit mode: per sample, per block image-stream hashes
     tensors: dict[str, torch.Tensor] = {
         "init_latents": rec.x[0].clone(),
         "sigmas": sigmas.detach().cpu().clone(),
@@ -90,6 +109,7 @@ def build_trajectory(
             "initial_keys": {str(i): noise_key(int(cfg.seed), i, 0, "initial_latents") for i in sample_ids},
         },
         "trace": trace.summary(),
+        "audit": audit_summary(model),
         "software": software_info(),
         "hardware": hardware_info(str(model.device)),
         "wall_seconds": round(wall_s, 3),

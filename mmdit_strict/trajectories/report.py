@@ -66,6 +66,8 @@ def summary_line(comp: Comparison, loc: Localization | None = None) -> str:
     line = f"DRIFT: first at step {f.step} (sigma {f.sigma:.4f}), sample {f.sample_id}, {f.quantity}"
     if f.max_abs is not None:
         line += f" (max |Δ| {f.max_abs:.3e}, {f.max_ulp} ULP)"
+    if f.block is not None:
+        line += f"; first differing block hash: block {f.block}"
     if loc is not None and loc.first is not None:
         o = loc.first
         where = f"block {o.block} " if o.block is not None else ""
@@ -92,7 +94,8 @@ def write_report(out_dir: str | Path, rollout: Trajectory, recompute: Trajectory
         "localization": loc.to_dict() if loc else None,
         "sides": {
             name: {"runtime": m["runtime"], "side": {k: v for k, v in m["side"].items() if k != "order"},
-                   "trace": m["trace"], "wall_seconds": m["wall_seconds"], "fingerprint": m["fingerprint"]}
+                   "trace": m["trace"], "wall_seconds": m["wall_seconds"], "fingerprint": m["fingerprint"],
+                   "audit": m.get("audit")}
             for name, m in (("rollout", ra), ("recompute", rb))
         },
         "plots": plots,
@@ -115,6 +118,10 @@ def render_markdown(p: dict[str, Any], comp: Comparison) -> str:
     lines.append(f"| backends | {', '.join(ra['trace']['backends'])} | {', '.join(rb['trace']['backends'])} |")
     lines.append(f"| fallbacks | {len(ra['trace']['fallbacks'])} | {len(rb['trace']['fallbacks'])} |")
     lines.append(f"| wall time | {ra['wall_seconds']} s | {rb['wall_seconds']} s |")
+    if ra.get("audit") or rb.get("audit"):
+        def audit(a: Any) -> str:
+            return f"max {a['max_abs_drift']:.3e} over {a['forwards']} forwards" if a else "—"
+        lines.append(f"| audit: production vs strict | {audit(ra.get('audit'))} | {audit(rb.get('audit'))} |")
     lines.append("")
     c = p["comparison"]
     lines.append(f"Compared {c['steps']} steps × {c['samples']} samples. (step, sample) pairs whose hash differs: "

@@ -60,10 +60,12 @@ def run_rollout(cfg: DictConfig, out_dir: str | Path, progress: bool = True) -> 
             x_next = torch.empty_like(x)
             for batch in batches:
                 xb = x[batch]
+                blocks: list[list[str]] = []
                 v = velocity(model, xb.to(model.dtype), [prompts.embeds[i] for i in batch], prompts.negative,
-                             float(sigmas[step]), grid, float(cfg.sampler.cfg_scale), cfg.rollout.cfg_layout, cfg.rollout.pad_to)
+                             float(sigmas[step]), grid, float(cfg.sampler.cfg_scale), cfg.rollout.cfg_layout, cfg.rollout.pad_to,
+                             block_hashes=blocks)
                 xn, logp = step_latents(cfg, v, xb, sigmas, step, batch)
-                rec.put(step, batch, v, xn, logp)
+                rec.put(step, batch, v, xn, logp, blocks)
                 x_next[batch] = xn
                 bar.update(1)
             x = x_next

@@ -78,3 +78,21 @@ def test_cli_run_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture) -> No
     assert "DRIFT: first at step 0" in capsys.readouterr().out
     assert main(["compare", str(tmp_path / "cli" / "rollout"), str(tmp_path / "cli" / "recompute")]) == 0
     assert main(["report", str(tmp_path / "cli_off")]) == 1
+
+
+def test_audit_mode_records_block_hashes_and_production_drift(tmp_path: Path) -> None:
+    result = _run(tmp_path / "audit", "runtime=audit", "recompute.inject_fault=block1.img.mlp_down_gemm@0")
+    first = result.comparison.first
+    assert first is not None and first.step == 0
+    assert first.block == 1  # read from the per-block hashes, before any re-run
+    assert result.localization.first.block == 1
+    audit = result.report["sides"]["rollout"]["audit"]
+    assert audit["forwards"] > 0 and len(audit["per_block_max_abs"]) == 2
+    assert audit["max_abs_drift"] < 1e-4  # production stays close to strict on the tiny model
+
+
+def test_wandb_offline_logging(tmp_path: Path) -> None:
+    out = tmp_path / "wb"
+    assert main(["run", "--quiet", f"output_dir={out}", "sampler.num_steps=2", "prompts.num_prompts=2", "wandb.mode=offline"]) == 0
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert runs and any(p.suffix == ".wandb" for p in runs[0].iterdir())
