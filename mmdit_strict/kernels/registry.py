@@ -163,7 +163,7 @@ def resolve(op: str, device: torch.device | str, dtype: torch.dtype, runtime: Ru
         raise RuntimeError(f"operator {op} has no production implementation for device={dev} dtype={dname}")
     if strict_impls:
         # Prefer compiled kernels over the CPU strict backend when both are registered for a device.
-        order = {"triton": 0, "cuda_ext": 1, "cpu_strict": 2}
+        order = {"triton": 0, "cuda_ext": 1, "cpu_strict": 2, "torch_fixed": 3}
         return sorted(strict_impls, key=lambda i: order.get(i.backend, 9))[0], False
     if runtime is Runtime.AUTO and prod:
         return prod[0], True

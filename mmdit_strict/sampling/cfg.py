@@ -28,16 +28,15 @@ device-invariant.
 
 from __future__ import annotations
 
-import logging
 import math
 
 import torch
 
 from .tree import TREE_ORDER, sqrt_rn, tree_sum
+from ._register import register_sampling_op
 
 __all__ = ["cfg_combine", "SUPPORTED_DTYPES"]
 
-logger = logging.getLogger(__name__)
 
 SUPPORTED_DTYPES = (torch.float32,)
 
@@ -109,26 +108,5 @@ def cfg_combine(cond: torch.Tensor, neg: torch.Tensor, scale: float) -> torch.Te
     return _TokenScale.apply(comb, ratio)
 
 
-def _register() -> None:
-    try:
-        from mmdit_strict.kernels.registry import KernelImpl, register
-    except Exception as exc:  # the registry is optional for the sampling math
-        logger.debug("cfg_combine_renorm not registered: %s", exc)
-        return
-    for dev in ("cpu", "cuda"):
-        register(
-            KernelImpl(
-                op="cfg_combine_renorm",
-                backend="cpu_strict",
-                device=dev,
-                dtypes=frozenset({torch.float32}),
-                fn=cfg_combine,
-                strict=True,
-                kernel_name="mmdit_strict.sampling.cfg.cfg_combine",
-                source=cfg_combine,
-                reduction_order=f"per-token L2 norm over the last dim: {TREE_ORDER}",
-            )
-        )
-
-
-_register()
+register_sampling_op("cfg_combine_renorm", cfg_combine, "mmdit_strict.sampling.cfg.cfg_combine",
+                     f"per-token L2 norm over the last dim: {TREE_ORDER}")

@@ -21,14 +21,14 @@ Token ``i * (W/2) + j`` holds channel-major ``[c, dy, dx]`` values of the 2x2 pa
 
 from __future__ import annotations
 
-import logging
 from typing import Sequence
 
 import torch
 
+from ._register import register_sampling_op
+
 __all__ = ["normalize_latents", "denormalize_latents", "pack_latents", "unpack_latents"]
 
-logger = logging.getLogger(__name__)
 
 
 def _channel_constants(name: str, values: Sequence[float] | torch.Tensor) -> torch.Tensor:
@@ -144,41 +144,7 @@ def unpack_latents(x: torch.Tensor, height: int, width: int) -> torch.Tensor:
     return patches.reshape(b, c, height, width)
 
 
-def _register() -> None:
-    try:
-        from mmdit_strict.kernels.registry import KernelImpl, register
-    except Exception as exc:  # the registry is optional for the sampling math
-        logger.debug("latent operators not registered: %s", exc)
-        return
-    for dev in ("cpu", "cuda"):
-        register(
-            KernelImpl(
-                op="latent_pack_unpack",
-                backend="cpu_strict",
-                device=dev,
-                dtypes=frozenset({torch.float32}),
-                fn=pack_latents,
-                strict=True,
-                kernel_name="mmdit_strict.sampling.latents.pack_latents/unpack_latents",
-                source=pack_latents,
-                config={"inverse": "mmdit_strict.sampling.latents.unpack_latents"},
-                reduction_order="none (data movement)",
-            )
-        )
-        register(
-            KernelImpl(
-                op="latent_normalize",
-                backend="cpu_strict",
-                device=dev,
-                dtypes=frozenset({torch.float32}),
-                fn=normalize_latents,
-                strict=True,
-                kernel_name="mmdit_strict.sampling.latents.normalize_latents/denormalize_latents",
-                source=normalize_latents,
-                config={"inverse": "mmdit_strict.sampling.latents.denormalize_latents"},
-                reduction_order="none (elementwise FP32)",
-            )
-        )
-
-
-_register()
+register_sampling_op("latent_pack_unpack", pack_latents, "mmdit_strict.sampling.latents.pack_latents/unpack_latents",
+                     "none (data movement)", config={"inverse": "mmdit_strict.sampling.latents.unpack_latents"})
+register_sampling_op("latent_normalize", normalize_latents, "mmdit_strict.sampling.latents.normalize_latents/denormalize_latents",
+                     "none (elementwise FP32)", config={"inverse": "mmdit_strict.sampling.latents.denormalize_latents"})

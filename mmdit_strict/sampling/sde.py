@@ -39,17 +39,16 @@ branch gives ``std = eta / sqrt(1 - sigma_max)``.
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import NamedTuple
 
 import torch
 
 from .tree import TREE_ORDER, sqrt_rn, tree_sum
+from ._register import register_sampling_op
 
 __all__ = ["SDEStepResult", "sde_step", "euler_step", "gaussian_kl", "LOG_SQRT_2PI"]
 
-logger = logging.getLogger(__name__)
 
 #: log(sqrt(2 pi)) in float64, rounded once to FP32.
 LOG_SQRT_2PI = float(torch.tensor(0.5 * math.log(2.0 * math.pi), dtype=torch.float32))
@@ -288,26 +287,5 @@ def gaussian_kl(mean_a: torch.Tensor, mean_b: torch.Tensor, std: float | torch.T
     return (tree_sum(flat, dim=-1) / count) / denom
 
 
-def _register() -> None:
-    try:
-        from mmdit_strict.kernels.registry import KernelImpl, register
-    except Exception as exc:  # the registry is optional for the sampling math
-        logger.debug("flow_sde_step_logp not registered: %s", exc)
-        return
-    for dev in ("cpu", "cuda"):
-        register(
-            KernelImpl(
-                op="flow_sde_step_logp",
-                backend="cpu_strict",
-                device=dev,
-                dtypes=frozenset({torch.float32}),
-                fn=sde_step,
-                strict=True,
-                kernel_name="mmdit_strict.sampling.sde.sde_step",
-                source=sde_step,
-                reduction_order=f"logp: per-sample mean over flattened elements, {TREE_ORDER}, then / n",
-            )
-        )
-
-
-_register()
+register_sampling_op("flow_sde_step_logp", sde_step, "mmdit_strict.sampling.sde.sde_step",
+                     f"logp: per-sample mean over flattened elements, {TREE_ORDER}, then / n")

@@ -28,14 +28,14 @@ documented, intentional difference.
 
 from __future__ import annotations
 
-import logging
 import math
 
 import torch
 
+from ._register import register_sampling_op
+
 __all__ = ["sigma_table", "mu_for"]
 
-logger = logging.getLogger(__name__)
 
 
 def _check_positive_int(name: str, value: object) -> int:
@@ -139,26 +139,5 @@ def sigma_table(
     return table
 
 
-def _register() -> None:
-    try:
-        from mmdit_strict.kernels.registry import KernelImpl, register
-    except Exception as exc:  # the registry is optional for the sampling math
-        logger.debug("flow_sigma_table not registered: %s", exc)
-        return
-    for dev in ("cpu", "cuda"):
-        register(
-            KernelImpl(
-                op="flow_sigma_table",
-                backend="cpu_strict",
-                device=dev,
-                dtypes=frozenset({torch.float32}),
-                fn=sigma_table,
-                strict=True,
-                kernel_name="mmdit_strict.sampling.sigmas.sigma_table",
-                source=sigma_table,
-                reduction_order="none (elementwise FP32 on the CPU; diffusers/NumPy op order)",
-            )
-        )
-
-
-_register()
+register_sampling_op("flow_sigma_table", sigma_table, "mmdit_strict.sampling.sigmas.sigma_table",
+                     "none (elementwise FP32 on the CPU; diffusers/NumPy op order)")
