@@ -16,7 +16,9 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from ..kernels import grad_sink
 from ..kernels.registry import dispatch
+from ..kernels.runtime import current_runtime, runtime_mode
 from .rope import rope_tables
 
 if TYPE_CHECKING:
@@ -176,10 +178,18 @@ def strict_forward(model: "MMDiT", inputs: "ModelInputs", block_capture: dict[st
     txt = _op("txt_in_rmsnorm_linear", "txt_in", txt_rows, txt_rows, model.txt_norm.weight, w, b, seqlens=tseq, eps=eps, lora=lora)
 
     heads, head_dim = cfg.num_attention_heads, cfg.attention_head_dim
+    mode = current_runtime()
+
+    def recomputable_block(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        # Checkpointing re-runs the block during backward, outside the caller's runtime_mode block:
+        # re-enter the forward's mode so the recomputation dispatches to the same operators.
+        with runtime_mode(mode):
+            return _block(*args)
+
     for i, block in enumerate(model.transformer_blocks):
         if model.gradient_checkpointing and torch.is_grad_enabled():
             img, txt = torch.utils.checkpoint.checkpoint(
-                _block, i, block, img, txt, temb, rope, iseq, tseq, heads, head_dim, eps, use_reentrant=False
+                recomputable_block, i, block, img, txt, temb, rope, iseq, tseq, heads, head_dim, eps, use_reentrant=False
             )
         else:
             img, txt = _block(i, block, img, txt, temb, rope, iseq, tseq, heads, head_dim, eps)

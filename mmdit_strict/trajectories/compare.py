@@ -34,6 +34,7 @@ class Comparison:
     differing: dict[str, int]  # quantity → number of (step, sample) pairs whose hashes differ
     curves: dict[str, list[float]] = field(default_factory=dict)  # per step: v/x/logp max-abs, kl mean/max
     logp_ratio: dict[str, float] = field(default_factory=dict)  # exp(logp_b - logp_a) at step 0
+    lora_grads_equal: bool | None = None  # both sides recomputed LoRA grads: sample-order folds equal at every step
     warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -75,6 +76,13 @@ def compare(a: Trajectory, b: Trajectory) -> Comparison:
     if first is not None:
         first.block = _first_block(a, b, first.step, ids.index(first.sample_id))
     comp = Comparison(first is None, first, S, len(ids), differing, warnings=warnings)
+    ga, gb = (t.manifest["side"].get("lora_grads_per_step") for t in (a, b))
+    if ga and gb:
+        comp.lora_grads_equal = all(
+            x is not None and y is not None and x.get("sample_order_sha256") is not None
+            and x.get("sample_order_sha256") == y.get("sample_order_sha256")
+            for x, y in zip(ga, gb)
+        )
     if a.has_tensors() and b.has_tensors():
         comp.curves = drift_curves(a, b)
         if first is not None:

@@ -10,6 +10,7 @@ from typing import Sequence
 
 import torch
 
+from ..kernels.grad_sink import sample_keys
 from ..kernels.runtime import Runtime
 from ..model import MMDiT
 from ..sampling import cfg_combine
@@ -42,21 +43,27 @@ def velocity(
     cfg_layout: str,
     pad_to: int | None = None,
     block_hashes: list[list[str]] | None = None,
+    sample_ids: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """CFG-combined velocity ``(B, T, 64)`` in FP32.
 
     In ``audit`` runtime, ``block_hashes`` (if given) receives, per sample of the conditional
-    branch, the sha256 of every block's image-stream output rows.
+    branch, the sha256 of every block's image-stream output rows. ``sample_ids`` labels each sample's
+    rows as ``(sample_id, branch)`` (0 = cond, 1 = neg) for split-invariant gradient folding.
     """
     B = x.shape[0]
     shapes = [[(1, grid[0], grid[1])]] * B
     negs = [neg] * B
 
-    def forward(xs: torch.Tensor, prompts: Sequence[torch.Tensor]) -> torch.Tensor:
+    ids = list(sample_ids) if sample_ids is not None else list(range(B))
+
+    def forward(xs: torch.Tensor, prompts: Sequence[torch.Tensor], branches: Sequence[int]) -> torch.Tensor:
         ehs, mask = _pad(prompts, pad_to)
         n = xs.shape[0]
         t = torch.full((n,), sigma, dtype=torch.float32, device=xs.device)
-        return model(xs, ehs, mask, t, [shapes[0]] * n, return_dict=False)[0]
+        keys = [(i, br) for br in branches for i in ids]
+        with sample_keys(keys):
+            return model(xs, ehs, mask, t, [shapes[0]] * n, return_dict=False)[0]
 
     def collect_blocks() -> None:
         # the last forward's strict block outputs: image rows are (n·T, D) in sample order
@@ -68,17 +75,17 @@ def velocity(
                                  for i in range(model.config.num_layers)])
 
     if cfg_scale == 1.0:
-        v = forward(x, cond).float()
+        v = forward(x, cond, (0,)).float()
         collect_blocks()
         return v
     if cfg_layout == "batched":
-        both = forward(torch.cat([x, x]), list(cond) + negs).float()
+        both = forward(torch.cat([x, x]), list(cond) + negs, (0, 1)).float()
         collect_blocks()
         v_cond, v_neg = both[:B], both[B:]
     elif cfg_layout == "sequential":
-        v_cond = forward(x, cond).float()
+        v_cond = forward(x, cond, (0,)).float()
         collect_blocks()
-        v_neg = forward(x, negs).float()
+        v_neg = forward(x, negs, (1,)).float()
     else:
         raise ValueError(f"cfg_layout must be 'batched' or 'sequential', got {cfg_layout!r}")
     return cfg_combine(v_cond, v_neg, float(cfg_scale))

@@ -15,11 +15,13 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
+from ..kernels.grad_sink import collect_sample_grads
 from ..kernels.runtime import runtime_mode
 from ..kernels.trace import capture_trace
 from ..model.strict import inject_fault
 from . import artifact
 from .engine import velocity
+from .hashing import tensor_sha256
 from .record import StepRecorder, build_trajectory, model_hashes
 from .rollout import step_latents
 from .setup import Prompts, build_side_model, side_runtime
@@ -50,6 +52,28 @@ def parse_fault(spec: str | None) -> tuple[str | None, int | None]:
     return key, int(step) if step else 0
 
 
+def _grad_record(trainable: list, sink) -> dict | None:
+    """Hashes of one step's LoRA gradients: folded in global sample order (split-invariant) and as autograd summed them.
+
+    Parameters that received no gradient this step (e.g. the text-stream output projection of the
+    last block, whose output is discarded) are left out of both.
+    """
+    with_grad = [(n, p) for n, p in trainable if p.grad is not None]
+    if not with_grad:
+        return None
+    folded = [sink.fold(p) for _, p in with_grad]
+    rec: dict = {"params": len(with_grad),
+                 "autograd_sha256": tensor_sha256(torch.cat([p.grad.reshape(-1) for _, p in with_grad]))}
+    missing = [n for (n, _), f in zip(with_grad, folded) if f is None]
+    if missing:
+        rec["unfolded"] = missing  # a backend without per-sample partials (not strict) ran these
+    else:
+        flat = torch.cat([f.reshape(-1) for f in folded])
+        rec["sample_order_sha256"] = tensor_sha256(flat)
+        rec["norm"] = float(flat.double().norm())
+    return rec
+
+
 def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | Path, progress: bool = True) -> artifact.Trajectory:
     """Recompute v_t, x_{t+1}, logp_t for every recorded step and write the artifact to ``out_dir``."""
     if not rollout.has_tensors():
@@ -74,35 +98,36 @@ def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | 
     xs = rollout.tensors["x"].to(device)
     rec = StepRecorder(S, xs[0])
     mbs = micro_batches(list(range(len(ids))), int(cfg.recompute.micro_batch), bool(cfg.recompute.shuffle), int(cfg.recompute.shuffle_seed))
-    trainable = [p for p in model.parameters() if p.requires_grad]
+    trainable = sorted(((n, p) for n, p in model.named_parameters() if p.requires_grad), key=lambda t: t[0])
     bar = tqdm(total=S * len(mbs), desc=f"recompute [{runtime.value}]", disable=not progress, leave=False)
-    grad_norms = []
+    grad_records = []
     fault_key, fault_step = parse_fault(cfg.recompute.inject_fault)
     with capture_trace() as trace, runtime_mode(runtime):
         for step in range(S):
             fault_here = fault_key if step == fault_step else None
-            for mb in mbs:
-                x_t, x_rec = xs[step][mb], xs[step + 1][mb]
-                with inject_fault(fault_here), torch.set_grad_enabled(bool(cfg.recompute.autograd)):
-                    blocks: list[list[str]] = []
-                    v = velocity(model, x_t.to(model.dtype), [prompts.embeds[i] for i in mb], prompts.negative,
-                                 float(sigmas[step]), grid, float(cfg.sampler.cfg_scale), cfg.recompute.cfg_layout, cfg.recompute.pad_to,
-                                 block_hashes=blocks)
-                    x_next, logp = step_latents(cfg, v, x_t, sigmas, step, [ids[i] for i in mb], prev_sample=x_rec)
-                    if logp.requires_grad:
-                        (-logp.sum()).backward()
-                rec.put(step, mb, v, x_next, logp, blocks)
-                bar.update(1)
-            if trainable and trainable[0].grad is not None:
-                grad_norms.append(float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in trainable if p.grad is not None))))
-                for p in trainable:
-                    p.grad = None
+            with collect_sample_grads() as sink:
+                for mb in mbs:
+                    x_t, x_rec = xs[step][mb], xs[step + 1][mb]
+                    mb_ids = [ids[i] for i in mb]
+                    with inject_fault(fault_here), torch.set_grad_enabled(bool(cfg.recompute.autograd)):
+                        blocks: list[list[str]] = []
+                        v = velocity(model, x_t.to(model.dtype), [prompts.embeds[i] for i in mb], prompts.negative,
+                                     float(sigmas[step]), grid, float(cfg.sampler.cfg_scale), cfg.recompute.cfg_layout,
+                                     cfg.recompute.pad_to, block_hashes=blocks, sample_ids=mb_ids)
+                        x_next, logp = step_latents(cfg, v, x_t, sigmas, step, mb_ids, prev_sample=x_rec)
+                        if logp.requires_grad:
+                            (-logp.sum()).backward()
+                    rec.put(step, mb, v, x_next, logp, blocks)
+                    bar.update(1)
+            grad_records.append(_grad_record(trainable, sink))
+            for _, p in trainable:
+                p.grad = None
     bar.close()
     side = {"micro_batch": int(cfg.recompute.micro_batch), "shuffle": bool(cfg.recompute.shuffle),
             "order": [ids[i] for mb in mbs for i in mb], "cfg_layout": cfg.recompute.cfg_layout, "pad_to": cfg.recompute.pad_to,
             "autograd": bool(cfg.recompute.autograd), "grad_checkpointing": bool(cfg.recompute.grad_checkpointing),
             "inject_fault": cfg.recompute.inject_fault,
-            "lora_grad_norm_per_step": grad_norms}
+            "lora_grads_per_step": grad_records}
     traj = build_trajectory("recompute", cfg, model, runtime, prompts, sigmas, ids, grid, rec, trace,
                             time.perf_counter() - t0, side, True)
     artifact.write(traj, out_dir)

@@ -129,6 +129,11 @@ def render_markdown(p: dict[str, Any], comp: Comparison) -> str:
     if c.get("logp_ratio"):
         r = c["logp_ratio"]
         lines.append(f"GRPO ratio exp(logp_recompute − logp_rollout) at step 0: min {r['min']:.9f}, max {r['max']:.9f}.")
+    grads = rb["side"].get("lora_grads_per_step") or []
+    if grads and all(g and g.get("sample_order_sha256") for g in grads):
+        lines.append(f"LoRA gradients of the recompute side, folded per sample in global sample order "
+                     f"(independent of micro-batch split and CFG layout): step 0 sha256 {grads[0]['sample_order_sha256'][:16]}…, "
+                     f"norm {grads[0]['norm']:.6e}.")
     lines.append("")
     loc = p.get("localization")
     if loc and loc.get("first"):

@@ -17,6 +17,7 @@ from typing import Sequence
 
 import torch
 
+from ..grad_sink import active as active_grad_sink
 from ..registry import KernelImpl, register
 from .primitives import (
     TILE_M, check_seqlens, fold, gelu_tanh_bwd, gelu_tanh_fwd, segment_tree_sum, silu_bwd, silu_fwd, tile_matmul,
@@ -27,18 +28,24 @@ EPILOGUES = ("none", "gelu_tanh", "silu")
 LoRA = tuple  # (A (r, K), B (N, r), scale)
 
 
-def _per_sample_outer(dz: torch.Tensor, x: torch.Tensor, seqlens: tuple[int, ...]) -> torch.Tensor:
-    """``sum_s dz_sᵀ x_s`` folded in sample order; each product on fresh contiguous operands."""
-    acc = None
+def _per_sample_outer(dz: torch.Tensor, x: torch.Tensor, seqlens: tuple[int, ...], sink=None, param=None, keys=None) -> torch.Tensor:
+    """``sum_s dz_sᵀ x_s`` folded in sample order; each product on fresh contiguous operands.
+
+    With a gradient sink, each sample's partial is also handed to it under the sample's key.
+    """
+    parts = []
     start = 0
     for n in seqlens:
         if n == 0:
+            parts.append(dz.new_zeros(dz.shape[1], x.shape[1]))
             continue
-        part = dz[start:start + n].t().contiguous().clone() @ x[start:start + n].contiguous().clone()
-        acc = part if acc is None else acc + part
+        parts.append(dz[start:start + n].t().contiguous().clone() @ x[start:start + n].contiguous().clone())
         start += n
-    if acc is None:
-        acc = dz.new_zeros(dz.shape[1], x.shape[1])
+    if sink is not None and param is not None and keys is not None:
+        sink.add(param, keys, parts)
+    acc = parts[0] if parts else dz.new_zeros(dz.shape[1], x.shape[1])
+    for part in parts[1:]:
+        acc = acc + part
     return acc
 
 
@@ -88,6 +95,10 @@ class StrictGemmFunction(torch.autograd.Function):
             y = z
         ctx.save_for_backward(x, px, z if epilogue != "none" else None, weight, bias, lora_a, lora_b, u)
         ctx.meta = (scale, seqlens, prologue, epilogue)
+        sink, keys = active_grad_sink()
+        if sink is not None and keys is not None and len(keys) != len(seqlens):
+            raise ValueError(f"sample_keys declares {len(keys)} samples but this GEMM sees {len(seqlens)}")
+        ctx.sink = (sink, keys, weight, bias, lora_a, lora_b) if sink is not None and keys is not None else None
         return y
 
     @staticmethod
@@ -102,6 +113,7 @@ class StrictGemmFunction(torch.autograd.Function):
         else:
             dz = dy
         dx = dW = db = dA = dB = None
+        sink, keys, p_w, p_b, p_a, p_bb = ctx.sink if ctx.sink is not None else (None,) * 6
         need_x = ctx.needs_input_grad[0]
         dpx = tile_matmul(dz, weight) if need_x else None
         if lora_a is not None:
@@ -109,15 +121,19 @@ class StrictGemmFunction(torch.autograd.Function):
             if need_x:
                 dpx = dpx + tile_matmul(du, lora_a)
             if ctx.needs_input_grad[3]:
-                dA = _per_sample_outer(du, px, seqlens)
+                dA = _per_sample_outer(du, px, seqlens, sink, p_a, keys)
             if ctx.needs_input_grad[4]:
-                dB = scale * _per_sample_outer(dz, u, seqlens)
+                # scale is applied per sample before folding so the sink's partials equal the folded terms
+                dB = _per_sample_outer(scale * dz, u, seqlens, sink, p_bb, keys)
         if need_x:
             dx = silu_bwd(x, dpx) if prologue == "silu" else dpx
         if ctx.needs_input_grad[1]:
-            dW = _per_sample_outer(dz, px, seqlens)
+            dW = _per_sample_outer(dz, px, seqlens, sink, p_w, keys)
         if bias is not None and ctx.needs_input_grad[2]:
-            db = fold(segment_tree_sum(dz, seqlens))
+            per_sample = segment_tree_sum(dz, seqlens)
+            if sink is not None:
+                sink.add(p_b, keys, list(per_sample))
+            db = fold(per_sample)
         return dx, dW, db, dA, dB, None, None, None, None
 
 
