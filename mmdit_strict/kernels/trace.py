@@ -26,6 +26,7 @@ class TraceRecord:
     dtype: str
     kernel: dict[str, Any]
     fallback: bool
+    policy: dict[str, Any] = field(default_factory=dict)  # arithmetic policy in force when it was dispatched
     calls: int = 0
 
 
@@ -50,6 +51,7 @@ class OperatorTrace:
                 dtype=dname,
                 kernel=impl.identity(),
                 fallback=fell_back,
+                policy=current_policy(),
             )
             self.records[key] = rec
         rec.calls += 1
@@ -58,13 +60,24 @@ class OperatorTrace:
     def fallbacks(self) -> list[TraceRecord]:
         return [r for r in self.records.values() if r.fallback]
 
+    def policy(self) -> dict[str, Any]:
+        """The arithmetic policy in force while the recorded operators ran (the current one if none ran).
+
+        Records carry the policy of their first dispatch; when records disagree, the value is the
+        sorted list of distinct values seen.
+        """
+        seen = [r.policy for r in self.records.values() if r.policy]
+        if not seen:
+            return current_policy()
+        merged: dict[str, Any] = {}
+        for key in seen[0]:
+            values = sorted({repr(p.get(key)) for p in seen})
+            merged[key] = seen[0][key] if len(values) == 1 else values
+        return merged
+
     def to_dict(self) -> dict[str, Any]:
         return {
-            "policy": {
-                **tf32_state(),
-                "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-                "float32_matmul_precision": torch.get_float32_matmul_precision(),
-            },
+            "policy": self.policy(),
             "fallbacks": len(self.fallbacks),
             "operators": [vars(r) for r in sorted(self.records.values(), key=lambda r: (r.op, r.device, r.dtype))],
         }
@@ -79,6 +92,15 @@ class OperatorTrace:
 
     def dump(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2, default=str))
+
+
+def current_policy() -> dict[str, Any]:
+    """TF32 switches, deterministic-algorithms flag and FP32 matmul precision right now."""
+    return {
+        **tf32_state(),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+    }
 
 
 _TRACE: contextvars.ContextVar[OperatorTrace | None] = contextvars.ContextVar("mmdit_strict_trace", default=None)

@@ -178,13 +178,17 @@ def strict_forward(model: "MMDiT", inputs: "ModelInputs", block_capture: dict[st
     txt = _op("txt_in_rmsnorm_linear", "txt_in", txt_rows, txt_rows, model.txt_norm.weight, w, b, seqlens=tseq, eps=eps, lora=lora)
 
     heads, head_dim = cfg.num_attention_heads, cfg.attention_head_dim
+    # Checkpointing re-runs a block during backward, outside the caller's context blocks (runtime
+    # mode, gradient sink and sample keys, fault injection): snapshot them now, re-enter them there.
+    forward_context = contextvars.copy_context()
     mode = current_runtime()
 
     def recomputable_block(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        # Checkpointing re-runs the block during backward, outside the caller's runtime_mode block:
-        # re-enter the forward's mode so the recomputation dispatches to the same operators.
-        with runtime_mode(mode):
-            return _block(*args)
+        def run() -> tuple[torch.Tensor, torch.Tensor]:
+            with runtime_mode(mode):
+                return _block(*args)
+
+        return forward_context.copy().run(run)
 
     for i, block in enumerate(model.transformer_blocks):
         if model.gradient_checkpointing and torch.is_grad_enabled():

@@ -19,16 +19,19 @@ def timestep_embed_mlp(
 ) -> torch.Tensor:
     """sigma (B,) → ``linear_2(SiLU(linear_1([cos | sin](scale·sigma·f))))`` (B, D), FP32.
 
-    Frequencies ``f_i = exp(-ln(10000)·i/half)`` are computed once in FP64 and rounded to FP32.
+    Frequencies ``f_i = exp(-ln(10000)·i/half)``, angles and their cos/sin are computed in FP64 and
+    rounded once to FP32 (row-local, so batch-invariant).
     """
     if sigma.dim() != 1:
         raise ValueError(f"timestep_embed_mlp: expected sigma of shape (B,), got {tuple(sigma.shape)}")
     if sigma.dtype != torch.float32 or sigma.device.type != "cpu":
         raise ValueError(f"CPU strict timestep_embed_mlp needs float32 CPU sigma, got {sigma.dtype} on {sigma.device}")
     half = channels // 2
-    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float64) / half).to(torch.float32)
-    args = (scale * sigma)[:, None] * freqs[None, :]
-    emb = torch.cat([elementwise(torch.cos, args), elementwise(torch.sin, args)], dim=-1)
+    # Angles reach scale·sigma = 1000 rad: FP32 arguments would carry ~6e-5 absolute error into
+    # cos/sin. The B×channels table is computed in FP64 from the FP32 sigma and rounded once.
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float64) / half)
+    args = (float(scale) * sigma.double())[:, None] * freqs[None, :]
+    emb = torch.cat([elementwise(torch.cos, args), elementwise(torch.sin, args)], dim=-1).to(torch.float32)
     ones = (1,) * sigma.shape[0]
     h = gemm(emb, w1, b1, seqlens=ones, epilogue="silu")
     return gemm(h, w2, b2, seqlens=ones)

@@ -1,0 +1,116 @@
+"""Launch configurations of the strict GEMM engine, as data.
+
+Every configuration is keyed by ``(N, K, dtype)`` of the product — the output features and the
+reduction length — and never by ``M`` (tokens or batch rows): the tile shape fixes each output
+element's reduction tree, so choosing it from ``M`` would make a row's bytes depend on what it is
+batched with (DESIGN.md §3.4).
+
+Three tables:
+
+* :data:`FWD` — the main kernel ``out(M, N) = p(a)(M, K) @ b(K, N)``, used for the forward product
+  and for ``dX = dZ @ W`` (there ``N`` and ``K`` are the layer's ``K`` and ``N``).
+  ``weight_layout`` says how the forward reads the weight: ``"kn"`` = a prepacked, contiguous
+  ``Wᵀ (K, N)`` copy (made once per weight version, see ``gemm.prepacked_weight``), ``"nk"`` =
+  nn.Linear's stored ``(N, K)`` read through strides. DESIGN.md §8 measured K×N at 0.82–0.96× cuBLAS
+  and N×K at 0.64–0.74× for one plain kernel, hence ``"kn"`` for the large layers.
+* :data:`DW` — the weight-gradient kernel ``dW(N, K) = Σ_samples Σ_rows dZᵀ p(x)``: output tile
+  ``(BLOCK_N, BLOCK_K)``, rows consumed ``BLOCK_M`` at a time from each sample's first row.
+* Generic fallbacks by size class of ``(N, K)`` when a shape has no exact entry.
+
+Changing any entry changes the bytes the engine produces for that shape class (a new kernel
+identity in the trace); it never changes whether they are batch-invariant.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_BF16 = "bf16"
+_FP32 = "fp32"
+
+
+def _fwd(bm, bn, bk, warps, stages, layout="kn", group_m=8):
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m,
+            "num_warps": warps, "num_stages": stages, "weight_layout": layout}
+
+
+def _dw(bn, bk, bm, warps, stages, group=8):
+    return {"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_M": bm, "GROUP_N": group,
+            "num_warps": warps, "num_stages": stages}
+
+
+# Qwen-Image layer shapes (N, K): qkv 9216×3072, attn_out / timestep-2 3072×3072, mlp_up 12288×3072,
+# mlp_down 3072×12288, modulation 18432×3072, final modulation 6144×3072, txt_in 3072×3584,
+# img_in 3072×64, proj_out 64×3072, timestep-1 3072×256.  Backward dX uses the transposed pairs.
+# H200 run 1 (experiments/gemm/h200_gemm_report_run1.md): 128×256×64, 8 warps, 4 stages was the best
+# of six candidates for qkv/mlp_up/mlp_down fwd and dX; the N×K weight read cost 15–35%.
+_BIG_BF16 = _fwd(128, 256, 64, 8, 4)
+# M = batch rows (1..2048): weight-streaming bound; run 1's 16×64×256 reached only ~0.33 TB/s while
+# FP32's 16×64×64 streamed ~1.8 TB/s, so BLOCK_K 64.
+_MOD_BF16 = _fwd(16, 64, 64, 4, 4)
+# dX of the modulation projections (M = batch rows, N = 3072 outputs, K = 18432/6144): without
+# split-K the parallelism is N / BLOCK_N programs, so narrow tiles.
+_MOD_DX_BF16 = _fwd(16, 32, 128, 4, 4)
+_THIN_N_BF16 = _fwd(64, 64, 64, 4, 4)         # N = 64 (proj_out fwd, img_in dX): 33 programs at BLOCK_M 128 was too few
+_THIN_K_BF16 = _fwd(128, 128, 64, 8, 3)       # K = 64 (img_in): one K step
+
+FWD: dict[tuple[int, int, str], dict] = {
+    (9216, 3072, _BF16): _BIG_BF16,
+    (3072, 3072, _BF16): _BIG_BF16,
+    (12288, 3072, _BF16): _BIG_BF16,
+    (3072, 12288, _BF16): _BIG_BF16,
+    (3072, 3584, _BF16): _BIG_BF16,
+    (3584, 3072, _BF16): _BIG_BF16,        # dX of txt_in
+    (18432, 3072, _BF16): _MOD_BF16,
+    (6144, 3072, _BF16): _MOD_BF16,
+    (3072, 18432, _BF16): _MOD_DX_BF16,    # dX of the modulation projection
+    (3072, 6144, _BF16): _MOD_DX_BF16,
+    (3072, 64, _BF16): _THIN_K_BF16,
+    (64, 3072, _BF16): _THIN_N_BF16,
+}
+
+_BIG_FP32 = _fwd(128, 128, 32, 8, 3)
+_MOD_FP32 = _fwd(16, 64, 64, 4, 4)
+_MOD_DX_FP32 = _fwd(16, 32, 64, 4, 4)
+_THIN_N_FP32 = _fwd(64, 64, 32, 4, 3)
+for (_n, _k, _d), _cfg in list(FWD.items()):
+    FWD[(_n, _k, _FP32)] = {id(_MOD_BF16): _MOD_FP32, id(_THIN_N_BF16): _THIN_N_FP32,
+                            id(_MOD_DX_BF16): _MOD_DX_FP32}.get(id(_cfg), _BIG_FP32)
+
+_DW_BF16 = _dw(128, 128, 64, 8, 3)
+_DW_FP32 = _dw(64, 64, 32, 4, 3)
+DW: dict[tuple[int, int, str], dict] = {}
+
+
+def _size_class_fwd(n: int, k: int, dt: str) -> dict:
+    if n <= 256 and k <= 256:  # tiny layers (CI's tiny model, tests): small tiles, many of them
+        return _fwd(16, 32, 16, 4, 2, layout="kn", group_m=4)
+    if dt == _BF16:
+        return _fwd(128, 128, 64, 8, 3)
+    return _fwd(64, 64, 32, 4, 3)
+
+
+def _size_class_dw(n: int, k: int, dt: str) -> dict:
+    if n <= 256 and k <= 256:
+        return _dw(32, 16, 16, 4, 2, group=4)
+    return _DW_BF16 if dt == _BF16 else _DW_FP32
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    if dtype == torch.bfloat16:
+        return _BF16
+    if dtype == torch.float32:
+        return _FP32
+    raise ValueError(f"strict GEMM engine runs fp32 or bf16, got {dtype}")
+
+
+def fwd_config(n: int, k: int, dtype: torch.dtype) -> dict:
+    """Configuration of the main kernel for an ``(M, K) @ (K, N)`` product; never depends on M."""
+    dt = dtype_name(dtype)
+    return dict(FWD.get((n, k, dt)) or _size_class_fwd(n, k, dt))
+
+
+def dw_config(n: int, k: int, dtype: torch.dtype) -> dict:
+    """Configuration of the weight-gradient kernel for a ``(N, K)`` gradient; never depends on M."""
+    dt = dtype_name(dtype)
+    return dict(DW.get((n, k, dt)) or _size_class_dw(n, k, dt))
