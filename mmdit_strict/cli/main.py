@@ -133,6 +133,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return int(module.main(["--out", args.out]) or 0)
 
 
+def cmd_qualify(args: argparse.Namespace) -> int:
+    """GPU qualification of the strict kernels: accuracy vs FP64, raw-byte invariance, speed vs cuBLAS."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError("qualify needs a CUDA GPU (the CPU strict backend is qualified by the test suite)")
+    from ..bench import gemm
+
+    return int(gemm.main(["--out", args.out, "--sweep", "none"]) or 0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mmdit-strict",
@@ -164,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("config", cmd_config, "print the composed, resolved config")
     p = add("fingerprint", cmd_fingerprint, "print the sha256 fingerprint of the model/arithmetic contract", overrides=False)
     p.add_argument("--preset", default="qwen-image", help="architecture preset (qwen-image | tiny)")
+    p = add("qualify", cmd_qualify, "GPU qualification report of the strict kernels (JSON + markdown)", overrides=False)
+    p.add_argument("--out", default="experiments/local", help="output folder")
     p = add("bench", cmd_bench, "run a benchmark and write its JSON + markdown report", overrides=False)
     p.add_argument("which", choices=["cpu_strict", "gemm"], help="cpu_strict: CPU strict vs production forward; gemm: Triton GEMM engine (GPU)")
     p.add_argument("--out", default="experiments/local", help="output folder")

@@ -72,7 +72,7 @@ def test_fingerprint_is_stable_and_sensitive(capsys: pytest.CaptureFixture) -> N
     assert fingerprint("tiny") == fingerprint(preset("tiny"))
 
 
-@pytest.mark.parametrize("command", ["run", "rollout", "recompute", "compare", "report", "sample", "config", "fingerprint", "bench"])
+@pytest.mark.parametrize("command", ["run", "rollout", "recompute", "compare", "report", "sample", "config", "fingerprint", "bench", "qualify"])
 def test_every_command_has_help(command: str, capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exc:
         main([command, "--help"])
