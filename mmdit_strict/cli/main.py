@@ -133,6 +133,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return int(module.main(["--out", args.out]) or 0)
 
 
+def cmd_operators(args: argparse.Namespace) -> int:
+    """The operator inventory: every registered implementation, its kernel identity and reduction order."""
+    from ..kernels.registry import DTYPE_NAMES, OPERATORS, implementations
+
+    impls = implementations()
+    rows = []
+    for op in OPERATORS:
+        for i in sorted((i for i in impls if i.op == op), key=lambda i: (not i.strict, i.device, i.backend)):
+            dts = ",".join(sorted(DTYPE_NAMES.get(d, str(d)) for d in i.dtypes))
+            rows.append((op, i.backend, i.device, dts, "yes" if i.strict else "no", i.kernel_name, i.reduction_order))
+        if not any(r[0] == op for r in rows):
+            rows.append((op, "—", "—", "—", "—", "no implementation yet", ""))
+    if args.markdown:
+        print("| operator | backend | device | dtypes | strict | kernel | reduction order |")
+        print("|---|---|---|---|---|---|---|")
+        for r in rows:
+            print("| " + " | ".join(r) + " |")
+    else:
+        for r in rows:
+            print(f"{r[0]:24s} {r[1]:12s} {r[2]:5s} {r[3]:10s} strict={r[4]:3s} {r[5]}")
+    return EXIT_OK
+
+
 def cmd_qualify(args: argparse.Namespace) -> int:
     """GPU qualification of the strict kernels: accuracy vs FP64, raw-byte invariance, speed vs cuBLAS."""
     import torch
@@ -175,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("config", cmd_config, "print the composed, resolved config")
     p = add("fingerprint", cmd_fingerprint, "print the sha256 fingerprint of the model/arithmetic contract", overrides=False)
     p.add_argument("--preset", default="qwen-image", help="architecture preset (qwen-image | tiny)")
+    p = add("operators", cmd_operators, "list the operator inventory: implementations per device/dtype, strict or not", overrides=False)
+    p.add_argument("--markdown", action="store_true", help="print a markdown table (with reduction orders)")
     p = add("qualify", cmd_qualify, "GPU qualification report of the strict kernels (JSON + markdown)", overrides=False)
     p.add_argument("--out", default="experiments/local", help="output folder")
     p = add("bench", cmd_bench, "run a benchmark and write its JSON + markdown report", overrides=False)

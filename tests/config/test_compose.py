@@ -72,9 +72,20 @@ def test_fingerprint_is_stable_and_sensitive(capsys: pytest.CaptureFixture) -> N
     assert fingerprint("tiny") == fingerprint(preset("tiny"))
 
 
-@pytest.mark.parametrize("command", ["run", "rollout", "recompute", "compare", "report", "sample", "config", "fingerprint", "bench", "qualify"])
+@pytest.mark.parametrize("command", ["run", "rollout", "recompute", "compare", "report", "sample", "config", "fingerprint", "bench", "qualify", "operators"])
 def test_every_command_has_help(command: str, capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exc:
         main([command, "--help"])
     assert exc.value.code == 0
     assert "usage: mmdit-strict" in capsys.readouterr().out
+
+
+def test_operator_inventory_lists_every_operator(capsys: pytest.CaptureFixture) -> None:
+    from mmdit_strict.kernels.registry import OPERATORS
+
+    assert main(["operators", "--markdown"]) == 0
+    out = capsys.readouterr().out
+    for op in OPERATORS:
+        assert f"| {op} |" in out
+    # the CPU strict backend covers every model operator
+    assert "| qkv_bias_gemm | cpu_strict | cpu | fp32 | yes |" in out
