@@ -96,3 +96,14 @@ def test_wandb_offline_logging(tmp_path: Path) -> None:
     assert main(["run", "--quiet", f"output_dir={out}", "sampler.num_steps=2", "prompts.num_prompts=2", "wandb.mode=offline"]) == 0
     runs = list((out / "wandb").glob("offline-run-*"))
     assert runs and any(p.suffix == ".wandb" for p in runs[0].iterdir())
+
+
+def test_sample_command_writes_latents_and_hashes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "sample"
+    assert main(["sample", "--quiet", f"output_dir={out}", "sampler.num_steps=2", "prompts.num_prompts=2"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("step ") == 2 and "latents and hashes" in printed
+    from mmdit_strict.trajectories import read
+
+    traj = read(out / "rollout")
+    assert traj.tensors["x"].shape == (3, 2, 64, 64) and len(traj.manifest["steps"][1]["x"]) == 2
