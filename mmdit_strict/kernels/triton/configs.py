@@ -29,9 +29,12 @@ _BF16 = "bf16"
 _FP32 = "fp32"
 
 
-def _fwd(bm, bn, bk, warps, stages, layout="kn", group_m=8):
+def _fwd(bm, bn, bk, warps, stages, layout="kn", group_m=8, tma=False, prologue="pass"):
+    """``tma``: load the tiles through Hopper tensor descriptors (same arithmetic; pointer loads where
+    the copy engine cannot serve the operands). ``prologue``: ``"pass"`` = the SiLU prologue as its
+    own elementwise pass, ``"fused"`` = in the main loop (same bytes; see ``gemm.gemm_fwd``)."""
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m,
-            "num_warps": warps, "num_stages": stages, "weight_layout": layout}
+            "num_warps": warps, "num_stages": stages, "weight_layout": layout, "tma": tma, "prologue": prologue}
 
 
 def _dw(bn, bk, bm, warps, stages, group=8):
@@ -44,13 +47,20 @@ def _dw(bn, bk, bm, warps, stages, group=8):
 # img_in 3072×64, proj_out 64×3072, timestep-1 3072×256.  Backward dX uses the transposed pairs.
 # H200 run 1 (experiments/gemm/h200_gemm_report_run1.md): 128×256×64, 8 warps, 4 stages was the best
 # of six candidates for qkv/mlp_up/mlp_down fwd and dX; the N×K weight read cost 15–35%.
-_BIG_BF16 = _fwd(128, 256, 64, 8, 4)
-# M = batch rows (1..2048): weight-streaming bound; run 1's 16×64×256 reached only ~0.33 TB/s while
-# FP32's 16×64×64 streamed ~1.8 TB/s, so BLOCK_K 64.
-_MOD_BF16 = _fwd(16, 64, 64, 4, 4)
+# Round 2 (experiments/gemm/h200_tuning_round2.md): the same tile through tensor descriptors (TMA) was
+# the fastest of 7 candidates for every M = 4224 class, fwd and dX (0.96–1.14× cuBLAS in the sweep).
+_BIG_BF16 = _fwd(128, 256, 64, 8, 4, tma=True)
+# M = batch rows (1..2048): weight-streaming bound. Run 2's sweep (prologue fused into the main loop):
+# time grew with the number of column tiles (16×32×128 0.32 ms, 16×64×64 0.18, 16×128×64 0.15) — every
+# program re-evaluated SiLU on its whole (16, K) row block; round 2 runs the prologue as its own pass.
+# Round-2 sweep at M = 8 (prologue pass): 16×256×64 w8 s4 0.047 ms vs cuBLAS+SiLU 0.045 ms for 18432×3072.
+_MOD_BF16 = _fwd(16, 256, 64, 8, 4)
+# 6144×3072: every candidate timed 0.081–0.094 ms in the sweep (host launch bound, see NOTES.md);
+# 16×64×128 (96 programs) was the fastest, 0.046 ms in the speed section after it.
+_FINAL_MOD_BF16 = _fwd(16, 64, 128, 4, 4)
 # dX of the modulation projections (M = batch rows, N = 3072 outputs, K = 18432/6144): without
 # split-K the parallelism is N / BLOCK_N programs, so narrow tiles.
-_MOD_DX_BF16 = _fwd(16, 32, 128, 4, 4)
+_MOD_DX_BF16 = _fwd(16, 32, 128, 4, 6)  # round 2: stages 4 → 6 (0.061 → 0.052 ms at M = 8)
 _THIN_N_BF16 = _fwd(64, 64, 64, 4, 4)         # N = 64 (proj_out fwd, img_in dX): 33 programs at BLOCK_M 128 was too few
 _THIN_K_BF16 = _fwd(128, 128, 64, 8, 3)       # K = 64 (img_in): one K step
 
@@ -62,7 +72,7 @@ FWD: dict[tuple[int, int, str], dict] = {
     (3072, 3584, _BF16): _BIG_BF16,
     (3584, 3072, _BF16): _BIG_BF16,        # dX of txt_in
     (18432, 3072, _BF16): _MOD_BF16,
-    (6144, 3072, _BF16): _MOD_BF16,
+    (6144, 3072, _BF16): _FINAL_MOD_BF16,
     (3072, 18432, _BF16): _MOD_DX_BF16,    # dX of the modulation projection
     (3072, 6144, _BF16): _MOD_DX_BF16,
     (3072, 64, _BF16): _THIN_K_BF16,
@@ -74,7 +84,7 @@ _MOD_FP32 = _fwd(16, 64, 64, 4, 4)
 _MOD_DX_FP32 = _fwd(16, 32, 64, 4, 4)
 _THIN_N_FP32 = _fwd(64, 64, 32, 4, 3)
 for (_n, _k, _d), _cfg in list(FWD.items()):
-    FWD[(_n, _k, _FP32)] = {id(_MOD_BF16): _MOD_FP32, id(_THIN_N_BF16): _THIN_N_FP32,
+    FWD[(_n, _k, _FP32)] = {id(_MOD_BF16): _MOD_FP32, id(_FINAL_MOD_BF16): _MOD_FP32, id(_THIN_N_BF16): _THIN_N_FP32,
                             id(_MOD_DX_BF16): _MOD_DX_FP32}.get(id(_cfg), _BIG_FP32)
 
 _DW_BF16 = _dw(128, 128, 64, 8, 3)

@@ -15,7 +15,8 @@ Arithmetic (DESIGN.md §3), frozen here and documented per kernel below:
 * BF16 operands run on the tensor cores with FP32 accumulation; FP32 operands use
   ``input_precision="ieee"`` (true FP32 FMA, never TF32).
 * Epilogue in FP32 on the accumulator, then **one cast** to the execution dtype at the output.
-  ``exp`` is a range-reduced polynomial written with IEEE ``+ - *`` (no ``ex2.approx``/``__expf``),
+  ``exp`` is a range-reduced polynomial written with IEEE ``+ - *`` and explicit ``fma`` (no
+  ``ex2.approx``/``__expf``),
   divisions are ``div_rn`` (not ``div.full``), and kernels are compiled with
   ``enable_fp_fusion=False`` so no multiply-add is contracted: every epilogue operation is one
   IEEE-rounded FP32 operation, in the order written. The interpreter (numpy FP32) executes the same
@@ -41,6 +42,7 @@ The prepacked copy doubles that weight's memory; :func:`clear_prepack_cache` dro
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 
 import torch
@@ -64,26 +66,27 @@ _GELU_3A = 0.134145  # 3 * 0.044715
 
 @triton.jit
 def _exp_f32(x):
-    """exp(x) in FP32 from IEEE + - * only.
+    """exp(x) in FP32 from IEEE operations only (``+ - *`` and the fused multiply-add ``fma``).
 
-    n = floor(x·log2e + 1/2); r = (x − n·ln2_hi) − n·ln2_lo (Cody–Waite, |r| ≤ 0.35);
-    exp(r) by the degree-7 Taylor polynomial in Horner form (truncation < 0.1 ulp);
-    scaled by 2^(n>>1) then 2^(n − n>>1) (two exact powers of two built from exponent bits, so the
-    only rounding of the scaling is the last multiply, which also produces inf/subnormals/0).
-    x is clamped to [−104, 89], outside of which the result is already 0 or inf.
+    n = floor(fma(x, log2e, 1/2)); r = fma(n, −ln2_hi, x); r = fma(n, −ln2_lo, r) (Cody–Waite,
+    |r| ≤ 0.35); exp(r) by the degree-7 Taylor polynomial in Horner form, one ``fma`` per degree
+    (truncation < 0.1 ulp); scaled by 2^(n>>1) then 2^(n − n>>1) (two exact powers of two built from
+    exponent bits, so the only rounding of the scaling is the last multiply, which also produces
+    inf/subnormals/0). x is clamped to [−104, 89], outside of which the result is already 0 or inf.
+    ``fma`` is IEEE 754's fusedMultiplyAdd (one rounding), written explicitly: it is not a contraction
+    (kernels compile with ``enable_fp_fusion=False``) and not an approximate intrinsic.
     """
     x = tl.minimum(tl.maximum(x, -104.0), 89.0)
-    n = tl.floor(x * 1.4426950408889634 + 0.5)
-    r = x - n * 0.693145751953125
-    r = r - n * 1.428606765330187045e-06
-    p = 1.0 / 5040.0
-    p = p * r + 1.0 / 720.0
-    p = p * r + 1.0 / 120.0
-    p = p * r + 1.0 / 24.0
-    p = p * r + 1.0 / 6.0
-    p = p * r + 0.5
-    p = p * r + 1.0
-    p = p * r + 1.0
+    n = tl.floor(tl.fma(x, 1.4426950408889634, 0.5))
+    r = tl.fma(n, -0.693145751953125, x)
+    r = tl.fma(n, -1.428606765330187045e-06, r)
+    p = tl.fma(r, 1.0 / 5040.0, 1.0 / 720.0)
+    p = tl.fma(p, r, 1.0 / 120.0)
+    p = tl.fma(p, r, 1.0 / 24.0)
+    p = tl.fma(p, r, 1.0 / 6.0)
+    p = tl.fma(p, r, 0.5)
+    p = tl.fma(p, r, 1.0)
+    p = tl.fma(p, r, 1.0)
     ni = n.to(tl.int32)
     n1 = ni >> 1
     n2 = ni - n1
@@ -94,21 +97,22 @@ def _exp_f32(x):
 
 @triton.jit
 def _sigmoid_f32(t):
-    """σ(t) = 1 / (1 + exp(−t)) with a correctly rounded division."""
+    """σ(t) = 1 / (1 + exp(−t)) with a correctly rounded division (``div_rn``)."""
     one = tl.full(t.shape, 1.0, tl.float32)
     return tl.math.div_rn(one, one + _exp_f32(-t))
 
 
 @triton.jit
 def _act_f32(z, ACT: tl.constexpr):
-    """ACT 1: gelu_tanh(z) = z·σ(2c(z + a z³)) (= ½z(1 + tanh(c(z + a z³))), c = √(2/π), a = 0.044715);
-    ACT 2: silu(z) = z·σ(z). Operation order as written; every step one IEEE FP32 rounding."""
+    """ACT 1: gelu_tanh(z) = z / (1 + exp(−t)), t = 2c·fma(z³, a, z) (= ½z(1 + tanh(c(z + a z³))),
+    c = √(2/π), a = 0.044715); ACT 2: silu(z) = z / (1 + exp(−z)). One correctly rounded division
+    (``div_rn``) of z by 1 + exp(−t) — the same function as z·σ(t) with one rounding fewer. Operation
+    order as written; every step one IEEE FP32 rounding."""
     if ACT == 1:
-        z3 = (z * z) * z
-        t = (z + z3 * 0.044715) * 1.5957691216057308
-        return z * _sigmoid_f32(t)
+        t = tl.fma((z * z) * z, 0.044715, z) * 1.5957691216057308
+        return tl.math.div_rn(z, 1.0 + _exp_f32(-t))
     else:
-        return z * _sigmoid_f32(z)
+        return tl.math.div_rn(z, 1.0 + _exp_f32(-z))
 
 
 @triton.jit
@@ -116,10 +120,9 @@ def _act_grad_f32(z, ACT: tl.constexpr):
     """d act / dz.  gelu_tanh: s + z·s·(1−s)·2c(1 + 3a z²) with s = σ(2c(z + a z³));
     silu: s·(1 + z·(1 − s)) with s = σ(z)."""
     if ACT == 1:
-        z3 = (z * z) * z
-        t = (z + z3 * 0.044715) * 1.5957691216057308
+        t = tl.fma((z * z) * z, 0.044715, z) * 1.5957691216057308
         s = _sigmoid_f32(t)
-        dt = ((z * z) * 0.134145 + 1.0) * 1.5957691216057308
+        dt = tl.fma(z * z, 0.134145, 1.0) * 1.5957691216057308
         return s + ((z * s) * (1.0 - s)) * dt
     else:
         s = _sigmoid_f32(z)
@@ -140,7 +143,7 @@ def _gemm_fwd_kernel(
     PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
     STORE_PRE: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    GROUP_M: tl.constexpr, USE_TMA: tl.constexpr = False,
 ):
     """out(M, N) = epi(p(a)(M, K) @ b(K, N) + bias + lora_scale · u(M, R) @ l(R, N)).
 
@@ -155,6 +158,9 @@ def _gemm_fwd_kernel(
     EPILOGUE 0 none, 1 gelu_tanh, 2 silu, 3 multiply by silu'(aux) (the prologue's backward).
     Masked rows/columns load 0 and are never stored; the grouped tile order moves no arithmetic.
     M is not specialized (``do_not_specialize``): one compiled kernel serves every M.
+    USE_TMA (Hopper, ``configs`` per shape class): ``a_ptr``/``b_ptr`` are host tensor descriptors
+    and the tiles arrive by the bulk tensor copy engine (out-of-range elements read as 0, exactly
+    what the masked loads give); the dot sequence, hence the arithmetic, is the same.
     """
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -171,12 +177,16 @@ def _gemm_fwd_kernel(
     mask_m = offs_m < M
     mask_n = offs_n < N
     rows = offs_m.to(tl.int64)
-    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + offs_k[:, None].to(tl.int64) * stride_bk + offs_n[None, :].to(tl.int64) * stride_bn
+    if not USE_TMA:
+        a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+        b_ptrs = b_ptr + offs_k[:, None].to(tl.int64) * stride_bk + offs_n[None, :].to(tl.int64) * stride_bn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
+        if USE_TMA:
+            a = a_ptr.load([pid_m * BLOCK_M, k0 * BLOCK_K])
+            b = b_ptr.load([k0 * BLOCK_K, pid_n * BLOCK_N])
+        elif EVEN_K:
             a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
         else:
@@ -186,8 +196,9 @@ def _gemm_fwd_kernel(
         if PROLOGUE == 1:
             a = _act_f32(a.to(tl.float32), 2).to(a_ptr.dtype.element_ty)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * stride_bk
+        if not USE_TMA:
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K * stride_bk
 
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -317,6 +328,20 @@ def _act_bwd_kernel(dy_ptr, z_ptr, dz_ptr, n_elements, ACT: tl.constexpr, BLOCK:
     dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(dz_ptr + offs, (dy * _act_grad_f32(z, ACT)).to(dz_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["n_elements"])
+def _act_fwd_kernel(x_ptr, h_ptr, n_elements, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    """h = act(x), elementwise in FP32, one cast at the store: the GEMM prologue as its own pass.
+
+    Exactly the in-kernel prologue's operations (``_act_f32`` on the loaded value, one cast), so
+    ``gemm(silu-prologue)`` through this pass gives the same bytes as the fused prologue while each
+    element is evaluated once instead of once per output-column tile.
+    """
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_elements
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(h_ptr + offs, _act_f32(x, ACT).to(h_ptr.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -459,8 +484,17 @@ def _main(a, b, b_strides, n_out, *, prologue=0, epilogue=0, bias=None, lora_u=N
     r = lora_u.shape[1] if lora_u is not None else 0
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n_out, bn),)
     dummy = out
+    use_tma = _use_tma(cfg, a, b, b_strides, bk, bn, prologue)
+    a_arg, b_arg = a, b
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        _ensure_cuda_context(a.device)
+
+        a_arg = TensorDescriptor(a, [m, k], [a.stride(0), 1], [cfg["BLOCK_M"], bk])
+        b_arg = TensorDescriptor(b, [k, n_out], [b_strides[0], 1], [bk, bn])
     _gemm_fwd_kernel[grid](
-        a, b, bias if bias is not None else dummy, lora_u if lora_u is not None else dummy,
+        a_arg, b_arg, bias if bias is not None else dummy, lora_u if lora_u is not None else dummy,
         lora_l if lora_l is not None else dummy, aux if aux is not None else dummy, out,
         pre if pre is not None else dummy,
         m, n_out, k, r,
@@ -471,9 +505,56 @@ def _main(a, b, b_strides, n_out, *, prologue=0, epilogue=0, bias=None, lora_u=N
         PROLOGUE=prologue, EPILOGUE=epilogue, HAS_BIAS=bias is not None, HAS_LORA=lora_u is not None,
         STORE_PRE=store_pre, EVEN_K=(k % bk == 0), DOT_PRECISION=_DOT_PRECISION,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, BLOCK_K=bk, BLOCK_R=min(64, _pow2_at_least(r)),
-        GROUP_M=cfg["GROUP_M"], **_launch_opts(cfg),
+        GROUP_M=cfg["GROUP_M"], USE_TMA=use_tma, **_launch_opts(cfg),
     )
     return out, pre
+
+
+_CTX = threading.local()
+
+
+def _ensure_cuda_context(device: torch.device) -> None:
+    """Make the device's primary CUDA context current on this thread before a tensor map is encoded.
+
+    The host-side descriptor is encoded through the driver (``cuTensorMapEncodeTiled``) before
+    Triton's launcher binds a context, and autograd runs backward on its own device threads where no
+    driver context may be current yet: on the H200 (Triton 3.6) the first dX of a layer without an
+    epilogue failed with "Failed to create tensor map descriptor: invalid device context". This does
+    what Triton's launcher does (``cuCtxGetCurrent``; if none, retain and set the primary context),
+    once per thread and device.
+    """
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    done = getattr(_CTX, "devices", None)
+    if done is None:
+        done = _CTX.devices = set()
+    if idx in done:
+        return
+    import ctypes
+
+    lib = ctypes.CDLL("libcuda.so.1")
+    cur = ctypes.c_void_p()
+    if lib.cuCtxGetCurrent(ctypes.byref(cur)) != 0:
+        raise RuntimeError("cuCtxGetCurrent failed")
+    if not cur.value:
+        dev = ctypes.c_int()
+        ctx = ctypes.c_void_p()
+        if (lib.cuDeviceGet(ctypes.byref(dev), ctypes.c_int(idx)) != 0
+                or lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) != 0 or lib.cuCtxSetCurrent(ctx) != 0):
+            raise RuntimeError(f"could not make the primary CUDA context of device {idx} current")
+    done.add(idx)
+
+
+def _use_tma(cfg, a, b, b_strides, bk, bn, prologue) -> bool:
+    """Tensor-descriptor loads when the shape class asks for them and the copy engine can serve the
+    operands (CUDA, Hopper or newer, 16-byte aligned bases and row strides, unit inner stride, no
+    fused prologue). Falls back to pointer loads otherwise; the arithmetic is the same either way."""
+    if not cfg.get("tma") or _interpreting() or prologue or a.device.type != "cuda":
+        return False
+    if torch.cuda.get_device_capability(a.device)[0] < 9 or b_strides[1] != 1:
+        return False
+    es = a.element_size()
+    return (a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0 and (a.stride(0) * es) % 16 == 0
+            and (b_strides[0] * es) % 16 == 0 and a.stride(1) == 1 and bk * es >= 16 and bn * es >= 16)
 
 
 def gemm_dw(g: torch.Tensor, x: torch.Tensor, seqlens: tuple[int, ...], *, prologue: str = "none",
@@ -548,16 +629,37 @@ def act_bwd(dy: torch.Tensor, z: torch.Tensor, epilogue: str) -> torch.Tensor:
     return dz
 
 
-def gemm_fwd(x, weight, bias=None, *, prologue="none", epilogue="none", lora=None, store_pre=False):
+def act_fwd(x: torch.Tensor, act: str) -> torch.Tensor:
+    """h = act(x) elementwise (FP32 math, one cast): the prologue pass. x: contiguous."""
+    h = torch.empty_like(x)
+    n = x.numel()
+    if n:
+        opts = {} if _interpreting() else {"num_warps": 4, "enable_fp_fusion": False}
+        _act_fwd_kernel[(triton.cdiv(n, _ACT_BLOCK),)](x, h, n, ACT=EPILOGUES[act], BLOCK=_ACT_BLOCK, **opts)
+    return h
+
+
+def gemm_fwd(x, weight, bias=None, *, prologue="none", epilogue="none", lora=None, store_pre=False,
+             return_h=False):
     """Forward product. x: (M, K), weight: (N, K), bias: (N,) — fp32 or bf16, contiguous.
 
     Returns ``(y (M, N), pre (M, N) or None, u (M, r) or None)``: the output, the pre-activation
-    (stored only when ``store_pre`` and an epilogue is set) and the LoRA intermediate ``p(x) Aᵀ``.
+    (stored only when ``store_pre`` and an epilogue is set) and the LoRA intermediate ``p(x) Aᵀ``;
+    with ``return_h`` a fourth item, ``p(x)`` when the prologue ran as its own pass (else None).
+
+    The SiLU prologue runs as its own elementwise pass (``configs`` key ``"prologue"``: ``"pass"``,
+    the default) or fused into the main loop (``"fused"``); both round ``silu(x)`` once to the
+    execution dtype before the tensor cores, so they give the same bytes — the pass evaluates each
+    element once instead of once per ``BLOCK_N`` column tile.
     """
     m, k = x.shape
     n = weight.shape[0]
     pro = PROLOGUES[prologue]
     cfg = _configs.fwd_config(n, k, x.dtype)
+    h = None
+    if pro and cfg.get("prologue", "pass") == "pass":
+        h = act_fwd(x, prologue)
+        x, pro = h, 0
     if cfg["weight_layout"] == "kn":
         b, b_strides = prepacked_weight(weight), (n, 1)
     else:
@@ -572,12 +674,15 @@ def gemm_fwd(x, weight, bias=None, *, prologue="none", epilogue="none", lora=Non
     store = store_pre and epilogue != "none"
     y, pre = _main(x, b, b_strides, n, prologue=pro, epilogue=EPILOGUES[epilogue], bias=bias,
                    store_pre=store, **lora_kw)
-    return y, pre, u
+    return (y, pre, u, h) if return_h else (y, pre, u)
 
 
 def gemm_bwd(dy, x, weight, *, seqlens, prologue="none", epilogue="none", pre=None, lora=None, u=None,
-             needs=(True, True, True, True, True)):
-    """Backward of :func:`gemm_fwd`. dy: (M, N). Returns (dx, dW, db, dA, dB); None where not needed."""
+             needs=(True, True, True, True, True), h=None):
+    """Backward of :func:`gemm_fwd`. dy: (M, N). Returns (dx, dW, db, dA, dB); None where not needed.
+
+    ``h``: ``p(x)`` from the forward's prologue pass, if it ran; dW/dA then read it instead of
+    recomputing the prologue per tile (same bytes: the same rounded values enter the same dots)."""
     need_x, need_w, need_b, need_a, need_lb = needs
     m, k = x.shape
     n = weight.shape[0]
@@ -595,13 +700,14 @@ def gemm_bwd(dy, x, weight, *, seqlens, prologue="none", epilogue="none", pre=No
         if prologue == "silu":
             kw.update(epilogue=3, aux=x)
         dx, _ = _main(dz, weight, (k, 1), k, **kw)  # dX = dZ W (+ s·v A) [· silu'(x)]
+    xw, pw = (h, "none") if h is not None else (x, prologue)
     if need_w:
-        dw = gemm_dw(dz, x, seqlens, prologue=prologue)
+        dw = gemm_dw(dz, xw, seqlens, prologue=pw)
     if need_b:
         db = gemm_db(dz, seqlens)
     if lora is not None:
         if need_a:
-            da = gemm_dw(v, x, seqlens, prologue=prologue, scale=lora[2])
+            da = gemm_dw(v, xw, seqlens, prologue=pw, scale=lora[2])
         if need_lb:
             dlb = gemm_dw(dz, u, seqlens, scale=lora[2])
     return dx, dw, db, da, dlb
@@ -613,20 +719,21 @@ class GemmFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, lora_a, lora_b, seqlens, prologue, epilogue, lora_scale):
         lora = (lora_a, lora_b, lora_scale) if lora_a is not None else None
-        y, pre, u = gemm_fwd(x, weight, bias, prologue=prologue, epilogue=epilogue, lora=lora, store_pre=True)
-        ctx.save_for_backward(x, weight, pre, u, lora_a, lora_b)
+        y, pre, u, h = gemm_fwd(x, weight, bias, prologue=prologue, epilogue=epilogue, lora=lora, store_pre=True,
+                                return_h=True)
+        ctx.save_for_backward(x, weight, pre, u, lora_a, lora_b, h)
         ctx.meta = (seqlens, prologue, epilogue, lora_scale)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, pre, u, lora_a, lora_b = ctx.saved_tensors
+        x, weight, pre, u, lora_a, lora_b, h = ctx.saved_tensors
         seqlens, prologue, epilogue, lora_scale = ctx.meta
         lora = (lora_a, lora_b, lora_scale) if lora_a is not None else None
         ni = ctx.needs_input_grad
         dx, dw, db, da, dlb = gemm_bwd(
             dy.contiguous(), x, weight, seqlens=seqlens, prologue=prologue, epilogue=epilogue, pre=pre,
-            lora=lora, u=u, needs=(ni[0], ni[1], ni[2], ni[3], ni[4]))
+            lora=lora, u=u, needs=(ni[0], ni[1], ni[2], ni[3], ni[4]), h=h)
         return dx, dw, db, da, dlb, None, None, None, None
 
 
@@ -643,8 +750,7 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     tensors = [t for t in (x, weight, bias, la, lb) if t is not None]
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return GemmFunction.apply(x, weight, bias, la, lb, seqlens, prologue, epilogue, float(scale))
-    y, _, _ = gemm_fwd(x, weight, bias, prologue=prologue, epilogue=epilogue, lora=lora)
-    return y
+    return gemm_fwd(x, weight, bias, prologue=prologue, epilogue=epilogue, lora=lora)[0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -670,7 +776,7 @@ _CONFIGS_SHA256 = _hashlib.sha256(_inspect.getsource(_configs).encode()).hexdige
 for _op in GEMM_OPS:
     register(KernelImpl(
         op=_op, backend="triton", device="cuda", dtypes=frozenset(_DTYPES), fn=gemm, strict=True,
-        kernel_name="_gemm_fwd_kernel/_gemm_dw_kernel/_gemm_db_kernel/_act_bwd_kernel",
+        kernel_name="_gemm_fwd_kernel/_gemm_dw_kernel/_gemm_db_kernel/_act_fwd_kernel/_act_bwd_kernel",
         source=_sys.modules[__name__],
         config={"table": "mmdit_strict.kernels.triton.configs", "keyed_by": "(N, K, dtype)",
                 "configs_sha256": _CONFIGS_SHA256, "dot_precision": _DOT_PRECISION, "fp_fusion": False},
