@@ -71,6 +71,7 @@ FWD: dict[tuple[int, int, str], dict] = {
     (3072, 12288, _BF16): _BIG_BF16,
     (3072, 3584, _BF16): _BIG_BF16,
     (3584, 3072, _BF16): _BIG_BF16,        # dX of txt_in
+    (3072, 9216, _BF16): _BIG_BF16,        # dX of qkv (was missing: fell back to the 128×128 size class, 0.75× cuBLAS)
     (18432, 3072, _BF16): _MOD_BF16,
     (6144, 3072, _BF16): _FINAL_MOD_BF16,
     (3072, 18432, _BF16): _MOD_DX_BF16,    # dX of the modulation projection
