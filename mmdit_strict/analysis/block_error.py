@@ -27,6 +27,8 @@ from typing import Any, Sequence
 
 import torch
 
+from ..model.inputs import random_inputs
+
 from ..kernels.runtime import Runtime, runtime_mode
 from ..model.mmdit import MMDiT, ModelInputs
 
@@ -196,22 +198,6 @@ def write_block_error(result: dict[str, Any], out_dir: str | Path, name: str = "
     return paths
 
 
-def _default_inputs(cfg, batch: int, grid: tuple[int, int], txt_lens: Sequence[int], seed: int) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(seed)
-    h, w = grid
-    L = max(txt_lens) + 3  # a few padded positions, filled with garbage the mask excludes
-    mask = torch.zeros(batch, L, dtype=torch.long)
-    for b, n in enumerate(txt_lens):
-        mask[b, :n] = 1
-    return {
-        "hidden_states": torch.randn(batch, h * w, cfg.in_channels, generator=g),
-        "encoder_hidden_states": torch.randn(batch, L, cfg.joint_attention_dim, generator=g),
-        "encoder_hidden_states_mask": mask,
-        "timestep": torch.linspace(0.9, 0.1, batch) if batch > 1 else torch.tensor([0.6]),
-        "img_shapes": [[(1, h, w)]] * batch,
-    }
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="output folder")
@@ -233,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     lens = args.txt_lens or [7 + 5 * b for b in range(args.batch)]
     if len(lens) != args.batch:
         parser.error(f"--txt-lens needs {args.batch} values")
-    result = block_error_curve(model, _default_inputs(model.config, args.batch, tuple(args.grid), lens, args.seed),
+    result = block_error_curve(model, random_inputs(model.config, tuple(args.grid), lens, pad_to=max(lens) + 3, seed=args.seed),
                                reference=not args.no_reference)
     paths = write_block_error(result, args.out, args.name)
     final = {k: v[-1]["max_rel"] for k, v in result["pairs"].items()}

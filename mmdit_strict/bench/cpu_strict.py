@@ -24,6 +24,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..model.inputs import random_inputs
+
 # name → (batch, latent grid (h, w) in tokens, valid text tokens per sample, padded text length)
 SHAPES: dict[str, tuple[int, tuple[int, int], tuple[int, ...], int]] = {
     "b1_8x8": (1, (8, 8), (12,), 12),
@@ -67,21 +69,6 @@ def _env() -> dict[str, Any]:
     }
 
 
-def _inputs(cfg, batch: int, grid: tuple[int, int], lens: Sequence[int], pad: int, seed: int = 0) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(seed)
-    h, w = grid
-    mask = torch.zeros(batch, pad, dtype=torch.long)
-    for b, n in enumerate(lens):
-        mask[b, :n] = 1
-    return {
-        "hidden_states": torch.randn(batch, h * w, cfg.in_channels, generator=g),
-        "encoder_hidden_states": torch.randn(batch, pad, cfg.joint_attention_dim, generator=g),
-        "encoder_hidden_states_mask": mask,
-        "timestep": torch.linspace(0.95, 0.2, batch),
-        "img_shapes": [[(1, h, w)]] * batch,
-    }
-
-
 def _stats(times: list[float]) -> dict[str, float]:
     q = statistics.quantiles(times, n=4) if len(times) >= 2 else [times[0]] * 3
     return {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
@@ -104,7 +91,7 @@ def _time_interleaved(fns: dict[str, Callable[[], Any]], repeats: int, warmup: i
 def run(model, shapes: dict[str, tuple], repeats: int, warmup: int, backward: bool) -> list[dict[str, Any]]:
     rows = []
     for name, (batch, grid, lens, pad) in shapes.items():
-        inputs = _inputs(model.config, batch, grid, lens, pad)
+        inputs = random_inputs(model.config, grid, lens, pad_to=pad, sigmas=torch.linspace(0.95, 0.2, batch).tolist())
 
         def forward(runtime: str) -> Callable[[], Any]:
             def fn() -> Any:
