@@ -376,7 +376,7 @@ def round2_sweep(G, C, report, save, budget_ok):
         scores = []
         for ci, cand in enumerate(cands):
             C.FWD[key] = dict(cand)
-            tot, rows, ok = 0.0, [], True
+            rows, ok = [], True
             for (name, kind, m, n, k, bias, pro, epi) in us:
                 if kind == "dX" and cand["weight_layout"] == "nk":
                     ok = False

@@ -16,7 +16,6 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from ..kernels import grad_sink
 from ..kernels.registry import dispatch
 from ..kernels.runtime import current_runtime, runtime_mode
 from .rope import rope_tables

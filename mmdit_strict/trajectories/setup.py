@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 
 from ..config.arch import ArchConfig, preset
 from ..kernels.runtime import Runtime
-from ..model import MMDiT, build_model, state_dict_hash
+from ..model import MMDiT, build_model
 from ..sampling import sigma_table
 from .hashing import tensor_sha256
 

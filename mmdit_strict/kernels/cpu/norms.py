@@ -13,7 +13,7 @@ import torch
 
 from ..registry import KernelImpl, register
 from .gemm import gemm
-from .primitives import broadcast_param, broadcast_rows, check_seqlens, layer_norm_rows, rms_norm_rows, silu
+from .primitives import broadcast_param, broadcast_rows, check_seqlens, layer_norm_rows, rms_norm_rows
 
 _F32 = frozenset({torch.float32})
 
@@ -99,4 +99,3 @@ for _op, _fn in (
     register(KernelImpl(op=_op, backend="cpu_strict", device="cpu", dtypes=_F32, fn=_fn, strict=True,
                         kernel_name=f"cpu_{_op}", reduction_order=_ROW))
 
-_ = silu  # re-exported for the embedding module

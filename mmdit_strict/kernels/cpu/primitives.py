@@ -157,23 +157,6 @@ def broadcast_param(p: torch.Tensor, rows: int, row_seqlens: tuple[int, ...]) ->
     return BroadcastParam.apply(p, rows, row_seqlens)
 
 
-class SafeSiLU(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(x)
-        return silu_fwd(x)
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
-        (x,) = ctx.saved_tensors
-        return silu_bwd(x, dy)
-
-
-def silu(x: torch.Tensor) -> torch.Tensor:
-    """Batch-invariant SiLU with autograd."""
-    return SafeSiLU.apply(x)
-
-
 def layer_norm_rows(x: torch.Tensor, eps: float) -> torch.Tensor:
     """Parameter-free LayerNorm over the last dim, composed of row-local ops (autograd-friendly)."""
     mu = x.mean(dim=-1, keepdim=True)

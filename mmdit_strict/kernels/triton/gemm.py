@@ -685,7 +685,6 @@ def gemm_bwd(dy, x, weight, *, seqlens, prologue="none", epilogue="none", pre=No
     recomputing the prologue per tile (same bytes: the same rounded values enter the same dots)."""
     need_x, need_w, need_b, need_a, need_lb = needs
     m, k = x.shape
-    n = weight.shape[0]
     dz = act_bwd(dy, pre, epilogue) if epilogue != "none" else dy
     dx = dw = db = da = dlb = None
     v = None
