@@ -88,8 +88,21 @@ def _time_interleaved(fns: dict[str, Callable[[], Any]], repeats: int, warmup: i
     return {k: _stats(v) for k, v in times.items()}
 
 
+def diffusers_peer(model) -> Any | None:
+    """diffusers' QwenImageTransformer2DModel holding the same weights (None when diffusers is absent)."""
+    try:
+        from diffusers import QwenImageTransformer2DModel
+    except ImportError:
+        return None
+    cfg = {k: v for k, v in model.config.to_diffusers_config().items() if not k.startswith("_")}
+    peer = QwenImageTransformer2DModel(**cfg).to(dtype=model.dtype)
+    peer.load_state_dict(model.state_dict(), strict=True)
+    return peer.eval()
+
+
 def run(model, shapes: dict[str, tuple], repeats: int, warmup: int, backward: bool) -> list[dict[str, Any]]:
     rows = []
+    peer = diffusers_peer(model)
     for name, (batch, grid, lens, pad) in shapes.items():
         inputs = random_inputs(model.config, grid, lens, pad_to=pad, sigmas=torch.linspace(0.95, 0.2, batch).tolist())
 
@@ -111,8 +124,16 @@ def run(model, shapes: dict[str, tuple], repeats: int, warmup: int, backward: bo
 
         row: dict[str, Any] = {"shape": name, "batch": batch, "grid": list(grid), "image_tokens": grid[0] * grid[1],
                                "text_lengths": list(lens), "padded_text_length": pad}
-        fwd = _time_interleaved({"strict": forward("strict"), "production": forward("off")}, repeats, warmup)
+        fns = {"strict": forward("strict"), "production": forward("off")}
+        if peer is not None:
+            def diffusers_fn() -> Any:
+                with torch.no_grad():
+                    return peer(**inputs).sample
+            fns["diffusers"] = diffusers_fn
+        fwd = _time_interleaved(fns, repeats, warmup)
         row["forward"] = {**fwd, "ratio_strict_over_production": fwd["strict"]["median_ms"] / fwd["production"]["median_ms"]}
+        if "diffusers" in fwd:
+            row["forward"]["ratio_strict_over_diffusers"] = fwd["strict"]["median_ms"] / fwd["diffusers"]["median_ms"]
         if backward:
             bwd = _time_interleaved({"strict": train_step("strict"), "production": train_step("off")}, max(3, repeats // 2), 1)
             row["forward_backward"] = {**bwd, "ratio_strict_over_production": bwd["strict"]["median_ms"] / bwd["production"]["median_ms"]}
@@ -132,8 +153,8 @@ def to_markdown(report: dict[str, Any]) -> str:
         f"Model: `{report['model']}`; {report['repeats']} interleaved repeats after {report['warmup']} warm-up runs; "
         "times are medians (min, interquartile range).",
         "",
-        "| threads | shape | B | image tokens | kind | strict ms | production ms | strict / production |",
-        "|---|---|---|---|---|---|---|---|",
+        "| threads | shape | B | image tokens | kind | strict ms | production ms | strict / production | diffusers eager ms | strict / diffusers |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         for kind in ("forward", "forward_backward"):
@@ -144,7 +165,9 @@ def to_markdown(report: dict[str, Any]) -> str:
                 f"| {r['threads']} | {r['shape']} | {r['batch']} | {r['image_tokens']} | {kind.replace('_', ' + ')} | "
                 f"{s['median_ms']:.2f} ({s['min_ms']:.2f}, {s['q1_ms']:.2f}–{s['q3_ms']:.2f}) | "
                 f"{p['median_ms']:.2f} ({p['min_ms']:.2f}, {p['q1_ms']:.2f}–{p['q3_ms']:.2f}) | "
-                f"**{r[kind]['ratio_strict_over_production']:.2f}×** |"
+                f"**{r[kind]['ratio_strict_over_production']:.2f}×** | "
+                + (f"{r[kind]['diffusers']['median_ms']:.2f} | {r[kind]['ratio_strict_over_diffusers']:.2f}× |"
+                   if "diffusers" in r[kind] else "— | — |")
             )
     worst = report["worst_forward_ratio"]
     lines += ["", f"Worst forward ratio of medians: **{worst:.2f}×** (issue 3 asks for at most 3×): "

@@ -115,6 +115,9 @@ def _source_hash(obj: Any) -> str:
 
 
 _REGISTRY: dict[tuple[str, str, str], list[KernelImpl]] = {}
+# resolve() results per (op, device type, dtype name, runtime); cleared whenever an implementation registers
+_RESOLVED: dict[tuple[str, str, str, "Runtime"], tuple[KernelImpl, bool]] = {}
+_LOADED = False
 
 
 def register(impl: KernelImpl) -> KernelImpl:
@@ -125,6 +128,7 @@ def register(impl: KernelImpl) -> KernelImpl:
         slot = _REGISTRY.setdefault((impl.op, impl.device, DTYPE_NAMES.get(dt, str(dt))), [])
         slot[:] = [i for i in slot if i.backend != impl.backend]
         slot.append(impl)
+    _RESOLVED.clear()
     return impl
 
 
@@ -141,7 +145,11 @@ def implementations(op: str | None = None) -> list[KernelImpl]:
 
 def _ensure_loaded() -> None:
     # Importing the backends registers them; done lazily to keep import cycles out.
-    from . import backends  # noqa: F401
+    global _LOADED
+    if not _LOADED:
+        from . import backends  # noqa: F401
+
+        _LOADED = True
 
 
 def resolve(op: str, device: torch.device | str, dtype: torch.dtype, runtime: Runtime | None = None) -> tuple[KernelImpl, bool]:
@@ -152,8 +160,18 @@ def resolve(op: str, device: torch.device | str, dtype: torch.dtype, runtime: Ru
     """
     _ensure_loaded()
     runtime = runtime or current_runtime()
-    dev = torch.device(device).type
+    dev = device.type if isinstance(device, torch.device) else torch.device(device).type
     dname = DTYPE_NAMES.get(dtype, str(dtype))
+    key = (op, dev, dname, runtime)
+    hit = _RESOLVED.get(key)
+    if hit is not None:
+        return hit
+    hit = _resolve_uncached(op, dev, dname, runtime)
+    _RESOLVED[key] = hit
+    return hit
+
+
+def _resolve_uncached(op: str, dev: str, dname: str, runtime: Runtime) -> tuple[KernelImpl, bool]:
     impls = _REGISTRY.get((op, dev, dname), [])
     strict_impls = [i for i in impls if i.strict]
     prod = [i for i in impls if not i.strict]
@@ -181,5 +199,5 @@ def dispatch(op: str, device: torch.device | str, dtype: torch.dtype, *args: Any
 
     runtime = current_runtime()
     impl, fell_back = resolve(op, device, dtype, runtime)
-    record(op, impl, runtime, torch.device(device).type, dtype, fell_back)
+    record(op, impl, runtime, device.type if isinstance(device, torch.device) else torch.device(device).type, dtype, fell_back)
     return impl.fn(*args, **kwargs)

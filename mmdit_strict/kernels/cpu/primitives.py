@@ -17,6 +17,7 @@ DESIGN.md §7, and by ``tests/kernels``):
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 import torch
@@ -119,14 +120,19 @@ def gelu_tanh_bwd(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     return dy * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * dinner)
 
 
+@functools.lru_cache(maxsize=256)
+def _row_sample_index(seqlens: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """(M,) sample index of every packed row."""
+    return torch.repeat_interleave(torch.arange(len(seqlens), device=device), torch.tensor(seqlens, device=device))
+
+
 class BroadcastRows(torch.autograd.Function):
     """Per-sample vectors ``v (B, D)`` → rows ``(M, D)``; backward is :func:`segment_tree_sum`."""
 
     @staticmethod
     def forward(ctx, v: torch.Tensor, seqlens: tuple[int, ...]) -> torch.Tensor:  # type: ignore[override]
         ctx.seqlens = seqlens
-        idx = torch.repeat_interleave(torch.arange(len(seqlens), device=v.device), torch.tensor(seqlens, device=v.device))
-        return v.index_select(0, idx)
+        return v.index_select(0, _row_sample_index(seqlens, v.device))
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
