@@ -52,8 +52,9 @@ def _env() -> dict[str, Any]:
         except (OSError, subprocess.CalledProcessError):
             commit = "unknown"
     try:
-        dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True,
-                                    cwd=Path(__file__).resolve().parent).stdout.strip())
+        # the bench's own outputs under experiments/ do not make the measured code dirty
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--", ".", ":!experiments"], capture_output=True,
+                                    text=True, cwd=Path(__file__).resolve().parents[2]).stdout.strip())
     except OSError:
         dirty = None
     return {
