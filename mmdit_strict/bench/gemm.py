@@ -343,7 +343,16 @@ ROUND2_MOD_DX = [
 ]
 
 
-def round2_sweep(G, C, report, save, budget_ok):
+# Round 3: the GELU-epilogue class (12288, 3072) — mlp_up fwd, mlp_down dX. Tiles with ≤ 96 KB of
+# shared memory fit two programs per SM, so one program's epilogue overlaps another's main loop.
+ROUND3_BIG = [
+    _cand(128, 256, 64, 8, 4, tma=True), _cand(128, 256, 64, 8, 3, tma=True), _cand(128, 128, 64, 8, 3, tma=True),
+    _cand(128, 128, 64, 4, 3, tma=True), _cand(128, 128, 64, 8, 4, tma=True), _cand(128, 256, 64, 8, 4, group_m=16, tma=True),
+    _cand(128, 128, 128, 8, 2, tma=True),
+]
+
+
+def round2_sweep(G, C, report, save, budget_ok, classes=None, big_candidates=None):
     """Time candidates per (N, K, bf16) class, adopt the fastest in-process (C.FWD) for the sections
     that follow, and record the choice (``report["round2_winners"]``). A class serving several uses
     (e.g. (12288, 3072): mlp_up fwd and mlp_down dX) is scored by the sum over its uses of
@@ -368,10 +377,12 @@ def round2_sweep(G, C, report, save, budget_ok):
 
     winners = {}
     for key, us in uses.items():
+        if classes is not None and f"{key[0]}x{key[1]}" not in classes:
+            continue
         if not budget_ok():
             report["errors"].append(f"round2 sweep skipped (time budget) from {key}")
             break
-        cands = ROUND2_MOD_DX if us[0][2] == 8 and us[0][1] == "dX" else ROUND2_MOD_FWD if us[0][2] == 8 else ROUND2_BIG
+        cands = ROUND2_MOD_DX if us[0][2] == 8 and us[0][1] == "dX" else ROUND2_MOD_FWD if us[0][2] == 8 else (big_candidates or ROUND2_BIG)
         saved = C.FWD.get(key)
         scores = []
         for ci, cand in enumerate(cands):
@@ -534,7 +545,8 @@ def _md(report) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--sweep", choices=("big", "small", "round2", "none"), default="big",
+    ap.add_argument("--classes", default=None, help="round2/round3 sweeps: comma list of NxK classes to sweep (default: all)")
+    ap.add_argument("--sweep", choices=("big", "small", "round2", "round3", "none"), default="big",
                     help="configuration sweep: the M=4224 layers, the weight-streaming classes, round 2 (runs first, "
                          "adopts the fastest config per class in-process for the sections after it), or none")
     ap.add_argument("--sections", default="speed,invariance,accuracy",
@@ -576,8 +588,11 @@ def main(argv=None) -> int:
                 torch.cuda.empty_cache()
 
     sections = set(args.sections.split(","))
-    if args.sweep == "round2":
-        guarded("round2 sweep", lambda: round2_sweep(G, C, report, save, lambda: time.time() - t0 < args.budget_s))
+    classes = set(args.classes.split(",")) if args.classes else None
+    if args.sweep in ("round2", "round3"):
+        guarded(f"{args.sweep} sweep", lambda: round2_sweep(
+            G, C, report, save, lambda: time.time() - t0 < args.budget_s, classes=classes,
+            big_candidates=ROUND3_BIG if args.sweep == "round3" else None))
         report["env"]["configs_note"] = "round-2 winners adopted in-process (report['round2_winners']), not configs.py as committed"
         save()
     # 1. speed first (the headline), bf16 then fp32
