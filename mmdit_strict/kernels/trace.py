@@ -56,6 +56,18 @@ class OperatorTrace:
             self.records[key] = rec
         rec.calls += 1
 
+    @classmethod
+    def from_records(cls, records: list[dict[str, Any]]) -> "OperatorTrace":
+        """Rebuild a trace from ``[vars(record), ...]`` (as a resumed run stored it)."""
+        trace = cls()
+        for r in records:
+            rec = TraceRecord(**r)
+            trace.records[(rec.op, rec.device, rec.dtype, rec.actual_backend)] = rec
+        return trace
+
+    def record_dicts(self) -> list[dict[str, Any]]:
+        return [dict(vars(r)) for r in self.records.values()]
+
     @property
     def fallbacks(self) -> list[TraceRecord]:
         return [r for r in self.records.values() if r.fallback]

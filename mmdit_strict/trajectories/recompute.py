@@ -19,7 +19,7 @@ from ..kernels.grad_sink import collect_sample_grads
 from ..kernels.runtime import runtime_mode
 from ..kernels.trace import capture_trace
 from ..model.strict import inject_fault
-from . import artifact
+from . import artifact, partial
 from .engine import velocity
 from .hashing import tensor_sha256
 from .record import StepRecorder, build_trajectory, model_hashes
@@ -100,10 +100,15 @@ def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | 
     mbs = micro_batches(list(range(len(ids))), int(cfg.recompute.micro_batch), bool(cfg.recompute.shuffle), int(cfg.recompute.shuffle_seed))
     trainable = sorted(((n, p) for n, p in model.named_parameters() if p.requires_grad), key=lambda t: t[0])
     bar = tqdm(total=S * len(mbs), desc=f"recompute [{runtime.value}]", disable=not progress, leave=False)
-    grad_records = []
+    key = partial.state_key("recompute", cfg, extra=rollout.manifest["files"]["tensors.safetensors"])
+    resumed = partial.load(out_dir, key, rec) if cfg.resume else None
+    start = resumed.steps_done if resumed else 0
+    wall_before = resumed.wall_s if resumed else 0.0
+    grad_records = list(resumed.extra.get("grad_records", [])) if resumed else []
+    bar.update(start * len(mbs))
     fault_key, fault_step = parse_fault(cfg.recompute.inject_fault)
-    with capture_trace() as trace, runtime_mode(runtime):
-        for step in range(S):
+    with capture_trace(resumed.trace if resumed else None) as trace, runtime_mode(runtime):
+        for step in range(start, S):
             fault_here = fault_key if step == fault_step else None
             with collect_sample_grads() as sink:
                 for mb in mbs:
@@ -122,14 +127,17 @@ def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | 
             grad_records.append(_grad_record(trainable, sink))
             for _, p in trainable:
                 p.grad = None
+            partial.save_step(out_dir, key, rec, step, trace, wall_before + time.perf_counter() - t0,
+                              extra={"grad_records": grad_records})
     bar.close()
     side = {"micro_batch": int(cfg.recompute.micro_batch), "shuffle": bool(cfg.recompute.shuffle),
             "order": [ids[i] for mb in mbs for i in mb], "cfg_layout": cfg.recompute.cfg_layout, "pad_to": cfg.recompute.pad_to,
             "autograd": bool(cfg.recompute.autograd), "grad_checkpointing": bool(cfg.recompute.grad_checkpointing),
-            "inject_fault": cfg.recompute.inject_fault,
+            "inject_fault": cfg.recompute.inject_fault, "resumed_after_step": start or None,
             "lora_grads_per_step": grad_records}
     traj = build_trajectory("recompute", cfg, model, runtime, prompts, sigmas, ids, grid, rec, trace,
-                            time.perf_counter() - t0, side, True)
+                            wall_before + time.perf_counter() - t0, side, True)
     artifact.write(traj, out_dir)
+    partial.discard(out_dir)
     trace.dump(Path(out_dir) / "trace.json")
     return traj

@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from ..kernels.runtime import runtime_mode
 from ..kernels.trace import capture_trace
 from ..sampling import euler_step, initial_latents, sde_step, step_noise
-from . import artifact
+from . import artifact, partial
 from .engine import velocity
 from .record import StepRecorder, build_trajectory
 from .setup import build_side_model, latent_grid, make_prompts, schedule, side_runtime
@@ -54,9 +54,17 @@ def run_rollout(cfg: DictConfig, out_dir: str | Path, progress: bool = True) -> 
     if bs < 1:
         raise ValueError(f"rollout.batch_size must be >= 1, got {bs}")
     batches = [ids[i:i + bs] for i in range(0, len(ids), bs)]
-    bar = tqdm(total=S * len(batches), desc=f"rollout [{runtime.value}]", disable=not progress, leave=False)
-    with capture_trace() as trace, runtime_mode(runtime), torch.no_grad():
-        for step in range(S):
+    key = partial.state_key("rollout", cfg, ignore=("recompute",))
+    resumed = partial.load(out_dir, key, rec) if cfg.resume else None
+    start = resumed.steps_done if resumed else 0
+    wall_before = resumed.wall_s if resumed else 0.0
+    if resumed:
+        logger.info("rollout: resuming after step %d of %d", start, S)
+        x = rec.x[start].to(device)
+    bar = tqdm(total=S * len(batches), initial=start * len(batches), desc=f"rollout [{runtime.value}]",
+               disable=not progress, leave=False)
+    with capture_trace(resumed.trace if resumed else None) as trace, runtime_mode(runtime), torch.no_grad():
+        for step in range(start, S):
             x_next = torch.empty_like(x)
             for batch in batches:
                 xb = x[batch]
@@ -69,10 +77,13 @@ def run_rollout(cfg: DictConfig, out_dir: str | Path, progress: bool = True) -> 
                 x_next[batch] = xn
                 bar.update(1)
             x = x_next
+            partial.save_step(out_dir, key, rec, step, trace, wall_before + time.perf_counter() - t0)
     bar.close()
-    side = {"batch_size": bs, "cfg_layout": cfg.rollout.cfg_layout, "pad_to": cfg.rollout.pad_to, "autograd": False}
+    side = {"batch_size": bs, "cfg_layout": cfg.rollout.cfg_layout, "pad_to": cfg.rollout.pad_to, "autograd": False,
+            "resumed_after_step": start or None}
     traj = build_trajectory("rollout", cfg, model, runtime, prompts, sigmas, ids, grid, rec, trace,
-                            time.perf_counter() - t0, side, bool(cfg.rollout.save_tensors))
+                            wall_before + time.perf_counter() - t0, side, bool(cfg.rollout.save_tensors))
     artifact.write(traj, out_dir)
+    partial.discard(out_dir)
     trace.dump(Path(out_dir) / "trace.json")
     return traj
