@@ -68,7 +68,10 @@ def resolve_checkpoint_dir(
             )
         )
     except LocalEntryNotFoundError as exc:
-        raise CheckpointError(f"{repo_id} is not in the local Hugging Face cache and the hub is offline") from exc
+        raise CheckpointError(
+            f"{repo_id} is not in the local Hugging Face cache and the hub is offline or unreachable; "
+            "download it where there is a network (huggingface-cli download) or pass a local folder"
+        ) from exc
     except Exception as exc:  # network, auth, missing repo: one clear message
         raise CheckpointError(f"could not fetch {repo_id} from the hub: {exc}") from exc
     for folder in (root / sub, root):

@@ -41,9 +41,22 @@ def arch_from_config(cfg: DictConfig) -> ArchConfig:
     return arch
 
 
+def check_device(device: str) -> None:
+    """A clear error for a device this machine does not have."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"model.device={device!r} is not a torch device: {exc}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"model.device={device} but this machine has no CUDA device (use model.device=cpu)")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"model.device={device}: only cpu and cuda are supported")
+
+
 def build_side_model(cfg: DictConfig, runtime: Runtime) -> MMDiT:
     """The model one side runs: checkpoint or deterministic init, then the policy's LoRA."""
     dtype = DTYPES[cfg.model.dtype]
+    check_device(cfg.model.device)
     if cfg.model.checkpoint:
         model = MMDiT.from_pretrained(cfg.model.checkpoint, runtime=runtime, dtype=dtype, device=cfg.model.device)
     else:

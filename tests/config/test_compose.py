@@ -89,3 +89,13 @@ def test_operator_inventory_lists_every_operator(capsys: pytest.CaptureFixture) 
         assert f"| {op} |" in out
     # the CPU strict backend covers every model operator
     assert "| qkv_bias_gemm | cpu_strict | cpu | fp32 | yes |" in out
+
+
+def test_missing_device_and_unknown_checkpoint_are_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        assert main(["run", "--quiet", f"output_dir={tmp_path / 'a'}", "model.device=cuda"]) == 2
+        assert "has no CUDA device" in capsys.readouterr().err
+    assert main(["run", "--quiet", f"output_dir={tmp_path / 'b'}", f"model.checkpoint={tmp_path / 'nowhere'}"]) == 2
+    assert "neither an existing folder nor a hub repo id" in capsys.readouterr().err
