@@ -99,3 +99,11 @@ def test_missing_device_and_unknown_checkpoint_are_clear_errors(tmp_path: Path, 
         assert "has no CUDA device" in capsys.readouterr().err
     assert main(["run", "--quiet", f"output_dir={tmp_path / 'b'}", f"model.checkpoint={tmp_path / 'nowhere'}"]) == 2
     assert "neither an existing folder nor a hub repo id" in capsys.readouterr().err
+
+
+def test_docs_operator_inventory_is_current(capsys: pytest.CaptureFixture) -> None:
+    """docs/operators.md carries the generated inventory; regenerate it when a backend changes."""
+    assert main(["operators", "--markdown"]) == 0
+    table = capsys.readouterr().out
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "operators.md").read_text()
+    assert table.strip() in docs, "docs/operators.md is stale: paste `mmdit-strict operators --markdown` into it"
