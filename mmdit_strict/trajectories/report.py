@@ -58,6 +58,32 @@ def _plot_blocks(loc: Localization, path: Path) -> bool:
     return True
 
 
+def _plot_audit(rollout: Trajectory, recompute: Trajectory, path: Path) -> bool:
+    """runtime=audit: how far the production path drifts from strict, per block and stream."""
+    audits = [(name, t.manifest.get("audit")) for name, t in (("rollout", rollout), ("recompute", recompute))]
+    audits = [(n, a) for n, a in audits if a]
+    if not audits:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.4))
+    for name, a in audits:
+        blocks = range(len(a["per_block_max_abs"]))
+        for stream, style in (("img", "o-"), ("txt", "s--")):
+            ax.semilogy(blocks, [max(b[stream], 1e-30) for b in a["per_block_max_abs"]], style, label=f"{name} {stream}")
+    ax.set_xlabel("block")
+    ax.set_ylabel("max |production − strict|")
+    ax.set_title("audit: production drift per block")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def summary_line(comp: Comparison, loc: Localization | None = None) -> str:
     if comp.byte_identical:
         return f"byte-identical: {comp.steps} steps × {comp.samples} samples, v_t, x_t and logp_t equal in every byte"
@@ -86,6 +112,8 @@ def write_report(out_dir: str | Path, rollout: Trajectory, recompute: Trajectory
         plots["per_step"] = "drift_per_step.png"
     if loc is not None and _plot_blocks(loc, out / "drift_per_block.png"):
         plots["per_block"] = "drift_per_block.png"
+    if _plot_audit(rollout, recompute, out / "audit_per_block.png"):
+        plots["audit_per_block"] = "audit_per_block.png"
     ra, rb = rollout.manifest, recompute.manifest
     payload = {
         "summary": summary_line(comp, loc),

@@ -89,6 +89,7 @@ def test_audit_mode_records_block_hashes_and_production_drift(tmp_path: Path) ->
     audit = result.report["sides"]["rollout"]["audit"]
     assert audit["forwards"] > 0 and len(audit["per_block_max_abs"]) == 2
     assert audit["max_abs_drift"] < 1e-4  # production stays close to strict on the tiny model
+    assert (tmp_path / "audit" / "report" / "audit_per_block.png").stat().st_size > 1000
 
 
 def test_wandb_offline_logging(tmp_path: Path) -> None:
