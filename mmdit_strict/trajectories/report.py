@@ -19,12 +19,15 @@ def _plot_steps(comp: Comparison, path: Path) -> bool:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401
 
     steps = list(range(comp.steps))
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for q, style in (("v", "o-"), ("x", "s-"), ("logp", "^-")):
         vals = [max(v, 1e-30) for v in comp.curves[f"{q}_max_abs"]]
         axes[0].semilogy(steps, vals, style, label=f"{q} max |Δ|")
+    for ax in axes:
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     axes[0].set_xlabel("denoising step")
     axes[0].set_title("drift per step (1e-30 = byte-identical)")
     axes[0].legend()
@@ -46,10 +49,12 @@ def _plot_blocks(loc: Localization, path: Path) -> bool:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401
 
     fig, ax = plt.subplots(figsize=(6, 3.4))
     ax.semilogy(range(len(loc.block_drift)), [max(v, 1e-30) for v in loc.block_drift], "o-")
     ax.set_xlabel("block")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_ylabel("max |Δ| image stream")
     ax.set_title(f"drift per block, step {loc.step}, sample {loc.sample_id}")
     fig.tight_layout()
@@ -68,6 +73,7 @@ def _plot_audit(rollout: Trajectory, recompute: Trajectory, path: Path) -> bool:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401
 
     fig, ax = plt.subplots(figsize=(6.5, 3.4))
     for name, a in audits:
@@ -75,6 +81,7 @@ def _plot_audit(rollout: Trajectory, recompute: Trajectory, path: Path) -> bool:
         for stream, style in (("img", "o-"), ("txt", "s--")):
             ax.semilogy(blocks, [max(b[stream], 1e-30) for b in a["per_block_max_abs"]], style, label=f"{name} {stream}")
     ax.set_xlabel("block")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_ylabel("max |production − strict|")
     ax.set_title("audit: production drift per block")
     ax.legend(fontsize=8)
