@@ -359,8 +359,8 @@ def joint_attention(
 # -------------------------------------------------------------------------------------------------- latents
 
 
-def latent_normalize(z: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
-    """``(z − mean[c]) / std[c]`` per latent channel; ``z (B, C, ...)`` with channels on dim 1."""
+def _channel_stats(z: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``z`` in FP64 and ``mean``/``std`` shaped to broadcast over dim 1 of ``z (B, C, ...)``."""
     z = _f64(z)
     mean_t = torch.tensor(list(mean), dtype=F64)
     std_t = torch.tensor(list(std), dtype=F64)
@@ -369,20 +369,19 @@ def latent_normalize(z: torch.Tensor, mean: Sequence[float], std: Sequence[float
             f"expected z (B, {mean_t.numel()}, ...) and {mean_t.numel()} mean/std values, got {tuple(z.shape)}"
         )
     view = (1, -1) + (1,) * (z.dim() - 2)
-    return (z - mean_t.view(view)) / std_t.view(view)
+    return z, mean_t.view(view), std_t.view(view)
+
+
+def latent_normalize(z: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
+    """``(z − mean[c]) / std[c]`` per latent channel; ``z (B, C, ...)`` with channels on dim 1."""
+    z, m, s = _channel_stats(z, mean, std)
+    return (z - m) / s
 
 
 def latent_denormalize(z: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
     """Inverse of :func:`latent_normalize`: ``z·std[c] + mean[c]``."""
-    z = _f64(z)
-    mean_t = torch.tensor(list(mean), dtype=F64)
-    std_t = torch.tensor(list(std), dtype=F64)
-    if z.dim() < 2 or z.shape[1] != mean_t.numel() or std_t.numel() != mean_t.numel():
-        raise ValueError(
-            f"expected z (B, {mean_t.numel()}, ...) and {mean_t.numel()} mean/std values, got {tuple(z.shape)}"
-        )
-    view = (1, -1) + (1,) * (z.dim() - 2)
-    return z * std_t.view(view) + mean_t.view(view)
+    z, m, s = _channel_stats(z, mean, std)
+    return z * s + m
 
 
 def latent_pack(z: torch.Tensor, patch_size: int = 2) -> torch.Tensor:
