@@ -318,10 +318,11 @@ SWEEP_SMALL = [  # weight-streaming classes (modulation fwd/dX at M = 8, N = 64 
 ]
 
 
-def _cand(bm, bn, bk, warps, stages, group_m=8, layout="kn", tma=False):
+def _cand(bm, bn, bk, warps, stages, group_m=8, layout="kn", tma=False, **extra):
     c = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, num_warps=warps, num_stages=stages, weight_layout=layout)
     if tma:
         c["tma"] = True
+    c.update(extra)  # tma_store / epi_split / persistent / newton (configs._fwd)
     return c
 
 
@@ -350,6 +351,29 @@ ROUND3_BIG = [
     _cand(128, 128, 64, 4, 3, tma=True), _cand(128, 128, 64, 8, 4, tma=True), _cand(128, 256, 64, 8, 4, group_m=16, tma=True),
     _cand(128, 128, 128, 8, 2, tma=True),
 ]
+
+
+# Round 4: the same class, the epilogue itself — column parts (fewer live registers), the Newton
+# division (no div.rn slow path), the output through the copy engine, and a persistent tile walk
+# whose flattened loop prefetches the next tile's operands during this tile's epilogue.
+_T = dict(tma=True)
+ROUND4_BIG = [
+    _cand(128, 256, 64, 8, 4, **_T), _cand(128, 256, 64, 8, 4, newton=True, **_T),
+    _cand(128, 256, 64, 8, 4, epi_split=2, **_T), _cand(128, 256, 64, 8, 4, epi_split=4, **_T),
+    _cand(128, 256, 64, 8, 4, epi_split=2, newton=True, **_T),
+    _cand(128, 256, 64, 8, 4, epi_split=2, newton=True, tma_store=True, **_T),
+    _cand(128, 256, 64, 8, 4, persistent=True, newton=True, **_T),
+    _cand(128, 256, 64, 8, 4, persistent=True, epi_split=2, newton=True, **_T),
+    _cand(128, 256, 64, 8, 4, persistent=True, epi_split=4, newton=True, **_T),
+    _cand(128, 256, 64, 8, 3, persistent=True, epi_split=2, newton=True, tma_store=True, **_T),
+    _cand(128, 256, 64, 8, 4, persistent=True, epi_split=2, **_T),
+]
+
+
+def _kernel_stats(G) -> dict:
+    """Registers and spills of the most recently launched forward kernel (None under the interpreter)."""
+    k = getattr(G, "last_fwd_kernel", None)
+    return {"n_regs": getattr(k, "n_regs", None), "n_spills": getattr(k, "n_spills", None)}
 
 
 def round2_sweep(G, C, report, save, budget_ok, classes=None, big_candidates=None):
@@ -412,15 +436,24 @@ def round2_sweep(G, C, report, save, budget_ok, classes=None, big_candidates=Non
                     report["errors"].append(f"round2 {key} {cand}: {type(exc).__name__}: {str(exc)[:300]}")
                     ok = False
                     break
-                rows.append({"layer": name, "kind": kind, "M": m, "ms": t, "cublas_ms": tr, "ratio": tr / t})
+                with torch.no_grad():
+                    stats = _kernel_stats(G)
+                    tg, tgr = _bench_graph(fn), _bench_graph(ref)
+                rows.append({"layer": name, "kind": kind, "M": m, "ms": t, "cublas_ms": tr, "ratio": tr / t,
+                             "graph_ms": tg, "cublas_graph_ms": tgr})
                 report["sweep"].append({"layer": name, "kind": kind, "dtype": "bf16", "M": m, "config": dict(cand), "ms": t,
-                                        "tflops": 2.0 * m * n * k / t / 1e9, "cublas_ms": tr, "ratio": tr / t, "key": list(key)})
+                                        "tflops": 2.0 * m * n * k / t / 1e9, "cublas_ms": tr, "ratio": tr / t, "key": list(key),
+                                        "graph_ms": tg, "cublas_graph_ms": tgr,
+                                        "ratio_graph": (tgr / tg) if tg and tgr else None, **stats})
             if ok:
                 scores.append((ci, rows))
-        base = {r["layer"] + r["kind"]: r["ms"] for r in scores[0][1]} if scores and scores[0][0] == 0 else None
         if scores:
+            graph = all(r.get("graph_ms") for _, rs in scores for r in rs)
+            tkey = "graph_ms" if graph else "ms"  # GPU time where every candidate could be captured
+            base = {r["layer"] + r["kind"]: r[tkey] for r in scores[0][1]} if scores[0][0] == 0 else None
+
             def score(entry):
-                return sum(r["ms"] / (base[r["layer"] + r["kind"]] if base else 1.0) for r in entry[1])
+                return sum(r[tkey] / (base[r["layer"] + r["kind"]] if base else 1.0) for r in entry[1])
             best_ci, best_rows = min(scores, key=score)
             C.FWD[key] = dict(cands[best_ci])
             winners[str(key)] = {"config": dict(cands[best_ci]), "rows": best_rows, "incumbent": saved}
@@ -434,8 +467,13 @@ def round2_sweep(G, C, report, save, budget_ok, classes=None, big_candidates=Non
         w, b, x, _ = data[("mlp_up", "fwd", 4224)]
         with torch.no_grad():
             for epi in ("none", "gelu_tanh"):
-                t = do_bench(lambda: G.gemm_fwd(x, w, b, epilogue=epi), warmup=10, rep=60, quantiles=[0.5])
-                report.setdefault("epilogue_cost", []).append({"layer": "mlp_up", "epilogue": epi, "ms": t[0] if isinstance(t, (list, tuple)) else t})
+                fn = lambda: G.gemm_fwd(x, w, b, epilogue=epi)  # noqa: E731
+                t = do_bench(fn, warmup=10, rep=60, quantiles=[0.5])
+                report.setdefault("epilogue_cost", []).append({"layer": "mlp_up", "epilogue": epi, "ms": t[0] if isinstance(t, (list, tuple)) else t,
+                                                               "graph_ms": _bench_graph(fn)})
+            for label, fn in (("cublas addmm", lambda: torch.addmm(b, x, w.t())),
+                              ("cublas addmm + eager gelu", lambda: _torch_linear(x, w, b, "none", "gelu_tanh"))):
+                report["epilogue_cost"].append({"layer": "mlp_up", "epilogue": label, "graph_ms": _bench_graph(fn)})
         save()
     data.clear()
 
@@ -466,6 +504,15 @@ def sweep_case(G, C, name, n, k, bias, epilogue, dtype, m=4224, candidates=None,
             else:
                 C.FWD[key] = saved
     return out
+
+
+def _cfg_str(c: dict) -> str:
+    flags = [f for f, on in (("tma", c.get("tma")), ("tma-store", c.get("tma_store")), ("persistent", c.get("persistent")),
+                             ("newton", c.get("newton"))) if on]
+    if c.get("epi_split", 1) > 1:
+        flags.append(f"split{c['epi_split']}")
+    return (f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} s{c['num_stages']} g{c.get('GROUP_M')} "
+            f"{c['weight_layout']}" + "".join(" " + f for f in flags))
 
 
 def _md(report) -> str:
@@ -518,24 +565,33 @@ def _md(report) -> str:
         lines.append("")
     sw = report.get("sweep", [])
     if sw:
-        lines += ["## Configuration sweep (informational)", "", "| layer | kind | dtype | M | config | ms | TFLOP/s |", "|---|---|---|---|---|---|---|"]
+        lines += ["## Configuration sweep (informational)", "",
+                  "| layer | kind | dtype | M | config | ms | TFLOP/s | graph ms (cuBLAS, ratio) | regs / spills |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for s in sw:
-            c = s["config"]
-            cs = f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} s{c['num_stages']} g{c.get('GROUP_M')} {c['weight_layout']}{' tma' if c.get('tma') else ''}"
             extra = f" (cuBLAS {s['cublas_ms']:.4f}, ratio {s['ratio']:.2f})" if "ratio" in s else ""
-            lines.append(f"| {s['layer']} | {s['kind']} | {s['dtype']} | {s.get('M', 4224)} | {cs} | {s['ms']:.4f}{extra} | {s['tflops']:.1f} |")
+            graph = (f"{s['graph_ms']:.4f} ({s['cublas_graph_ms']:.4f}, {s['ratio_graph']:.2f})"
+                     if s.get("ratio_graph") else "—")
+            regs = f"{s.get('n_regs')} / {s.get('n_spills')}" if s.get("n_regs") is not None else "—"
+            lines.append(f"| {s['layer']} | {s['kind']} | {s['dtype']} | {s.get('M', 4224)} | {_cfg_str(s['config'])} | "
+                         f"{s['ms']:.4f}{extra} | {s['tflops']:.1f} | {graph} | {regs} |")
         lines.append("")
     win = report.get("round2_winners")
     if win:
-        lines += ["## Round-2 winners (adopted in-process for the sections above)", "", "| key (N, K, dtype) | config | uses: ms (cuBLAS ms, ratio) |", "|---|---|---|"]
+        lines += ["## Sweep winners (adopted in-process for the sections above)", "",
+                  "| key (N, K, dtype) | config | uses: ms (cuBLAS ms, ratio) |", "|---|---|---|"]
         for key, v in win.items():
-            c = v["config"]
-            cs = f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} s{c['num_stages']} g{c['GROUP_M']} {c['weight_layout']}{' tma' if c.get('tma') else ''}"
-            us = "; ".join(f"{r['layer']} {r['kind']} M={r['M']}: {r['ms']:.4f} ({r['cublas_ms']:.4f}, {r['ratio']:.2f})" for r in v["rows"])
-            lines.append(f"| {key} | {cs} | {us} |")
+            us = "; ".join(f"{r['layer']} {r['kind']} M={r['M']}: {r['ms']:.4f} ({r['cublas_ms']:.4f}, {r['ratio']:.2f})"
+                           + (f", graph {r['graph_ms']:.4f} ({r['cublas_graph_ms']:.4f})" if r.get("graph_ms") and r.get("cublas_graph_ms") else "")
+                           for r in v["rows"])
+            lines.append(f"| {key} | {_cfg_str(v['config'])} | {us} |")
         lines.append("")
     if report.get("epilogue_cost"):
-        lines += ["## mlp_up epilogue cost (adopted config)", ""] + [f"- epilogue {e['epilogue']}: {e['ms']:.4f} ms" for e in report["epilogue_cost"]] + [""]
+        def _ms(v):
+            return f"{v:.4f} ms" if v is not None else "—"
+
+        lines += ["## mlp_up epilogue cost (adopted config, M = 4224)", ""] + [
+            f"- {e['epilogue']}: do_bench {_ms(e.get('ms'))}, graph {_ms(e.get('graph_ms'))}" for e in report["epilogue_cost"]] + [""]
     if report.get("errors"):
         lines += ["## Errors", ""] + [f"- {x}" for x in report["errors"]] + [""]
     lines.append(f"Wall time {report.get('wall_s', 0):.0f} s.")
@@ -545,8 +601,8 @@ def _md(report) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--classes", default=None, help="round2/round3 sweeps: comma list of NxK classes to sweep (default: all)")
-    ap.add_argument("--sweep", choices=("big", "small", "round2", "round3", "none"), default="big",
+    ap.add_argument("--classes", default=None, help="round2/3/4 sweeps: comma list of NxK classes to sweep (default: all)")
+    ap.add_argument("--sweep", choices=("big", "small", "round2", "round3", "round4", "none"), default="big",
                     help="configuration sweep: the M=4224 layers, the weight-streaming classes, round 2 (runs first, "
                          "adopts the fastest config per class in-process for the sections after it), or none")
     ap.add_argument("--sections", default="speed,invariance,accuracy",
@@ -589,10 +645,10 @@ def main(argv=None) -> int:
 
     sections = set(args.sections.split(","))
     classes = set(args.classes.split(",")) if args.classes else None
-    if args.sweep in ("round2", "round3"):
+    if args.sweep in ("round2", "round3", "round4"):
         guarded(f"{args.sweep} sweep", lambda: round2_sweep(
             G, C, report, save, lambda: time.time() - t0 < args.budget_s, classes=classes,
-            big_candidates=ROUND3_BIG if args.sweep == "round3" else None))
+            big_candidates={"round3": ROUND3_BIG, "round4": ROUND4_BIG}.get(args.sweep)))
         report["env"]["configs_note"] = "round-2 winners adopted in-process (report['round2_winners']), not configs.py as committed"
         save()
     # 1. speed first (the headline), bf16 then fp32

@@ -269,6 +269,69 @@ def test_prologue_pass_equals_fused_prologue_bytes(lora, monkeypatch):
         assert torch.equal(a, c)
 
 
+_VARIANTS = {  # launch variants that must not move a single byte (configs.py ``_fwd`` keys)
+    "persistent": dict(persistent=True),
+    "split2": dict(epi_split=2),
+    "split4+persistent": dict(epi_split=4, persistent=True),
+    "newton": dict(newton=True),
+}
+
+
+@interp
+@pytest.mark.parametrize("variant", sorted(_VARIANTS))
+@pytest.mark.parametrize("prologue,epilogue,lora", [("none", "gelu_tanh", False), ("silu", "silu", True)])
+def test_launch_variants_give_the_same_bytes(variant, prologue, epilogue, lora, monkeypatch):
+    """Persistent tile walk, epilogue column parts and the Newton division leave the forward and every
+    gradient byte-identical to the plain one-program-per-tile launch (tiles 16×64×16: 3 row tiles,
+    programs walk several tiles each, parts of 32 and 16 columns)."""
+    from mmdit_strict.kernels.triton import configs
+
+    w, b, lo = _params(lora, requires_grad=True)
+    x = _x(M, seed=19, requires_grad=True)
+    dy = torch.randn(M, N, generator=torch.Generator().manual_seed(23))
+    inputs = [x, w, b] + ([lo[0], lo[1]] if lora else [])
+    runs = []
+    for extra in ({}, _VARIANTS[variant]):
+        monkeypatch.setattr(configs, "fwd_config", lambda n, k, dtype, _e=extra: configs._fwd(16, 64, 16, 4, 2, **_e))
+        y = G.gemm(x, w, b, seqlens=SEQLENS, prologue=prologue, epilogue=epilogue, lora=lo)
+        runs.append((y.detach(),) + torch.autograd.grad(y, inputs, dy))
+    for a, c in zip(*runs):
+        assert torch.equal(a, c)
+
+
+@interp
+def test_newton_division_is_correctly_rounded():
+    """``_div_ge1_f32`` equals IEEE division (numpy's FP32 ``/`` rounds correctly) on d in [1, 2¹²⁵),
+    and gives ±0 from 2¹²⁵ up to +inf, as ``div_rn`` does at +inf."""
+    import numpy as np
+    import triton.language as tl
+
+    @triton.jit
+    def div_kernel(n_ptr, d_ptr, q_ptr, size, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < size
+        n = tl.load(n_ptr + offs, mask=mask, other=1.0)
+        d = tl.load(d_ptr + offs, mask=mask, other=1.0)
+        tl.store(q_ptr + offs, G._div_ge1_f32(n, d), mask=mask)
+
+    g = torch.Generator().manual_seed(3)
+    size = 1 << 16
+    d = torch.cat([1 + torch.rand(size // 4, generator=g) * 1e-3, 1 + torch.rand(size // 4, generator=g) * 4,
+                   torch.exp(torch.rand(size // 2, generator=g) * 86.0)])
+    n = torch.randn(size, generator=g) * 10
+    n[:8] = torch.tensor([0.0, -0.0, 1.0, -1.0, 3e-38, -3e-38, 1e30, -7.0])
+    q = torch.empty_like(n)
+    div_kernel[(size // 1024,)](n, d, q, size, BLOCK=1024)
+    want = torch.from_numpy(n.numpy() / d.numpy())
+    assert torch.equal(q.view(torch.int32), want.view(torch.int32))
+
+    big = torch.tensor([2.0**125, 3e38, float("inf"), 2.0**125, float("inf"), 1e38])
+    nb = torch.tensor([5.0, -5.0, 1.0, -1.0, -2.0, 0.0])
+    qb = torch.empty_like(nb)
+    div_kernel[(1,)](nb, big, qb, 6, BLOCK=8)
+    assert torch.equal(qb.view(torch.int32), (nb * 0.0).view(torch.int32))  # ±0, sign of n
+
+
 # ------------------------------------------------------------------------------------------------
 # GPU: the real layer classes in bf16 and fp32 through the shared harness (never in CI)
 # ------------------------------------------------------------------------------------------------

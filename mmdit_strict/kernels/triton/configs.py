@@ -29,12 +29,18 @@ _BF16 = "bf16"
 _FP32 = "fp32"
 
 
-def _fwd(bm, bn, bk, warps, stages, layout="kn", group_m=8, tma=False, prologue="pass"):
+def _fwd(bm, bn, bk, warps, stages, layout="kn", group_m=8, tma=False, prologue="pass", tma_store=False,
+         epi_split=1, persistent=False, newton=False):
     """``tma``: load the tiles through Hopper tensor descriptors (same arithmetic; pointer loads where
     the copy engine cannot serve the operands). ``prologue``: ``"pass"`` = the SiLU prologue as its
-    own elementwise pass, ``"fused"`` = in the main loop (same bytes; see ``gemm.gemm_fwd``)."""
+    own elementwise pass, ``"fused"`` = in the main loop (same bytes; see ``gemm.gemm_fwd``).
+    ``tma_store``: the output leaves through a tensor descriptor (with ``tma``). ``epi_split``: the
+    epilogue runs on 1, 2 or 4 column parts of the tile. ``persistent``: one program per SM walks the
+    tiles. ``newton``: the activations divide with ``gemm._div_ge1_f32``. None of the last four moves
+    accumulation arithmetic; ``newton`` decides the activation's division."""
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m,
-            "num_warps": warps, "num_stages": stages, "weight_layout": layout, "tma": tma, "prologue": prologue}
+            "num_warps": warps, "num_stages": stages, "weight_layout": layout, "tma": tma, "prologue": prologue,
+            "tma_store": tma_store, "epi_split": epi_split, "persistent": persistent, "newton": newton}
 
 
 def _dw(bn, bk, bm, warps, stages, group=8):

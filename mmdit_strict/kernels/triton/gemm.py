@@ -96,6 +96,33 @@ def _exp_f32(x):
 
 
 @triton.jit
+def _div_ge1_f32(n, d):
+    """n / d for d ≥ 1 from IEEE ``- * fma`` only (no ``rcp.approx``, no ``div.full``, no slow path).
+
+    y₀ = bits⁻¹(0x7EF311C3 − bits(d)) (an exact integer operation, |y₀·d − 1| < 0.13), three Newton
+    steps y = fma(fma(−d, y, 1), y, y) (|y·d − 1| ≤ 6e-8), then q = n·y and one residual correction
+    q = fma(−fma(d, q, −n), y, q). Measured correctly rounded (= ``div_rn``) on 12·10⁶ random pairs with
+    d in [1, e⁸⁰]. For d ≥ 2¹²⁵ (where y₀ would be subnormal; |n/d| < |n|·2⁻¹²⁵) the result is ±0 —
+    what ``div_rn`` gives for d = +inf. A non-finite n gives NaN.
+    """
+    y = (2129859011 - d.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)  # 0x7EF311C3
+    y = tl.fma(tl.fma(-d, y, 1.0), y, y)
+    y = tl.fma(tl.fma(-d, y, 1.0), y, y)
+    y = tl.fma(tl.fma(-d, y, 1.0), y, y)
+    q = n * y
+    q = tl.fma(-tl.fma(d, q, -n), y, q)  # residual n − d·q as −(d·q − n): keeps the sign of a zero n
+    return tl.where(d < 4.253529586511731e37, q, n * 0.0)
+
+
+@triton.jit
+def _div_act(n, d, NEWTON: tl.constexpr):
+    if NEWTON:
+        return _div_ge1_f32(n, d)
+    else:
+        return tl.math.div_rn(n, d)
+
+
+@triton.jit
 def _sigmoid_f32(t):
     """σ(t) = 1 / (1 + exp(−t)) with a correctly rounded division (``div_rn``)."""
     one = tl.full(t.shape, 1.0, tl.float32)
@@ -103,16 +130,16 @@ def _sigmoid_f32(t):
 
 
 @triton.jit
-def _act_f32(z, ACT: tl.constexpr):
+def _act_f32(z, ACT: tl.constexpr, NEWTON: tl.constexpr = False):
     """ACT 1: gelu_tanh(z) = z / (1 + exp(−t)), t = 2c·fma(z³, a, z) (= ½z(1 + tanh(c(z + a z³))),
     c = √(2/π), a = 0.044715); ACT 2: silu(z) = z / (1 + exp(−z)). One correctly rounded division
     (``div_rn``) of z by 1 + exp(−t) — the same function as z·σ(t) with one rounding fewer. Operation
     order as written; every step one IEEE FP32 rounding."""
     if ACT == 1:
         t = tl.fma((z * z) * z, 0.044715, z) * 1.5957691216057308
-        return tl.math.div_rn(z, 1.0 + _exp_f32(-t))
+        return _div_act(z, 1.0 + _exp_f32(-t), NEWTON)
     else:
-        return tl.math.div_rn(z, 1.0 + _exp_f32(-z))
+        return _div_act(z, 1.0 + _exp_f32(-z), NEWTON)
 
 
 @triton.jit
@@ -134,43 +161,25 @@ def _act_grad_f32(z, ACT: tl.constexpr):
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["M"])
-def _gemm_fwd_kernel(
-    a_ptr, b_ptr, bias_ptr, u_ptr, l_ptr, aux_ptr, out_ptr, pre_ptr,
-    M, N, K, R,
-    stride_am, stride_bk, stride_bn, stride_um, stride_lr, stride_ln, stride_auxm, stride_om,
-    lora_scale,
-    PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
-    STORE_PRE: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    GROUP_M: tl.constexpr, USE_TMA: tl.constexpr = False,
+@triton.jit
+def _grouped_tile(tile, num_a, num_b, GROUP: tl.constexpr):
+    """Tile ``tile`` of a (num_a, num_b) grid in grouped order (GROUP rows of a per column sweep, for
+    L2 reuse). Moves no arithmetic: it only decides which program computes which tile."""
+    group_size = GROUP * num_b
+    first = (tile // group_size) * GROUP
+    in_group = tl.minimum(num_a - first, GROUP)
+    return first + (tile % group_size) % in_group, (tile % group_size) // in_group
+
+
+@triton.jit
+def _fwd_tile_acc(
+    a_ptr, b_ptr, bias_ptr, u_ptr, l_ptr, pid_m, pid_n, M, N, K, R,
+    stride_am, stride_bk, stride_bn, stride_um, stride_lr, stride_ln, lora_scale,
+    PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """out(M, N) = epi(p(a)(M, K) @ b(K, N) + bias + lora_scale · u(M, R) @ l(R, N)).
-
-    Reduction: acc = 0; for k0 = 0, BLOCK_K, 2·BLOCK_K, … < K: acc = dot(p(a)[:, k0:k0+BK], b[k0:k0+BK], acc)
-    (one program owns a (BLOCK_M, BLOCK_N) output tile and its whole K range). FP32 (ieee) dots are
-    one FMA chain over all of K per element. (``acc + dot(a, b)`` with a fresh accumulator is folded
-    back into ``dot(a, b, acc)`` by Triton's combiner — measured on the H200: identical bytes — so a
-    two-level FP32 sum needs another formulation; see experiments/gemm/NOTES.md.) LoRA: a second FP32
-    accumulator over R in BLOCK_R steps, same form. Then, in FP32: acc = acc + bias; acc = acc +
-    lora_scale · lacc; [pre = acc, stored with one cast]; out = epi(acc) stored with one cast.
-    PROLOGUE 1: p = silu, in FP32 on the loaded a tile, rounded once to a's dtype before the dot.
-    EPILOGUE 0 none, 1 gelu_tanh, 2 silu, 3 multiply by silu'(aux) (the prologue's backward).
-    Masked rows/columns load 0 and are never stored; the grouped tile order moves no arithmetic.
-    M is not specialized (``do_not_specialize``): one compiled kernel serves every M.
-    USE_TMA (Hopper, ``configs`` per shape class): ``a_ptr``/``b_ptr`` are host tensor descriptors
-    and the tiles arrive by the bulk tensor copy engine (out-of-range elements read as 0, exactly
-    what the masked loads give); the dot sequence, hence the arithmetic, is the same.
-    """
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    group_size = GROUP_M * num_pid_n
-    first_m = (pid // group_size) * GROUP_M
-    rows_in_group = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group_size) % rows_in_group
-    pid_n = (pid % group_size) // rows_in_group
-
+    """FP32 tile ``p(a) @ b (+ bias) (+ lora_scale · u @ l)`` of output tile (pid_m, pid_n)."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -215,19 +224,134 @@ def _gemm_fwd_kernel(
                          mask=(offs_r[:, None] < r_left) & mask_n[None, :], other=0.0)
             lacc = tl.dot(u, lw, lacc, input_precision=DOT_PRECISION)
         acc = acc + lacc * lora_scale
+    return acc
 
-    out_mask = mask_m[:, None] & mask_n[None, :]
+
+@triton.jit
+def _fwd_store_part(
+    acc, m0, n0, M, N, aux_ptr, out_ptr, pre_ptr, out_desc, stride_auxm, stride_om,
+    EPILOGUE: tl.constexpr, STORE_PRE: tl.constexpr, TMA_STORE: tl.constexpr, NEWTON: tl.constexpr,
+    BLOCK_M: tl.constexpr, PART_N: tl.constexpr,
+):
+    """Epilogue of one (BLOCK_M, PART_N) column part of a tile at (m0, n0): [pre store], activation,
+    one cast, store. Elementwise: how a tile is cut into parts moves no arithmetic."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, PART_N)
+    rows = offs_m.to(tl.int64)
+    out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     out_offs = rows[:, None] * stride_om + offs_n[None, :]
     if STORE_PRE:
         tl.store(pre_ptr + out_offs, acc.to(pre_ptr.dtype.element_ty), mask=out_mask)
     if EPILOGUE == 1:
-        acc = _act_f32(acc, 1)
+        acc = _act_f32(acc, 1, NEWTON)
     elif EPILOGUE == 2:
-        acc = _act_f32(acc, 2)
+        acc = _act_f32(acc, 2, NEWTON)
     elif EPILOGUE == 3:
         xa = tl.load(aux_ptr + rows[:, None] * stride_auxm + offs_n[None, :], mask=out_mask, other=0.0)
         acc = acc * _act_grad_f32(xa.to(tl.float32), 2)
-    tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    if TMA_STORE:
+        out_desc.store([m0, n0], acc.to(out_ptr.dtype.element_ty))
+    else:
+        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _halves(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Column halves ``x[:, :COLS//2], x[:, COLS//2:]`` of a (ROWS, COLS) tile (no arithmetic)."""
+    return tl.split(tl.permute(tl.reshape(x, (ROWS, 2, COLS // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _fwd_tile_store(
+    acc, pid_m, pid_n, M, N, aux_ptr, out_ptr, pre_ptr, out_desc, stride_auxm, stride_om,
+    EPILOGUE: tl.constexpr, STORE_PRE: tl.constexpr, TMA_STORE: tl.constexpr, NEWTON: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EPI_SPLIT: tl.constexpr,
+):
+    """Epilogue of a whole tile in EPI_SPLIT column parts (1, 2 or 4): fewer live registers per part."""
+    m0 = pid_m * BLOCK_M
+    n0 = pid_n * BLOCK_N
+    if EPI_SPLIT == 1:
+        _fwd_store_part(acc, m0, n0, M, N, aux_ptr, out_ptr, pre_ptr, out_desc, stride_auxm, stride_om,
+                        EPILOGUE, STORE_PRE, TMA_STORE, NEWTON, BLOCK_M, BLOCK_N)
+    elif EPI_SPLIT == 2:
+        h0, h1 = _halves(acc, BLOCK_M, BLOCK_N)
+        _fwd_store_part(h0, m0, n0, M, N, aux_ptr, out_ptr, pre_ptr, out_desc, stride_auxm, stride_om,
+                        EPILOGUE, STORE_PRE, TMA_STORE, NEWTON, BLOCK_M, BLOCK_N // 2)
+        _fwd_store_part(h1, m0, n0 + BLOCK_N // 2, M, N, aux_ptr, out_ptr, pre_ptr, out_desc, stride_auxm,
+                        stride_om, EPILOGUE, STORE_PRE, TMA_STORE, NEWTON, BLOCK_M, BLOCK_N // 2)
+    else:
+        h0, h1 = _halves(acc, BLOCK_M, BLOCK_N)
+        q0, q1 = _halves(h0, BLOCK_M, BLOCK_N // 2)
+        q2, q3 = _halves(h1, BLOCK_M, BLOCK_N // 2)
+        PART: tl.constexpr = BLOCK_N // 4
+        _fwd_store_part(q0, m0, n0, M, N, aux_ptr, out_ptr, pre_ptr, out_desc, stride_auxm, stride_om,
+                        EPILOGUE, STORE_PRE, TMA_STORE, NEWTON, BLOCK_M, PART)
+        _fwd_store_part(q1, m0, n0 + PART, M, N, aux_ptr, out_ptr, pre_ptr, out_desc, stride_auxm, stride_om,
+                        EPILOGUE, STORE_PRE, TMA_STORE, NEWTON, BLOCK_M, PART)
+        _fwd_store_part(q2, m0, n0 + 2 * PART, M, N, aux_ptr, out_ptr, pre_ptr, out_desc, stride_auxm,
+                        stride_om, EPILOGUE, STORE_PRE, TMA_STORE, NEWTON, BLOCK_M, PART)
+        _fwd_store_part(q3, m0, n0 + 3 * PART, M, N, aux_ptr, out_ptr, pre_ptr, out_desc, stride_auxm,
+                        stride_om, EPILOGUE, STORE_PRE, TMA_STORE, NEWTON, BLOCK_M, PART)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemm_fwd_kernel(
+    a_ptr, b_ptr, bias_ptr, u_ptr, l_ptr, aux_ptr, out_ptr, pre_ptr, out_desc,
+    M, N, K, R,
+    stride_am, stride_bk, stride_bn, stride_um, stride_lr, stride_ln, stride_auxm, stride_om,
+    lora_scale,
+    PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
+    STORE_PRE: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr, USE_TMA: tl.constexpr = False, TMA_STORE: tl.constexpr = False,
+    EPI_SPLIT: tl.constexpr = 1, NEWTON: tl.constexpr = False, NUM_PROGRAMS: tl.constexpr = 0,
+):
+    """out(M, N) = epi(p(a)(M, K) @ b(K, N) + bias + lora_scale · u(M, R) @ l(R, N)).
+
+    Reduction: acc = 0; for k0 = 0, BLOCK_K, 2·BLOCK_K, … < K: acc = dot(p(a)[:, k0:k0+BK], b[k0:k0+BK], acc)
+    (one program owns a (BLOCK_M, BLOCK_N) output tile and its whole K range). FP32 (ieee) dots are
+    one FMA chain over all of K per element. (``acc + dot(a, b)`` with a fresh accumulator is folded
+    back into ``dot(a, b, acc)`` by Triton's combiner — measured on the H200: identical bytes — so a
+    two-level FP32 sum needs another formulation; see experiments/gemm/NOTES.md.) LoRA: a second FP32
+    accumulator over R in BLOCK_R steps, same form. Then, in FP32: acc = acc + bias; acc = acc +
+    lora_scale · lacc; [pre = acc, stored with one cast]; out = epi(acc) stored with one cast.
+    PROLOGUE 1: p = silu, in FP32 on the loaded a tile, rounded once to a's dtype before the dot.
+    EPILOGUE 0 none, 1 gelu_tanh, 2 silu, 3 multiply by silu'(aux) (the prologue's backward).
+    Masked rows/columns load 0 and are never stored; the grouped tile order moves no arithmetic.
+    M is not specialized (``do_not_specialize``): one compiled kernel serves every M.
+    USE_TMA (Hopper, ``configs`` per shape class): ``a_ptr``/``b_ptr`` are host tensor descriptors
+    and the tiles arrive by the bulk tensor copy engine (out-of-range elements read as 0, exactly
+    what the masked loads give); the dot sequence, hence the arithmetic, is the same. TMA_STORE:
+    the output leaves through ``out_desc`` (rows past M are clipped by the copy engine).
+    EPI_SPLIT: the epilogue runs on 1, 2 or 4 column parts of the tile (elementwise: same bytes).
+    NEWTON: the activations divide by :func:`_div_ge1_f32` instead of ``div_rn``.
+    NUM_PROGRAMS > 0: persistent — that many programs walk the tiles (tile t, t + NUM_PROGRAMS, …) in
+    one flattened loop, so the copy engine fetches the next tile's operands during this tile's
+    epilogue; every tile is computed exactly as by its own program.
+    """
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    if NUM_PROGRAMS > 0:
+        tile_c = pid - NUM_PROGRAMS  # separate counter for the epilogue, as the pipeliner prefers
+        for tile in tl.range(pid, num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=True):
+            pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+            acc = _fwd_tile_acc(a_ptr, b_ptr, bias_ptr, u_ptr, l_ptr, pid_m, pid_n, M, N, K, R,
+                                stride_am, stride_bk, stride_bn, stride_um, stride_lr, stride_ln, lora_scale,
+                                PROLOGUE, HAS_BIAS, HAS_LORA, EVEN_K, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+                                BLOCK_R, USE_TMA)
+            tile_c += NUM_PROGRAMS
+            pid_m_c, pid_n_c = _grouped_tile(tile_c, num_pid_m, num_pid_n, GROUP_M)
+            _fwd_tile_store(acc, pid_m_c, pid_n_c, M, N, aux_ptr, out_ptr, pre_ptr, out_desc, stride_auxm,
+                            stride_om, EPILOGUE, STORE_PRE, TMA_STORE, NEWTON, BLOCK_M, BLOCK_N, EPI_SPLIT)
+    else:
+        pid_m, pid_n = _grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
+        acc = _fwd_tile_acc(a_ptr, b_ptr, bias_ptr, u_ptr, l_ptr, pid_m, pid_n, M, N, K, R,
+                            stride_am, stride_bk, stride_bn, stride_um, stride_lr, stride_ln, lora_scale,
+                            PROLOGUE, HAS_BIAS, HAS_LORA, EVEN_K, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+                            BLOCK_R, USE_TMA)
+        _fwd_tile_store(acc, pid_m, pid_n, M, N, aux_ptr, out_ptr, pre_ptr, out_desc, stride_auxm, stride_om,
+                        EPILOGUE, STORE_PRE, TMA_STORE, NEWTON, BLOCK_M, BLOCK_N, EPI_SPLIT)
 
 
 @triton.jit(do_not_specialize=["S"])
@@ -247,14 +371,7 @@ def _gemm_dw_kernel(
     acc = acc + scale·part (two IEEE FP32 operations; scale = 1 is exact). One cast at the store.
     ``init`` lets a caller continue a fold across micro-batches in an FP32 buffer.
     """
-    pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_k = tl.cdiv(K, BLOCK_K)
-    group_size = GROUP_N * num_pid_k
-    first_n = (pid // group_size) * GROUP_N
-    n_in_group = tl.minimum(num_pid_n - first_n, GROUP_N)
-    pid_n = first_n + (pid % group_size) % n_in_group
-    pid_k = (pid % group_size) // n_in_group
+    pid_n, pid_k = _grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(K, BLOCK_K), GROUP_N)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -482,10 +599,14 @@ def _main(a, b, b_strides, n_out, *, prologue=0, epilogue=0, bias=None, lora_u=N
     bn = min(cfg["BLOCK_N"], _pow2_at_least(n_out))
     bk = min(cfg["BLOCK_K"], _pow2_at_least(k))
     r = lora_u.shape[1] if lora_u is not None else 0
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n_out, bn),)
+    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n_out, bn)
+    nprog = _num_programs(a.device) if cfg.get("persistent") else 0
+    grid = (min(tiles, nprog) if nprog else tiles,)
     dummy = out
     use_tma = _use_tma(cfg, a, b, b_strides, bk, bn, prologue)
-    a_arg, b_arg = a, b
+    split = cfg.get("epi_split", 1) if bn % (16 * cfg.get("epi_split", 1)) == 0 else 1
+    tma_store = use_tma and cfg.get("tma_store", False) and (n_out * out.element_size()) % 16 == 0
+    a_arg, b_arg, out_desc = a, b, dummy
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -493,10 +614,13 @@ def _main(a, b, b_strides, n_out, *, prologue=0, epilogue=0, bias=None, lora_u=N
 
         a_arg = TensorDescriptor(a, [m, k], [a.stride(0), 1], [cfg["BLOCK_M"], bk])
         b_arg = TensorDescriptor(b, [k, n_out], [b_strides[0], 1], [bk, bn])
-    _gemm_fwd_kernel[grid](
+        if tma_store:
+            out_desc = TensorDescriptor(out, [m, n_out], [out.stride(0), 1], [cfg["BLOCK_M"], bn // split])
+    global last_fwd_kernel
+    last_fwd_kernel = _gemm_fwd_kernel[grid](
         a_arg, b_arg, bias if bias is not None else dummy, lora_u if lora_u is not None else dummy,
         lora_l if lora_l is not None else dummy, aux if aux is not None else dummy, out,
-        pre if pre is not None else dummy,
+        pre if pre is not None else dummy, out_desc,
         m, n_out, k, r,
         a.stride(0), b_strides[0], b_strides[1],
         lora_u.stride(0) if lora_u is not None else 0, lora_l_strides[0], lora_l_strides[1],
@@ -505,12 +629,22 @@ def _main(a, b, b_strides, n_out, *, prologue=0, epilogue=0, bias=None, lora_u=N
         PROLOGUE=prologue, EPILOGUE=epilogue, HAS_BIAS=bias is not None, HAS_LORA=lora_u is not None,
         STORE_PRE=store_pre, EVEN_K=(k % bk == 0), DOT_PRECISION=_DOT_PRECISION,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, BLOCK_K=bk, BLOCK_R=min(64, _pow2_at_least(r)),
-        GROUP_M=cfg["GROUP_M"], USE_TMA=use_tma, **_launch_opts(cfg),
+        GROUP_M=cfg["GROUP_M"], USE_TMA=use_tma, TMA_STORE=tma_store, EPI_SPLIT=split,
+        NEWTON=bool(cfg.get("newton", False)), NUM_PROGRAMS=nprog, **_launch_opts(cfg),
     )
     return out, pre
 
 
 _CTX = threading.local()
+last_fwd_kernel = None  # the compiled kernel of the latest forward launch (benchmarks read n_regs / n_spills)
+_INTERPRETER_PROGRAMS = 3  # persistent programs under the interpreter: several tiles per program
+
+
+def _num_programs(device: torch.device) -> int:
+    """Programs of a persistent launch: one per SM (the tile loop keeps each SM busy)."""
+    if device.type != "cuda":
+        return _INTERPRETER_PROGRAMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _ensure_cuda_context(device: torch.device) -> None:
