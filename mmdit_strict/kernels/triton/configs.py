@@ -30,17 +30,16 @@ _FP32 = "fp32"
 
 
 def _fwd(bm, bn, bk, warps, stages, layout="kn", group_m=8, tma=False, prologue="pass", tma_store=False,
-         epi_split=1, persistent=False, newton=False):
+         epi_split=1, persistent=False):
     """``tma``: load the tiles through Hopper tensor descriptors (same arithmetic; pointer loads where
     the copy engine cannot serve the operands). ``prologue``: ``"pass"`` = the SiLU prologue as its
     own elementwise pass, ``"fused"`` = in the main loop (same bytes; see ``gemm.gemm_fwd``).
     ``tma_store``: the output leaves through a tensor descriptor (with ``tma``). ``epi_split``: the
     epilogue runs on 1, 2 or 4 column parts of the tile. ``persistent``: one program per SM walks the
-    tiles. ``newton``: the activations divide with ``gemm._div_ge1_f32``. None of the last four moves
-    accumulation arithmetic; ``newton`` decides the activation's division."""
+    tiles. None of the last three moves any arithmetic."""
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m,
             "num_warps": warps, "num_stages": stages, "weight_layout": layout, "tma": tma, "prologue": prologue,
-            "tma_store": tma_store, "epi_split": epi_split, "persistent": persistent, "newton": newton}
+            "tma_store": tma_store, "epi_split": epi_split, "persistent": persistent}
 
 
 def _dw(bn, bk, bm, warps, stages, group=8):
@@ -56,6 +55,10 @@ def _dw(bn, bk, bm, warps, stages, group=8):
 # Round 2 (experiments/gemm/h200_tuning_round2.md): the same tile through tensor descriptors (TMA) was
 # the fastest of 7 candidates for every M = 4224 class, fwd and dX (0.96–1.14× cuBLAS in the sweep).
 _BIG_BF16 = _fwd(128, 256, 64, 8, 4, tma=True)
+# Round 4 (experiments/gemm/h200_round4_7cf2678.md): for the tanh-GELU class, a persistent tile walk
+# (the next tile's operands load during this tile's epilogue) with the epilogue on two column halves
+# and the Newton division: mlp_up fwd 0.547 ms vs 0.581 (graph replay), cuBLAS addmm + GELU 0.551.
+_BIG_GELU_BF16 = _fwd(128, 256, 64, 8, 4, tma=True, persistent=True, epi_split=2)
 # M = batch rows (1..2048): weight-streaming bound. Run 2's sweep (prologue fused into the main loop):
 # time grew with the number of column tiles (16×32×128 0.32 ms, 16×64×64 0.18, 16×128×64 0.15) — every
 # program re-evaluated SiLU on its whole (16, K) row block; round 2 runs the prologue as its own pass.
@@ -73,7 +76,7 @@ _THIN_K_BF16 = _fwd(128, 128, 64, 8, 3)       # K = 64 (img_in): one K step
 FWD: dict[tuple[int, int, str], dict] = {
     (9216, 3072, _BF16): _BIG_BF16,
     (3072, 3072, _BF16): _BIG_BF16,
-    (12288, 3072, _BF16): _BIG_BF16,
+    (12288, 3072, _BF16): _BIG_GELU_BF16,  # mlp_up fwd (bias + tanh-GELU) and mlp_down dX
     (3072, 12288, _BF16): _BIG_BF16,
     (3072, 3584, _BF16): _BIG_BF16,
     (3584, 3072, _BF16): _BIG_BF16,        # dX of txt_in

@@ -16,8 +16,8 @@ Arithmetic (DESIGN.md §3), frozen here and documented per kernel below:
   ``input_precision="ieee"`` (true FP32 FMA, never TF32).
 * Epilogue in FP32 on the accumulator, then **one cast** to the execution dtype at the output.
   ``exp`` is a range-reduced polynomial written with IEEE ``+ - *`` and explicit ``fma`` (no
-  ``ex2.approx``/``__expf``),
-  divisions are ``div_rn`` (not ``div.full``), and kernels are compiled with
+  ``ex2.approx``/``__expf``), divisions are Newton iterations in ``fma`` from an integer first
+  guess with a final residual correction (no ``rcp.approx``/``div.full``), and kernels are compiled with
   ``enable_fp_fusion=False`` so no multiply-add is contracted: every epilogue operation is one
   IEEE-rounded FP32 operation, in the order written. The interpreter (numpy FP32) executes the same
   sequence.
@@ -65,18 +65,19 @@ _GELU_3A = 0.134145  # 3 * 0.044715
 
 
 @triton.jit
-def _exp_f32(x):
-    """exp(x) in FP32 from IEEE operations only (``+ - *`` and the fused multiply-add ``fma``).
+def _exp_clamped_f32(x):
+    """exp(clamp(x, −87, 88)) in FP32 from IEEE operations only (``+ - *`` and the fused multiply-add
+    ``fma``): the ``e`` of the activations' denominators ``1 + e``.
 
     n = floor(fma(x, log2e, 1/2)); r = fma(n, −ln2_hi, x); r = fma(n, −ln2_lo, r) (Cody–Waite,
     |r| ≤ 0.35); exp(r) by the degree-7 Taylor polynomial in Horner form, one ``fma`` per degree
-    (truncation < 0.1 ulp); scaled by 2^(n>>1) then 2^(n − n>>1) (two exact powers of two built from
-    exponent bits, so the only rounding of the scaling is the last multiply, which also produces
-    inf/subnormals/0). x is clamped to [−104, 89], outside of which the result is already 0 or inf.
-    ``fma`` is IEEE 754's fusedMultiplyAdd (one rounding), written explicitly: it is not a contraction
-    (kernels compile with ``enable_fp_fusion=False``) and not an approximate intrinsic.
+    (truncation < 0.1 ulp); times 2^n, an exact power of two built from exponent bits (n in
+    [−125, 127], so the product is a normal number and exact). The clamp moves no denominator:
+    below −87, 1 + e rounds to 1 either way; above 88, 1 + e ≥ 2¹²⁵, where :func:`_div_ge1_f32`
+    returns ±0. ``fma`` is IEEE 754's fusedMultiplyAdd (one rounding), written explicitly: it is not a
+    contraction (kernels compile with ``enable_fp_fusion=False``) and not an approximate intrinsic.
     """
-    x = tl.minimum(tl.maximum(x, -104.0), 89.0)
+    x = tl.minimum(tl.maximum(x, -87.0), 88.0)
     n = tl.floor(tl.fma(x, 1.4426950408889634, 0.5))
     r = tl.fma(n, -0.693145751953125, x)
     r = tl.fma(n, -1.428606765330187045e-06, r)
@@ -87,23 +88,21 @@ def _exp_f32(x):
     p = tl.fma(p, r, 0.5)
     p = tl.fma(p, r, 1.0)
     p = tl.fma(p, r, 1.0)
-    ni = n.to(tl.int32)
-    n1 = ni >> 1
-    n2 = ni - n1
-    s1 = ((n1 + 127) << 23).to(tl.float32, bitcast=True)
-    s2 = ((n2 + 127) << 23).to(tl.float32, bitcast=True)
-    return (p * s1) * s2
+    return p * ((n.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _div_ge1_f32(n, d):
-    """n / d for d ≥ 1 from IEEE ``- * fma`` only (no ``rcp.approx``, no ``div.full``, no slow path).
+    """n / d for d ≥ 1 from IEEE ``- * fma`` and one integer subtraction: no ``rcp.approx``, no
+    ``div.full`` and no ``div.rn`` (whose out-of-line slow path made the GELU epilogue spill registers
+    on the H200: 255 registers / 18 spilled vs 200 / 0, experiments/gemm/NOTES.md round 4).
 
-    y₀ = bits⁻¹(0x7EF311C3 − bits(d)) (an exact integer operation, |y₀·d − 1| < 0.13), three Newton
-    steps y = fma(fma(−d, y, 1), y, y) (|y·d − 1| ≤ 6e-8), then q = n·y and one residual correction
-    q = fma(−fma(d, q, −n), y, q). Measured correctly rounded (= ``div_rn``) on 12·10⁶ random pairs with
-    d in [1, e⁸⁰]. For d ≥ 2¹²⁵ (where y₀ would be subnormal; |n/d| < |n|·2⁻¹²⁵) the result is ±0 —
-    what ``div_rn`` gives for d = +inf. A non-finite n gives NaN.
+    y₀ = bits⁻¹(0x7EF311C3 − bits(d)) (|y₀·d − 1| < 0.13), three Newton steps
+    y = fma(fma(−d, y, 1), y, y) (|y·d − 1| ≤ 6e-8), then q = n·y and one residual correction
+    q = fma(−fma(d, q, −n), y, q). Equal to the correctly rounded quotient on every pair tested
+    (12·10⁶ random pairs with d in [1, e⁸⁰]; the CI test checks 65 536 in the interpreter). For
+    d ≥ 2¹²⁵ (y₀ would be subnormal; |n/d| < |n|·2⁻¹²⁵) the result is ±0, the sign of n; a non-finite
+    n gives NaN.
     """
     y = (2129859011 - d.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)  # 0x7EF311C3
     y = tl.fma(tl.fma(-d, y, 1.0), y, y)
@@ -115,31 +114,23 @@ def _div_ge1_f32(n, d):
 
 
 @triton.jit
-def _div_act(n, d, NEWTON: tl.constexpr):
-    if NEWTON:
-        return _div_ge1_f32(n, d)
-    else:
-        return tl.math.div_rn(n, d)
-
-
-@triton.jit
 def _sigmoid_f32(t):
-    """σ(t) = 1 / (1 + exp(−t)) with a correctly rounded division (``div_rn``)."""
+    """σ(t) = 1 / (1 + exp(−t)), the division by :func:`_div_ge1_f32`."""
     one = tl.full(t.shape, 1.0, tl.float32)
-    return tl.math.div_rn(one, one + _exp_f32(-t))
+    return _div_ge1_f32(one, one + _exp_clamped_f32(-t))
 
 
 @triton.jit
-def _act_f32(z, ACT: tl.constexpr, NEWTON: tl.constexpr = False):
+def _act_f32(z, ACT: tl.constexpr):
     """ACT 1: gelu_tanh(z) = z / (1 + exp(−t)), t = 2c·fma(z³, a, z) (= ½z(1 + tanh(c(z + a z³))),
-    c = √(2/π), a = 0.044715); ACT 2: silu(z) = z / (1 + exp(−z)). One correctly rounded division
-    (``div_rn``) of z by 1 + exp(−t) — the same function as z·σ(t) with one rounding fewer. Operation
-    order as written; every step one IEEE FP32 rounding."""
+    c = √(2/π), a = 0.044715); ACT 2: silu(z) = z / (1 + exp(−z)). One division (:func:`_div_ge1_f32`)
+    of z by 1 + exp(−t) — the same function as z·σ(t) with one rounding fewer. Operation order as
+    written; every step one IEEE FP32 rounding."""
     if ACT == 1:
         t = tl.fma((z * z) * z, 0.044715, z) * 1.5957691216057308
-        return _div_act(z, 1.0 + _exp_f32(-t), NEWTON)
+        return _div_ge1_f32(z, 1.0 + _exp_clamped_f32(-t))
     else:
-        return _div_act(z, 1.0 + _exp_f32(-z), NEWTON)
+        return _div_ge1_f32(z, 1.0 + _exp_clamped_f32(-z))
 
 
 @triton.jit
@@ -230,7 +221,7 @@ def _fwd_tile_acc(
 @triton.jit
 def _fwd_store_part(
     acc, m0, n0, M, N, aux_ptr, out_ptr, pre_ptr, out_desc, stride_auxm, stride_om,
-    EPILOGUE: tl.constexpr, STORE_PRE: tl.constexpr, TMA_STORE: tl.constexpr, NEWTON: tl.constexpr,
+    EPILOGUE: tl.constexpr, STORE_PRE: tl.constexpr, TMA_STORE: tl.constexpr,
     BLOCK_M: tl.constexpr, PART_N: tl.constexpr,
 ):
     """Epilogue of one (BLOCK_M, PART_N) column part of a tile at (m0, n0): [pre store], activation,
@@ -243,9 +234,9 @@ def _fwd_store_part(
     if STORE_PRE:
         tl.store(pre_ptr + out_offs, acc.to(pre_ptr.dtype.element_ty), mask=out_mask)
     if EPILOGUE == 1:
-        acc = _act_f32(acc, 1, NEWTON)
+        acc = _act_f32(acc, 1)
     elif EPILOGUE == 2:
-        acc = _act_f32(acc, 2, NEWTON)
+        acc = _act_f32(acc, 2)
     elif EPILOGUE == 3:
         xa = tl.load(aux_ptr + rows[:, None] * stride_auxm + offs_n[None, :], mask=out_mask, other=0.0)
         acc = acc * _act_grad_f32(xa.to(tl.float32), 2)
@@ -264,7 +255,7 @@ def _halves(x, ROWS: tl.constexpr, COLS: tl.constexpr):
 @triton.jit
 def _fwd_tile_store(
     acc, pid_m, pid_n, M, N, aux_ptr, out_ptr, pre_ptr, out_desc, stride_auxm, stride_om,
-    EPILOGUE: tl.constexpr, STORE_PRE: tl.constexpr, TMA_STORE: tl.constexpr, NEWTON: tl.constexpr,
+    EPILOGUE: tl.constexpr, STORE_PRE: tl.constexpr, TMA_STORE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EPI_SPLIT: tl.constexpr,
 ):
     """Epilogue of a whole tile in EPI_SPLIT column parts (1, 2 or 4): fewer live registers per part."""
@@ -272,26 +263,26 @@ def _fwd_tile_store(
     n0 = pid_n * BLOCK_N
     if EPI_SPLIT == 1:
         _fwd_store_part(acc, m0, n0, M, N, aux_ptr, out_ptr, pre_ptr, out_desc, stride_auxm, stride_om,
-                        EPILOGUE, STORE_PRE, TMA_STORE, NEWTON, BLOCK_M, BLOCK_N)
+                        EPILOGUE, STORE_PRE, TMA_STORE, BLOCK_M, BLOCK_N)
     elif EPI_SPLIT == 2:
         h0, h1 = _halves(acc, BLOCK_M, BLOCK_N)
         _fwd_store_part(h0, m0, n0, M, N, aux_ptr, out_ptr, pre_ptr, out_desc, stride_auxm, stride_om,
-                        EPILOGUE, STORE_PRE, TMA_STORE, NEWTON, BLOCK_M, BLOCK_N // 2)
+                        EPILOGUE, STORE_PRE, TMA_STORE, BLOCK_M, BLOCK_N // 2)
         _fwd_store_part(h1, m0, n0 + BLOCK_N // 2, M, N, aux_ptr, out_ptr, pre_ptr, out_desc, stride_auxm,
-                        stride_om, EPILOGUE, STORE_PRE, TMA_STORE, NEWTON, BLOCK_M, BLOCK_N // 2)
+                        stride_om, EPILOGUE, STORE_PRE, TMA_STORE, BLOCK_M, BLOCK_N // 2)
     else:
         h0, h1 = _halves(acc, BLOCK_M, BLOCK_N)
         q0, q1 = _halves(h0, BLOCK_M, BLOCK_N // 2)
         q2, q3 = _halves(h1, BLOCK_M, BLOCK_N // 2)
         PART: tl.constexpr = BLOCK_N // 4
         _fwd_store_part(q0, m0, n0, M, N, aux_ptr, out_ptr, pre_ptr, out_desc, stride_auxm, stride_om,
-                        EPILOGUE, STORE_PRE, TMA_STORE, NEWTON, BLOCK_M, PART)
+                        EPILOGUE, STORE_PRE, TMA_STORE, BLOCK_M, PART)
         _fwd_store_part(q1, m0, n0 + PART, M, N, aux_ptr, out_ptr, pre_ptr, out_desc, stride_auxm, stride_om,
-                        EPILOGUE, STORE_PRE, TMA_STORE, NEWTON, BLOCK_M, PART)
+                        EPILOGUE, STORE_PRE, TMA_STORE, BLOCK_M, PART)
         _fwd_store_part(q2, m0, n0 + 2 * PART, M, N, aux_ptr, out_ptr, pre_ptr, out_desc, stride_auxm,
-                        stride_om, EPILOGUE, STORE_PRE, TMA_STORE, NEWTON, BLOCK_M, PART)
+                        stride_om, EPILOGUE, STORE_PRE, TMA_STORE, BLOCK_M, PART)
         _fwd_store_part(q3, m0, n0 + 3 * PART, M, N, aux_ptr, out_ptr, pre_ptr, out_desc, stride_auxm,
-                        stride_om, EPILOGUE, STORE_PRE, TMA_STORE, NEWTON, BLOCK_M, PART)
+                        stride_om, EPILOGUE, STORE_PRE, TMA_STORE, BLOCK_M, PART)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -304,7 +295,7 @@ def _gemm_fwd_kernel(
     STORE_PRE: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_M: tl.constexpr, USE_TMA: tl.constexpr = False, TMA_STORE: tl.constexpr = False,
-    EPI_SPLIT: tl.constexpr = 1, NEWTON: tl.constexpr = False, NUM_PROGRAMS: tl.constexpr = 0,
+    EPI_SPLIT: tl.constexpr = 1, NUM_PROGRAMS: tl.constexpr = 0,
 ):
     """out(M, N) = epi(p(a)(M, K) @ b(K, N) + bias + lora_scale · u(M, R) @ l(R, N)).
 
@@ -324,7 +315,6 @@ def _gemm_fwd_kernel(
     what the masked loads give); the dot sequence, hence the arithmetic, is the same. TMA_STORE:
     the output leaves through ``out_desc`` (rows past M are clipped by the copy engine).
     EPI_SPLIT: the epilogue runs on 1, 2 or 4 column parts of the tile (elementwise: same bytes).
-    NEWTON: the activations divide by :func:`_div_ge1_f32` instead of ``div_rn``.
     NUM_PROGRAMS > 0: persistent — that many programs walk the tiles (tile t, t + NUM_PROGRAMS, …) in
     one flattened loop, so the copy engine fetches the next tile's operands during this tile's
     epilogue; every tile is computed exactly as by its own program.
@@ -343,7 +333,7 @@ def _gemm_fwd_kernel(
             tile_c += NUM_PROGRAMS
             pid_m_c, pid_n_c = _grouped_tile(tile_c, num_pid_m, num_pid_n, GROUP_M)
             _fwd_tile_store(acc, pid_m_c, pid_n_c, M, N, aux_ptr, out_ptr, pre_ptr, out_desc, stride_auxm,
-                            stride_om, EPILOGUE, STORE_PRE, TMA_STORE, NEWTON, BLOCK_M, BLOCK_N, EPI_SPLIT)
+                            stride_om, EPILOGUE, STORE_PRE, TMA_STORE, BLOCK_M, BLOCK_N, EPI_SPLIT)
     else:
         pid_m, pid_n = _grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
         acc = _fwd_tile_acc(a_ptr, b_ptr, bias_ptr, u_ptr, l_ptr, pid_m, pid_n, M, N, K, R,
@@ -351,7 +341,7 @@ def _gemm_fwd_kernel(
                             PROLOGUE, HAS_BIAS, HAS_LORA, EVEN_K, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
                             BLOCK_R, USE_TMA)
         _fwd_tile_store(acc, pid_m, pid_n, M, N, aux_ptr, out_ptr, pre_ptr, out_desc, stride_auxm, stride_om,
-                        EPILOGUE, STORE_PRE, TMA_STORE, NEWTON, BLOCK_M, BLOCK_N, EPI_SPLIT)
+                        EPILOGUE, STORE_PRE, TMA_STORE, BLOCK_M, BLOCK_N, EPI_SPLIT)
 
 
 @triton.jit(do_not_specialize=["S"])
@@ -629,8 +619,7 @@ def _main(a, b, b_strides, n_out, *, prologue=0, epilogue=0, bias=None, lora_u=N
         PROLOGUE=prologue, EPILOGUE=epilogue, HAS_BIAS=bias is not None, HAS_LORA=lora_u is not None,
         STORE_PRE=store_pre, EVEN_K=(k % bk == 0), DOT_PRECISION=_DOT_PRECISION,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, BLOCK_K=bk, BLOCK_R=min(64, _pow2_at_least(r)),
-        GROUP_M=cfg["GROUP_M"], USE_TMA=use_tma, TMA_STORE=tma_store, EPI_SPLIT=split,
-        NEWTON=bool(cfg.get("newton", False)), NUM_PROGRAMS=nprog, **_launch_opts(cfg),
+        GROUP_M=cfg["GROUP_M"], USE_TMA=use_tma, TMA_STORE=tma_store, EPI_SPLIT=split, NUM_PROGRAMS=nprog, **_launch_opts(cfg),
     )
     return out, pre
 
