@@ -54,10 +54,14 @@ def _dw(bn, bk, bm, warps, stages, group=8):
 # of six candidates for qkv/mlp_up/mlp_down fwd and dX; the N×K weight read cost 15–35%.
 # Round 2 (experiments/gemm/h200_tuning_round2.md): the same tile through tensor descriptors (TMA) was
 # the fastest of 7 candidates for every M = 4224 class, fwd and dX (0.96–1.14× cuBLAS in the sweep).
-_BIG_BF16 = _fwd(128, 256, 64, 8, 4, tma=True)
-# Round 4 (experiments/gemm/h200_round4_7cf2678.md): for the tanh-GELU class, a persistent tile walk
-# (the next tile's operands load during this tile's epilogue) with the epilogue on two column halves
-# and the Newton division: mlp_up fwd 0.547 ms vs 0.581 (graph replay), cuBLAS addmm + GELU 0.551.
+# Round 5 (experiments/gemm/h200_round5_ee52edf.md): the same tile walked by one persistent program
+# per SM (the next tile's operands load during this tile's epilogue), the epilogue on two column
+# halves leaving through the copy engine, 3 stages (room for the store buffer): the fastest of four
+# candidates in CUDA-graph time for every M = 4224 class without GELU (1–5 % over the plain launch).
+_BIG_BF16 = _fwd(128, 256, 64, 8, 3, tma=True, persistent=True, epi_split=2, tma_store=True)
+# Rounds 4–5, the tanh-GELU class (mlp_up fwd, mlp_down dX): persistent with the epilogue on two
+# column halves, 4 stages, pointer stores (the TMA store variant was 5 % slower here); with the Newton
+# division (round 4: 255 registers / 18 spilled under div.rn) mlp_up fwd went from 0.581 to 0.547 ms.
 _BIG_GELU_BF16 = _fwd(128, 256, 64, 8, 4, tma=True, persistent=True, epi_split=2)
 # M = batch rows (1..2048): weight-streaming bound. Run 2's sweep (prologue fused into the main loop):
 # time grew with the number of column tiles (16×32×128 0.32 ms, 16×64×64 0.18, 16×128×64 0.15) — every

@@ -66,19 +66,22 @@ _GELU_3A = 0.134145  # 3 * 0.044715
 
 @triton.jit
 def _exp_clamped_f32(x):
-    """exp(clamp(x, −87, 88)) in FP32 from IEEE operations only (``+ - *`` and the fused multiply-add
-    ``fma``): the ``e`` of the activations' denominators ``1 + e``.
+    """exp(clamp(x, −86, 86)) in FP32 from IEEE operations only (``+ - *``, the fused multiply-add
+    ``fma``, integer bit operations): the ``e`` of the activations' denominators ``1 + e``.
 
-    n = floor(fma(x, log2e, 1/2)); r = fma(n, −ln2_hi, x); r = fma(n, −ln2_lo, r) (Cody–Waite,
-    |r| ≤ 0.35); exp(r) by the degree-7 Taylor polynomial in Horner form, one ``fma`` per degree
-    (truncation < 0.1 ulp); times 2^n, an exact power of two built from exponent bits (n in
-    [−125, 127], so the product is a normal number and exact). The clamp moves no denominator:
-    below −87, 1 + e rounds to 1 either way; above 88, 1 + e ≥ 2¹²⁵, where :func:`_div_ge1_f32`
-    returns ±0. ``fma`` is IEEE 754's fusedMultiplyAdd (one rounding), written explicitly: it is not a
-    contraction (kernels compile with ``enable_fp_fusion=False``) and not an approximate intrinsic.
+    k = fma(x, log2e, 1.5·2²³) rounds x·log2e to the nearest integer n in its low mantissa bits
+    (n = k − 1.5·2²³, exact; no float-to-int conversion); r = fma(n, −ln2_hi, x); r = fma(n, −ln2_lo, r)
+    (Cody–Waite, |r| ≤ 0.35); exp(r) by the degree-7 Taylor polynomial in Horner form, one ``fma``
+    per degree (truncation < 0.1 ulp); times 2ⁿ, built from k's bits (n in [−124, 124]: the product
+    is a normal number, exact). The clamp: below −86, 1 + e rounds to 1 anyway; the upper
+    bound keeps 1 + e < 2¹²⁵, the range of :func:`_div_ge1_f32` (for GELU that is z < −9.8 and for
+    SiLU z < −86, where the activation is below 2⁻¹²⁴·|z| in magnitude). ``fma`` is IEEE 754's
+    fusedMultiplyAdd (one rounding), written explicitly: it is not a contraction (kernels compile
+    with ``enable_fp_fusion=False``) and not an approximate intrinsic.
     """
-    x = tl.minimum(tl.maximum(x, -87.0), 88.0)
-    n = tl.floor(tl.fma(x, 1.4426950408889634, 0.5))
+    x = tl.minimum(tl.maximum(x, -86.0), 86.0)
+    k = tl.fma(x, 1.4426950408889634, 12582912.0)
+    n = k - 12582912.0
     r = tl.fma(n, -0.693145751953125, x)
     r = tl.fma(n, -1.428606765330187045e-06, r)
     p = tl.fma(r, 1.0 / 5040.0, 1.0 / 720.0)
@@ -88,29 +91,28 @@ def _exp_clamped_f32(x):
     p = tl.fma(p, r, 0.5)
     p = tl.fma(p, r, 1.0)
     p = tl.fma(p, r, 1.0)
-    return p * ((n.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+    # bits(k) = 0x4B400000 + n, so (bits(k) − 0x4B400000 + 127) << 23 is the exponent field of 2ⁿ
+    return p * ((k.to(tl.int32, bitcast=True) - 1262485377) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _div_ge1_f32(n, d):
-    """n / d for d ≥ 1 from IEEE ``- * fma`` and one integer subtraction: no ``rcp.approx``, no
+    """n / d for 1 ≤ d < 2¹²⁵ from IEEE ``- * fma`` and one integer subtraction: no ``rcp.approx``, no
     ``div.full`` and no ``div.rn`` (whose out-of-line slow path made the GELU epilogue spill registers
     on the H200: 255 registers / 18 spilled vs 200 / 0, experiments/gemm/NOTES.md round 4).
 
     y₀ = bits⁻¹(0x7EF311C3 − bits(d)) (|y₀·d − 1| < 0.13), three Newton steps
     y = fma(fma(−d, y, 1), y, y) (|y·d − 1| ≤ 6e-8), then q = n·y and one residual correction
     q = fma(−fma(d, q, −n), y, q). Equal to the correctly rounded quotient on every pair tested
-    (12·10⁶ random pairs with d in [1, e⁸⁰]; the CI test checks 65 536 in the interpreter). For
-    d ≥ 2¹²⁵ (y₀ would be subnormal; |n/d| < |n|·2⁻¹²⁵) the result is ±0, the sign of n; a non-finite
-    n gives NaN.
+    (12·10⁶ random pairs with d in [1, e⁸⁰]; the CI test checks 65 536 in the interpreter). The
+    callers keep d < 2¹²⁵ (beyond it y₀ would be subnormal); a non-finite n gives NaN.
     """
     y = (2129859011 - d.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)  # 0x7EF311C3
     y = tl.fma(tl.fma(-d, y, 1.0), y, y)
     y = tl.fma(tl.fma(-d, y, 1.0), y, y)
     y = tl.fma(tl.fma(-d, y, 1.0), y, y)
     q = n * y
-    q = tl.fma(-tl.fma(d, q, -n), y, q)  # residual n − d·q as −(d·q − n): keeps the sign of a zero n
-    return tl.where(d < 4.253529586511731e37, q, n * 0.0)
+    return tl.fma(-tl.fma(d, q, -n), y, q)  # residual n − d·q as −(d·q − n): keeps the sign of a zero n
 
 
 @triton.jit
