@@ -1,0 +1,210 @@
+"""Tuning probes for the strict GEMM engine on a CUDA GPU (informational; the qualification is
+``mmdit_strict.bench.gemm``).
+
+    python -m mmdit_strict.bench.gemm_tuning --out DIR [--what dw,fp32,host]
+
+* ``dw``: weight-gradient tile candidates (``configs.DW`` entries) for the four M = 4224 layers, BF16,
+  one sample of 4224 rows, against ``torch.mm(dZᵀ, x)``;
+* ``fp32``: forward tile candidates for the FP32 (IEEE FMA) size class, attn_out and mlp_up shapes,
+  against cuBLAS with TF32 off;
+* ``host``: the host-side cost of one small-M call (the modulation projections at M = 1 and 8):
+  microseconds per call when launches are not waited on, and the profile's top functions.
+
+Every timing is a ``do_bench`` median and a CUDA-graph replay median (GPU time only). Candidates only
+change tiles, never the reduction order's dependence on M, so each is as batch-invariant as the
+incumbent; adopting one still needs the qualification.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import time
+from pathlib import Path
+
+import torch
+
+from .gemm import _bench, _bench_graph, _env, _torch_linear, _weights
+
+BIG = [("qkv", 9216, 3072), ("attn_out", 3072, 3072), ("mlp_up", 12288, 3072), ("mlp_down", 3072, 12288)]
+
+
+def _dw(bn, bk, bm, warps, stages, group=8):
+    return {"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_M": bm, "GROUP_N": group, "num_warps": warps, "num_stages": stages}
+
+
+DW_CANDIDATES = [
+    _dw(128, 128, 64, 8, 3), _dw(128, 128, 64, 8, 4), _dw(128, 256, 64, 8, 3), _dw(256, 128, 64, 8, 3),
+    _dw(128, 256, 32, 8, 4), _dw(128, 128, 128, 8, 2), _dw(128, 256, 64, 8, 4), _dw(128, 128, 64, 4, 3),
+]
+
+
+def _fwd(bm, bn, bk, warps, stages):
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": warps, "num_stages": stages,
+            "weight_layout": "kn", "tma": False, "prologue": "pass"}
+
+
+FP32_CANDIDATES = [
+    _fwd(128, 128, 32, 8, 3), _fwd(128, 128, 16, 8, 4), _fwd(128, 128, 32, 4, 3), _fwd(64, 128, 32, 4, 3),
+    _fwd(128, 64, 32, 4, 3), _fwd(256, 128, 16, 8, 3), _fwd(128, 256, 16, 8, 3), _fwd(64, 64, 32, 4, 4),
+]
+
+
+def _time(fn) -> dict:
+    with torch.no_grad():
+        return {"ms": _bench(fn)["median_ms"], "graph_ms": _bench_graph(fn)}
+
+
+def dw_probe(G, C, m: int = 4224) -> list[dict]:
+    rows = []
+    for name, n, k in BIG:
+        g = torch.Generator(device="cuda").manual_seed(11)
+        dz = torch.randn(m, n, generator=g, device="cuda").to(torch.bfloat16)
+        x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+        ref = _time(lambda: torch.mm(dz.t(), x))
+        key = (n, k, "bf16")
+        saved = C.DW.get(key)
+        try:
+            for cand in DW_CANDIDATES:
+                C.DW[key] = dict(cand)
+                try:
+                    t = _time(lambda: G.gemm_dw(dz, x, (m,)))
+                except Exception as exc:  # a candidate that does not fit is recorded, not fatal
+                    rows.append({"layer": name, "config": cand, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+                    continue
+                rows.append({"layer": name, "N": n, "K": k, "config": cand, **t, "cublas_ms": ref["ms"],
+                             "cublas_graph_ms": ref["graph_ms"],
+                             "ratio_graph": ref["graph_ms"] / t["graph_ms"] if t["graph_ms"] and ref["graph_ms"] else None})
+                print(f"dw {name} {cand}: {rows[-1].get('graph_ms')} (cuBLAS {ref['graph_ms']})", flush=True)
+        finally:
+            if saved is None:
+                C.DW.pop(key, None)
+            else:
+                C.DW[key] = saved
+    return rows
+
+
+def fp32_probe(G, C, m: int = 4224) -> list[dict]:
+    rows = []
+    for name, n, k, epi in (("attn_out", 3072, 3072, "none"), ("mlp_up", 12288, 3072, "gelu_tanh")):
+        w, b, _ = _weights(n, k, torch.float32, True, gen_seed=5)
+        x = torch.randn(m, k, generator=torch.Generator(device="cuda").manual_seed(6), device="cuda")
+        ref = _time(lambda: _torch_linear(x, w, b, "none", epi))
+        key = (n, k, "fp32")
+        saved = C.FWD.get(key)
+        G.prepacked_weight(w)
+        try:
+            for cand in FP32_CANDIDATES:
+                C.FWD[key] = dict(cand)
+                try:
+                    t = _time(lambda: G.gemm_fwd(x, w, b, epilogue=epi))
+                except Exception as exc:
+                    rows.append({"layer": name, "config": cand, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+                    continue
+                rows.append({"layer": name, "N": n, "K": k, "config": cand, **t, "cublas_ms": ref["ms"],
+                             "cublas_graph_ms": ref["graph_ms"],
+                             "ratio_graph": ref["graph_ms"] / t["graph_ms"] if t["graph_ms"] and ref["graph_ms"] else None})
+                print(f"fp32 {name} {cand}: {rows[-1].get('graph_ms')} (cuBLAS {ref['graph_ms']})", flush=True)
+        finally:
+            if saved is None:
+                C.FWD.pop(key, None)
+            else:
+                C.FWD[key] = saved
+    return rows
+
+
+def host_probe(G, calls: int = 300) -> list[dict]:
+    rows = []
+    for name, n, k, m in (("final_mod", 6144, 3072, 1), ("mod", 18432, 3072, 8)):
+        w, b, _ = _weights(n, k, torch.bfloat16, True, gen_seed=3)
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        for label, fn in (("gemm (checks + launches)", lambda: G.gemm(x, w, b, seqlens=(1,) * m, prologue="silu")),
+                          ("gemm_fwd (launches)", lambda: G.gemm_fwd(x, w, b, prologue="silu")),
+                          ("cuBLAS F.linear(silu(x))", lambda: _torch_linear(x, w, b, "silu", "none"))):
+            with torch.no_grad():
+                for _ in range(20):
+                    fn()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                host_us = (time.perf_counter() - t0) / calls * 1e6
+                torch.cuda.synchronize()
+            rows.append({"layer": name, "M": m, "what": label, "host_us_per_call": host_us})
+            print(f"host {name} M={m} {label}: {host_us:.1f} us/call", flush=True)
+        prof = cProfile.Profile()
+        with torch.no_grad():
+            prof.enable()
+            for _ in range(calls):
+                G.gemm(x, w, b, seqlens=(1,) * m, prologue="silu")
+            prof.disable()
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
+        rows.append({"layer": name, "M": m, "what": "profile (tottime, gemm)", "profile": s.getvalue()})
+    return rows
+
+
+def _md(report: dict) -> str:
+    e = report["env"]
+    lines = ["# Strict GEMM engine — tuning probes", "",
+             f"GPU {e.get('gpu')} · driver {e.get('driver')} · torch {e.get('torch')} · Triton {e.get('triton')} · "
+             f"commit `{e.get('commit')}` · {e.get('date_utc')}", ""]
+
+    def cfg(c):
+        return " ".join(f"{k}={v}" for k, v in c.items() if k not in ("weight_layout", "prologue", "tma"))
+
+    for section, title in (("dw", "dW tiles (BF16, one 4224-row sample)"), ("fp32", "FP32 forward tiles (M = 4224)")):
+        if report.get(section):
+            lines += [f"## {title}", "", "| layer | config | ms | graph ms | cuBLAS graph ms | graph ratio |", "|---|---|---|---|---|---|"]
+            for r in report[section]:
+                if "error" in r:
+                    lines.append(f"| {r['layer']} | {cfg(r['config'])} | error: {r['error']} | | | |")
+                    continue
+                gr = f"{r['ratio_graph']:.2f}" if r.get("ratio_graph") else "—"
+                gms = f"{r['graph_ms']:.4f}" if r.get("graph_ms") else "—"
+                cgms = f"{r['cublas_graph_ms']:.4f}" if r.get("cublas_graph_ms") else "—"
+                lines.append(f"| {r['layer']} | {cfg(r['config'])} | {r['ms']:.4f} | {gms} | {cgms} | {gr} |")
+            lines.append("")
+    if report.get("host"):
+        lines += ["## Host cost of one small-M call (no waiting on the GPU)", ""]
+        for r in report["host"]:
+            if "profile" in r:
+                lines += [f"Profile, {r['layer']} M={r['M']}:", "", "```", r["profile"].strip(), "```", ""]
+            else:
+                lines.append(f"- {r['layer']} M={r['M']} {r['what']}: {r['host_us_per_call']:.1f} µs/call")
+        lines.append("")
+    lines.append(f"Wall time {report.get('wall_s', 0):.0f} s.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="output folder (tuning.json, tuning.md)")
+    ap.add_argument("--what", default="dw,fp32,host", help="comma list of dw, fp32, host")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("the GEMM tuning probes need a CUDA device")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    from mmdit_strict.kernels.triton import configs as C
+    from mmdit_strict.kernels.triton import gemm as G
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    report: dict = {"env": _env()}
+    probes = {"dw": lambda: dw_probe(G, C), "fp32": lambda: fp32_probe(G, C), "host": lambda: host_probe(G)}
+    for what in args.what.split(","):
+        report[what] = probes[what]()
+        report["wall_s"] = time.time() - t0
+        (out / "tuning.json").write_text(json.dumps(report, indent=1))
+        (out / "tuning.md").write_text(_md(report))
+    print(_md(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
