@@ -93,7 +93,9 @@ FWD: dict[tuple[int, int, str], dict] = {
     (64, 3072, _BF16): _THIN_N_BF16,
 }
 
-_BIG_FP32 = _fwd(128, 128, 32, 8, 3)
+# Tuning probe (experiments/gemm/h200_tuning_071631c.md): 64×128×32 w4 s3 was the fastest of eight FP32
+# (IEEE FMA) tiles on attn_out and mlp_up (0.87 / 0.90 of cuBLAS vs 0.85 / 0.87 for 128×128×32 w8 s3).
+_BIG_FP32 = _fwd(64, 128, 32, 4, 3)
 _MOD_FP32 = _fwd(16, 64, 64, 4, 4)
 _MOD_DX_FP32 = _fwd(16, 32, 64, 4, 4)
 _THIN_N_FP32 = _fwd(64, 64, 32, 4, 3)
@@ -103,7 +105,17 @@ for (_n, _k, _d), _cfg in list(FWD.items()):
 
 _DW_BF16 = _dw(128, 128, 64, 8, 3)
 _DW_FP32 = _dw(64, 64, 32, 4, 3)
-DW: dict[tuple[int, int, str], dict] = {}
+# Tuning probe (h200_tuning_071631c.md), one 4224-row sample: 128×256 output tiles over 64-row chunks,
+# 4 stages, 0.71–0.73 of cuBLAS for the wide layers (0.64–0.66 with the size class); the row chunking
+# (BLOCK_M, the per-sample tree) is unchanged. attn_out's square gradient keeps 128×128, 4 stages.
+_DW_WIDE_BF16 = _dw(128, 256, 64, 8, 4)
+DW: dict[tuple[int, int, str], dict] = {
+    (9216, 3072, _BF16): _DW_WIDE_BF16,    # qkv
+    (12288, 3072, _BF16): _DW_WIDE_BF16,   # mlp_up
+    (3072, 12288, _BF16): _DW_WIDE_BF16,   # mlp_down
+    (3072, 3584, _BF16): _DW_WIDE_BF16,    # txt_in (not probed; measured by the qualification)
+    (3072, 3072, _BF16): _dw(128, 128, 64, 8, 4),  # attn_out
+}
 
 
 def _size_class_fwd(n: int, k: int, dt: str) -> dict:
