@@ -322,7 +322,7 @@ def _cand(bm, bn, bk, warps, stages, group_m=8, layout="kn", tma=False, **extra)
     c = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, num_warps=warps, num_stages=stages, weight_layout=layout)
     if tma:
         c["tma"] = True
-    c.update(extra)  # tma_store / epi_split / persistent / newton (configs._fwd)
+    c.update(extra)  # tma_store / epi_split / persistent (configs._fwd)
     return c
 
 

@@ -885,8 +885,8 @@ GEMM_OPS = ("latent_proj_gemm", "qkv_bias_gemm", "attn_out_bias_gemm", "mlp_up_g
             "mlp_down_gemm", "adaln_mod_projection")
 
 _REDUCTION_ORDER = (
-    "fwd/dX: one program per (BLOCK_M, BLOCK_N) tile, K reduced in BLOCK_K steps from 0 by tl.dot "
-    "into one FP32 accumulator chain, "
+    "fwd/dX: each (BLOCK_M, BLOCK_N) tile reduced by one program (persistent programs walk several tiles), "
+    "K in BLOCK_K steps from 0 by tl.dot into one FP32 accumulator chain, "
     "tiles from (N, K, dtype) only, no split-K; dW/db: per sample over its "
     "own rows in BLOCK_M chunks from its first row, FP32 partials folded left in sample order"
 )
