@@ -58,6 +58,29 @@ def _time(fn) -> dict:
         return {"ms": _bench(fn)["median_ms"], "graph_ms": _bench_graph(fn)}
 
 
+def _try_candidates(table: dict, key: tuple, candidates: list[dict], fn, ref: dict, tag: str, meta: dict) -> list[dict]:
+    """Time ``fn`` with each candidate installed as ``table[key]``; the entry is restored afterwards."""
+    rows = []
+    saved = table.get(key)
+    try:
+        for cand in candidates:
+            table[key] = dict(cand)
+            try:
+                t = _time(fn)
+            except Exception as exc:  # a candidate that does not fit is recorded, not fatal
+                rows.append({**meta, "config": cand, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+                continue
+            rows.append({**meta, "config": cand, **t, "cublas_ms": ref["ms"], "cublas_graph_ms": ref["graph_ms"],
+                         "ratio_graph": ref["graph_ms"] / t["graph_ms"] if t["graph_ms"] and ref["graph_ms"] else None})
+            print(f"{tag} {meta['layer']} {cand}: {t['graph_ms']} (cuBLAS {ref['graph_ms']})", flush=True)
+    finally:
+        if saved is None:
+            table.pop(key, None)
+        else:
+            table[key] = saved
+    return rows
+
+
 def dw_probe(G, C, m: int = 4224) -> list[dict]:
     rows = []
     for name, n, k in BIG:
@@ -65,25 +88,8 @@ def dw_probe(G, C, m: int = 4224) -> list[dict]:
         dz = torch.randn(m, n, generator=g, device="cuda").to(torch.bfloat16)
         x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
         ref = _time(lambda: torch.mm(dz.t(), x))
-        key = (n, k, "bf16")
-        saved = C.DW.get(key)
-        try:
-            for cand in DW_CANDIDATES:
-                C.DW[key] = dict(cand)
-                try:
-                    t = _time(lambda: G.gemm_dw(dz, x, (m,)))
-                except Exception as exc:  # a candidate that does not fit is recorded, not fatal
-                    rows.append({"layer": name, "config": cand, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
-                    continue
-                rows.append({"layer": name, "N": n, "K": k, "config": cand, **t, "cublas_ms": ref["ms"],
-                             "cublas_graph_ms": ref["graph_ms"],
-                             "ratio_graph": ref["graph_ms"] / t["graph_ms"] if t["graph_ms"] and ref["graph_ms"] else None})
-                print(f"dw {name} {cand}: {rows[-1].get('graph_ms')} (cuBLAS {ref['graph_ms']})", flush=True)
-        finally:
-            if saved is None:
-                C.DW.pop(key, None)
-            else:
-                C.DW[key] = saved
+        rows += _try_candidates(C.DW, (n, k, "bf16"), DW_CANDIDATES, lambda: G.gemm_dw(dz, x, (m,)), ref, "dw",
+                                {"layer": name, "N": n, "K": k})
     return rows
 
 
@@ -93,26 +99,9 @@ def fp32_probe(G, C, m: int = 4224) -> list[dict]:
         w, b, _ = _weights(n, k, torch.float32, True, gen_seed=5)
         x = torch.randn(m, k, generator=torch.Generator(device="cuda").manual_seed(6), device="cuda")
         ref = _time(lambda: _torch_linear(x, w, b, "none", epi))
-        key = (n, k, "fp32")
-        saved = C.FWD.get(key)
         G.prepacked_weight(w)
-        try:
-            for cand in FP32_CANDIDATES:
-                C.FWD[key] = dict(cand)
-                try:
-                    t = _time(lambda: G.gemm_fwd(x, w, b, epilogue=epi))
-                except Exception as exc:
-                    rows.append({"layer": name, "config": cand, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
-                    continue
-                rows.append({"layer": name, "N": n, "K": k, "config": cand, **t, "cublas_ms": ref["ms"],
-                             "cublas_graph_ms": ref["graph_ms"],
-                             "ratio_graph": ref["graph_ms"] / t["graph_ms"] if t["graph_ms"] and ref["graph_ms"] else None})
-                print(f"fp32 {name} {cand}: {rows[-1].get('graph_ms')} (cuBLAS {ref['graph_ms']})", flush=True)
-        finally:
-            if saved is None:
-                C.FWD.pop(key, None)
-            else:
-                C.FWD[key] = saved
+        rows += _try_candidates(C.FWD, (n, k, "fp32"), FP32_CANDIDATES, lambda: G.gemm_fwd(x, w, b, epilogue=epi), ref,
+                                "fp32", {"layer": name, "N": n, "K": k})
     return rows
 
 
