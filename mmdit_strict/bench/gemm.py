@@ -1,6 +1,7 @@
 """Benchmark and qualification of the strict GEMM engine on a CUDA GPU.
 
-    python -m mmdit_strict.bench.gemm --out DIR [--sweep big|small|round2|none] [--sections speed,invariance,accuracy] [--budget-s S]
+    python -m mmdit_strict.bench.gemm --out DIR [--sweep big|small|round2|round3|round5|none]
+        [--sections speed,invariance,accuracy] [--layers qkv,mlp_up,...] [--budget-s S]
 
 Writes ``DIR/gemm_report.json`` and ``DIR/gemm_report.md`` (rewritten after every section, so a run
 cut short still leaves what it measured):
