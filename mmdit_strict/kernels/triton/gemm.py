@@ -41,6 +41,7 @@ The prepacked copy doubles that weight's memory; :func:`clear_prepack_cache` dro
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import weakref
@@ -56,12 +57,9 @@ from . import configs as _configs
 # Scalar helpers (FP32, IEEE operations only)
 # ----------------------------------------------------------------------------------------------
 
-_LOG2E = 1.4426950408889634
-_LN2_HI = 0.693145751953125  # 0x3f317200: n * _LN2_HI is exact for |n| < 2**9
-_LN2_LO = 1.428606765330187045e-06
-_GELU_2C = 1.5957691216057308  # 2 * sqrt(2 / pi)
-_GELU_A = 0.044715
-_GELU_3A = 0.134145  # 3 * 0.044715
+# The kernels write their constants as literals (a jit function reads no Python globals):
+# log2(e) = 1.4426950408889634; ln2 = 0.693145751953125 (hi, 0x3f317200: n·hi is exact for |n| < 2⁹)
+# + 1.428606765330187045e-06 (lo); GELU 2·√(2/π) = 1.5957691216057308, a = 0.044715, 3a = 0.134145.
 
 
 @triton.jit
@@ -596,7 +594,8 @@ def _main(a, b, b_strides, n_out, *, prologue=0, epilogue=0, bias=None, lora_u=N
     grid = (min(tiles, nprog) if nprog else tiles,)
     dummy = out
     use_tma = _use_tma(cfg, a, b, b_strides, bk, bn, prologue)
-    split = cfg.get("epi_split", 1) if bn % (16 * cfg.get("epi_split", 1)) == 0 else 1
+    split = cfg.get("epi_split", 1)
+    split = split if bn % (16 * split) == 0 else 1  # parts narrower than 16 columns: one part
     tma_store = use_tma and cfg.get("tma_store", False) and (n_out * out.element_size()) % 16 == 0
     a_arg, b_arg, out_desc = a, b, dummy
     if use_tma:
@@ -631,11 +630,16 @@ last_fwd_kernel = None  # the compiled kernel of the latest forward launch (benc
 _INTERPRETER_PROGRAMS = 3  # persistent programs under the interpreter: several tiles per program
 
 
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _num_programs(device: torch.device) -> int:
     """Programs of a persistent launch: one per SM (the tile loop keeps each SM busy)."""
     if device.type != "cuda":
         return _INTERPRETER_PROGRAMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _ensure_cuda_context(device: torch.device) -> None:
