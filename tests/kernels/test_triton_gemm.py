@@ -146,33 +146,45 @@ def _fold(parts):
     return acc
 
 
+def _check_dw_db_fold(g, x, lens, prologue, cut, fold, assert_equal, what):
+    """dW/db over ``lens`` (FP32 out) equal ``fold`` of each sample's own partials, and the micro-batches
+    ``lens[cut[i]:cut[i+1]]`` continued through FP32 buffers (``accumulate_into``) give the same bytes."""
+    full = G.gemm_dw(g, x, lens, prologue=prologue, out_dtype=torch.float32)
+    bfull = G.gemm_db(g, lens, out_dtype=torch.float32)
+    starts = [0]
+    for t in lens:
+        starts.append(starts[-1] + t)
+    spans = list(zip(starts, starts[1:]))
+    parts = [G.gemm_dw(g[a:e].contiguous(), x[a:e].contiguous(), (e - a,), prologue=prologue, out_dtype=torch.float32)
+             for a, e in spans]
+    bparts = [G.gemm_db(g[a:e].contiguous(), (e - a,), out_dtype=torch.float32) for a, e in spans]
+    assert_equal(full, fold(parts), f"{what} dW vs fold of per-sample partials")
+    assert_equal(bfull, fold(bparts), f"{what} db vs fold of per-sample partials")
+    buf = torch.zeros(g.shape[1], x.shape[1], device=g.device)
+    bbuf = torch.zeros(g.shape[1], device=g.device)
+    for i0, i1 in zip(cut, cut[1:]):
+        a, e = starts[i0], starts[i1]
+        G.gemm_dw(g[a:e].contiguous(), x[a:e].contiguous(), lens[i0:i1], prologue=prologue, accumulate_into=buf)
+        G.gemm_db(g[a:e].contiguous(), lens[i0:i1], accumulate_into=bbuf)
+    assert_equal(buf, full, f"{what} dW micro-batch split")
+    assert_equal(bbuf, bfull, f"{what} db micro-batch split")
+
+
+def _assert_equal(a, b, what):
+    assert torch.equal(a, b), what
+
+
 @interp
 @pytest.mark.parametrize("prologue", ["none", "silu"])
 def test_weight_grad_is_a_sample_order_fold(prologue):
     """dW/db with seqlens (a, b, c, d) equal, in bytes, the FP32 left fold of per-sample partials and any
     micro-batch split continued through an FP32 buffer."""
     seqlens = (5, 0, 12, 20)
-    m = sum(seqlens)
     gen = torch.Generator().manual_seed(5)
-    g = torch.randn(m, N, generator=gen)
-    x = torch.randn(m, K, generator=gen)
-    full = G.gemm_dw(g, x, seqlens, prologue=prologue, out_dtype=torch.float32)
-    bfull = G.gemm_db(g, seqlens, out_dtype=torch.float32)
-    starts = [0]
-    for s in seqlens:
-        starts.append(starts[-1] + s)
-    parts = [G.gemm_dw(g[a:e].contiguous(), x[a:e].contiguous(), (e - a,), prologue=prologue, out_dtype=torch.float32)
-             for a, e in zip(starts, starts[1:])]
-    bparts = [G.gemm_db(g[a:e].contiguous(), (e - a,), out_dtype=torch.float32) for a, e in zip(starts, starts[1:])]
-    assert torch.equal(full, _fold(parts))
-    assert torch.equal(bfull, _fold(bparts))
-    buf = torch.zeros(N, K)
-    bbuf = torch.zeros(N)
-    for lo, hi, sl in ((0, 5, (5,)), (5, 17, (0, 12)), (17, 37, (20,))):
-        G.gemm_dw(g[lo:hi].contiguous(), x[lo:hi].contiguous(), sl, prologue=prologue, accumulate_into=buf)
-        G.gemm_db(g[lo:hi].contiguous(), sl, accumulate_into=bbuf)
-    assert torch.equal(full, buf)
-    assert torch.equal(bfull, bbuf)
+    g = torch.randn(sum(seqlens), N, generator=gen)
+    x = torch.randn(sum(seqlens), K, generator=gen)
+    # micro-batches (5,), (0, 12), (20,)
+    _check_dw_db_fold(g, x, seqlens, prologue, (0, 1, 3, 4), _fold, _assert_equal, f"prologue {prologue}")
 
 
 @interp
@@ -515,21 +527,4 @@ def test_gpu_bf16_weight_grad_fold_of_fp32_partials(layer):
     gen = generator(29)
     x = randn(sum(lens), k, gen=gen, target=target)
     g = randn(sum(lens), n, gen=gen, target=target)
-    full = G.gemm_dw(g, x, lens, prologue=pro, out_dtype=torch.float32)
-    bfull = G.gemm_db(g, lens, out_dtype=torch.float32)
-    starts = [0]
-    for t in lens:
-        starts.append(starts[-1] + t)
-    parts = [G.gemm_dw(g[a:e].contiguous(), x[a:e].contiguous(), (e - a,), prologue=pro, out_dtype=torch.float32)
-             for a, e in zip(starts, starts[1:])]
-    bparts = [G.gemm_db(g[a:e].contiguous(), (e - a,), out_dtype=torch.float32) for a, e in zip(starts, starts[1:])]
-    assert_bytes_equal(full, left_fold(parts), f"{name} bf16 dW vs fold of FP32 partials")
-    assert_bytes_equal(bfull, left_fold(bparts), f"{name} bf16 db vs fold of FP32 partials")
-    buf, bbuf = torch.zeros(n, k, device="cuda"), torch.zeros(n, device="cuda")
-    cut = (0, 2, len(lens) - 1, len(lens))
-    for i0, i1 in zip(cut, cut[1:]):
-        a, e = starts[i0], starts[i1]
-        G.gemm_dw(g[a:e].contiguous(), x[a:e].contiguous(), lens[i0:i1], prologue=pro, accumulate_into=buf)
-        G.gemm_db(g[a:e].contiguous(), lens[i0:i1], accumulate_into=bbuf)
-    assert_bytes_equal(buf, full, f"{name} bf16 dW micro-batch split")
-    assert_bytes_equal(bbuf, bfull, f"{name} bf16 db micro-batch split")
+    _check_dw_db_fold(g, x, lens, pro, (0, 2, len(lens) - 1, len(lens)), left_fold, assert_bytes_equal, f"{name} bf16")
