@@ -12,13 +12,15 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from .cpu.primitives import row_sample_index
 from .registry import KernelImpl, register
 
 _DTYPES = frozenset({torch.float32, torch.bfloat16})
 
 
 def _rows(v: torch.Tensor, seqlens: Sequence[int]) -> torch.Tensor:
-    return torch.repeat_interleave(v, torch.tensor(list(seqlens), device=v.device), dim=0)
+    # the row→sample index is cached per (seqlens, device): no host→device copy on a repeated layout
+    return v.index_select(0, row_sample_index(tuple(int(n) for n in seqlens), v.device))
 
 
 def gemm(x, weight, bias=None, *, seqlens, prologue="none", epilogue="none", lora=None):

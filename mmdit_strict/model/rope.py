@@ -65,6 +65,29 @@ def rope_tables(
     return out[0], out[1], out[2], out[3]
 
 
+@functools.lru_cache(maxsize=64)
+def _packed_tables(
+    shapes: tuple[tuple[ImgShape, ...], ...], txt_lens: tuple[int, ...], axes: tuple[int, ...], theta: float, device: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    per = [rope_tables(s, n, axes, theta, "cpu") for s, n in zip(shapes, txt_lens)]
+    return tuple(torch.cat([t[i] for t in per]).to(device) for i in range(4))  # type: ignore[return-value]
+
+
+def packed_rope_tables(
+    img_shapes: Sequence[Sequence[ImgShape]], txt_lens: Sequence[int], axes_dims: Sequence[int], theta: float,
+    device: torch.device | str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed FP32 tables for a batch: ``(img_cos, img_sin)`` over every sample's image rows, then
+    ``(txt_cos, txt_sin)`` over every sample's valid text rows, in sample order.
+
+    Cached per (shapes, text lengths, device): a repeated batch layout reuses the device tensors, so a
+    forward copies nothing from the host after its first call with that layout. The tables are shared:
+    treat them as read-only.
+    """
+    key_shapes = tuple(tuple((int(f), int(h), int(w)) for f, h, w in s) for s in img_shapes)
+    return _packed_tables(key_shapes, tuple(int(n) for n in txt_lens), tuple(int(a) for a in axes_dims), float(theta), str(torch.device(device)))
+
+
 def normalize_img_shapes(img_shapes: object, batch: int, tokens: int) -> list[list[ImgShape]]:
     """Accept diffusers' ``img_shapes`` forms and return one list of (f, h, w) per sample.
 

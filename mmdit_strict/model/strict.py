@@ -18,7 +18,7 @@ from torch import nn
 
 from ..kernels.registry import dispatch
 from ..kernels.runtime import current_runtime, runtime_mode
-from .rope import rope_tables
+from .rope import packed_rope_tables
 
 if TYPE_CHECKING:
     from .mmdit import MMDiT, ModelInputs
@@ -163,11 +163,7 @@ def strict_forward(model: "MMDiT", inputs: "ModelInputs", block_capture: dict[st
     tseq = tuple(inputs.txt_lens)
     eps = cfg.eps
 
-    tables = [rope_tables(s, n, cfg.axes_dims_rope, cfg.rope_theta, dev) for s, n in zip(inputs.img_shapes, inputs.txt_lens)]
-    rope = (
-        torch.cat([t[0] for t in tables]), torch.cat([t[1] for t in tables]),
-        torch.cat([t[2] for t in tables]), torch.cat([t[3] for t in tables]),
-    )
+    rope = packed_rope_tables(inputs.img_shapes, inputs.txt_lens, cfg.axes_dims_rope, cfg.rope_theta, dev)
     emb = model.time_text_embed.timestep_embedder
     temb = _op("timestep_embed_mlp", "embed", x, inputs.sigma.to(torch.float32), emb.linear_1.weight, emb.linear_1.bias,
                emb.linear_2.weight, emb.linear_2.bias, channels=cfg.timestep_channels, scale=cfg.timestep_scale)

@@ -121,7 +121,7 @@ def gelu_tanh_bwd(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=256)
-def _row_sample_index(seqlens: tuple[int, ...], device: torch.device) -> torch.Tensor:
+def row_sample_index(seqlens: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """(M,) sample index of every packed row."""
     return torch.repeat_interleave(torch.arange(len(seqlens), device=device), torch.tensor(seqlens, device=device))
 
@@ -132,7 +132,7 @@ class BroadcastRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, v: torch.Tensor, seqlens: tuple[int, ...]) -> torch.Tensor:  # type: ignore[override]
         ctx.seqlens = seqlens
-        return v.index_select(0, _row_sample_index(seqlens, v.device))
+        return v.index_select(0, row_sample_index(seqlens, v.device))
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
