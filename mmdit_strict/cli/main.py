@@ -203,7 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("qualify", cmd_qualify, "GPU qualification report of the strict kernels (JSON + markdown)", overrides=False)
     p.add_argument("--out", default="experiments/local", help="output folder")
     p = add("bench", cmd_bench, "run a benchmark and write its JSON + markdown report", overrides=False)
-    p.add_argument("which", choices=["cpu_strict", "gemm"], help="cpu_strict: CPU strict vs production forward; gemm: Triton GEMM engine (GPU)")
+    p.add_argument("which", choices=["cpu_strict", "gemm", "model"],
+                   help="cpu_strict: CPU strict vs production forward; gemm: Triton GEMM engine (GPU); "
+                   "model: whole transformer vs diffusers eager on identical weights (GPU)")
     p.add_argument("--out", default="experiments/local", help="output folder")
     return parser
 

@@ -1,0 +1,276 @@
+"""Whole-model benchmark on the GPU: our transformer (each runtime) vs diffusers eager, identical weights.
+
+    python -m mmdit_strict.bench.model --out DIR [--layers 60] [--grid 64 64] [--runtimes strict off]
+
+Builds the Qwen-Image architecture with random BF16 weights directly on the GPU, hands the same
+parameter storage to diffusers' ``QwenImageTransformer2DModel`` (``load_state_dict(assign=True)``: one
+copy of the 20 B weights serves both), and times, in the same run:
+
+* ``fwd_b1``: forward, B = 1, no autograd (a rollout step without CFG);
+* ``fwd_b2_cfg``: forward, B = 2 — cond and negative prompt of different lengths in one batch (CFG);
+* ``fwd_bwd_lora``: forward + backward of a LoRA (rank 64, Flow-GRPO's Qwen-Image targets) with
+  gradient checkpointing, B = 1 (a training step).
+
+Per case and engine: median and spread of CUDA-event times, peak memory, MFU against the measured
+790 TFLOP/s BF16 matrix rate, host syncs per forward (``torch.cuda.set_sync_debug_mode``) and CUDA
+kernel launches per forward (profiler). Writes ``DIR/model_bench.json`` and ``DIR/model_bench.md``.
+A benchmark, not a test: nothing here asserts. An engine that cannot run a case (e.g. ``strict`` while
+an operator has no CUDA kernel) gets its error recorded instead of a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..config.arch import ArchConfig, preset
+from ..kernels.runtime import Runtime
+from ..model.inputs import random_inputs
+
+PEAK_TFLOPS = 790.0  # BF16 dense matrix rate measured on the H200 (docs/design.md, anchors)
+LORA_TARGETS = (
+    "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+    "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
+)
+
+
+def forward_flops(arch: ArchConfig, img_tokens: Sequence[int], txt_tokens: Sequence[int]) -> float:
+    """Matrix FLOPs of one forward (2·M·N·K per GEMM, 4·L²·d per head for attention), summed over samples."""
+    D, F, H, d = arch.hidden_size, arch.mlp_hidden, arch.num_attention_heads, arch.attention_head_dim
+    total = 0.0
+    for ti, tt in zip(img_tokens, txt_tokens):
+        rows = ti + tt
+        per_block = 2 * rows * D * (3 * D + D + 2 * F)  # q, k, v, out, mlp up, mlp down
+        per_block += 4 * rows * rows * d * H  # QKᵀ and PV
+        per_block += 2 * 2 * D * 6 * D  # two modulation GEMMs (one row each)
+        total += arch.num_layers * per_block
+        total += 2 * ti * arch.in_channels * D + 2 * tt * arch.joint_attention_dim * D + 2 * ti * D * arch.in_channels
+    return total
+
+
+def _timed(fn: Callable[[], Any], reps: int, warmup: int) -> dict[str, float]:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "reps": reps}
+
+
+def _count_syncs(fn: Callable[[], Any]) -> int:
+    """Host-device synchronisations one call makes (warnings raised by the sync debug mode)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def _count_launches(fn: Callable[[], Any]) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+
+
+def _inputs(arch: ArchConfig, grid: tuple[int, int], txt_lens: Sequence[int], dtype: torch.dtype) -> dict[str, Any]:
+    inp = random_inputs(arch, grid, txt_lens, seed=0)
+    out = {}
+    for k, v in inp.items():
+        if isinstance(v, torch.Tensor):
+            v = v.cuda()
+            out[k] = v.to(dtype) if v.is_floating_point() else v
+        else:
+            out[k] = v
+    return out
+
+
+def _attach_lora(module: torch.nn.Module, rank: int, seed: int) -> None:
+    """Rank-``rank`` LoRA on Flow-GRPO's targets with non-zero B (so the adapter's backward is real)."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=rank, target_modules=list(LORA_TARGETS), lora_dropout=0.0), module)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            p.requires_grad_("lora_" in name)
+            if "lora_" in name:
+                p.copy_((0.01 * torch.randn(p.shape, generator=gen, device="cuda", dtype=torch.float32)).to(p.dtype))
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from diffusers import QwenImageTransformer2DModel
+
+    from ..model.init import build_model
+
+    dtype = torch.bfloat16
+    arch = preset("qwen-image")
+    if args.layers != arch.num_layers:
+        import dataclasses
+
+        arch = dataclasses.replace(arch, num_layers=args.layers)
+    ours = build_model(arch, seed=0, runtime="off", dtype=dtype, device="cuda")
+    dcfg = {k: v for k, v in arch.to_diffusers_config().items() if not k.startswith("_")}
+    with torch.device("meta"):
+        theirs = QwenImageTransformer2DModel(**dcfg)
+    # the RoPE frequency tables are plain attributes (not buffers): rebuild them off the meta device
+    theirs.pos_embed = type(theirs.pos_embed)(theta=10000, axes_dim=list(arch.axes_dims_rope), scale_rope=True)
+    missing, unexpected = theirs.load_state_dict(ours.state_dict(), strict=True, assign=True)
+    theirs = theirs.eval()
+    grid = tuple(args.grid)
+    ti = grid[0] * grid[1]
+    cases = {
+        "fwd_b1": ([args.txt], False),
+        "fwd_b2_cfg": ([args.txt, max(1, args.txt // 2)], False),
+        "fwd_bwd_lora": ([args.txt], True),
+    }
+    results: dict[str, Any] = {}
+    for case, (txt_lens, train) in cases.items():
+        inp = _inputs(arch, grid, txt_lens, dtype)
+        flops = forward_flops(arch, [ti] * len(txt_lens), txt_lens) * (3.0 if train else 1.0)
+        engines: dict[str, Callable[[], Any]] = {}
+
+        def diffusers_call() -> torch.Tensor:
+            kw = dict(inp, img_shapes=[[(1, grid[0], grid[1])]] * len(txt_lens), return_dict=False)
+            return theirs(**kw)[0]
+
+        def ours_call(runtime: str) -> Callable[[], torch.Tensor]:
+            def call() -> torch.Tensor:
+                ours.set_runtime(runtime)
+                return ours(**inp, return_dict=False)[0]
+
+            return call
+
+        engine_calls = {"diffusers_eager": diffusers_call, **{f"ours_{r}": ours_call(r) for r in args.runtimes}}
+        for name, call in engine_calls.items():
+            if train:
+                def step(call: Callable[[], torch.Tensor] = call) -> None:
+                    out = call()
+                    out.float().square().mean().backward()
+                engines[name] = step
+            else:
+                def infer(call: Callable[[], torch.Tensor] = call) -> None:
+                    with torch.no_grad():
+                        call()
+                engines[name] = infer
+        if train:
+            _attach_lora(ours, args.lora_rank, seed=1)
+            _attach_lora(theirs, args.lora_rank, seed=1)
+            ours.enable_gradient_checkpointing(True)
+            theirs.enable_gradient_checkpointing()
+            theirs.train()
+        row: dict[str, Any] = {"txt_lens": txt_lens, "img_tokens": ti, "tflop": flops / 1e12}
+        for name, fn in engines.items():
+            try:
+                torch.cuda.reset_peak_memory_stats()
+                t = _timed(fn, args.reps, args.warmup)
+                t["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                t["mfu"] = flops / (t["median_ms"] * 1e-3) / (PEAK_TFLOPS * 1e12)
+                t["syncs"] = _count_syncs(fn)
+                t["launches"] = _count_launches(fn)
+                row[name] = t
+            except Exception as exc:  # an engine that cannot run here: record why and go on
+                row[name] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
+            finally:
+                for p in list(ours.parameters()) + list(theirs.parameters()):
+                    p.grad = None
+        base = row.get("diffusers_eager", {}).get("median_ms")
+        for name in engines:
+            if base and "median_ms" in row[name]:
+                row[name]["vs_diffusers"] = row[name]["median_ms"] / base
+        results[case] = row
+    return {"arch_layers": arch.num_layers, "grid": list(grid), "cases": results,
+            "state_dict_check": {"missing": list(missing), "unexpected": list(unexpected)}}
+
+
+def environment() -> dict[str, Any]:
+    import triton
+
+    commit = os.environ.get("MMDIT_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                                    cwd=Path(__file__).resolve().parent).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
+    driver = "unknown"
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return {"gpu": torch.cuda.get_device_name(), "driver": driver, "torch": torch.__version__,
+            "triton": triton.__version__, "commit": commit}
+
+
+def render(report: dict[str, Any]) -> str:
+    env = report["environment"]
+    lines = [
+        f"# Whole-model benchmark: ours vs diffusers eager ({report['arch_layers']} blocks, grid {report['grid']})",
+        "",
+        f"GPU {env['gpu']}, driver {env['driver']}, torch {env['torch']}, Triton {env['triton']}, commit `{env['commit']}`. "
+        f"Identical BF16 weights (one storage). Times are medians of CUDA-event intervals; MFU against {PEAK_TFLOPS:.0f} TFLOP/s.",
+        "",
+        "| case | engine | median ms | × diffusers | MFU | peak GiB | syncs | launches |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for case, row in report["cases"].items():
+        for name, r in row.items():
+            if not isinstance(r, dict):
+                continue
+            if "error" in r:
+                lines.append(f"| {case} | {name} | error: {r['error'][:120]} | | | | | |")
+                continue
+            lines.append(
+                f"| {case} | {name} | {r['median_ms']:.1f} | {r.get('vs_diffusers', float('nan')):.2f} | {r['mfu']:.2f} | "
+                f"{r['peak_gib']:.1f} | {r['syncs']} | {r['launches']} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mmdit_strict.bench.model", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="experiments/local", help="output folder")
+    p.add_argument("--layers", type=int, default=60, help="transformer blocks (60 = Qwen-Image)")
+    p.add_argument("--grid", type=int, nargs=2, default=(64, 64), help="latent grid in tokens (64 64 = 1024² images)")
+    p.add_argument("--txt", type=int, default=128, help="valid prompt tokens of the first sample")
+    p.add_argument("--runtimes", nargs="+", default=["strict", "off"], choices=[r.value for r in Runtime])
+    p.add_argument("--lora-rank", type=int, default=64)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.model needs a CUDA GPU")
+    report = run(args)
+    report["environment"] = environment()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "model_bench.json").write_text(json.dumps(report, indent=2))
+    (out / "model_bench.md").write_text(render(report))
+    print(render(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
