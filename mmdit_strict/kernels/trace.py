@@ -56,6 +56,15 @@ class OperatorTrace:
             self.records[key] = rec
         rec.calls += 1
 
+    def merge(self, other: "OperatorTrace") -> None:
+        """Add ``other``'s calls (e.g. a replayed CUDA graph's recorded operators) to this trace."""
+        for key, rec in other.records.items():
+            mine = self.records.get(key)
+            if mine is None:
+                self.records[key] = TraceRecord(**{**rec.__dict__, "calls": 0})
+                mine = self.records[key]
+            mine.calls += rec.calls
+
     @classmethod
     def from_records(cls, records: list[dict[str, Any]]) -> "OperatorTrace":
         """Rebuild a trace from ``[vars(record), ...]`` (as a resumed run stored it)."""
@@ -127,6 +136,11 @@ def capture_trace(trace: OperatorTrace | None = None) -> Iterator[OperatorTrace]
         yield trace
     finally:
         _TRACE.reset(token)
+
+
+def active_trace() -> OperatorTrace | None:
+    """The trace :func:`capture_trace` is recording into, if any."""
+    return _TRACE.get()
 
 
 def record(op: str, impl: Any, runtime: Runtime, device: str, dtype: torch.dtype, fell_back: bool) -> None:

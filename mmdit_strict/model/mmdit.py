@@ -74,6 +74,7 @@ class MMDiT(nn.Module):
         self.gradient_checkpointing = False
         self.audit_records: list[dict[str, Any]] = []  # runtime=audit: one drift record per forward
         self.last_block_capture: dict[str, torch.Tensor] | None = None  # runtime=audit: strict block outputs
+        self.graph_cache = None  # set by enable_cuda_graphs(): captured strict forwards per batch layout
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -90,6 +91,17 @@ class MMDiT(nn.Module):
 
     def enable_gradient_checkpointing(self, enabled: bool = True) -> "MMDiT":
         self.gradient_checkpointing = enabled
+        return self
+
+    def enable_cuda_graphs(self, enabled: bool = True, max_graphs: int = 8) -> "MMDiT":
+        """Replay the strict forward from CUDA graphs captured per batch layout (``model/graphs.py``).
+
+        Applies to CUDA inputs with autograd off under ``strict`` / ``auto``; other calls run eagerly.
+        Same bytes as the eager strict forward. Call again (or ``disable``) after replacing weights' storage.
+        """
+        from .graphs import GraphCache
+
+        self.graph_cache = GraphCache(max_graphs) if enabled else None
         return self
 
     def lora_target_modules(self) -> list[str]:
@@ -233,10 +245,19 @@ class MMDiT(nn.Module):
         else:
             from .strict import strict_forward
 
+            from .strict import instrumented
+
             audit = self.runtime is Runtime.AUDIT
             blocks: dict[str, torch.Tensor] | None = {} if audit else None
+            graphed = (
+                self.graph_cache is not None and hidden_states.is_cuda and not torch.is_grad_enabled()
+                and self.runtime in (Runtime.STRICT, Runtime.AUTO) and not instrumented()
+            )
             with runtime_mode(self.runtime):
-                out = strict_forward(self, inputs, block_capture=blocks)
+                if graphed:
+                    out = self.graph_cache.run(inputs, self.runtime, lambda i: strict_forward(self, i))
+                else:
+                    out = strict_forward(self, inputs, block_capture=blocks)
             if audit:
                 self.last_block_capture = blocks
                 self.audit_records.append(self._audit(inputs, out, blocks))

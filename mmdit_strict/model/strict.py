@@ -77,6 +77,11 @@ def _op(name: str, where: str, ref: torch.Tensor, *args: Any, **kwargs: Any) -> 
     return out
 
 
+def instrumented() -> bool:
+    """True while operator capture or fault injection is active (a CUDA graph would hide both)."""
+    return _CAPTURE.get() is not None or _FAULT.get() is not None
+
+
 def linear_params(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
     """(weight, bias, lora) of a plain ``nn.Linear`` or a PEFT LoRA-wrapped one (active adapters, unmerged)."""
     base = getattr(module, "base_layer", None)

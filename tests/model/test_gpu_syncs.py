@@ -1,0 +1,77 @@
+"""The strict block makes no host-device synchronisation on the GPU (Qwen-Image widths, one block).
+
+Everything derived from ``seqlens`` (row→sample maps, offsets, RoPE tables) is built before the first
+block and cached per batch layout, so a block — forward, and forward + backward — must run with
+``torch.cuda.set_sync_debug_mode("error")`` after one warm-up call with the same layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from mmdit_strict.config.arch import preset
+from mmdit_strict.kernels.runtime import Runtime, runtime_mode
+from mmdit_strict.model import strict
+from mmdit_strict.model.init import build_model
+from mmdit_strict.model.rope import packed_rope_tables
+
+pytestmark = pytest.mark.gpu
+
+GRID = (32, 32)
+TXT = (77, 20)
+
+
+@pytest.fixture(scope="module")
+def block_args():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    arch = dataclasses.replace(preset("qwen-image"), num_layers=1)
+    model = build_model(arch, seed=0, runtime="strict", dtype=torch.bfloat16, device="cuda")
+    D, dev = arch.hidden_size, torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    iseq = (GRID[0] * GRID[1],) * len(TXT)
+
+    def rows(n: int) -> torch.Tensor:
+        return torch.randn(n, D, generator=gen, device=dev).to(torch.bfloat16)
+
+    img, txt, temb = rows(sum(iseq)), rows(sum(TXT)), rows(len(TXT))
+    rope = packed_rope_tables([[(1, *GRID)]] * len(TXT), TXT, arch.axes_dims_rope, arch.rope_theta, dev)
+    return model, (0, model.transformer_blocks[0], img, txt, temb, rope, iseq, TXT,
+                   arch.num_attention_heads, arch.attention_head_dim, arch.eps)
+
+
+def _under_sync_error(fn):
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_strict_block_forward_has_no_host_sync(block_args) -> None:
+    _, args = block_args
+    with runtime_mode(Runtime.STRICT), torch.no_grad():
+        warm = strict._block(*args)
+        again = _under_sync_error(lambda: strict._block(*args))
+    for a, b in zip(warm, again):
+        assert torch.equal(a, b)
+
+
+def test_strict_block_backward_has_no_host_sync(block_args) -> None:
+    model, args = block_args
+    model.requires_grad_(True)
+    img, txt = args[2].clone().requires_grad_(True), args[3].clone().requires_grad_(True)
+    call = args[:2] + (img, txt) + args[4:]
+
+    def step() -> None:
+        oi, ot = strict._block(*call)
+        torch.autograd.backward((oi, ot), (torch.ones_like(oi), torch.ones_like(ot)))
+
+    with runtime_mode(Runtime.STRICT):
+        step()
+        _under_sync_error(step)
+    assert img.grad is not None and torch.isfinite(img.grad.float()).all()
