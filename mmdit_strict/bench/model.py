@@ -140,6 +140,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     theirs = theirs.eval()
     grid = tuple(args.grid)
     ti = grid[0] * grid[1]
+    from ..model.graphs import GraphCache
+
+    graph_cache = GraphCache()
     cases = {
         "fwd_b1": ([args.txt], False),
         "fwd_b2_cfg": ([args.txt, max(1, args.txt // 2)], False),
@@ -155,14 +158,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             kw = dict(inp, img_shapes=[[(1, grid[0], grid[1])]] * len(txt_lens), return_dict=False)
             return theirs(**kw)[0]
 
-        def ours_call(runtime: str) -> Callable[[], torch.Tensor]:
+        def ours_call(runtime: str, graphs: bool = False) -> Callable[[], torch.Tensor]:
             def call() -> torch.Tensor:
                 ours.set_runtime(runtime)
+                ours.graph_cache = graph_cache if graphs else None
                 return ours(**inp, return_dict=False)[0]
 
             return call
 
         engine_calls = {"diffusers_eager": diffusers_call, **{f"ours_{r}": ours_call(r) for r in args.runtimes}}
+        if not train:  # graphs replay no-grad forwards only
+            engine_calls.update({f"ours_{r}_graph": ours_call(r, True) for r in args.runtimes if r in ("strict", "auto")})
         for name, call in engine_calls.items():
             if train:
                 def step(call: Callable[[], torch.Tensor] = call) -> None:
