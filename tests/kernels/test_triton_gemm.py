@@ -212,9 +212,18 @@ def test_lora_grads_do_not_depend_on_the_micro_batch_split():
 
 
 def _bad(**over):
+    """A call with one bad argument, every tensor on the device the kernels run on (so the error is that one)."""
+    dev = "cpu" if INTERPRET else "cuda"
+
+    def put(v):
+        if isinstance(v, torch.Tensor):
+            return v.to(dev)
+        return tuple(put(t) for t in v) if isinstance(v, tuple) else v
+
     w, b, lo = _params(True)
     args = dict(x=_x(M), weight=w, bias=b, seqlens=SEQLENS, prologue="none", epilogue="none", lora=lo)
     args.update(over)
+    args = {k: (v if k == "seqlens" else put(v)) for k, v in args.items()}
     x = args.pop("x")
     return lambda: G.gemm(x, **args)
 
