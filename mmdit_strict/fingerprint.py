@@ -8,7 +8,7 @@ from typing import Any
 
 from .config.arch import ArchConfig, preset
 
-# Pinned facts of the sampling / arithmetic contract (DESIGN.md §2-3). Changing any of them changes
+# Pinned facts of the sampling / arithmetic contract (docs/design.md §2-3). Changing any of them changes
 # every fingerprint, which is the point.
 CONTRACT_PINS: dict[str, Any] = {
     "dtype_policy": {"execution_dtypes": ["bf16", "fp32"], "accumulator": "fp32", "tf32": False, "split_k": False,

@@ -1,4 +1,4 @@
-"""Typed architecture contract of the Qwen-Image MMDiT (DESIGN.md §2).
+"""Typed architecture contract of the Qwen-Image MMDiT (docs/design.md §2).
 
 ``qwen-image`` is the pinned 20B model; ``tiny`` is the same architecture at sizes a 2-core CPU runs
 in seconds. Field names follow diffusers' ``QwenImageTransformer2DModel`` config so that a

@@ -6,7 +6,7 @@ bytes of a LoRA gradient depend on how a batch was split into micro-batches. Ins
 ``dZ_sᵀ X_s`` to a :class:`SampleGradSink`, keyed by the sample key the caller declared with
 :func:`sample_keys` (for example ``(sample_id, cfg_branch)``). :meth:`SampleGradSink.fold` adds the
 partials in sorted key order, so the result is the same bytes whatever the micro-batch split,
-sample order or CFG layout (DESIGN.md §3.6).
+sample order or CFG layout (docs/design.md §3.6).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import torch
 
 from .runtime import Runtime, current_runtime
 
-# DESIGN.md §5: the operator inventory. Every registered op must be one of these.
+# docs/design.md §5: the operator inventory. Every registered op must be one of these.
 OPERATORS: tuple[str, ...] = (
     "latent_pack_unpack",
     "latent_normalize",

@@ -1,4 +1,4 @@
-"""Runtime modes and the strict-math guards (DESIGN.md §4).
+"""Runtime modes and the strict-math guards (docs/design.md §4).
 
 The active mode and the active operator trace live in context variables, set through
 :func:`runtime_mode`; library code never flips module globals.

@@ -1,4 +1,4 @@
-"""Multi-axis RoPE tables for Qwen-Image (DESIGN.md §2).
+"""Multi-axis RoPE tables for Qwen-Image (docs/design.md §2).
 
 Angles are computed in FP64 on the CPU from integer positions and rounded once to FP32, so every
 device and every batch composition gets the same table bytes. Axis order is (frame, height, width);

@@ -1,6 +1,6 @@
 """Independent CPU references (FP64) of every model operator and of the whole Qwen-Image forward.
 
-Shares no code with :mod:`mmdit_strict.kernels` or :mod:`mmdit_strict.model` (DESIGN.md §3, §10): tests
+Shares no code with :mod:`mmdit_strict.kernels` or :mod:`mmdit_strict.model` (docs/design.md §3, §10): tests
 check kernels and models against these. Written for clarity, not speed.
 """
 

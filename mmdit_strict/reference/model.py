@@ -1,4 +1,4 @@
-"""Whole-model FP64 reference forward of the Qwen-Image MMDiT (DESIGN.md §2), from a diffusers state dict.
+"""Whole-model FP64 reference forward of the Qwen-Image MMDiT (docs/design.md §2), from a diffusers state dict.
 
 Built only from :mod:`mmdit_strict.reference.ops` and :mod:`mmdit_strict.reference.rope`; it shares no code
 with the kernels or the model it checks. Samples run one at a time, each with only its valid

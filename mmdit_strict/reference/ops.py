@@ -1,8 +1,8 @@
-"""Independent FP64 CPU references of the model operators (DESIGN.md §5), in the packed layout.
+"""Independent FP64 CPU references of the model operators (docs/design.md §5), in the packed layout.
 
-Every function here is written from the math in ``docs/operators.md`` and DESIGN.md §2, for clarity and
+Every function here is written from the math in ``docs/operators.md`` and docs/design.md §2, for clarity and
 not for speed: inputs are cast to ``torch.float64`` (on the CPU) at entry and the result is FP64. Nothing
-here imports the kernels or the model, so a bug cannot hide in both (DESIGN.md §3, last paragraph).
+here imports the kernels or the model, so a bug cannot hide in both (docs/design.md §3, last paragraph).
 
 Packed layout: a stream's valid rows of all samples are concatenated, ``x: (M, C)`` with
 ``M = sum(seqlens)``; per-sample vectors (shift, scale, gate, temb) are ``(B, C)`` with ``B = len(seqlens)``.

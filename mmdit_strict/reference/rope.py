@@ -1,4 +1,4 @@
-"""Independent FP64 reference of the three-axis RoPE tables (DESIGN.md §2, RoPE row).
+"""Independent FP64 reference of the three-axis RoPE tables (docs/design.md §2, RoPE row).
 
 Positions are integers, computed from the image grid and the prompt length alone:
 

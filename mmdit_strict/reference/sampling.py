@@ -1,6 +1,6 @@
 """Independent FP64 CPU references for the sampling math (sigma table, CFG, SDE/Euler step, KL, latents).
 
-Written from DESIGN.md §2 for clarity, not speed, and sharing no code with :mod:`mmdit_strict.sampling`
+Written from docs/design.md §2 for clarity, not speed, and sharing no code with :mod:`mmdit_strict.sampling`
 (no fixed trees, no FP32 rounding choices): every input is promoted to float64 on the CPU and the
 formulas are evaluated in their textbook form. Tests compare the FP32 strict implementations to these
 within the tolerances declared in ``tolerances.yaml`` (section ``sampling``).

@@ -1,6 +1,6 @@
 """Classifier-free guidance with per-token norm rescale (operator ``cfg_combine_renorm``).
 
-Math (DESIGN.md §2; diffusers' ``QwenImagePipeline``), per token (last dim = 64 packed channels):
+Math (docs/design.md §2; diffusers' ``QwenImagePipeline``), per token (last dim = 64 packed channels):
 
     comb  = neg + s * (cond - neg)
     out   = comb * (||cond|| / ||comb||)

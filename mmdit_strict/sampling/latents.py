@@ -1,6 +1,6 @@
 """Latent layout: per-channel normalisation (``latent_normalize``) and 2x2 packing (``latent_pack_unpack``).
 
-Normalisation (DESIGN.md §2, diffusers' ``QwenImagePipeline``; FP32, elementwise, no reductions):
+Normalisation (docs/design.md §2, diffusers' ``QwenImagePipeline``; FP32, elementwise, no reductions):
 
     std_inv = fp32(1) / fp32(std)               per channel, computed once on the CPU
     normalize(z)   = (z - mean) * std_inv       channels on dim 1 of (B, C, H, W) or (B, C, F, H, W)

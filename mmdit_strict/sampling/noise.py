@@ -1,6 +1,6 @@
 """Keyed noise: initial latents and SDE noise, one independent stream per (seed, sample, step, purpose).
 
-DESIGN.md §3.8: noise is never drawn from a shared stream, so batching, batch order and batch
+docs/design.md §3.8: noise is never drawn from a shared stream, so batching, batch order and batch
 composition never change which noise a sample gets.
 
 Pins (changing any of them changes every trajectory; they are part of the trajectory contract):

@@ -1,7 +1,7 @@
 """Flow-GRPO SDE transition with log-probability (operator ``flow_sde_step_logp``, forward + dlogp),
 the deterministic Euler (ODE) step, and the same-std Gaussian KL used by drift reports.
 
-Math (DESIGN.md §2; ``sigma`` current, ``sigma_prev`` next entry of the table, ``dt = sigma_prev - sigma``):
+Math (docs/design.md §2; ``sigma`` current, ``sigma_prev`` next entry of the table, ``dt = sigma_prev - sigma``):
 
     std    = sqrt(sigma / (1 - (sigma_max if sigma == 1 else sigma))) * eta
     mean   = x * (1 + std^2 / (2 sigma) * dt) + v * (1 + std^2 (1 - sigma) / (2 sigma)) * dt

@@ -1,6 +1,6 @@
 """Qwen-Image flow-matching sigma schedule (operator ``flow_sigma_table``, forward only).
 
-Math (DESIGN.md §2):
+Math (docs/design.md §2):
 
     mu        = image_seq_len * m + b,   m = (max_shift - base_shift) / (max_seq_len - base_seq_len),
                                          b = base_shift - m * base_seq_len          (Python float64)

@@ -1,7 +1,7 @@
 """Strict arithmetic helpers for the sampling math: the fixed pairwise reduction tree used by every
 sampling-side sum (CFG norms, SDE log-probabilities), and a correctly rounded FP32 square root.
 
-Reduction order (frozen; part of the arithmetic contract, DESIGN.md §3.1):
+Reduction order (frozen; part of the arithmetic contract, docs/design.md §3.1):
 
     Let ``n`` be the length of the reduced dimension and ``p`` the smallest power of two ``>= n``.
     The values are padded with ``+0.0`` to length ``p``. Then, while ``p > 1``:

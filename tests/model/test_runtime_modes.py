@@ -1,4 +1,4 @@
-"""Runtime modes (DESIGN.md §4): strict fails closed, auto records fallbacks, audit records drift
+"""Runtime modes (docs/design.md §4): strict fails closed, auto records fallbacks, audit records drift
 without changing results, off is the production path; the trace records the arithmetic policy; bad
 forward inputs raise ValueError with a clear message."""
 

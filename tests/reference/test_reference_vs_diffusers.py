@@ -1,4 +1,4 @@
-"""The FP64 reference against diffusers, the parity peer (DESIGN.md §2).
+"""The FP64 reference against diffusers, the parity peer (docs/design.md §2).
 
 diffusers' ``QwenImageTransformer2DModel`` cast to float64 still computes four things in FP32: the
 timestep sinusoid (``timesteps.float()``), the RoPE tables (built in float32 / complex64), the RoPE
@@ -322,7 +322,7 @@ def test_latent_pack_roundtrip_and_layout():
     z = torch.randn(2, 16, 1, 6, 10, generator=gen, dtype=torch.float64)
     tokens = ref.latent_pack(z)
     assert tokens.shape == (2, 15, 64)
-    # DESIGN.md §2: pack with view(B, C, H/2, 2, W/2, 2).permute(0, 2, 4, 1, 3, 5).
+    # docs/design.md §2: pack with view(B, C, H/2, 2, W/2, 2).permute(0, 2, 4, 1, 3, 5).
     expected = z[:, :, 0].reshape(2, 16, 3, 2, 5, 2).permute(0, 2, 4, 1, 3, 5).reshape(2, 15, 64)
     assert torch.equal(tokens, expected)
     assert torch.equal(ref.latent_unpack(tokens, 6, 10), z)

@@ -1,7 +1,7 @@
 """Batch-invariant building blocks of the CPU strict backend.
 
 Three facts about CPU PyTorch that this module is built around (measured on the team's machines,
-DESIGN.md §7, and by ``tests/kernels``):
+docs/design.md §7, and by ``tests/kernels``):
 
 1. ``x @ W`` is not row-invariant: BLAS picks kernels and blockings by M. A product done as
    fixed-shape tiles — rows zero-padded to a multiple of ``TILE_M``, one ``(TILE_M, K) @ (K, N)``

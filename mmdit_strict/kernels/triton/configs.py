@@ -3,7 +3,7 @@
 Every configuration is keyed by ``(N, K, dtype)`` of the product — the output features and the
 reduction length — and never by ``M`` (tokens or batch rows): the tile shape fixes each output
 element's reduction tree, so choosing it from ``M`` would make a row's bytes depend on what it is
-batched with (DESIGN.md §3.4).
+batched with (docs/design.md §3.4).
 
 Three tables:
 
@@ -11,7 +11,7 @@ Three tables:
   and for ``dX = dZ @ W`` (there ``N`` and ``K`` are the layer's ``K`` and ``N``).
   ``weight_layout`` says how the forward reads the weight: ``"kn"`` = a prepacked, contiguous
   ``Wᵀ (K, N)`` copy (made once per weight version, see ``gemm.prepacked_weight``), ``"nk"`` =
-  nn.Linear's stored ``(N, K)`` read through strides. DESIGN.md §8 measured K×N at 0.82–0.96× cuBLAS
+  nn.Linear's stored ``(N, K)`` read through strides. docs/design.md §8 measured K×N at 0.82–0.96× cuBLAS
   and N×K at 0.64–0.74× for one plain kernel, hence ``"kn"`` for the large layers.
 * :data:`DW` — the weight-gradient kernel ``dW(N, K) = Σ_samples Σ_rows dZᵀ p(x)``: output tile
   ``(BLOCK_N, BLOCK_K)``, rows consumed ``BLOCK_M`` at a time from each sample's first row.

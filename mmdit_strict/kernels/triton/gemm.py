@@ -6,7 +6,7 @@ call contract of ``docs/operators.md``::
 
     y = epilogue(p(x) Wᵀ + b + scale · (p(x) Aᵀ) Bᵀ)        x (M, K), W (N, K), b (N,), A (r, K), B (N, r)
 
-Arithmetic (DESIGN.md §3), frozen here and documented per kernel below:
+Arithmetic (docs/design.md §3), frozen here and documented per kernel below:
 
 * Tiles are chosen from ``(N, K, dtype)`` only (``configs.py``), never from M. Each output element
   is reduced by one program over K in ``BLOCK_K`` steps from k = 0 upwards, each step one ``tl.dot``
