@@ -162,9 +162,17 @@ def cmd_qualify(args: argparse.Namespace) -> int:
 
     if not torch.cuda.is_available():
         raise ValueError("qualify needs a CUDA GPU (the CPU strict backend is qualified by the test suite)")
-    from ..bench import gemm
+    rc = 0
+    section = getattr(args, "section", "all")
+    if section in ("gemm", "all"):
+        from ..bench import gemm
 
-    return int(gemm.main(["--out", args.out, "--sweep", "none"]) or 0)
+        rc |= int(gemm.main(["--out", args.out, "--sweep", "none"]) or 0)
+    if section in ("attention", "all"):
+        from ..bench import attention
+
+        rc |= int(attention.main(["--out", args.out, "--sections", "accuracy,invariance,speed"]) or 0)
+    return rc
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -202,10 +210,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", action="store_true", help="print a markdown table (with reduction orders)")
     p = add("qualify", cmd_qualify, "GPU qualification report of the strict kernels (JSON + markdown)", overrides=False)
     p.add_argument("--out", default="experiments/local", help="output folder")
+    p.add_argument("--section", default="all", choices=["gemm", "attention", "all"],
+                   help="which kernels to qualify (default: all)")
     p = add("bench", cmd_bench, "run a benchmark and write its JSON + markdown report", overrides=False)
-    p.add_argument("which", choices=["cpu_strict", "gemm", "model"],
+    p.add_argument("which", choices=["cpu_strict", "gemm", "model", "attention"],
                    help="cpu_strict: CPU strict vs production forward; gemm: Triton GEMM engine (GPU); "
-                   "model: whole transformer vs diffusers eager on identical weights (GPU)")
+                   "model: whole transformer vs diffusers eager on identical weights (GPU); "
+                   "attention: strict joint attention vs SDPA/cuDNN (GPU)")
     p.add_argument("--out", default="experiments/local", help="output folder")
     return parser
 

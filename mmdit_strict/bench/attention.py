@@ -1,0 +1,464 @@
+"""Benchmark and qualification of the strict joint attention (Triton) on a CUDA GPU.
+
+    python -m mmdit_strict.bench.attention --out DIR [--sections accuracy,invariance,speed,candidates]
+        [--repeats 100]
+
+Writes ``DIR/attention_report.json`` and ``DIR/attention_report.md`` (rewritten after every section, so a
+run cut short still leaves what it measured):
+
+* environment: GPU, driver, torch, Triton, CUDA, git commit (``MMDIT_COMMIT`` or ``git rev-parse HEAD``);
+* accuracy (24 heads × 128, BF16 and FP32): forward and dQ/dK/dV of the kernel (through its autograd
+  function) against the FP64 CPU reference ``mmdit_strict.reference.ops.joint_attention`` on heads 0–1
+  (heads are independent, so this is an exact subset of the full computation), beside the error of
+  torch SDPA on the same inputs (cuDNN backend for BF16, the default backend for FP32 with TF32 off).
+  Pass rule: ``tolerances.yaml`` ``attention.<check>.<dtype>`` as ``|kernel − ref| ≤ rtol·|ref| +
+  atol·max|ref|`` elementwise, and ``max|kernel − ref| ≤ 2·max|sdpa − ref|`` (flash-attention's rule);
+* raw-byte invariance: one probe sample (77 text + 6889 image tokens) alone vs in batches of 2, 3 and 8
+  at every position beside neighbours with text 0/77/256 and image 4096/6032/6889 tokens (forward
+  outputs and all six input gradients of the probe's rows); the probe beside neighbours whose rows are
+  NaN (nothing of theirs is read); repeated backward runs of a mixed batch;
+* speed (BF16; FP32 at one shape): forward and backward with ``triton.testing.do_bench`` (median, and
+  the 20/80 % quantiles) at 24 heads × (4096 | 6032 | 6889 image + text) tokens for B = 1, 2, 8 with mixed
+  text lengths, against SDPA with the cuDNN backend in the same run. FLOPs: forward ``4·H·d·Σ L²`` over
+  each sample's own length L, backward counted as 2.5× forward. SDPA runs the padded batch
+  ``(B, H, max text + image, d)`` without a mask (for B = 1 the same work); its TFLOP/s are counted on
+  its own padded shape and the ratio is of TFLOP/s (for B = 1 it equals the time ratio);
+* candidate configurations (informational): forward and backward tiles at 4096 + 128, B = 1, BF16,
+  passed explicitly through the op's ``config`` argument; the frozen table is not touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import time
+import traceback
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+HEADS, HEAD_DIM = 24, 128
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+IMAGES = (4096, 6032, 6889)
+TEXTS = {1: (128,), 2: (128, 77), 8: (128, 77, 0, 256, 13, 200, 128, 64)}
+PROBE = (77, 6889)
+NEIGHBOURS = ((0, 4096), (256, 6032), (77, 4096), (0, 6889), (256, 6889), (77, 6032), (0, 6032))
+REF_HEADS = 2  # accuracy is checked on heads 0..REF_HEADS-1 against the CPU FP64 reference
+FWD_CANDIDATES = ((128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 64, 4, 3))
+DKDV_CANDIDATES = ((32, 128, 4, 5), (64, 128, 8, 3), (32, 128, 8, 4), (64, 64, 4, 3))
+DQ_CANDIDATES = ((128, 32, 4, 5), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 4))
+DEVICE = "cuda"
+
+
+def _env() -> dict:
+    import triton
+
+    commit = os.environ.get("MMDIT_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip() or None
+        except Exception:
+            commit = None
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=20).stdout.strip()
+    except Exception:
+        driver = None
+    return {
+        "gpu": torch.cuda.get_device_name(0), "driver": driver, "torch": torch.__version__,
+        "triton": triton.__version__, "cuda": torch.version.cuda, "commit": commit or "unknown (no git, MMDIT_COMMIT unset)",
+        "tf32": {"matmul": torch.backends.cuda.matmul.allow_tf32, "cudnn": torch.backends.cudnn.allow_tf32},
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+# ----------------------------------------------------------------------------------------- samples
+
+
+Sample = tuple[torch.Tensor, ...]  # (q_txt, k_txt, v_txt, q_img, k_img, v_img), each (rows, H, d)
+
+
+def make_sample(nt: int, ni: int, *, heads: int, head_dim: int, dtype: torch.dtype, seed: int,
+                device: str | None = None) -> Sample:
+    """One sample's q/k/v rows for both streams, N(0, 1) drawn on the CPU in FP32 from ``seed``, then cast."""
+    g = torch.Generator().manual_seed(seed)
+    device = device or DEVICE
+    out = []
+    for n in (nt, nt, nt, ni, ni, ni):
+        out.append(torch.randn(n, heads, head_dim, generator=g).to(device=device, dtype=dtype))
+    return tuple(out)
+
+
+def make_grad(sample: Sample, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Upstream gradients (dO_txt (nt, H·d), dO_img (ni, H·d)) of one sample, N(0, 1) from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(t.shape[0], t.shape[1] * t.shape[2], generator=g).to(device=t.device, dtype=t.dtype)
+                 for t in (sample[0], sample[3]))
+
+
+def pack(samples: Sequence[Sample]) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...], tuple[int, ...]]:
+    """Concatenate samples stream by stream: (six packed tensors, txt_seqlens, img_seqlens)."""
+    packed = tuple(torch.cat([s[k] for s in samples]).contiguous() for k in range(6))
+    return packed, tuple(s[0].shape[0] for s in samples), tuple(s[3].shape[0] for s in samples)
+
+
+def run_batch(fn, samples: Sequence[Sample], grads: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None) -> list[tuple]:
+    """Run ``fn`` (the op's signature) on the packed batch; per sample ``(o_txt, o_img[, six input grads])``.
+
+    With ``grads`` the six inputs require grad and ``Σ_s <dO_s, O_s>`` is back-propagated, so each
+    sample's input gradients come from its own upstream gradient.
+    """
+    packed, tseq, iseq = pack(samples)
+    if grads is not None:
+        packed = tuple(t.detach().requires_grad_(True) for t in packed)
+    with torch.set_grad_enabled(grads is not None):
+        o_txt, o_img = fn(*packed, txt_seqlens=tseq, img_seqlens=iseq)
+        gradients = None
+        if grads is not None:
+            g_txt = torch.cat([g[0] for g in grads])
+            g_img = torch.cat([g[1] for g in grads])
+            gradients = torch.autograd.grad((o_txt, o_img), packed, (g_txt, g_img))
+    out = []
+    t0 = i0 = 0
+    for nt, ni in zip(tseq, iseq):
+        row = [o_txt[t0:t0 + nt].detach(), o_img[i0:i0 + ni].detach()]
+        if gradients is not None:
+            row += [gradients[k][t0:t0 + nt] for k in range(3)] + [gradients[k][i0:i0 + ni] for k in range(3, 6)]
+        out.append(tuple(row))
+        t0 += nt
+        i0 += ni
+    return out
+
+
+def _same_bytes(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
+    for x, y in zip(a, b):
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return False
+        w = {4: torch.int32, 2: torch.int16}[x.element_size()]
+        if not torch.equal(x.contiguous().view(w), y.contiguous().view(w)):
+            return False
+    return True
+
+
+# ----------------------------------------------------------------------------------------- accuracy
+
+
+def attention_tolerance(check: str, dtype: torch.dtype, ref: torch.Tensor):
+    """``tolerances.yaml attention.<check>.<dtype>`` with atol scaled by max|ref| (see the module docstring)."""
+    from mmdit_strict.tolerances import Tolerance, tolerance
+
+    t = tolerance("attention", check, dtype)
+    return Tolerance(t.rtol, t.atol * float(ref.detach().abs().max()), t.reason)
+
+
+def _sdpa_batch(samples: Sequence[Sample], backend: str | None):
+    """SDPA on the padded batch (B, H, max text + image, d), no mask; returns (fn_fwd, (q, k, v), (Lt_max, L))."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    lt = max(s[0].shape[0] for s in samples)
+    li = max(s[3].shape[0] for s in samples)
+    B = len(samples)
+    h, d = samples[0][3].shape[1:]
+    dt, dev = samples[0][3].dtype, samples[0][3].device
+
+    def padded(kt: int, ki: int) -> torch.Tensor:
+        out = torch.zeros(B, lt + li, h, d, dtype=dt, device=dev)
+        for b, s in enumerate(samples):
+            out[b, :s[kt].shape[0]] = s[kt]
+            out[b, lt:lt + s[ki].shape[0]] = s[ki]
+        return out.transpose(1, 2).contiguous()
+
+    qkv = (padded(0, 3), padded(1, 4), padded(2, 5))
+    backends = {"cudnn": [SDPBackend.CUDNN_ATTENTION], None: None}[backend]
+
+    def fwd(q, k, v):
+        if backends is None:
+            return F.scaled_dot_product_attention(q, k, v)
+        with sdpa_kernel(backends):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    return fwd, qkv, (lt, lt + li)
+
+
+def accuracy_case(A, ref_ops, dtype_name: str, nt: int, ni: int) -> dict:
+    """Kernel and SDPA vs the FP64 reference on one sample, heads 0..REF_HEADS-1."""
+    dtype = DTYPES[dtype_name]
+    s = make_sample(nt, ni, heads=HEADS, head_dim=HEAD_DIM, dtype=dtype, seed=11)
+    g = make_grad(s, seed=12)
+    (o_t, o_i, *grads), = run_batch(A.joint_attention_fused, [s], [g])
+    ours = {"fwd": torch.cat([o_t, o_i]).view(nt + ni, HEADS, HEAD_DIM)[:, :REF_HEADS]}
+    for name, gt, gi in (("dq", grads[0], grads[3]), ("dk", grads[1], grads[4]), ("dv", grads[2], grads[5])):
+        ours[name] = torch.cat([gt, gi])[:, :REF_HEADS]
+    # SDPA on the same sample: (1, H, L, d)
+    fwd, (q, k, v), _ = _sdpa_batch([s], "cudnn" if dtype == torch.bfloat16 else None)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    o = fwd(q, k, v)
+    go = torch.cat([g[0], g[1]]).view(1, nt + ni, HEADS, HEAD_DIM).transpose(1, 2)
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), go)
+    peer = {"fwd": o[0].transpose(0, 1)[:, :REF_HEADS], "dq": dq[0].transpose(0, 1)[:, :REF_HEADS],
+            "dk": dk[0].transpose(0, 1)[:, :REF_HEADS], "dv": dv[0].transpose(0, 1)[:, :REF_HEADS]}
+    # FP64 reference on heads 0..REF_HEADS-1
+    sub = [t[:, :REF_HEADS].detach().to("cpu", torch.float64).requires_grad_(True) for t in s]
+    rt, ri = ref_ops.joint_attention(*sub, (nt,), (ni,))
+    gsub = [x.view(x.shape[0], HEADS, HEAD_DIM)[:, :REF_HEADS].reshape(x.shape[0], -1).to("cpu", torch.float64) for x in g]
+    rg = torch.autograd.grad((rt, ri), sub, tuple(gsub))
+    ref = {"fwd": torch.cat([rt, ri]).view(nt + ni, REF_HEADS, HEAD_DIM),
+           "dq": torch.cat([rg[0], rg[3]]), "dk": torch.cat([rg[1], rg[4]]), "dv": torch.cat([rg[2], rg[5]])}
+    out = {"dtype": dtype_name, "text": nt, "image": ni, "checks": {}}
+    ok_all = True
+    for name in ("fwd", "dq", "dk", "dv"):
+        r = ref[name].detach()
+        e_ours = float((ours[name].double().cpu() - r).abs().max())
+        e_peer = float((peer[name].double().cpu() - r).abs().max())
+        tol = attention_tolerance(name, getattr(torch, {"bf16": "bfloat16", "fp32": "float32"}[dtype_name]), r)
+        ok_tol, _, _ = tol.check(ours[name], r)
+        ok_peer = e_ours <= 2 * e_peer
+        ok_all &= bool(ok_tol and ok_peer)
+        out["checks"][name] = {"max_abs_err": e_ours, "sdpa_max_abs_err": e_peer, "ratio_to_sdpa": e_ours / max(e_peer, 1e-30),
+                               "max_abs_ref": float(r.abs().max()), "tolerance_pass": bool(ok_tol),
+                               "le_2x_sdpa": bool(ok_peer)}
+    out["pass"] = ok_all
+    return out
+
+
+# ----------------------------------------------------------------------------------------- invariance
+
+
+def invariance(A, dtype_name: str, batch_sizes: Sequence[int], repeats: int) -> dict:
+    """Byte counts: probe alone vs batched at every position; NaN neighbours; repeated backward."""
+    dtype = DTYPES[dtype_name]
+    fn = A.joint_attention_fused
+
+    def sample(spec, seed):
+        s = make_sample(spec[0], spec[1], heads=HEADS, head_dim=HEAD_DIM, dtype=dtype, seed=seed)
+        return s, make_grad(s, seed + 1000)
+
+    probe, probe_g = sample(PROBE, 1)
+    alone = run_batch(fn, [probe], [probe_g])[0]
+    neigh = [sample(spec, 10 + i) for i, spec in enumerate(NEIGHBOURS)]
+    res = {"dtype": dtype_name, "probe": list(PROBE), "batched": {}}
+    for B in batch_sizes:
+        others = neigh[:B - 1]
+        eq = tot = 0
+        for pos in range(B):
+            batch = others[:pos] + [(probe, probe_g)] + others[pos:]
+            out = run_batch(fn, [b[0] for b in batch], [b[1] for b in batch])[pos]
+            eq += int(_same_bytes(out, alone))
+            tot += 1
+        res["batched"][str(B)] = {"equal": eq, "positions": tot}
+    # neighbours full of NaN: nothing of theirs may be read or written over the probe
+    nan_n = [tuple(torch.full_like(t, float("nan")) for t in neigh[i][0]) for i in range(2)]
+    nan_g = [neigh[i][1] for i in range(2)]
+    out = run_batch(fn, [nan_n[0], probe, nan_n[1]], [nan_g[0], probe_g, nan_g[1]])[1]
+    res["nan_neighbours_equal"] = bool(_same_bytes(out, alone))
+    # repeated backward on a mixed batch
+    batch = [neigh[0], (probe, probe_g), neigh[1]]
+    first = run_batch(fn, [b[0] for b in batch], [b[1] for b in batch])
+    same = 0
+    for _ in range(repeats):
+        again = run_batch(fn, [b[0] for b in batch], [b[1] for b in batch])
+        same += int(all(_same_bytes(a, b) for a, b in zip(again, first)))
+    res["repeated_backward"] = {"equal": same, "runs": repeats}
+    res["pass"] = (all(v["equal"] == v["positions"] for v in res["batched"].values())
+                   and res["nan_neighbours_equal"] and same == repeats)
+    return res
+
+
+# ----------------------------------------------------------------------------------------- speed
+
+
+def _fwd_flops(lengths: Sequence[int]) -> float:
+    return 4.0 * HEADS * HEAD_DIM * sum(L * L for L in lengths)
+
+
+def _bench(fn) -> dict:
+    import triton
+
+    med, lo, hi = triton.testing.do_bench(fn, warmup=25, rep=150, quantiles=[0.5, 0.2, 0.8])
+    return {"ms": med, "ms_q20": lo, "ms_q80": hi}
+
+
+def speed_case(A, dtype_name: str, ni: int, texts: Sequence[int], cfg: dict | None = None, sdpa: bool = True) -> dict:
+    dtype = DTYPES[dtype_name]
+    samples = [make_sample(nt, ni, heads=HEADS, head_dim=HEAD_DIM, dtype=dtype, seed=100 + b) for b, nt in enumerate(texts)]
+    packed, tseq, iseq = pack(samples)
+    o_t, o_i, lse = A.attention_fwd(*packed, tseq, iseq, cfg)
+    do_t, do_i = torch.randn_like(o_t), torch.randn_like(o_i)
+    flops = _fwd_flops([nt + ni for nt in texts])
+    res = {"dtype": dtype_name, "B": len(texts), "image": ni, "texts": list(texts)}
+    f = _bench(lambda: A.attention_fwd(*packed, tseq, iseq, cfg))
+    b = _bench(lambda: A.attention_bwd(do_t, do_i, *packed, o_t, o_i, lse, tseq, iseq, cfg))
+    res["ours_fwd"] = {**f, "tflops": flops / f["ms"] * 1e-9}
+    res["ours_bwd"] = {**b, "tflops": 2.5 * flops / b["ms"] * 1e-9}
+    if sdpa:
+        fwd, (q, k, v), (_, L) = _sdpa_batch(samples, "cudnn" if dtype == torch.bfloat16 else None)
+        pflops = _fwd_flops([L] * len(texts))
+        q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+        o = fwd(q, k, v)
+        go = torch.randn_like(o)
+        with torch.no_grad():
+            sf = _bench(lambda: fwd(q, k, v))
+        sb = _bench(lambda: torch.autograd.grad(o, (q, k, v), go, retain_graph=True))
+        res["sdpa_backend"] = "cudnn" if dtype == torch.bfloat16 else "default"
+        res["sdpa_fwd"] = {**sf, "tflops": pflops / sf["ms"] * 1e-9}
+        res["sdpa_bwd"] = {**sb, "tflops": 2.5 * pflops / sb["ms"] * 1e-9}
+        res["fwd_ratio"] = res["ours_fwd"]["tflops"] / res["sdpa_fwd"]["tflops"]
+        res["bwd_ratio"] = res["ours_bwd"]["tflops"] / res["sdpa_bwd"]["tflops"]
+    return res
+
+
+def candidates(A) -> list[dict]:
+    base = dict(A.config_for(HEAD_DIM, torch.bfloat16))
+    rows = []
+    for fwd in FWD_CANDIDATES:
+        cfg = {**base, "fwd": fwd}
+        try:
+            r = speed_case(A, "bf16", IMAGES[0], TEXTS[1], cfg, sdpa=False)
+            rows.append({"part": "fwd", "config": list(fwd), "tflops": r["ours_fwd"]["tflops"], "ms": r["ours_fwd"]["ms"]})
+        except Exception as exc:  # a candidate that fails to compile is reported, not fatal
+            rows.append({"part": "fwd", "config": list(fwd), "error": repr(exc)[:300]})
+    for part, cands in (("dkdv", DKDV_CANDIDATES), ("dq", DQ_CANDIDATES)):
+        for c in cands:
+            cfg = {**base, part: c}
+            try:
+                r = speed_case(A, "bf16", IMAGES[0], TEXTS[1], cfg, sdpa=False)
+                rows.append({"part": part, "config": list(c), "bwd_tflops": r["ours_bwd"]["tflops"], "bwd_ms": r["ours_bwd"]["ms"]})
+            except Exception as exc:
+                rows.append({"part": part, "config": list(c), "error": repr(exc)[:300]})
+    return rows
+
+
+# ----------------------------------------------------------------------------------------- report
+
+
+def _markdown(rep: dict) -> str:
+    env = rep.get("env", {})
+    lines = ["# Strict joint attention — H200 qualification", "",
+             f"GPU {env.get('gpu')} · driver {env.get('driver')} · torch {env.get('torch')} · Triton {env.get('triton')} · "
+             f"CUDA {env.get('cuda')} · commit `{env.get('commit')}` · {env.get('date_utc')}", "",
+             f"Configuration (bf16, d=128): `{rep.get('config_bf16')}`; fp32: `{rep.get('config_fp32')}`", ""]
+    if "speed" in rep:
+        lines += ["## Speed (24 heads × 128; SDPA = cuDNN backend for bf16, same run)", "",
+                  "| dtype | B | image | texts | fwd ms | fwd TFLOP/s | SDPA fwd TFLOP/s | fwd ratio | bwd ms | bwd TFLOP/s | SDPA bwd TFLOP/s | bwd ratio |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rep["speed"]:
+            if "error" in r:
+                lines.append(f"| {r.get('dtype')} | {r.get('B')} | {r.get('image')} | | error: {r['error'][:80]} |||||||")
+                continue
+            lines.append(
+                f"| {r['dtype']} | {r['B']} | {r['image']} | {','.join(map(str, r['texts']))} | {r['ours_fwd']['ms']:.3f} | "
+                f"{r['ours_fwd']['tflops']:.0f} | {r.get('sdpa_fwd', {}).get('tflops', float('nan')):.0f} | {r.get('fwd_ratio', float('nan')):.2f} | "
+                f"{r['ours_bwd']['ms']:.3f} | {r['ours_bwd']['tflops']:.0f} | {r.get('sdpa_bwd', {}).get('tflops', float('nan')):.0f} | "
+                f"{r.get('bwd_ratio', float('nan')):.2f} |")
+        lines.append("")
+    if "accuracy" in rep:
+        lines += ["## Accuracy vs FP64 (heads 0–1), beside SDPA's own error", "",
+                  "| dtype | text+image | check | max abs err | SDPA max abs err | ratio | tolerance | ≤ 2× SDPA |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in rep["accuracy"]:
+            if "error" in r:
+                lines.append(f"| {r.get('dtype')} | | error: {r['error'][:100]} ||||||")
+                continue
+            for name, c in r["checks"].items():
+                lines.append(f"| {r['dtype']} | {r['text']}+{r['image']} | {name} | {c['max_abs_err']:.3e} | {c['sdpa_max_abs_err']:.3e} | "
+                             f"{c['ratio_to_sdpa']:.2f} | {'pass' if c['tolerance_pass'] else 'FAIL'} | {'yes' if c['le_2x_sdpa'] else 'NO'} |")
+        lines.append("")
+    if "invariance" in rep:
+        lines += ["## Raw-byte invariance (probe 77 + 6889 tokens; fwd outputs and all six input gradients)", "",
+                  "| dtype | batched (equal/positions) | NaN neighbours | repeated backward | pass |", "|---|---|---|---|---|"]
+        for r in rep["invariance"]:
+            if "error" in r:
+                lines.append(f"| {r.get('dtype')} | error: {r['error'][:100]} ||||")
+                continue
+            b = ", ".join(f"B={k}: {v['equal']}/{v['positions']}" for k, v in r["batched"].items())
+            lines.append(f"| {r['dtype']} | {b} | {'equal' if r['nan_neighbours_equal'] else 'DIFFER'} | "
+                         f"{r['repeated_backward']['equal']}/{r['repeated_backward']['runs']} | {'yes' if r['pass'] else 'NO'} |")
+        lines.append("")
+    if "candidates" in rep:
+        lines += ["## Candidate configurations (bf16, 4096 + 128, B = 1; informational)", "",
+                  "| part | config (BM, BN, warps, stages) | TFLOP/s | ms |", "|---|---|---|---|"]
+        for r in rep["candidates"]:
+            if "error" in r:
+                lines.append(f"| {r['part']} | {r['config']} | error: {r['error'][:80]} | |")
+            else:
+                tf = r.get("tflops", r.get("bwd_tflops"))
+                ms = r.get("ms", r.get("bwd_ms"))
+                lines.append(f"| {r['part']} | {r['config']} | {tf:.0f} | {ms:.3f} |")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def _write(out: Path, rep: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "attention_report.json").write_text(json.dumps(rep, indent=2, default=str))
+    (out / "attention_report.md").write_text(_markdown(rep))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="experiments/local")
+    p.add_argument("--sections", default="accuracy,invariance,speed,candidates")
+    p.add_argument("--repeats", type=int, default=100)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise ValueError("the attention bench needs a CUDA GPU")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    from mmdit_strict.kernels.triton import attention as A
+    from mmdit_strict.reference import ops as ref_ops
+
+    out = Path(args.out)
+    rep: dict = {"env": _env(), "config_bf16": A.config_for(HEAD_DIM, torch.bfloat16),
+                 "config_fp32": A.config_for(HEAD_DIM, torch.float32)}
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    failed = False
+    for section in sections:
+        t0 = time.time()
+        if section == "speed":
+            rep["speed"] = []
+            cases = [("bf16", ni, TEXTS[B]) for ni in IMAGES for B in (1, 2, 8)] + [("fp32", IMAGES[0], TEXTS[1])]
+            for dt, ni, texts in cases:
+                try:
+                    rep["speed"].append(speed_case(A, dt, ni, texts))
+                except Exception as exc:
+                    rep["speed"].append({"dtype": dt, "B": len(texts), "image": ni, "error": repr(exc)[:500],
+                                         "trace": traceback.format_exc()[-2000:]})
+                    failed = True
+        elif section == "accuracy":
+            rep["accuracy"] = []
+            for dt in ("bf16", "fp32"):
+                for nt, ni in ((128, 4096), (77, 6889)):
+                    try:
+                        r = accuracy_case(A, ref_ops, dt, nt, ni)
+                        failed |= not r["pass"]
+                    except Exception as exc:
+                        r = {"dtype": dt, "error": repr(exc)[:500], "trace": traceback.format_exc()[-2000:]}
+                        failed = True
+                    rep["accuracy"].append(r)
+        elif section == "invariance":
+            rep["invariance"] = []
+            for dt, sizes, repeats in (("bf16", (2, 3, 8), args.repeats), ("fp32", (2, 3), 3)):
+                try:
+                    r = invariance(A, dt, sizes, repeats)
+                    failed |= not r["pass"]
+                except Exception as exc:
+                    r = {"dtype": dt, "error": repr(exc)[:500], "trace": traceback.format_exc()[-2000:]}
+                    failed = True
+                rep["invariance"].append(r)
+        elif section == "candidates":
+            rep["candidates"] = candidates(A)
+        else:
+            raise ValueError(f"unknown section {section!r}")
+        rep.setdefault("section_seconds", {})[section] = round(time.time() - t0, 1)
+        _write(out, rep)
+    print(_markdown(rep))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,604 @@
+"""CUDA strict joint attention (Triton): packed, padding-invariant, deterministic flash attention.
+
+``joint_attention_fused(q_txt, k_txt, v_txt, q_img, k_img, v_img, *, txt_seqlens, img_seqlens)``:
+text rows ``(Mt, H, d)`` and image rows ``(Mi, H, d)``, packed sample after sample in each stream.
+Sample ``s`` attends (non-causal) over its own keys ``[text_s; image_s]``; the result comes back as
+``(o_txt (Mt, H·d), o_img (Mi, H·d))`` in the input dtype. The kernels read both streams in place:
+nothing is concatenated or padded.
+
+Geometry (docs/operators.md, "joint_attention_fused"):
+
+* A sample's rows form two **segments**, its text rows and its image rows, each anchored at that
+  segment's own first row in its stream's buffer. Query tiles and key/value tiles are cut from each
+  segment separately, starting at the segment's first row (never at a multiple of the tile in the
+  packed buffer). The tile list is host data cached per ``(seqlens, tile, device)`` in a device
+  table; the kernels read every length and offset from that table, so no batch-derived integer is a
+  kernel argument (Triton specializes integer arguments on ``== 1`` and ``% 16``) and no host→device
+  copy happens on a repeated call with the same seqlens.
+* Every query tile walks the sample's key tiles in one fixed order: text tiles ascending, then image
+  tiles ascending (the joint ``[text, image]`` order). The last tile of a segment is peeled: it is
+  loaded with a boundary check at the segment's end (the rows of the next sample are never read) and
+  its missing columns get score ``−inf``. No split-KV, no atomics.
+* Configurations (tiles, warps, stages) are frozen per ``(head_dim, dtype)`` in :data:`CONFIGS`.
+
+Forward arithmetic per query row (FP32 throughout, base 2): ``c = fp32(log2(e)/√d)``;
+for each key tile ``S = Q Kᵀ`` (one ``tl.dot``, FP32 accumulate; IEEE FP32 products for FP32
+inputs, never TF32); ``m' = max(m, rowmax(S)·c)``; ``P = exp2(fma(S, c, −m'))`` (the scale and the
+max subtraction in one FP32 FMA); ``α = exp2(m − m')``; ``l = l·α + rowsum(P)``;
+``acc = acc·α + P̃ V`` with ``P̃`` = P rounded to the input dtype. At the end
+``O = acc / l`` (IEEE division, one rounding), cast once to the input dtype, and the base-2
+log-sum-exp ``lse = m + log2(l)`` is saved in FP32. ``exp2``/``log2`` are the GPU's ``ex2``/``lg2``
+instructions (deterministic, a few ulp); every other step is one IEEE FP32 operation (kernels are
+compiled with ``enable_fp_fusion=False``, so only the written ``fma`` fuses).
+
+Backward (deterministic, no atomics): ``Δ = rowsum(dO ∘ O)`` in FP32 from the stored O;
+``P = exp2(fma(S, c, −lse))`` recomputed in FP32; ``dP = dO Vᵀ``; ``dS = P ∘ (dP − Δ)``.
+One program per key tile owns ``dK = s·Σ dSᵀ Q`` and ``dV = Σ P̃ᵀ dO`` over the sample's query
+tiles (text then image, ascending); one program per query tile owns ``dQ = s·Σ dS̃ K`` over the
+sample's key tiles in the forward's order (``s = fp32(1/√d)``; ``dS̃`` rounded to the input dtype
+before its product). Each gradient is cast once to the input dtype.
+
+Why a sample's bytes cannot depend on its batch: every tile, every loop bound and every mask is a
+function of that sample's own text and image lengths; the configuration depends only on
+``(head_dim, dtype)``; no program reads or writes another sample's rows.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from ..registry import KernelImpl, register
+from .gemm import _DTYPES, _interpreting
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+# Tile table: one int32 row of _TABLE_COLS per tile (see _tile_table):
+#   0 stream (0 text, 1 image)   1 first row of the tile in its stream buffer
+#   2 end row (exclusive) of the tile's segment in that buffer   3 first row of the tile in the stat buffers
+#   4 sample's first text row    5 its text rows   6 its first image row   7 its image rows
+#   8 the sample's first image row in the stat buffers (Mt + column 6)
+# Stat buffers (lse, Δ) are (Mt + Mi, H) FP32: text rows first, then image rows.
+
+
+@triton.jit
+def _stream_masks(row_ok, stream):
+    """(rows, 1) store/load masks of a tile's valid rows in the text and in the image buffer."""
+    stream_v = tl.zeros_like(row_ok.to(tl.int32)) + stream  # a vector: the interpreter rejects scalar & vector masks
+    return (row_ok & (stream_v == 0))[:, None], (row_ok & (stream_v == 1))[:, None]
+
+
+@triton.jit
+def _fwd_tile(acc, m_i, l_i, q, k, v, qk_scale, n_valid,
+              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One key tile of the online softmax (see the module docstring for the formulas)."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BM, BN) FP32
+    if MASKED:
+        s = tl.where(tl.arange(0, BLOCK_N)[None, :] < n_valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    p = tl.math.exp2(tl.fma(s, qk_scale, -m_new[:, None]))
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _row_ptrs(base_ptr, row0, row_stride, col, ROWS: tl.constexpr, D: tl.constexpr):
+    """(ROWS, D) pointers to rows row0.. of one head's columns ``col .. col+D`` (64-bit row offsets)."""
+    rows = (row0 + tl.arange(0, ROWS)).to(tl.int64)
+    return base_ptr + rows[:, None] * row_stride + col + tl.arange(0, D)[None, :]
+
+
+@triton.jit
+def _fwd_segment(acc, m_i, l_i, q, k_ptr, v_ptr, row0, n, row_stride, col, qk_scale,
+                 D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Key tiles of one segment (rows ``row0 .. row0+n`` of one stream), ascending; last tile peeled."""
+    k_ptrs = _row_ptrs(k_ptr, row0, row_stride, col, BLOCK_N, D)
+    v_ptrs = _row_ptrs(v_ptr, row0, row_stride, col, BLOCK_N, D)
+    step = BLOCK_N * row_stride.to(tl.int64)
+    n_full = n // BLOCK_N
+    for _ in range(0, n_full):
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k, v, qk_scale, BLOCK_N, BLOCK_N, False, DOT_PRECISION)
+        k_ptrs += step
+        v_ptrs += step
+    tail = n - n_full * BLOCK_N
+    if tail > 0:
+        ok = (tl.arange(0, BLOCK_N) < tail)[:, None]
+        k = tl.load(k_ptrs, mask=ok, other=0.0)
+        v = tl.load(v_ptrs, mask=ok, other=0.0)
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k, v, qk_scale, tail, BLOCK_N, True, DOT_PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    q_txt_ptr, k_txt_ptr, v_txt_ptr, q_img_ptr, k_img_ptr, v_img_ptr, o_txt_ptr, o_img_ptr, lse_ptr, tiles_ptr,
+    row_stride, n_heads, qk_scale,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One (query tile, head): O rows and their base-2 LSE. Grid (query tiles, heads)."""
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    t = tiles_ptr + tile * 9
+    stream = tl.load(t)
+    row0 = tl.load(t + 1)
+    seg_end = tl.load(t + 2)
+    stat0 = tl.load(t + 3)
+    t_start = tl.load(t + 4)
+    nt = tl.load(t + 5)
+    i_start = tl.load(t + 6)
+    ni = tl.load(t + 7)
+    col = h * D
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    rows = row0 + offs_m
+    row_ok = rows < seg_end
+    offs = rows.to(tl.int64)[:, None] * row_stride + col + offs_d[None, :]
+    txt_ok, img_ok = _stream_masks(row_ok, stream)
+    q = tl.where(txt_ok, tl.load(q_txt_ptr + offs, mask=txt_ok, other=0.0), tl.load(q_img_ptr + offs, mask=img_ok, other=0.0))
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    acc, m_i, l_i = _fwd_segment(acc, m_i, l_i, q, k_txt_ptr, v_txt_ptr, t_start, nt, row_stride, col, qk_scale,
+                                 D, BLOCK_N, DOT_PRECISION)
+    acc, m_i, l_i = _fwd_segment(acc, m_i, l_i, q, k_img_ptr, v_img_ptr, i_start, ni, row_stride, col, qk_scale,
+                                 D, BLOCK_N, DOT_PRECISION)
+
+    o = tl.math.div_rn(acc, l_i[:, None]).to(o_txt_ptr.dtype.element_ty)
+    tl.store(o_txt_ptr + offs, o, mask=txt_ok)
+    tl.store(o_img_ptr + offs, o, mask=img_ok)
+    lse = m_i + tl.math.log2(l_i)
+    tl.store(lse_ptr + (stat0 + offs_m).to(tl.int64) * n_heads + h, lse, mask=row_ok)
+
+
+@triton.jit
+def _bwd_delta_kernel(o_txt_ptr, o_img_ptr, do_txt_ptr, do_img_ptr, delta_ptr, tiles_ptr, row_stride, n_heads,
+                      D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Δ = rowsum(dO ∘ O) in FP32 for one (query tile, head); the row sum is tl.sum over d."""
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    t = tiles_ptr + tile * 9
+    stream = tl.load(t)
+    row0 = tl.load(t + 1)
+    seg_end = tl.load(t + 2)
+    stat0 = tl.load(t + 3)
+    offs_m = tl.arange(0, BLOCK_M)
+    rows = row0 + offs_m
+    row_ok = rows < seg_end
+    offs = rows.to(tl.int64)[:, None] * row_stride + h * D + tl.arange(0, D)[None, :]
+    txt_ok, img_ok = _stream_masks(row_ok, stream)
+    o = tl.where(txt_ok, tl.load(o_txt_ptr + offs, mask=txt_ok, other=0.0), tl.load(o_img_ptr + offs, mask=img_ok, other=0.0)).to(tl.float32)
+    do = tl.where(txt_ok, tl.load(do_txt_ptr + offs, mask=txt_ok, other=0.0), tl.load(do_img_ptr + offs, mask=img_ok, other=0.0)).to(tl.float32)
+    tl.store(delta_ptr + (stat0 + offs_m).to(tl.int64) * n_heads + h, tl.sum(o * do, 1), mask=row_ok)
+
+
+@triton.jit
+def _dkdv_tile(dk, dv, k, v, q, do, lse, delta, qk_scale, DOT_PRECISION: tl.constexpr):
+    """One query tile's contribution to a key tile's dK (unscaled) and dV; masked rows carry lse = +inf."""
+    s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BN, BM) = (Q Kᵀ)ᵀ
+    p_t = tl.math.exp2(tl.fma(s_t, qk_scale, -lse[None, :]))
+    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_segment(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, row0, n, stat0, row_stride, col, n_heads,
+                  qk_scale, D: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Query tiles of one segment, ascending from its first row; the last tile peeled."""
+    q_ptrs = _row_ptrs(q_ptr, row0, row_stride, col, BLOCK_M, D)
+    do_ptrs = _row_ptrs(do_ptr, row0, row_stride, col, BLOCK_M, D)
+    step = BLOCK_M * row_stride.to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    stat = (stat0 + offs_m).to(tl.int64) * n_heads
+    n_full = n // BLOCK_M
+    for _ in range(0, n_full):
+        q = tl.load(q_ptrs)
+        do = tl.load(do_ptrs)
+        lse = tl.load(lse_ptr + stat)
+        delta = tl.load(delta_ptr + stat)
+        dk, dv = _dkdv_tile(dk, dv, k, v, q, do, lse, delta, qk_scale, DOT_PRECISION)
+        q_ptrs += step
+        do_ptrs += step
+        stat += BLOCK_M * n_heads
+    tail = n - n_full * BLOCK_M
+    if tail > 0:
+        ok = offs_m < tail
+        q = tl.load(q_ptrs, mask=ok[:, None], other=0.0)
+        do = tl.load(do_ptrs, mask=ok[:, None], other=0.0)
+        lse = tl.load(lse_ptr + stat, mask=ok, other=float("inf"))
+        delta = tl.load(delta_ptr + stat, mask=ok, other=0.0)
+        dk, dv = _dkdv_tile(dk, dv, k, v, q, do, lse, delta, qk_scale, DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    q_txt_ptr, k_txt_ptr, v_txt_ptr, q_img_ptr, k_img_ptr, v_img_ptr, do_txt_ptr, do_img_ptr,
+    dk_txt_ptr, dv_txt_ptr, dk_img_ptr, dv_img_ptr, lse_ptr, delta_ptr, tiles_ptr,
+    row_stride, n_heads, qk_scale, sm_scale,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One (key tile, head): dK and dV over the sample's query tiles (text, then image). Grid (key tiles, heads)."""
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    t = tiles_ptr + tile * 9
+    stream = tl.load(t)
+    row0 = tl.load(t + 1)
+    seg_end = tl.load(t + 2)
+    t_start = tl.load(t + 4)
+    nt = tl.load(t + 5)
+    i_start = tl.load(t + 6)
+    ni = tl.load(t + 7)
+    i_stat0 = tl.load(t + 8)
+    col = h * D
+    rows = row0 + tl.arange(0, BLOCK_N)
+    row_ok = rows < seg_end
+    offs = rows.to(tl.int64)[:, None] * row_stride + col + tl.arange(0, D)[None, :]
+    txt_ok, img_ok = _stream_masks(row_ok, stream)
+    k = tl.where(txt_ok, tl.load(k_txt_ptr + offs, mask=txt_ok, other=0.0), tl.load(k_img_ptr + offs, mask=img_ok, other=0.0))
+    v = tl.where(txt_ok, tl.load(v_txt_ptr + offs, mask=txt_ok, other=0.0), tl.load(v_img_ptr + offs, mask=img_ok, other=0.0))
+    dk = tl.zeros([BLOCK_N, D], tl.float32)
+    dv = tl.zeros([BLOCK_N, D], tl.float32)
+    lse_ptr += h  # stat buffers are (rows, H): this head's column
+    delta_ptr += h
+    dk, dv = _dkdv_segment(dk, dv, k, v, q_txt_ptr, do_txt_ptr, lse_ptr, delta_ptr, t_start, nt, t_start,
+                           row_stride, col, n_heads, qk_scale, D, BLOCK_M, DOT_PRECISION)
+    dk, dv = _dkdv_segment(dk, dv, k, v, q_img_ptr, do_img_ptr, lse_ptr, delta_ptr, i_start, ni, i_stat0,
+                           row_stride, col, n_heads, qk_scale, D, BLOCK_M, DOT_PRECISION)
+    dk = (dk * sm_scale).to(dk_txt_ptr.dtype.element_ty)
+    dv = dv.to(dv_txt_ptr.dtype.element_ty)
+    tl.store(dk_txt_ptr + offs, dk, mask=txt_ok)
+    tl.store(dv_txt_ptr + offs, dv, mask=txt_ok)
+    tl.store(dk_img_ptr + offs, dk, mask=img_ok)
+    tl.store(dv_img_ptr + offs, dv, mask=img_ok)
+
+
+@triton.jit
+def _dq_tile(dq, q, do, k, v, lse, delta, qk_scale, n_valid,
+             BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One key tile's contribution to a query tile's dQ (unscaled)."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    p = tl.math.exp2(tl.fma(s, qk_scale, -lse[:, None]))
+    if MASKED:
+        p = tl.where(tl.arange(0, BLOCK_N)[None, :] < n_valid, p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    ds = p * (dp - delta[:, None])
+    dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _dq_segment(dq, q, do, lse, delta, k_ptr, v_ptr, row0, n, row_stride, col, qk_scale,
+                D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Key tiles of one segment, ascending from its first row; the last tile peeled."""
+    k_ptrs = _row_ptrs(k_ptr, row0, row_stride, col, BLOCK_N, D)
+    v_ptrs = _row_ptrs(v_ptr, row0, row_stride, col, BLOCK_N, D)
+    step = BLOCK_N * row_stride.to(tl.int64)
+    n_full = n // BLOCK_N
+    for _ in range(0, n_full):
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+        dq = _dq_tile(dq, q, do, k, v, lse, delta, qk_scale, BLOCK_N, BLOCK_N, False, DOT_PRECISION)
+        k_ptrs += step
+        v_ptrs += step
+    tail = n - n_full * BLOCK_N
+    if tail > 0:
+        ok = (tl.arange(0, BLOCK_N) < tail)[:, None]
+        k = tl.load(k_ptrs, mask=ok, other=0.0)
+        v = tl.load(v_ptrs, mask=ok, other=0.0)
+        dq = _dq_tile(dq, q, do, k, v, lse, delta, qk_scale, tail, BLOCK_N, True, DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    q_txt_ptr, k_txt_ptr, v_txt_ptr, q_img_ptr, k_img_ptr, v_img_ptr, do_txt_ptr, do_img_ptr,
+    dq_txt_ptr, dq_img_ptr, lse_ptr, delta_ptr, tiles_ptr,
+    row_stride, n_heads, qk_scale, sm_scale,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One (query tile, head): dQ over the sample's key tiles in the forward's order. Grid (query tiles, heads)."""
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    t = tiles_ptr + tile * 9
+    stream = tl.load(t)
+    row0 = tl.load(t + 1)
+    seg_end = tl.load(t + 2)
+    stat0 = tl.load(t + 3)
+    t_start = tl.load(t + 4)
+    nt = tl.load(t + 5)
+    i_start = tl.load(t + 6)
+    ni = tl.load(t + 7)
+    col = h * D
+    offs_m = tl.arange(0, BLOCK_M)
+    rows = row0 + offs_m
+    row_ok = rows < seg_end
+    offs = rows.to(tl.int64)[:, None] * row_stride + col + tl.arange(0, D)[None, :]
+    txt_ok, img_ok = _stream_masks(row_ok, stream)
+    q = tl.where(txt_ok, tl.load(q_txt_ptr + offs, mask=txt_ok, other=0.0), tl.load(q_img_ptr + offs, mask=img_ok, other=0.0))
+    do = tl.where(txt_ok, tl.load(do_txt_ptr + offs, mask=txt_ok, other=0.0), tl.load(do_img_ptr + offs, mask=img_ok, other=0.0))
+    stat = (stat0 + offs_m).to(tl.int64) * n_heads + h
+    lse = tl.load(lse_ptr + stat, mask=row_ok, other=0.0)
+    delta = tl.load(delta_ptr + stat, mask=row_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, D], tl.float32)
+    dq = _dq_segment(dq, q, do, lse, delta, k_txt_ptr, v_txt_ptr, t_start, nt, row_stride, col, qk_scale,
+                     D, BLOCK_N, DOT_PRECISION)
+    dq = _dq_segment(dq, q, do, lse, delta, k_img_ptr, v_img_ptr, i_start, ni, row_stride, col, qk_scale,
+                     D, BLOCK_N, DOT_PRECISION)
+    dq = (dq * sm_scale).to(dq_txt_ptr.dtype.element_ty)
+    tl.store(dq_txt_ptr + offs, dq, mask=txt_ok)
+    tl.store(dq_img_ptr + offs, dq, mask=img_ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# Configurations: frozen per (head_dim, dtype), never keyed by batch or token counts
+# ----------------------------------------------------------------------------------------------
+# fwd: (BLOCK_M query rows, BLOCK_N key rows, warps, stages); dkdv: (BLOCK_M query rows stepped over,
+# BLOCK_N key rows owned, warps, stages); dq: (BLOCK_M query rows owned, BLOCK_N key rows stepped over,
+# warps, stages); delta: BLOCK_M rows.
+
+_SMALL = {"fwd": (16, 16, 4, 2), "dkdv": (16, 16, 4, 2), "dq": (16, 16, 4, 2), "delta": 16}
+
+CONFIGS: dict[tuple[int, torch.dtype], dict] = {
+    (128, torch.bfloat16): {"fwd": (128, 64, 8, 3), "dkdv": (32, 128, 4, 5), "dq": (128, 32, 4, 5), "delta": 64},
+    (128, torch.float32): {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "dq": (64, 32, 4, 2), "delta": 64},
+    (64, torch.bfloat16): {"fwd": (128, 64, 4, 3), "dkdv": (32, 128, 4, 4), "dq": (128, 32, 4, 4), "delta": 64},
+    (64, torch.float32): {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "dq": (64, 32, 4, 2), "delta": 64},
+    (32, torch.bfloat16): _SMALL, (32, torch.float32): _SMALL,
+    (16, torch.bfloat16): _SMALL, (16, torch.float32): _SMALL,
+}
+HEAD_DIMS = (16, 32, 64, 128)
+_DOT_PRECISION = "ieee"
+
+
+def config_for(head_dim: int, dtype: torch.dtype) -> dict:
+    """The frozen configuration of ``(head_dim, dtype)``; raises ValueError for an unsupported pair."""
+    cfg = CONFIGS.get((head_dim, dtype))
+    if cfg is None:
+        raise ValueError(f"strict joint attention supports head_dim in {HEAD_DIMS} and dtypes fp32/bf16, got {head_dim}, {dtype}")
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# Host functions
+# ----------------------------------------------------------------------------------------------
+
+_TABLES: dict[tuple, tuple[torch.Tensor, int]] = {}
+
+
+def _tile_table(tseq: tuple[int, ...], iseq: tuple[int, ...], block: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """Device table of ``block``-row tiles cut from every sample's text and image segments; cached.
+
+    Returns ``(table (tiles, 9) int32, tiles)``; the column meanings are listed above the kernels.
+    """
+    key = (tseq, iseq, block, str(device))
+    hit = _TABLES.get(key)
+    if hit is not None:
+        return hit
+    mt = sum(tseq)
+    rows: list[list[int]] = []
+    ts = is_ = 0
+    for nt, ni in zip(tseq, iseq):
+        sample = [ts, nt, is_, ni, mt + is_]
+        for stream, start, n, stat in ((0, ts, nt, ts), (1, is_, ni, mt + is_)):
+            for off in range(0, n, block):
+                rows.append([stream, start + off, start + n, stat + off] + sample)
+        ts += nt
+        is_ += ni
+    if max((max(r) for r in rows), default=0) >= 2**31:
+        raise ValueError("strict joint attention: more than 2^31 rows")
+    table = torch.tensor(rows, dtype=torch.int32).reshape(-1, 9).to(device)
+    if len(_TABLES) > 1024:
+        _TABLES.clear()
+    _TABLES[key] = (table, len(rows))
+    return _TABLES[key]
+
+
+def _launch_opts(warps: int, stages: int) -> dict:
+    if _interpreting():
+        return {}
+    return {"num_warps": warps, "num_stages": stages, "enable_fp_fusion": False}
+
+
+def _scales(head_dim: int) -> tuple[float, float]:
+    sm_scale = 1.0 / math.sqrt(head_dim)
+    return sm_scale * math.log2(math.e), sm_scale
+
+
+def _seqlens(seqlens: Sequence[int], rows: int, name: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(n) for n in seqlens)
+    except TypeError:
+        raise ValueError(f"{name}: expected a sequence of ints, got {type(seqlens).__name__}") from None
+    if any(int(a) != a for a in seqlens):
+        raise ValueError(f"{name}: expected integer lengths, got {tuple(seqlens)}")
+    if any(n < 0 for n in out):
+        raise ValueError(f"{name}: lengths must be non-negative, got {out}")
+    if sum(out) != rows:
+        raise ValueError(f"{name} sums to {sum(out)} but the stream has {rows} rows")
+    return out
+
+
+def check_inputs(q_txt, k_txt, v_txt, q_img, k_img, v_img, txt_seqlens, img_seqlens) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Validate a call (docs/operators.md); returns the seqlens as int tuples or raises ValueError."""
+    names = ("q_txt", "k_txt", "v_txt", "q_img", "k_img", "v_img")
+    tensors = (q_txt, k_txt, v_txt, q_img, k_img, v_img)
+    for name, t in zip(names, tensors):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"expected {name} of shape (rows, H, d), got {getattr(t, 'shape', type(t).__name__)}")
+    dtype, device = q_img.dtype, q_img.device
+    if dtype not in _DTYPES:
+        raise ValueError(f"strict joint attention runs fp32 or bf16, got {dtype}")
+    if device.type != "cuda" and not (_interpreting() and device.type == "cpu"):
+        raise ValueError(f"the triton joint attention needs CUDA tensors (CPU only under TRITON_INTERPRET=1), got {device}")
+    heads, head_dim = q_img.shape[1:]
+    config_for(head_dim, dtype)
+    for name, t in zip(names, tensors):
+        if t.shape[1:] != (heads, head_dim):
+            raise ValueError(f"expected {name} of shape (rows, {heads}, {head_dim}), got {tuple(t.shape)}")
+        if t.dtype != dtype:
+            raise ValueError(f"expected {name} of dtype {dtype} (q_img's), got {t.dtype}")
+        if t.device != device:
+            raise ValueError(f"expected {name} on {device}, got {t.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"expected {name} to be contiguous (rows, H, d), got strides {tuple(t.stride())}")
+    if not (q_txt.shape == k_txt.shape == v_txt.shape):
+        raise ValueError(f"q_txt, k_txt, v_txt must have one shape, got {tuple(q_txt.shape)}, {tuple(k_txt.shape)}, {tuple(v_txt.shape)}")
+    if not (q_img.shape == k_img.shape == v_img.shape):
+        raise ValueError(f"q_img, k_img, v_img must have one shape, got {tuple(q_img.shape)}, {tuple(k_img.shape)}, {tuple(v_img.shape)}")
+    tseq = _seqlens(txt_seqlens, q_txt.shape[0], "txt_seqlens")
+    iseq = _seqlens(img_seqlens, q_img.shape[0], "img_seqlens")
+    if len(tseq) != len(iseq):
+        raise ValueError(f"txt_seqlens has {len(tseq)} samples but img_seqlens has {len(iseq)}")
+    if len(tseq) == 0:
+        raise ValueError("strict joint attention needs at least one sample")
+    return tseq, iseq
+
+
+def _sample_tiles(tseq, iseq, block: int, device: torch.device, only_sample: int | None) -> tuple[torch.Tensor, int]:
+    table, n = _tile_table(tseq, iseq, block, device)
+    if only_sample is None:
+        return table, n
+    keep = (table[:, 4] == sum(tseq[:only_sample])) & (table[:, 6] == sum(iseq[:only_sample]))
+    table = table[keep].contiguous()
+    return table, table.shape[0]
+
+
+def attention_fwd(q_txt, k_txt, v_txt, q_img, k_img, v_img, tseq, iseq, cfg: dict | None = None, *,
+                  out: tuple | None = None, only_sample: int | None = None):
+    """Forward on validated inputs. Returns ``(o_txt (Mt, H, d), o_img (Mi, H, d), lse (Mt+Mi, H) fp32)``.
+
+    ``cfg`` overrides the frozen configuration (benchmark candidates only). ``out`` (o_txt, o_img, lse)
+    and ``only_sample`` (launch the tiles of that sample alone) exist for the tests that prove no
+    program writes outside its own sample's rows.
+    """
+    heads, d = q_img.shape[1:]
+    cfg = cfg or config_for(d, q_img.dtype)
+    bm, bn, warps, stages = cfg["fwd"]
+    if out is None:
+        out = (torch.empty_like(q_txt), torch.empty_like(q_img),
+               torch.empty((q_txt.shape[0] + q_img.shape[0], heads), dtype=torch.float32, device=q_img.device))
+    o_txt, o_img, lse = out
+    table, n_tiles = _sample_tiles(tseq, iseq, bm, q_img.device, only_sample)
+    if n_tiles:
+        qk_scale, _ = _scales(d)
+        _attn_fwd_kernel[(n_tiles, heads)](
+            q_txt, k_txt, v_txt, q_img, k_img, v_img, o_txt, o_img, lse, table,
+            heads * d, heads, qk_scale,
+            D=d, BLOCK_M=bm, BLOCK_N=bn, DOT_PRECISION=_DOT_PRECISION, **_launch_opts(warps, stages))
+    return o_txt, o_img, lse
+
+
+def attention_bwd(do_txt, do_img, q_txt, k_txt, v_txt, q_img, k_img, v_img, o_txt, o_img, lse, tseq, iseq,
+                  cfg: dict | None = None, *, out: tuple | None = None, only_sample: int | None = None):
+    """Backward: ``(dq_txt, dk_txt, dv_txt, dq_img, dk_img, dv_img)``, each like its input.
+
+    do_*, o_*: ``(M, H, d)`` contiguous in the input dtype; lse from :func:`attention_fwd`. ``out`` and
+    ``only_sample`` as in :func:`attention_fwd` (tests only).
+    """
+    heads, d = q_img.shape[1:]
+    cfg = cfg or config_for(d, q_img.dtype)
+    dev = q_img.device
+    qk_scale, sm_scale = _scales(d)
+    delta = torch.empty_like(lse)
+    bm_d = cfg["delta"]
+    table, n = _sample_tiles(tseq, iseq, bm_d, dev, only_sample)
+    if n:
+        _bwd_delta_kernel[(n, heads)](o_txt, o_img, do_txt, do_img, delta, table, heads * d, heads,
+                                      D=d, BLOCK_M=bm_d, **_launch_opts(4, 1))
+    if out is None:
+        out = tuple(torch.empty_like(t) for t in (q_txt, k_txt, v_txt, q_img, k_img, v_img))
+    dq_txt, dk_txt, dv_txt, dq_img, dk_img, dv_img = out
+    bm, bn, warps, stages = cfg["dkdv"]
+    table, n = _sample_tiles(tseq, iseq, bn, dev, only_sample)
+    if n:
+        _attn_bwd_dkdv_kernel[(n, heads)](
+            q_txt, k_txt, v_txt, q_img, k_img, v_img, do_txt, do_img, dk_txt, dv_txt, dk_img, dv_img, lse, delta, table,
+            heads * d, heads, qk_scale, sm_scale,
+            D=d, BLOCK_M=bm, BLOCK_N=bn, DOT_PRECISION=_DOT_PRECISION, **_launch_opts(warps, stages))
+    bm, bn, warps, stages = cfg["dq"]
+    table, n = _sample_tiles(tseq, iseq, bm, dev, only_sample)
+    if n:
+        _attn_bwd_dq_kernel[(n, heads)](
+            q_txt, k_txt, v_txt, q_img, k_img, v_img, do_txt, do_img, dq_txt, dq_img, lse, delta, table,
+            heads * d, heads, qk_scale, sm_scale,
+            D=d, BLOCK_M=bm, BLOCK_N=bn, DOT_PRECISION=_DOT_PRECISION, **_launch_opts(warps, stages))
+    return out
+
+
+class JointAttentionFunction(torch.autograd.Function):
+    """Autograd wrapper: gradients for the six q/k/v inputs (no atomics; see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q_txt, k_txt, v_txt, q_img, k_img, v_img, tseq, iseq, cfg):
+        o_txt, o_img, lse = attention_fwd(q_txt, k_txt, v_txt, q_img, k_img, v_img, tseq, iseq, cfg)
+        ctx.save_for_backward(q_txt, k_txt, v_txt, q_img, k_img, v_img, o_txt, o_img, lse)
+        ctx.meta = (tseq, iseq, cfg)
+        return o_txt.view(o_txt.shape[0], -1), o_img.view(o_img.shape[0], -1)
+
+    @staticmethod
+    def backward(ctx, do_txt, do_img):
+        q_txt, k_txt, v_txt, q_img, k_img, v_img, o_txt, o_img, lse = ctx.saved_tensors
+        tseq, iseq, cfg = ctx.meta
+        do_txt = torch.zeros_like(o_txt) if do_txt is None else do_txt.reshape(o_txt.shape).contiguous()
+        do_img = torch.zeros_like(o_img) if do_img is None else do_img.reshape(o_img.shape).contiguous()
+        grads = attention_bwd(do_txt, do_img, q_txt, k_txt, v_txt, q_img, k_img, v_img, o_txt, o_img, lse, tseq, iseq, cfg)
+        return (*grads, None, None, None)
+
+
+def joint_attention_fused(
+    q_txt: torch.Tensor, k_txt: torch.Tensor, v_txt: torch.Tensor,
+    q_img: torch.Tensor, k_img: torch.Tensor, v_img: torch.Tensor, *,
+    txt_seqlens: Sequence[int], img_seqlens: Sequence[int], config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed joint attention (docs/operators.md).
+
+    q/k/v_txt: ``(Mt, H, d)``, q/k/v_img: ``(Mi, H, d)``, one dtype (fp32 | bf16), contiguous, on CUDA;
+    ``txt_seqlens``/``img_seqlens``: rows per sample in each stream (one entry per sample each).
+    Returns ``(o_txt (Mt, H·d), o_img (Mi, H·d))`` in the input dtype; differentiable in all six inputs.
+    ``config`` replaces the frozen configuration (benchmark candidates only; not for model use).
+    """
+    tseq, iseq = check_inputs(q_txt, k_txt, v_txt, q_img, k_img, v_img, txt_seqlens, img_seqlens)
+    if config is not None:
+        config = dict(config)
+    tensors = (q_txt, k_txt, v_txt, q_img, k_img, v_img)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return JointAttentionFunction.apply(*tensors, tseq, iseq, config)
+    o_txt, o_img, _ = attention_fwd(*tensors, tseq, iseq, config)
+    return o_txt.view(o_txt.shape[0], -1), o_img.view(o_img.shape[0], -1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Registry
+# ----------------------------------------------------------------------------------------------
+
+REDUCTION_ORDER = (
+    "per sample: text and image segments tiled from their own first rows; each query tile walks the sample's "
+    "key tiles text-ascending then image-ascending (online softmax, exp2, FP32 max/sum, last tile peeled and "
+    "masked -inf); bwd: dK/dV per key tile over query tiles in the same order, dQ per query tile over key tiles; "
+    "no split-KV, no atomics; config per (head_dim, dtype)"
+)
+
+register(KernelImpl(
+    op="joint_attention_fused", backend="triton", device="cuda", dtypes=frozenset(_DTYPES), fn=joint_attention_fused,
+    strict=True, kernel_name="_attn_fwd_kernel/_bwd_delta_kernel/_attn_bwd_dkdv_kernel/_attn_bwd_dq_kernel",
+    source=sys.modules[__name__],
+    config={"table": "mmdit_strict.kernels.triton.attention.CONFIGS", "keyed_by": "(head_dim, dtype)",
+            "dot_precision": _DOT_PRECISION, "fp_fusion": False,
+            "bf16_d128": {k: list(v) if isinstance(v, tuple) else v for k, v in CONFIGS[(128, torch.bfloat16)].items()}},
+    reduction_order=REDUCTION_ORDER, accumulator="fp32",
+))

@@ -1,0 +1,229 @@
+"""Strict joint attention (Triton): FP32 through the interpreter on the CPU (CI), BF16 and FP32 on CUDA.
+
+Mode: without CUDA this module sets ``TRITON_INTERPRET=1`` before the kernel module is imported and
+reloads it if an earlier import compiled it for a GPU (as tests/kernels/test_triton_gemm.py does); the
+interpreter tests run tiny odd shapes (2 heads × 16, tiles of 16 rows, lengths that divide no tile, empty
+text segments). With CUDA the ``@pytest.mark.gpu`` tests run 24 heads × 128 in bf16 and fp32 at
+77 + 6889 tokens through ``mmdit_strict.bench.attention`` (``python -m pytest -m gpu
+tests/kernels/test_triton_attention.py``). Tolerances: ``tolerances.yaml`` ``attention.<check>.<dtype>``
+(atol a fraction of max|ref|, :func:`mmdit_strict.bench.attention.attention_tolerance`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import importlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from mmdit_strict.kernels.triton import attention as A  # noqa: E402
+
+INTERPRET = A._interpreting()
+try:  # an earlier import may have compiled the kernels for a GPU; rebuild them for the interpreter
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if INTERPRET and not isinstance(A._attn_fwd_kernel, InterpretedFunction):
+        A = importlib.reload(A)
+except ImportError:  # pragma: no cover - layout of triton's internals changed
+    pass
+
+from mmdit_strict.bench import attention as bench  # noqa: E402
+from mmdit_strict.reference import ops as ref_ops  # noqa: E402
+from tests.harness import BadCase, assert_bytes_equal, check_bad_inputs  # noqa: E402
+
+interp = pytest.mark.skipif(not INTERPRET, reason="interpreter (CPU FP32) test; CUDA runs the gpu tests")
+H, D = 2, 16
+DEV = "cpu" if INTERPRET else "cuda"
+
+
+def _sample(nt: int, ni: int, seed: int) -> tuple:
+    s = bench.make_sample(nt, ni, heads=H, head_dim=D, dtype=torch.float32, seed=seed, device=DEV)
+    return s, bench.make_grad(s, seed + 500)
+
+
+def _run(batch: list[tuple]) -> list[tuple]:
+    return bench.run_batch(A.joint_attention_fused, [b[0] for b in batch], [b[1] for b in batch])
+
+
+@interp
+def test_accuracy_vs_fp64_reference() -> None:
+    """Forward and the six input gradients of a mixed batch (empty text, tails of every tile) vs FP64."""
+    batch = [_sample(5, 20, 1), _sample(0, 33, 2), _sample(17, 9, 3), _sample(16, 16, 4)]
+    outs = _run(batch)
+    for (s, g), out in zip(batch, outs):
+        sub = [t.detach().double().requires_grad_(True) for t in s]
+        nt, ni = s[0].shape[0], s[3].shape[0]
+        rt, ri = ref_ops.joint_attention(*sub, (nt,), (ni,))
+        rg = torch.autograd.grad((rt, ri), sub, tuple(x.double() for x in g))
+        pairs = [("fwd", out[0], rt), ("fwd", out[1], ri)]
+        for i, name in enumerate(("dq", "dk", "dv")):
+            pairs += [(name, out[2 + i], rg[i]), (name, out[5 + i], rg[3 + i])]
+        for name, got, ref in pairs:
+            if ref.numel() == 0:
+                assert got.numel() == 0
+                continue
+            tol = bench.attention_tolerance(name, torch.float32, ref)
+            ok, max_abs, _ = tol.check(got.reshape(ref.shape), ref)
+            assert ok, f"{name} (text {nt}, image {ni}): max abs {max_abs:.3e} beyond {tol}"
+
+
+@interp
+def test_sample_alone_equals_batched_at_every_position() -> None:
+    """Bytes of a probe's outputs and gradients alone == in batches of 2 and 3 at every position."""
+    probe = _sample(7, 21, 10)
+    neighbours = [_sample(0, 13, 11), _sample(17, 33, 12)]
+    (alone,) = _run([probe])
+    for B in (2, 3):
+        others = neighbours[:B - 1]
+        for pos in range(B):
+            batch = others[:pos] + [probe] + others[pos:]
+            assert_bytes_equal(_run(batch)[pos], alone, f"B={B} probe at position {pos}")
+
+
+@interp
+def test_nan_neighbours_are_never_read() -> None:
+    """A probe beside neighbours whose rows are all NaN keeps its bytes (no program reads another sample)."""
+    probe = _sample(9, 18, 20)
+    (alone,) = _run([probe])
+    nan = [(tuple(torch.full_like(t, float("nan")) for t in s), g) for s, g in (_sample(3, 17, 21), _sample(0, 5, 22))]
+    assert_bytes_equal(_run([nan[0], probe, nan[1]])[1], alone, "probe between NaN neighbours")
+
+
+@interp
+def test_tail_tiles_never_write_over_neighbour_rows() -> None:
+    """Launch one sample's tiles only, into outputs prefilled with a sentinel: every other row keeps it."""
+    batch = [_sample(5, 19, 30), _sample(11, 7, 31), _sample(0, 23, 32)]
+    packed, tseq, iseq = bench.pack([b[0] for b in batch])
+    rows_t = [(sum(tseq[:b]), sum(tseq[:b + 1])) for b in range(3)]
+    rows_i = [(sum(iseq[:b]), sum(iseq[:b + 1])) for b in range(3)]
+    sentinel = 12345.0
+    for b in range(3):
+        out = (torch.full_like(packed[0], sentinel), torch.full_like(packed[3], sentinel),
+               torch.full((sum(tseq) + sum(iseq), H), sentinel, device=DEV))
+        o_t, o_i, lse = A.attention_fwd(*packed, tseq, iseq, out=out, only_sample=b)
+        gout = tuple(torch.full_like(t, sentinel) for t in packed)
+        do_t, do_i = torch.randn_like(o_t), torch.randn_like(o_i)
+        grads = A.attention_bwd(do_t, do_i, *packed, o_t, o_i, lse, tseq, iseq, out=gout, only_sample=b)
+        for c in range(3):
+            if c == b:
+                continue
+            for t in (o_t, grads[0], grads[1], grads[2]):
+                assert bool((t[rows_t[c][0]:rows_t[c][1]] == sentinel).all()), f"sample {b} wrote text rows of sample {c}"
+            for t in (o_i, grads[3], grads[4], grads[5]):
+                assert bool((t[rows_i[c][0]:rows_i[c][1]] == sentinel).all()), f"sample {b} wrote image rows of sample {c}"
+        t0, t1 = rows_t[b]
+        i0, i1 = rows_i[b]
+        assert not bool((o_t[t0:t1] == sentinel).any()) and not bool((o_i[i0:i1] == sentinel).any()), "own rows left unwritten"
+
+
+@interp
+def test_repeated_backward_is_byte_equal() -> None:
+    batch = [_sample(6, 17, 40), _sample(0, 21, 41)]
+    first = _run(batch)
+    for r in range(2):
+        assert_bytes_equal(_run(batch), first, f"repeat {r + 1}")
+
+
+@interp
+def test_tile_table_is_anchored_per_segment() -> None:
+    """Tiles start at each segment's own first row and never extend a segment's end (the kernels mask at it)."""
+    tseq, iseq = (5, 0, 33), (20, 16, 1)
+    table, n = A._tile_table(tseq, iseq, 16, torch.device("cpu"))
+    rows = table.tolist()
+    assert n == len(rows) == 1 + 2 + 1 + 3 + 1  # text 5 | image 20 | image 16 | text 33 | image 1
+    ts = is_ = 0
+    mt = sum(tseq)
+    i = 0
+    for nt, ni in zip(tseq, iseq):
+        for stream, start, length, stat in ((0, ts, nt, ts), (1, is_, ni, mt + is_)):
+            for off in range(0, length, 16):
+                assert rows[i][:4] == [stream, start + off, start + length, stat + off]
+                assert rows[i][4:] == [ts, nt, is_, ni, mt + is_]
+                i += 1
+        ts += nt
+        is_ += ni
+    again, _ = A._tile_table(tseq, iseq, 16, torch.device("cpu"))
+    assert again is table  # cached: no host-to-device copy on a repeated call
+
+
+def test_bad_inputs() -> None:
+    s, _ = _sample(3, 5, 50)
+    q_t, k_t, v_t, q_i, k_i, v_i = s
+    ok = {"txt_seqlens": (3,), "img_seqlens": (5,)}
+    cases = [
+        BadCase("fp16", (q_t.half(), k_t.half(), v_t.half(), q_i.half(), k_i.half(), v_i.half()), ok, "fp32 or bf16"),
+        BadCase("2-D q", (q_t.reshape(3, -1), k_t, v_t, q_i, k_i, v_i), ok, "shape (rows, H, d)"),
+        BadCase("heads differ", (q_t[:, :1].contiguous(), k_t, v_t, q_i, k_i, v_i), ok, "q_txt of shape"),
+        BadCase("dtype mix", (q_t.double(), k_t, v_t, q_i, k_i, v_i), ok, "dtype"),
+        BadCase("non-contiguous", (q_t, k_t, v_t, q_i.transpose(0, 1).contiguous().transpose(0, 1), k_i, v_i), ok, "contiguous"),
+        BadCase("k rows differ", (q_t, k_t[:2], v_t, q_i, k_i, v_i), ok, "one shape"),
+        BadCase("seqlens sum", s, {"txt_seqlens": (2,), "img_seqlens": (5,)}, "sums to"),
+        BadCase("seqlens count", s, {"txt_seqlens": (3, 0), "img_seqlens": (5,)}, "samples"),
+        BadCase("negative", s, {"txt_seqlens": (4, -1), "img_seqlens": (5, 0)}, "non-negative"),
+        BadCase("head_dim 24", tuple(torch.zeros(t.shape[0], H, 24, device=DEV) for t in s), ok, "head_dim"),
+    ]
+    if not INTERPRET:
+        cases.append(BadCase("cpu tensors", tuple(t.cpu() for t in s), ok, "CUDA"))
+    check_bad_inputs(lambda *a, **k: A.joint_attention_fused(*a, **k), cases)
+
+
+def test_registered_strict_for_cuda() -> None:
+    from mmdit_strict.kernels.registry import resolve
+    from mmdit_strict.kernels.runtime import Runtime
+
+    for dt in (torch.float32, torch.bfloat16):
+        impl, fell_back = resolve("joint_attention_fused", "cuda", dt, Runtime.STRICT)
+        assert impl.backend == "triton" and impl.strict and not fell_back
+        assert impl.fn is A.joint_attention_fused or impl.fn.__name__ == "joint_attention_fused"
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+
+gpu = pytest.mark.gpu
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("nt, ni", [(77, 6889), (128, 4096)])
+def test_gpu_accuracy_24x128(dtype: str, nt: int, ni: int) -> None:
+    if not torch.cuda.is_available() or INTERPRET:
+        pytest.skip("no CUDA device")
+    r = bench.accuracy_case(A, ref_ops, dtype, nt, ni)
+    assert r["pass"], r["checks"]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_gpu_invariance_24x128(dtype: str) -> None:
+    """Probe 77 + 6889 alone == batched (B = 2, 3 at every position), NaN neighbours, repeated backward."""
+    if not torch.cuda.is_available() or INTERPRET:
+        pytest.skip("no CUDA device")
+    r = bench.invariance(A, dtype, (2, 3), 5)
+    assert r["pass"], r
+
+
+@gpu
+def test_gpu_one_compiled_variant_per_config() -> None:
+    """Batches of other sizes and lengths reuse the compiled kernels (no batch-derived specialization)."""
+    if not torch.cuda.is_available() or INTERPRET:
+        pytest.skip("no CUDA device")
+    for texts, ni in (((77,), 6889), ((0, 256, 13), 4096), ((1,), 1), ((16, 32), 17)):
+        batch = [bench.make_sample(nt, ni, heads=24, head_dim=128, dtype=torch.bfloat16, seed=7 + i)
+                 for i, nt in enumerate(texts)]
+        grads = [bench.make_grad(s, 3) for s in batch]
+        bench.run_batch(A.joint_attention_fused, batch, grads)
+    for kernel in (A._attn_fwd_kernel, A._attn_bwd_dkdv_kernel, A._attn_bwd_dq_kernel, A._bwd_delta_kernel):
+        caches = getattr(kernel, "device_caches", None)
+        if caches is None:
+            pytest.skip("this Triton exposes no compile cache")
+        n = sum(len(c[0]) for c in caches.values())
+        assert n == 1, f"{kernel.fn.__name__}: {n} compiled variants"
