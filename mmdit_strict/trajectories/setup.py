@@ -63,6 +63,8 @@ def build_side_model(cfg: DictConfig, runtime: Runtime) -> MMDiT:
         model = build_model(arch_from_config(cfg), seed=cfg.model.init_seed, runtime=runtime.value, dtype=dtype, device=cfg.model.device)
     if cfg.lora.rank > 0:
         attach_lora(model, cfg.lora)
+    if cfg.model.get("cuda_graphs", True) and torch.device(cfg.model.device).type == "cuda":
+        model.enable_cuda_graphs()  # used by no-grad strict/auto forwards only (rollout); same bytes as eager
     model.requires_grad_(False)
     for name, p in model.named_parameters():
         if "lora_" in name:
