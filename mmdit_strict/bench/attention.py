@@ -85,19 +85,19 @@ Sample = tuple[torch.Tensor, ...]  # (q_txt, k_txt, v_txt, q_img, k_img, v_img),
 
 def make_sample(nt: int, ni: int, *, heads: int, head_dim: int, dtype: torch.dtype, seed: int,
                 device: str | None = None) -> Sample:
-    """One sample's q/k/v rows for both streams, N(0, 1) drawn on the CPU in FP32 from ``seed``, then cast."""
-    g = torch.Generator().manual_seed(seed)
+    """One sample's q/k/v rows for both streams, N(0, 1) in FP32 from a ``seed``ed generator on the device, then cast."""
     device = device or DEVICE
+    g = torch.Generator(device=device).manual_seed(seed)
     out = []
     for n in (nt, nt, nt, ni, ni, ni):
-        out.append(torch.randn(n, heads, head_dim, generator=g).to(device=device, dtype=dtype))
+        out.append(torch.randn(n, heads, head_dim, generator=g, device=device).to(dtype))
     return tuple(out)
 
 
 def make_grad(sample: Sample, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Upstream gradients (dO_txt (nt, H·d), dO_img (ni, H·d)) of one sample, N(0, 1) from ``seed``."""
-    g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(t.shape[0], t.shape[1] * t.shape[2], generator=g).to(device=t.device, dtype=t.dtype)
+    g = torch.Generator(device=sample[3].device).manual_seed(seed)
+    return tuple(torch.randn(t.shape[0], t.shape[1] * t.shape[2], generator=g, device=t.device).to(t.dtype)
                  for t in (sample[0], sample[3]))
 
 
