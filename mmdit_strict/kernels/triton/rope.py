@@ -1,0 +1,395 @@
+"""CUDA strict QK preprocessing (Triton): per-head RMSNorm with a learned gain, multi-axis RoPE, and both fused.
+
+Operators (docs/operators.md):
+
+* ``qk_rmsnorm(x (M, H, d), gain (d,), *, seqlens, eps)`` → ``(x·rstd)·gain`` per (token, head),
+  ``rstd = 1 ⊘ √(Σ_d x² ⊘ d + eps)``;
+* ``multi_axis_rope(x (M, H, d), cos (M, d/2), sin (M, d/2))`` → interleaved pairs ``(x[2i], x[2i+1])``
+  rotated: ``(x₀c − x₁s, x₀s + x₁c)``;
+* ``qk_rmsnorm_rope(x, gain, cos, sin, *, seqlens, eps)``: both in one pass, **byte-equal to**
+  ``multi_axis_rope(qk_rmsnorm(x, gain, ...), cos, sin)`` forward and backward.
+
+Layout: every kernel reads a head as its even and odd lanes, two ``(H, d/2)`` tiles, so the norm,
+the rotation and the gain see the same values in the same registers in the unfused and the fused path.
+
+Arithmetic (FP32, one IEEE rounding per operation as written; ``enable_fp_fusion=False``):
+
+* forward: ``ss = tl.sum(x_e·x_e + x_o·x_o, axis=d/2)`` (the pair sum is elementwise, the row sum one
+  ``tl.sum`` whose tree is fixed for the compiled kernel and depends on H and d only);
+  ``rstd = 1 ⊘ √(ss ⊘ d + eps)`` with ``div_rn``/``sqrt_rn``; ``y = (x·rstd)·gain``; rotation
+  ``(y_e·c − y_o·s, y_e·s + y_o·c)``. ``rstd`` (M, H) FP32 is saved for backward.
+* backward: rotation by −θ ``(d_e·c + d_o·s, d_o·c − d_e·s)``; ``g = dy·gain``, ``x̂ = x·rstd``,
+  ``dx = (g − x̂·(Σ g·x̂ ⊘ d))·rstd``; ``d_gain = Σ_rows Σ_heads dy·x̂``: per token a ``tl.sum`` over heads,
+  tokens chained in the per-sample chunks of :mod:`.segments`, samples folded left in sample order.
+
+Cast points. The unfused pair stores ``qk_rmsnorm``'s output in the storage dtype (its declared output)
+and RoPE reads it back; its backward stores RoPE's input gradient in the storage dtype and the norm's
+backward reads it back. The fused kernels round at exactly those two places (``y.to(dtype).to(fp32)``
+before the rotation, the rotated gradient likewise before the norm backward) — in FP32 both are
+identities — so fused and unfused give the same bytes in both dtypes, and the fused path saves the
+intermediate's global-memory round trip, not a rounding.
+
+The RoPE tables are constants (no gradient); they may be FP32 (the model's tables) or the execution
+dtype, and are read in FP32.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from ..registry import KernelImpl, register
+from . import segments as seg
+from .gemm import _DTYPES, _interpreting
+
+MAX_HEAD_WIDTH = 8192  # d (the even/odd tiles hold d/2 lanes)
+
+
+def _opts(elems: int) -> dict:
+    w = 4 if elems <= 1024 else 8 if elems <= 4096 else 16
+    return {} if _interpreting() else {"num_warps": w, "enable_fp_fusion": False}
+
+
+def _blocks(h: int, d: int) -> tuple[int, int]:
+    return max(2, triton.next_power_of_2(h)), max(2, triton.next_power_of_2(d // 2))
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _qk_norm_fwd_kernel(
+    x_ptr, gain_ptr, cos_ptr, sin_ptr, y_ptr, rstd_ptr,
+    H, P, d_float, eps, stride_x, stride_y, stride_cs,
+    ROPE: tl.constexpr, STORE_RSTD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """One token: per head rstd, y = (x·rstd)·gain; with ROPE, y rounded to the storage dtype and
+    rotated. One cast at the store."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_p = tl.arange(0, BLOCK_P)
+    mask_h = offs_h < H
+    mask_p = offs_p < P
+    mask = mask_h[:, None] & mask_p[None, :]
+    even = offs_h[:, None] * (2 * P) + 2 * offs_p[None, :]
+    g_e = tl.load(gain_ptr + 2 * offs_p, mask=mask_p, other=0.0).to(tl.float32)
+    g_o = tl.load(gain_ptr + 2 * offs_p + 1, mask=mask_p, other=0.0).to(tl.float32)
+    x_e = tl.load(x_ptr + row * stride_x + even, mask=mask, other=0.0).to(tl.float32)
+    x_o = tl.load(x_ptr + row * stride_x + even + 1, mask=mask, other=0.0).to(tl.float32)
+    ss = tl.sum(x_e * x_e + x_o * x_o, axis=1)
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, d_float) + eps))
+    y_e = (x_e * rstd[:, None]) * g_e[None, :]
+    y_o = (x_o * rstd[:, None]) * g_o[None, :]
+    if ROPE:
+        y_e = y_e.to(y_ptr.dtype.element_ty).to(tl.float32)  # the unfused pair's cast point
+        y_o = y_o.to(y_ptr.dtype.element_ty).to(tl.float32)
+        c = tl.load(cos_ptr + row * stride_cs + offs_p, mask=mask_p, other=0.0).to(tl.float32)[None, :]
+        s = tl.load(sin_ptr + row * stride_cs + offs_p, mask=mask_p, other=0.0).to(tl.float32)[None, :]
+        r_e = y_e * c - y_o * s
+        r_o = y_e * s + y_o * c
+        y_e, y_o = r_e, r_o
+    tl.store(y_ptr + row * stride_y + even, y_e.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + row * stride_y + even + 1, y_o.to(y_ptr.dtype.element_ty), mask=mask)
+    if STORE_RSTD:
+        tl.store(rstd_ptr + row * H + offs_h, rstd, mask=mask_h)
+
+
+@triton.jit
+def _qk_norm_bwd_kernel(
+    x_ptr, gain_ptr, cos_ptr, sin_ptr, dy_ptr, rstd_ptr, table_ptr, dx_ptr, part_ptr,
+    n_chunks, H, P, d_float, stride_x, stride_dy, stride_dx, stride_cs, stride_part,
+    ROPE: tl.constexpr, NEED_GAIN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """One chunk of tokens of one sample: dx per token (with ROPE, the rotated-back gradient rounded to
+    the storage dtype first), and part[c] = Σ_tokens (tl.sum over heads of dy·x̂) chained in token order."""
+    c = tl.program_id(0)
+    r0 = tl.load(table_ptr + c)
+    r1 = tl.load(table_ptr + n_chunks + c)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_p = tl.arange(0, BLOCK_P)
+    mask_h = offs_h < H
+    mask_p = offs_p < P
+    mask = mask_h[:, None] & mask_p[None, :]
+    even = offs_h[:, None] * (2 * P) + 2 * offs_p[None, :]
+    g_e = tl.load(gain_ptr + 2 * offs_p, mask=mask_p, other=0.0).to(tl.float32)[None, :]
+    g_o = tl.load(gain_ptr + 2 * offs_p + 1, mask=mask_p, other=0.0).to(tl.float32)[None, :]
+    p_e = tl.zeros((BLOCK_P,), dtype=tl.float32)
+    p_o = tl.zeros((BLOCK_P,), dtype=tl.float32)
+    row = r0.to(tl.int64)
+    x_e = tl.load(x_ptr + row * stride_x + even, mask=mask, other=0.0)
+    x_o = tl.load(x_ptr + row * stride_x + even + 1, mask=mask, other=0.0)
+    d_e = tl.load(dy_ptr + row * stride_dy + even, mask=mask, other=0.0)
+    d_o = tl.load(dy_ptr + row * stride_dy + even + 1, mask=mask, other=0.0)
+    first = r0.to(tl.int64)
+    for i in range(0, r1 - r0):
+        row = first + i
+        nxt = row + 1
+        nmask = (offs_h < tl.where(nxt < r1, H, 0))[:, None] & mask_p[None, :]  # nothing past the chunk
+        x_e_n = tl.load(x_ptr + nxt * stride_x + even, mask=nmask, other=0.0)
+        x_o_n = tl.load(x_ptr + nxt * stride_x + even + 1, mask=nmask, other=0.0)
+        d_e_n = tl.load(dy_ptr + nxt * stride_dy + even, mask=nmask, other=0.0)
+        d_o_n = tl.load(dy_ptr + nxt * stride_dy + even + 1, mask=nmask, other=0.0)
+        rstd = tl.load(rstd_ptr + row * H + offs_h, mask=mask_h, other=0.0)[:, None]
+        dy_e = d_e.to(tl.float32)
+        dy_o = d_o.to(tl.float32)
+        if ROPE:
+            cs = tl.load(cos_ptr + row * stride_cs + offs_p, mask=mask_p, other=0.0).to(tl.float32)[None, :]
+            sn = tl.load(sin_ptr + row * stride_cs + offs_p, mask=mask_p, other=0.0).to(tl.float32)[None, :]
+            u_e = dy_e * cs + dy_o * sn
+            u_o = dy_o * cs - dy_e * sn
+            dy_e = u_e.to(dx_ptr.dtype.element_ty).to(tl.float32)  # the unfused pair's cast point
+            dy_o = u_o.to(dx_ptr.dtype.element_ty).to(tl.float32)
+        xh_e = x_e.to(tl.float32) * rstd
+        xh_o = x_o.to(tl.float32) * rstd
+        gl_e = dy_e * g_e
+        gl_o = dy_o * g_o
+        c1 = tl.div_rn(tl.sum(gl_e * xh_e + gl_o * xh_o, axis=1), d_float)[:, None]
+        dx_e = (gl_e - xh_e * c1) * rstd
+        dx_o = (gl_o - xh_o * c1) * rstd
+        tl.store(dx_ptr + row * stride_dx + even, dx_e.to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + row * stride_dx + even + 1, dx_o.to(dx_ptr.dtype.element_ty), mask=mask)
+        if NEED_GAIN:
+            p_e = p_e + tl.sum(dy_e * xh_e, axis=0)
+            p_o = p_o + tl.sum(dy_o * xh_o, axis=0)
+        x_e, x_o, d_e, d_o = x_e_n, x_o_n, d_e_n, d_o_n
+    if NEED_GAIN:
+        base = part_ptr + c.to(tl.int64) * stride_part
+        tl.store(base + 2 * offs_p, p_e, mask=mask_p)
+        tl.store(base + 2 * offs_p + 1, p_o, mask=mask_p)
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr, cos_ptr, sin_ptr, y_ptr,
+    H, P, stride_x, stride_y, stride_cs,
+    INVERSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """One token: (x_e·c − x_o·s, x_e·s + x_o·c); INVERSE (the backward): (x_e·c + x_o·s, x_o·c − x_e·s)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_p = tl.arange(0, BLOCK_P)
+    mask_p = offs_p < P
+    mask = (offs_h < H)[:, None] & mask_p[None, :]
+    even = offs_h[:, None] * (2 * P) + 2 * offs_p[None, :]
+    x_e = tl.load(x_ptr + row * stride_x + even, mask=mask, other=0.0).to(tl.float32)
+    x_o = tl.load(x_ptr + row * stride_x + even + 1, mask=mask, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + row * stride_cs + offs_p, mask=mask_p, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + row * stride_cs + offs_p, mask=mask_p, other=0.0).to(tl.float32)[None, :]
+    if INVERSE:
+        r_e = x_e * c + x_o * s
+        r_o = x_o * c - x_e * s
+    else:
+        r_e = x_e * c - x_o * s
+        r_o = x_e * s + x_o * c
+    tl.store(y_ptr + row * stride_y + even, r_e.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + row * stride_y + even + 1, r_o.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host functions
+# ----------------------------------------------------------------------------------------------
+
+
+def _device_ok(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda" or (_interpreting() and t.device.type == "cpu")
+
+
+def check_heads(op: str, x: object) -> torch.Tensor:
+    """x (M, H, d): fp32|bf16, even d, contiguous, on CUDA (CPU only under TRITON_INTERPRET=1)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        raise ValueError(f"{op}: expected x of shape (M, H, d), got {getattr(x, 'shape', type(x).__name__)}")
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"{op}: strict kernels run fp32 or bf16, got x of dtype {x.dtype}")
+    if not _device_ok(x):
+        raise ValueError(f"{op}: the triton backend needs CUDA tensors (CPU only under TRITON_INTERPRET=1), got x on {x.device}")
+    m, h, d = x.shape
+    if h < 1 or d < 2 or d % 2 or d > MAX_HEAD_WIDTH:
+        raise ValueError(f"{op}: expected H >= 1 and an even head width 2..{MAX_HEAD_WIDTH}, got x of shape {tuple(x.shape)}")
+    if not x.is_contiguous():
+        raise ValueError(f"{op}: expected x to be contiguous, got strides {tuple(x.stride())}")
+    return x
+
+
+def check_gain(op: str, gain: object, x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1]
+    if not isinstance(gain, torch.Tensor) or tuple(gain.shape) != (d,):
+        raise ValueError(f"{op}: expected gain of shape ({d},), got {getattr(gain, 'shape', type(gain).__name__)}")
+    if gain.dtype != x.dtype or gain.device != x.device or not gain.is_contiguous():
+        raise ValueError(f"{op}: expected a contiguous gain of dtype {x.dtype} on {x.device}, got {gain.dtype} on {gain.device}")
+    return gain
+
+
+def check_tables(op: str, cos: object, sin: object, x: torch.Tensor) -> None:
+    m, _, d = x.shape
+    for name, t in (("cos", cos), ("sin", sin)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (m, d // 2):
+            raise ValueError(f"{op}: expected {name} of shape ({m}, {d // 2}), got {getattr(t, 'shape', type(t).__name__)}")
+        if t.dtype not in (torch.float32, x.dtype) or t.device != x.device or not t.is_contiguous():
+            raise ValueError(f"{op}: expected a contiguous {name} table of dtype float32 (or {x.dtype}) on {x.device}, "
+                             f"got {t.dtype} on {t.device}")
+
+
+def check_seqlens(op: str, seqlens: object, rows: int) -> tuple[int, ...]:
+    if not isinstance(seqlens, Sequence) or isinstance(seqlens, (str, bytes)):
+        raise ValueError(f"{op}: expected seqlens as a sequence of non-negative ints, got {seqlens!r}")
+    seq = tuple(int(s) for s in seqlens)
+    if any(s < 0 for s in seq) or sum(seq) != rows:
+        raise ValueError(f"{op}: seqlens {seq} must be non-negative and sum to the {rows} rows of x")
+    return seq
+
+
+def qk_norm_fwd(x: torch.Tensor, gain: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, eps: float,
+                store_rstd: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x (M, H, d) → (y (M, H, d) x's dtype, rstd (M, H) fp32 | None); rotated when cos/sin are given."""
+    m, h, d = x.shape
+    y = torch.empty_like(x)
+    rstd = torch.empty((m, h), dtype=torch.float32, device=x.device) if store_rstd else None
+    if m:
+        bh, bp = _blocks(h, d)
+        rope = cos is not None
+        _qk_norm_fwd_kernel[(m,)](
+            x, gain, cos if rope else x, sin if rope else x, y, rstd if store_rstd else y,
+            h, d // 2, float(d), float(eps), h * d, h * d, d // 2 if rope else 0,
+            ROPE=rope, STORE_RSTD=store_rstd, BLOCK_H=bh, BLOCK_P=bp, **_opts(bh * bp * 2),
+        )
+    return y, rstd
+
+
+def qk_norm_bwd(dy: torch.Tensor, x: torch.Tensor, gain: torch.Tensor, rstd: torch.Tensor, cos: torch.Tensor | None,
+                sin: torch.Tensor | None, seqlens: tuple[int, ...], need_gain: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Returns (dx (M, H, d), d_gain (d,) | None) in x's dtype."""
+    m, h, d = x.shape
+    dx = torch.empty_like(x)
+    ch = seg.chunks(seqlens, x.device)
+    part = torch.empty((ch.n, d), dtype=torch.float32, device=x.device) if need_gain else None
+    if m:
+        bh, bp = _blocks(h, d)
+        rope = cos is not None
+        _qk_norm_bwd_kernel[(ch.n,)](
+            x, gain, cos if rope else x, sin if rope else x, dy, rstd, ch.table, dx, part if need_gain else dx,
+            ch.n, h, d // 2, float(d), h * d, h * d, h * d, d // 2 if rope else 0, d,
+            ROPE=rope, NEED_GAIN=need_gain, BLOCK_H=bh, BLOCK_P=bp, **_opts(bh * bp * 2),
+        )
+    dgain = seg.total_sum(part, ch, gain.dtype, _interpreting()) if need_gain else None
+    return dx, dgain
+
+
+def rope_apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """x (M, H, d) rotated by the tables (by −θ when ``inverse``) → (M, H, d) in x's dtype."""
+    m, h, d = x.shape
+    y = torch.empty_like(x)
+    if m:
+        bh, bp = _blocks(h, d)
+        _rope_kernel[(m,)](x, cos, sin, y, h, d // 2, h * d, h * d, d // 2,
+                           INVERSE=inverse, BLOCK_H=bh, BLOCK_P=bp, **_opts(bh * bp * 2))
+    return y
+
+
+class QkNormFunction(torch.autograd.Function):
+    """Autograd for :func:`qk_rmsnorm` (``cos is None``) and :func:`qk_rmsnorm_rope`: gradients of x and gain."""
+
+    @staticmethod
+    def forward(ctx, x, gain, cos, sin, seqlens, eps):  # type: ignore[override]
+        y, rstd = qk_norm_fwd(x, gain, cos, sin, eps, store_rstd=True)
+        ctx.save_for_backward(x, gain, rstd, cos, sin)
+        ctx.seqlens = seqlens
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        x, gain, rstd, cos, sin = ctx.saved_tensors
+        dx, dgain = qk_norm_bwd(dy.contiguous(), x, gain, rstd, cos, sin, ctx.seqlens, ctx.needs_input_grad[1])
+        return dx, dgain, None, None, None, None
+
+
+class RopeFunction(torch.autograd.Function):
+    """Autograd for :func:`multi_axis_rope`: dx is the rotation by −θ; the tables get no gradient."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):  # type: ignore[override]
+        ctx.save_for_backward(cos, sin)
+        return rope_apply(x, cos, sin, inverse=False)
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        cos, sin = ctx.saved_tensors
+        return rope_apply(dy.contiguous(), cos, sin, inverse=True), None, None
+
+
+def _wants_grad(*ts: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+
+
+def qk_rmsnorm(x: torch.Tensor, gain: torch.Tensor, *, seqlens: Sequence[int], eps: float) -> torch.Tensor:
+    """Per-head RMSNorm with a learned gain: x (M, H, d) fp32|bf16, gain (d,) → (M, H, d), one cast.
+    d_gain: per sample on the fixed tree of :mod:`.segments`, samples folded left in order."""
+    op = "qk_rmsnorm"
+    check_heads(op, x)
+    check_gain(op, gain, x)
+    seq = check_seqlens(op, seqlens, x.shape[0])
+    if _wants_grad(x, gain):
+        return QkNormFunction.apply(x, gain, None, None, seq, float(eps))
+    return qk_norm_fwd(x, gain, None, None, float(eps), store_rstd=False)[0]
+
+
+def multi_axis_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs: x (M, H, d) fp32|bf16, cos/sin (M, d/2) (FP32 tables) → (M, H, d); two
+    products and one add per output element in FP32, one cast."""
+    op = "multi_axis_rope"
+    check_heads(op, x)
+    check_tables(op, cos, sin, x)
+    if _wants_grad(x):
+        return RopeFunction.apply(x, cos, sin)
+    return rope_apply(x, cos, sin, inverse=False)
+
+
+def qk_rmsnorm_rope(x: torch.Tensor, gain: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                    seqlens: Sequence[int], eps: float) -> torch.Tensor:
+    """Fused ``multi_axis_rope(qk_rmsnorm(x, gain), cos, sin)``: same bytes as the unfused pair (the
+    intermediate is rounded to the storage dtype where the pair stores it), forward and backward."""
+    op = "qk_rmsnorm_rope"
+    check_heads(op, x)
+    check_gain(op, gain, x)
+    check_tables(op, cos, sin, x)
+    seq = check_seqlens(op, seqlens, x.shape[0])
+    if _wants_grad(x, gain):
+        return QkNormFunction.apply(x, gain, cos, sin, seq, float(eps))
+    return qk_norm_fwd(x, gain, cos, sin, float(eps), store_rstd=False)[0]
+
+
+def rms_norm_rows(x: torch.Tensor, gain: torch.Tensor, *, seqlens: tuple[int, ...], eps: float) -> torch.Tensor:
+    """RMSNorm of whole rows with a gain: x (M, C), gain (C,) → (M, C); :func:`qk_rmsnorm` with one head
+    of width C (C even)."""
+    if x.dim() != 2 or x.shape[1] % 2:
+        raise ValueError(f"rms_norm_rows: expected x of shape (M, C) with even C, got {tuple(x.shape)}")
+    return qk_rmsnorm(x.view(x.shape[0], 1, x.shape[1]), gain, seqlens=seqlens, eps=eps).view(x.shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# Registry
+# ----------------------------------------------------------------------------------------------
+
+_SOURCE = sys.modules[__name__]
+_DT = frozenset(_DTYPES)
+_CONFIG = {"programs": "one token per forward program; backward chunks of segments.CHUNK_ROWS tokens",
+           "tiles": "(pow2(H), pow2(d/2)) even/odd lanes", "warps": "from 2·pow2(H)·pow2(d/2) only", "fp_fusion": False,
+           "chunk_rows": seg.CHUNK_ROWS, "fold_tile": seg.FOLD_TILE}
+register(KernelImpl(
+    op="qk_rmsnorm", backend="triton", device="cuda", dtypes=_DT, fn=qk_rmsnorm, strict=True,
+    kernel_name="_qk_norm_fwd_kernel/_qk_norm_bwd_kernel/_segment_fold_kernel", source=_SOURCE, config=dict(_CONFIG),
+    reduction_order=(f"per (token, head): tl.sum over d/2 of x_e²+x_o², div_rn/sqrt_rn; d_gain: tl.sum over heads per token, "
+                     f"tokens chained in {seg.CHUNK_ROWS}-token chunks from the sample's first token, chunk partials summed "
+                     f"{seg.FOLD_TILE} per tl.sum tile, tiles chained, samples folded left in order; FP32"),
+    accumulator="fp32",
+))
+register(KernelImpl(
+    op="multi_axis_rope", backend="triton", device="cuda", dtypes=_DT, fn=multi_axis_rope, strict=True,
+    kernel_name="_rope_kernel", source=_SOURCE, config=dict(_CONFIG),
+    reduction_order="none (two products and one add per element, FP32, one cast)", accumulator="fp32",
+))

@@ -1,0 +1,174 @@
+"""Per-sample row chunks and their fixed-order folds: the reduction trees of the row operators.
+
+Every per-sample (or per-parameter) sum over rows in :mod:`.norms` and :mod:`.rope` follows one tree,
+frozen here, that depends only on the sample's own row count::
+
+    sample s, rows [start_s, end_s)
+      chunks:  [start_s, start_s + CHUNK_ROWS), [start_s + CHUNK_ROWS, ...), ... (the last one shorter)
+      level 1: in each chunk, the rows' FP32 terms chained in row order (acc = 0; acc = acc + term_r)
+               by the operator's backward kernel, one program per chunk, written as one FP32 partial row
+      level 2: the sample's chunk partials in tiles of FOLD_TILE chunks from its first chunk; each tile
+               summed by one ``tl.sum`` over the tile (a fixed tree for the compiled kernel; rows past
+               the sample's last chunk are exact zeros), tiles chained in order
+      level 3 (parameters shared by all samples, e.g. an RMSNorm gain): the per-sample FP32 results
+               folded left in sample-index order, acc = 0; acc = acc + P_0; acc = acc + P_1; ...
+
+One cast to the storage dtype at the end. No atomics, no split across samples, no configuration
+chosen from the number of rows or samples.
+
+The chunk tables are built once per ``(seqlens, device, rows per chunk)`` and cached (:class:`ChunkTables`),
+so a repeated call with the same ``seqlens`` does no host-to-device copy.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+CHUNK_ROWS = 16  # frozen: rows per level-1 partial of every backward row reduction (changing it changes bytes)
+FOLD_TILE = 64  # frozen: chunk partials per level-2 tile
+_FOLD_BLOCK_N = 64
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """Chunks of ``rows`` rows anchored at each sample's first row.
+
+    Attributes:
+        table: (3, n) int32 on the device: first row, end row (exclusive), sample index of each chunk.
+        first_chunk: (B + 1,) int32 on the device: chunk index where each sample's chunks begin.
+        n: number of chunks (host int).
+        samples: number of samples B (host int).
+    """
+
+    table: torch.Tensor
+    first_chunk: torch.Tensor
+    n: int
+    samples: int
+
+
+class ChunkTables:
+    """Cache of :class:`Chunks` keyed by ``(seqlens, device, rows)``; bounded, droppable with :meth:`clear`."""
+
+    def __init__(self, max_entries: int = 4096) -> None:
+        self._entries: dict[tuple, Chunks] = {}
+        self._max = max_entries
+        self._lock = threading.Lock()
+
+    def get(self, seqlens: tuple[int, ...], device: torch.device, rows: int) -> Chunks:
+        key = (seqlens, str(device), rows)
+        hit = self._entries.get(key)
+        if hit is not None:
+            return hit
+        firsts, ends, samples, first_chunk = [], [], [], [0]
+        start = 0
+        for s, n in enumerate(seqlens):
+            for r0 in range(start, start + n, rows):
+                firsts.append(r0)
+                ends.append(min(r0 + rows, start + n))
+                samples.append(s)
+            first_chunk.append(len(firsts))
+            start += n
+        host = torch.tensor([firsts, ends, samples], dtype=torch.int32).reshape(3, len(firsts))
+        entry = Chunks(table=host.to(device), first_chunk=torch.tensor(first_chunk, dtype=torch.int32).to(device),
+                       n=len(firsts), samples=len(seqlens))
+        with self._lock:
+            if len(self._entries) >= self._max:
+                self._entries.clear()
+            self._entries[key] = entry
+        return entry
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+TABLES = ChunkTables()
+
+
+def chunks(seqlens: tuple[int, ...], device: torch.device, rows: int = CHUNK_ROWS) -> Chunks:
+    """The cached chunk table of ``seqlens`` on ``device``."""
+    return TABLES.get(seqlens, device, rows)
+
+
+@triton.jit
+def _segment_fold_kernel(
+    part_ptr, seg_ptr, out_ptr,
+    N, stride_p, stride_o,
+    CHAIN: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """out[g, cols] = fold of part[seg[g]:seg[g+1], cols].
+
+    CHAIN: acc = 0; acc = acc + part[c] for c in order (the level-3 sample fold).
+    Otherwise (level 2): tiles of BLOCK_C rows from seg[g]; each tile reduced by tl.sum over axis 0
+    (rows past seg[g+1] load as 0), acc = acc + tile_sum in tile order. FP32; one cast at the store.
+    """
+    pid_n = tl.program_id(0)
+    g = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = cols < N
+    c0 = tl.load(seg_ptr + g)
+    c1 = tl.load(seg_ptr + g + 1)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if CHAIN:
+        base = c0.to(tl.int64)
+        for i in range(0, c1 - c0):
+            acc = acc + tl.load(part_ptr + (base + i) * stride_p + cols, mask=mask_n, other=0.0)
+    else:
+        offs_c = tl.arange(0, BLOCK_C)
+        for t0 in range(c0, c1, BLOCK_C):
+            rows = t0 + offs_c
+            tile = tl.load(part_ptr + rows.to(tl.int64)[:, None] * stride_p + cols[None, :],
+                           mask=(rows < c1)[:, None] & mask_n[None, :], other=0.0)
+            acc = acc + tl.sum(tile, axis=0)
+    tl.store(out_ptr + g.to(tl.int64) * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+def _launch_fold(part: torch.Tensor, seg: torch.Tensor, groups: int, out: torch.Tensor, chain: bool, interpreting: bool) -> None:
+    n = part.shape[1]
+    if groups == 0 or n == 0:
+        return
+    opts = {} if interpreting else {"num_warps": 4, "num_stages": 2, "enable_fp_fusion": False}
+    _segment_fold_kernel[(triton.cdiv(n, _FOLD_BLOCK_N), groups)](
+        part, seg, out, n, part.stride(0), out.stride(0),
+        CHAIN=chain, BLOCK_C=FOLD_TILE, BLOCK_N=_FOLD_BLOCK_N, **opts,
+    )
+
+
+_SAMPLE_SEGS: dict[tuple, torch.Tensor] = {}
+
+
+def _all_samples(samples: int, device: torch.device) -> torch.Tensor:
+    key = (samples, str(device))
+    t = _SAMPLE_SEGS.get(key)
+    if t is None:
+        t = torch.tensor([0, samples], dtype=torch.int32).to(device)
+        _SAMPLE_SEGS[key] = t
+    return t
+
+
+def per_sample_sums(part: torch.Tensor, ch: Chunks, dtype: torch.dtype, interpreting: bool) -> torch.Tensor:
+    """Level 2: chunk partials ``part (n_chunks, N)`` FP32 → ``(B, N)`` per-sample sums in ``dtype``.
+
+    A sample with no rows gets zeros."""
+    if ch.n == 0:
+        return torch.zeros((ch.samples, part.shape[1]), dtype=dtype, device=part.device)
+    out = torch.empty((ch.samples, part.shape[1]), dtype=dtype, device=part.device)
+    if ch.samples:
+        _launch_fold(part, ch.first_chunk, ch.samples, out, chain=False, interpreting=interpreting)
+    return out
+
+
+def total_sum(part: torch.Tensor, ch: Chunks, dtype: torch.dtype, interpreting: bool) -> torch.Tensor:
+    """Levels 2 and 3: chunk partials ``(n_chunks, N)`` → per-sample FP32 sums folded in sample order → ``(N,)``."""
+    n = part.shape[1]
+    if ch.n == 0:
+        return torch.zeros((n,), dtype=dtype, device=part.device)
+    per = per_sample_sums(part, ch, torch.float32, interpreting)
+    out = torch.empty((1, n), dtype=dtype, device=part.device)
+    _launch_fold(per, _all_samples(ch.samples, part.device), 1, out, chain=True, interpreting=interpreting)
+    return out.reshape(n)
