@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .training import TRAIN_CHOICES, SampleConfig, TrainConfig
+
 
 @dataclass
 class ModelConfig:
@@ -20,6 +22,7 @@ class ModelConfig:
     dtype: str = "float32"  # float32 | bfloat16
     device: str = "cpu"  # cpu | cuda
     num_layers: Optional[int] = None  # override the preset's block count (for quick experiments)
+    cuda_graphs: bool = True  # replay no-grad strict/auto forwards on CUDA from graphs captured per batch layout
 
 
 @dataclass
@@ -122,6 +125,8 @@ class RunConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     compare: CompareConfig = field(default_factory=CompareConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)  # `train`: GRPO rollout side
+    train: TrainConfig = field(default_factory=TrainConfig)  # `train`: GRPO optimisation side
     extra: dict = field(default_factory=dict)  # free-form user keys (``+extra.foo=1``)
 
 
@@ -135,4 +140,5 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "recompute.cfg_layout": ("batched", "sequential"),
     "lora.init": ("zero_b", "random"),
     "wandb.mode": ("offline", "online", "disabled"),
+    **TRAIN_CHOICES,
 }

@@ -89,6 +89,8 @@ def linear_params(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None,
         return module.weight, module.bias, None
     if getattr(module, "merged", False):
         raise RuntimeError("strict mode never merges LoRA into base weights: unmerge the adapter first")
+    if getattr(module, "disable_adapters", False):  # PEFT's enable_adapters(False): the base layer alone
+        return base.weight, base.bias, None
     lora = None
     for name in getattr(module, "active_adapters", []):
         if name in getattr(module, "lora_A", {}):

@@ -1,0 +1,77 @@
+"""Typed sections of ``mmdit-strict train`` (Flow-GRPO with LoRA), mirrored by ``configs/train/*.yaml``.
+
+Names follow Flow-GRPO's config where one exists (``sample.num_image_per_prompt``,
+``train.timestep_fraction``, ``train.clip_range``, ``train.adv_clip_max``, ``train.beta``, ...), so its
+users can carry a config over key by key. ``sample.num_steps``, ``sample.noise_level`` and
+``sample.guidance_scale`` default to the ``sampler`` group's values (interpolations), so one place
+sets the sampler for every command.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class SampleConfig:
+    """Rollout side of GRPO training: groups of images per prompt, SDE window."""
+
+    num_steps: int = "${sampler.num_steps}"  # type: ignore[assignment]  # denoising steps per image
+    noise_level: float = "${sampler.eta}"  # type: ignore[assignment]  # SDE eta
+    guidance_scale: float = "${sampler.cfg_scale}"  # type: ignore[assignment]  # true-CFG scale (1.0 = no CFG)
+    num_image_per_prompt: int = 4  # group size: images per prompt in one epoch
+    prompts_per_epoch: int = 2  # prompts sampled per epoch (cycling through a keyed permutation of the prompt set)
+    batch_size: int = 4  # samples per rollout forward (CFG doubles it in the batched layout)
+    cfg_layout: str = "batched"  # batched | sequential
+    same_latent: bool = False  # True: every image of a group starts from the same initial noise
+    sde_window_size: int = 0  # 0: SDE on every step; k: SDE on k consecutive steps (window start keyed per group), ODE elsewhere
+    sde_window_range: Optional[list] = None  # [lo, hi): window starts drawn from this step range (None: every legal start)
+    runtime: Optional[str] = None  # None → runtime.mode
+
+
+@dataclass
+class TrainConfig:
+    """Training side of GRPO: optimisation, loss knobs, rewards, logging and checkpoints."""
+
+    num_epochs: int = 10  # outer epochs: rollout → rewards → advantages → inner epochs
+    num_inner_epochs: int = 1  # passes over one epoch's (sample, step) pairs
+    timestep_fraction: float = 1.0  # fraction of each sample's SDE steps it trains on (a keyed random subset)
+    micro_batch: int = 3  # (sample, step) pairs per forward/backward (Flow-GRPO's train.batch_size)
+    gradient_accumulation_steps: int = 4  # micro-batches per optimizer update
+    shuffle: bool = True  # shuffle the pairs (keyed by seed, epoch, inner epoch)
+    cfg: bool = True  # CFG in training (same scale as the rollout); False trains the conditional branch alone
+    cfg_layout: str = "sequential"  # batched | sequential
+    grad_checkpointing: bool = True
+    runtime: Optional[str] = None  # None → runtime.mode; "off" shows how far the production path drifts
+    recompute_old_logp: bool = False  # debug: recompute the old logp before training and require equal bytes
+    clip_range: float = 1.0e-4
+    adv_clip_max: float = 5.0
+    beta: float = 0.0  # KL weight; the reference policy is the same model with the adapter disabled
+    per_prompt_stat_tracking: bool = True  # advantages from per-prompt mean/std (else from the whole epoch)
+    global_std: bool = False  # with per-prompt tracking: per-prompt mean, epoch-wide std
+    learning_rate: float = 3.0e-4
+    lr_warmup_steps: int = 0  # optimizer updates of linear warm-up, then constant
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_weight_decay: float = 1.0e-4
+    adam_epsilon: float = 1.0e-8
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    ema: bool = False  # keep an EMA of the LoRA weights (used for eval)
+    ema_decay: float = 0.9
+    reward_fn: dict = field(default_factory=lambda: {"latent_stats": 1.0})  # name or "module:function" → weight
+    reward_kwargs: dict = field(default_factory=dict)  # name → keyword arguments of that reward
+    eval_freq: int = 0  # every N epochs, ODE-sample the eval prompts and log their reward (0: never)
+    eval_num_prompts: int = 2
+    save_freq: int = 1  # checkpoint every N epochs (and always after the last)
+    export: bool = True  # write the PEFT and diffusers LoRA folders after the last epoch
+
+
+TRAIN_CHOICES: dict[str, tuple[Any, ...]] = {
+    "sample.cfg_layout": ("batched", "sequential"),
+    "sample.runtime": (None, "strict", "audit", "auto", "off"),
+    "train.cfg_layout": ("batched", "sequential"),
+    "train.runtime": (None, "strict", "audit", "auto", "off"),
+}
+
+__all__ = ["SampleConfig", "TrainConfig", "TRAIN_CHOICES"]

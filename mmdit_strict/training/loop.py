@@ -1,0 +1,403 @@
+"""Flow-GRPO training of the policy's LoRA: build → per epoch (rollout → rewards → advantages → updates) → log / checkpoint.
+
+Per epoch ``e``:
+
+1. **rollout** (no grad, ``sample.runtime``): ``prompts_per_epoch`` prompts × ``num_image_per_prompt``
+   images, SDE on each group's window of steps, ODE elsewhere; every SDE step's ``logp`` is recorded.
+2. **rewards** on the final latents; **advantages** from the stat tracker.
+3. **train** (``train.runtime``), ``num_inner_epochs`` times: the (sample, train step) pairs, shuffled
+   with a key of (seed, epoch, inner epoch), are cut into optimizer updates of
+   ``micro_batch × gradient_accumulation_steps`` pairs, each update into micro-batches of
+   ``micro_batch`` pairs. The **old logp is the rollout's recorded logp**: with strict rollout ==
+   strict training the first update's ratios are exactly 1.0. LoRA gradients are folded through the
+   grad sink in global (sample, step, branch) order, so they are the same bytes for every micro-batch
+   split; a backend that deposits no per-sample partials (``runtime=off``) falls back to autograd's
+   sum and the epoch row says so (``grad_fold``).
+4. **checkpoint** every ``save_freq`` epochs; **eval** every ``eval_freq`` epochs with the ODE sampler.
+
+Every random choice is keyed (see :mod:`.rollout`), so ``resume=true`` after a kill redoes the
+unfinished epoch and ends on the same LoRA bytes as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from ..config.compose import save_resolved
+from ..kernels.grad_sink import collect_sample_grads
+from ..kernels.runtime import Runtime, runtime_mode
+from ..sampling import sigma_table
+from ..trajectories.setup import DTYPES, build_side_model, latent_grid, make_prompts
+from . import checkpoint as ckpt
+from .advantages import StatTracker
+from .export import export_lora
+from .loss import grpo_loss
+from .metrics import MetricLogger, peak_memory_mb, read_metrics
+from .optim import LoraEMA, build_optimizer
+from .policy import adapters_disabled, evaluate_pairs
+from .rewards import RewardSet, unpack_final
+from .rollout import EpochSamples, ode_sample, rollout_epoch
+
+logger = logging.getLogger(__name__)
+
+#: Initial-latent ids of the evaluation samples (far above any training sample id).
+EVAL_ID_BASE = 1 << 40
+
+#: Config keys that may change between a run and its resume (everything else must match).
+RESUME_FREE = ("resume", "progress", "wandb", "output_dir", "_choices_", "train.num_epochs", "train.eval_freq",
+               "train.save_freq", "train.export", "train.recompute_old_logp")
+
+UpdateHook = Callable[[int, int, int], None]
+
+
+class OldLogpMismatch(RuntimeError):
+    """``train.recompute_old_logp``: the training side's logp is not the rollout's bytes."""
+
+
+@dataclass
+class TrainResult:
+    """What a finished (or resumed and finished) run leaves behind."""
+
+    out_dir: Path
+    epochs: int
+    metrics: list[dict[str, Any]]
+    lora: dict[str, torch.Tensor]
+    export: dict[str, Path] = field(default_factory=dict)
+
+
+def _side_runtime(value: str | None, default: str) -> Runtime:
+    return Runtime.parse(value if value is not None else default)
+
+
+def _flat(cfg: DictConfig) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{prefix}{k}.")
+        else:
+            out[prefix[:-1]] = node
+
+    walk(OmegaConf.to_container(cfg, resolve=True), "")
+    return out
+
+
+def _resume_key(cfg: DictConfig) -> dict[str, Any]:
+    return {k: v for k, v in _flat(cfg).items() if not any(k == f or k.startswith(f + ".") for f in RESUME_FREE)}
+
+
+def train_steps_of(seed: int, sample_id: int, sde_steps: list[int], fraction: float) -> list[int]:
+    """The keyed subset of a sample's SDE steps it trains on: ``max(1, int(len · fraction))`` steps."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"train.timestep_fraction must be in (0, 1], got {fraction}")
+    k = max(1, int(len(sde_steps) * fraction))
+    if k >= len(sde_steps):
+        return list(sde_steps)
+    return sorted(random.Random(f"steps|{seed}|{sample_id}").sample(list(sde_steps), k))
+
+
+class Trainer:
+    """One training run in ``cfg.output_dir`` (see the module docstring)."""
+
+    def __init__(self, cfg: DictConfig, progress: bool = True, on_update: UpdateHook | None = None) -> None:
+        self.cfg = cfg
+        self.scfg, self.tcfg = cfg.sample, cfg.train
+        self.progress = progress
+        self.on_update = on_update
+        self.out = Path(cfg.output_dir)
+        self.seed = int(cfg.seed)
+        self._check_config()
+        self.rollout_rt = _side_runtime(self.scfg.runtime, cfg.runtime.mode)
+        self.train_rt = _side_runtime(self.tcfg.runtime, cfg.runtime.mode)
+        self.model = build_side_model(cfg, self.rollout_rt)
+        self.model.enable_gradient_checkpointing(bool(self.tcfg.grad_checkpointing))
+        self.device = self.model.device
+        self.prompts = make_prompts(cfg, self.model.config, cfg.model.device)
+        self.prompt_texts = [f"prompt {i}" for i in range(len(self.prompts.embeds))]
+        self.grid = latent_grid(cfg, self.model.config)
+        self.sigmas = sigma_table(int(self.scfg.num_steps), self.grid[0] * self.grid[1])
+        self.named = sorted(((n, p) for n, p in self.model.named_parameters() if p.requires_grad), key=lambda t: t[0])
+        self.params = [p for _, p in self.named]
+        self.optimizer, self.scheduler = build_optimizer(self.params, self.tcfg)
+        self.ema = LoraEMA(self.named, float(self.tcfg.ema_decay)) if self.tcfg.ema else None
+        self.tracker = StatTracker(bool(self.tcfg.per_prompt_stat_tracking), bool(self.tcfg.global_std))
+        self.rewards = RewardSet(OmegaConf.to_container(self.tcfg.reward_fn), OmegaConf.to_container(self.tcfg.reward_kwargs))
+        self.start_epoch = 0
+        self.updates = 0
+        self.wandb_id: str | None = None
+        self.ckpt_root = self.out / "checkpoints"
+        self._maybe_resume()
+
+    # ------------------------------------------------------------------ setup
+    def _check_config(self) -> None:
+        c, t, s = self.cfg, self.tcfg, self.scfg
+        if c.lora.rank <= 0:
+            raise ValueError("train needs a LoRA adapter: set lora.rank > 0")
+        for key, val, lo in (("train.num_epochs", t.num_epochs, 1), ("train.num_inner_epochs", t.num_inner_epochs, 1),
+                             ("train.micro_batch", t.micro_batch, 1), ("train.gradient_accumulation_steps", t.gradient_accumulation_steps, 1),
+                             ("train.save_freq", t.save_freq, 1), ("sample.num_steps", s.num_steps, 1)):
+            if int(val) < lo:
+                raise ValueError(f"{key} must be >= {lo}, got {val}")
+        if t.eval_freq < 0 or t.beta < 0 or t.max_grad_norm < 0:
+            raise ValueError(f"train.eval_freq, train.beta and train.max_grad_norm must be >= 0, got {t.eval_freq}, {t.beta}, {t.max_grad_norm}")
+        if not math.isfinite(float(s.noise_level)) or float(s.noise_level) <= 0:
+            raise ValueError(f"sample.noise_level must be > 0 (the SDE needs noise), got {s.noise_level}")
+        if c.model.dtype not in DTYPES:
+            raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}")
+
+    def _maybe_resume(self) -> None:
+        folder = ckpt.latest_checkpoint(self.ckpt_root) if self.ckpt_root.exists() else None
+        if folder is None:
+            return
+        if not self.cfg.resume:
+            raise ValueError(f"{self.out} already holds training checkpoints ({folder.name}); pass resume=true to continue "
+                             "that run or choose another output_dir")
+        data = ckpt.load_checkpoint(folder, self.device)
+        state = data["state"]
+        now = _resume_key(self.cfg)
+        then = state["resume_key"]
+        diff = sorted(k for k in set(now) | set(then) if now.get(k) != then.get(k))
+        if diff:
+            raise ValueError(f"resume: the config differs from the checkpointed run in {diff[:8]}; "
+                             "use the same settings or another output_dir")
+        own = {n: p for n, p in self.named}
+        if set(own) != set(data["lora"]):
+            raise ckpt.TrainCheckpointError(f"{folder}: LoRA tensors do not match the model's adapter")
+        with torch.no_grad():
+            for n, p in own.items():
+                p.copy_(data["lora"][n])
+        self.optimizer.load_state_dict(data["optimizer"]["optimizer"])
+        self.scheduler.load_state_dict(data["optimizer"]["scheduler"])
+        if self.ema is not None:
+            if data["ema"] is None:
+                raise ckpt.TrainCheckpointError(f"{folder} has no EMA state but train.ema is on")
+            self.ema.load_state_dict(data["ema"])
+        self.tracker.load_state_dict(state["stat_tracker"])
+        ckpt.set_rng_state(state["rng"])
+        self.start_epoch = int(state["epoch"]) + 1
+        self.updates = int(state["updates"])
+        self.wandb_id = state.get("wandb_id")
+        logger.info("train: resumed from %s (next epoch %d)", folder, self.start_epoch)
+
+    def _save(self, epoch: int) -> None:
+        lora = {n: p.detach() for n, p in self.named}
+        state = {
+            "epoch": epoch, "updates": self.updates, "stat_tracker": self.tracker.state_dict(), "rng": ckpt.rng_state(),
+            "data_position": {"next_epoch": epoch + 1, "prompts_consumed": (epoch + 1) * int(self.scfg.prompts_per_epoch)},
+            "noise": {"seed": self.seed, "next_sample_id": (epoch + 1) * int(self.scfg.prompts_per_epoch) * int(self.scfg.num_image_per_prompt)},
+            "resume_key": _resume_key(self.cfg), "wandb_id": self.wandb_id,
+        }
+        opt = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        ckpt.save_checkpoint(self.ckpt_root, epoch, lora, opt, state, self.ema.state_dict() if self.ema else None)
+
+    # ------------------------------------------------------------------ phases
+    def _rewards(self, final: torch.Tensor, prompt_ids: list[int], meta: list[dict]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        latents = unpack_final(final.detach().to("cpu"), self.grid, self.model.config.patch_size)
+        return self.rewards(latents, [self.prompt_texts[p] for p in prompt_ids], meta)
+
+    def _pairs(self, samples: EpochSamples) -> list[tuple[int, int]]:
+        frac = float(self.tcfg.timestep_fraction)
+        return [(n, step) for n, sid in enumerate(samples.sample_ids)
+                for step in train_steps_of(self.seed, sid, samples.sde_steps[n], frac)]
+
+    def _eval_pairs(self, samples: EpochSamples, pairs: list[tuple[int, int]]):
+        scale = float(self.scfg.guidance_scale) if self.tcfg.cfg else 1.0
+        return evaluate_pairs(self.model, samples, pairs, self.prompts, self.sigmas, self.grid, scale,
+                              str(self.tcfg.cfg_layout), float(self.scfg.noise_level))
+
+    def _check_old_logp(self, samples: EpochSamples, pairs: list[tuple[int, int]]) -> None:
+        mb = int(self.tcfg.micro_batch)
+        with runtime_mode(self.train_rt), torch.no_grad():
+            for i in range(0, len(pairs), mb):
+                chunk = pairs[i:i + mb]
+                got = self._eval_pairs(samples, chunk).logp
+                want = torch.stack([samples.logp[s, n] for n, s in chunk])
+                bad = (got != want).nonzero().flatten().tolist()
+                if bad:
+                    n, s = chunk[bad[0]]
+                    raise OldLogpMismatch(
+                        f"train.recompute_old_logp: sample {samples.sample_ids[n]} step {s}: recomputed logp "
+                        f"{float(got[bad[0]])!r} != rollout logp {float(want[bad[0]])!r} ({len(bad)} of {len(chunk)} pairs differ "
+                        f"in this micro-batch; training runtime {self.train_rt.value}, rollout runtime {self.rollout_rt.value})")
+
+    def _train(self, epoch: int, samples: EpochSamples, adv: torch.Tensor) -> dict[str, Any]:
+        t = self.tcfg
+        pairs = self._pairs(samples)
+        if t.recompute_old_logp:
+            self._check_old_logp(samples, pairs)
+        mb, per_update = int(t.micro_batch), int(t.micro_batch) * int(t.gradient_accumulation_steps)
+        adv_dev = adv.to(device=self.device, dtype=torch.float32)
+        ratios, clipped, approx, policy, kl, norms, folds = [], [], [], [], [], [], set()
+        first_ratios: torch.Tensor | None = None
+        t_opt = 0.0
+        n_updates = sum(math.ceil(len(pairs) / per_update) for _ in range(int(t.num_inner_epochs)))
+        bar = tqdm(total=n_updates, desc=f"epoch {epoch} train [{self.train_rt.value}]", disable=not self.progress, leave=False)
+        for inner in range(int(t.num_inner_epochs)):
+            order = list(pairs)
+            if t.shuffle:
+                random.Random(f"pairs|{self.seed}|{epoch}|{inner}").shuffle(order)
+            for u, u0 in enumerate(range(0, len(order), per_update)):
+                chunk = order[u0:u0 + per_update]
+                weight = 1.0 / len(chunk)
+                update_ratios = []
+                with collect_sample_grads() as sink, runtime_mode(self.train_rt):
+                    for m0 in range(0, len(chunk), mb):
+                        part = chunk[m0:m0 + mb]
+                        ev = self._eval_pairs(samples, part)
+                        ref_mean = None
+                        if t.beta > 0:
+                            with torch.no_grad(), adapters_disabled(self.model):
+                                ref_mean = self._eval_pairs(samples, part).mean
+                        old = torch.stack([samples.logp[s, n] for n, s in part])
+                        a = torch.stack([adv_dev[n] for n, _ in part])
+                        pl = grpo_loss(ev.logp, old, a, weight, float(t.clip_range), float(t.adv_clip_max), float(t.beta),
+                                       ev.mean, ref_mean, ev.std)
+                        pl.loss.backward()
+                        update_ratios.append(pl.ratio)
+                        clipped.append(pl.clipped)
+                        approx.append(0.5 * (ev.logp.detach() - old) ** 2)
+                        policy.append(pl.policy)
+                        kl.append(pl.kl)
+                t0 = time.perf_counter()
+                folds.add(self._fold_grads(sink))
+                norms.append(self._step())
+                t_opt += time.perf_counter() - t0
+                r = torch.cat(update_ratios)
+                ratios.append(r)
+                if first_ratios is None:
+                    first_ratios = r
+                bar.update(1)
+                if self.on_update is not None:
+                    self.on_update(epoch, inner, u)
+        bar.close()
+        r = torch.cat(ratios).double()
+        fr = first_ratios.double() if first_ratios is not None else r
+        return {
+            "pairs": len(pairs), "optimizer_updates": len(norms),
+            "ratio_min": float(r.min()), "ratio_max": float(r.max()), "ratio_exact_one_frac": float((r == 1.0).double().mean()),
+            "first_update_ratio_exact_one_frac": float((fr == 1.0).double().mean()),
+            "first_update_ratio_max_abs_dev": float((fr - 1.0).abs().max()),
+            "first_update_pairs": int(fr.numel()),
+            "clipfrac": float(torch.cat(clipped).double().mean()), "approx_kl": float(torch.cat(approx).double().mean()),
+            "policy_loss": float(torch.cat(policy).double().mean()), "kl_loss": float(torch.cat(kl).double().mean()),
+            "grad_norm": float(sum(norms) / len(norms)), "grad_norm_last": float(norms[-1]),
+            "lr": float(self.scheduler.get_last_lr()[0]), "grad_fold": "+".join(sorted(folds)), "_time_optimizer": t_opt,
+        }
+
+    def _fold_grads(self, sink) -> str:
+        """Replace autograd's gradient sums by the grad sink's sample-ordered folds when every parameter has them."""
+        folded = {}
+        for n, p in self.named:
+            if p.grad is None:
+                continue
+            f = sink.fold(p)
+            if f is None:
+                logger.debug("train: %s has no per-sample partials; keeping autograd's gradient", n)
+                return "autograd"
+            folded[n] = f
+        for n, p in self.named:
+            if n in folded:
+                p.grad = folded[n].to(p.dtype)
+        return "sink"
+
+    def _step(self) -> float:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            raise RuntimeError("no LoRA parameter received a gradient: check lora.targets and train.runtime")
+        if self.tcfg.max_grad_norm > 0:
+            norm = float(torch.nn.utils.clip_grad_norm_(self.params, float(self.tcfg.max_grad_norm), foreach=False))
+        else:
+            norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double()) for g in grads])))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update()
+        self.updates += 1
+        return norm
+
+    def _evaluate(self) -> dict[str, float]:
+        n = min(int(self.tcfg.eval_num_prompts), len(self.prompts.embeds))
+        pids = list(range(n))
+        if self.ema is not None:
+            self.ema.swap()
+        try:
+            final = ode_sample(self.model, self.rollout_rt, self.prompts, pids, self.sigmas, self.grid, self.scfg, self.seed, EVAL_ID_BASE)
+        finally:
+            if self.ema is not None:
+                self.ema.swap()
+        total, _ = self._rewards(final, pids, [{"prompt_id": p, "eval": True} for p in pids])
+        return {"eval_reward_mean": float(total.mean()), "eval_reward_std": float(total.std(unbiased=False))}
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> TrainResult:
+        """Train epochs ``start_epoch .. num_epochs - 1``; returns the metrics and the final LoRA."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        save_resolved(self.cfg, self.out)
+        E = int(self.tcfg.num_epochs)
+        mlog = MetricLogger(self.out, str(self.cfg.wandb.mode), str(self.cfg.wandb.project), self.cfg.wandb.entity,
+                            OmegaConf.to_container(self.cfg, resolve=True), self.start_epoch, self.wandb_id)
+        self.wandb_id = mlog.run_id
+        bar = tqdm(range(self.start_epoch, E), desc="train", disable=not self.progress, initial=self.start_epoch, total=E)
+        try:
+            for epoch in bar:
+                row = self.train_epoch(epoch)
+                mlog.log(row)
+                bar.set_postfix(reward=f"{row['reward_mean']:+.4f}", ratio1=f"{row['first_update_ratio_exact_one_frac']:.2f}")
+                if (epoch + 1) % int(self.tcfg.save_freq) == 0 or epoch + 1 == E:
+                    self._save(epoch)
+        finally:
+            bar.close()
+            rows = read_metrics(self.out)
+            mlog.finish({"reward_mean_last": rows[-1]["reward_mean"]} if rows else None)
+        exported = {}
+        if self.tcfg.export:
+            exported = export_lora(self.model, self.out / "lora", int(self.cfg.lora.rank), float(self.cfg.lora.alpha),
+                                   list(self.cfg.lora.targets))
+        return TrainResult(self.out, E, read_metrics(self.out), {n: p.detach().clone() for n, p in self.named}, exported)
+
+    def train_epoch(self, epoch: int) -> dict[str, Any]:
+        """One epoch; returns its metrics row."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        t0 = time.perf_counter()
+        samples = rollout_epoch(self.model, self.rollout_rt, self.prompts, self.sigmas, self.grid, self.scfg, self.seed, epoch)
+        t1 = time.perf_counter()
+        meta = [{"prompt_id": p, "sample_id": s, "epoch": epoch} for s, p in zip(samples.sample_ids, samples.prompt_ids)]
+        total, parts = self._rewards(samples.final, samples.prompt_ids, meta)
+        adv, adv_stats = self.tracker.advantages(total, samples.prompt_ids)
+        t2 = time.perf_counter()
+        train = self._train(epoch, samples, adv)
+        t3 = time.perf_counter()
+        row: dict[str, Any] = {"epoch": epoch, "updates_total": self.updates,
+                               "reward_mean": float(total.mean()), "reward_std": float(total.std(unbiased=False))}
+        for name, s in parts.items():
+            row[f"reward/{name}_mean"] = float(s.mean())
+            row[f"reward/{name}_std"] = float(s.std(unbiased=False))
+        row.update(adv_stats)
+        t_opt = train.pop("_time_optimizer")
+        row.update(train)
+        row.update({"time_rollout_s": t1 - t0, "time_reward_s": t2 - t1, "time_train_s": t3 - t2 - t_opt,
+                    "time_optimizer_s": t_opt, "peak_memory_mb": peak_memory_mb(self.device),
+                    "sde_window_starts": samples.window_starts, "prompt_ids": sorted(set(samples.prompt_ids))})
+        if self.tcfg.eval_freq and (epoch + 1) % int(self.tcfg.eval_freq) == 0:
+            te = time.perf_counter()
+            row.update(self._evaluate())
+            row["time_eval_s"] = time.perf_counter() - te
+        return row
+
+
+def run_training(cfg: DictConfig, progress: bool = True, on_update: UpdateHook | None = None) -> TrainResult:
+    """Train (or resume) the run configured by ``cfg`` in ``cfg.output_dir``."""
+    return Trainer(cfg, progress=progress, on_update=on_update).run()

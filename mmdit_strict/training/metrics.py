@@ -1,0 +1,101 @@
+"""Training metrics: one JSON line per epoch in ``<output_dir>/metrics.jsonl``, mirrored to wandb.
+
+wandb runs offline by default with its folder beside the outputs (``<output_dir>/wandb``); the run id
+is kept in the checkpoint so a resumed run appends to the same wandb run. ``metrics.jsonl`` is cut
+back to the resumed epoch on resume, so it always describes exactly one uninterrupted history.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..io import atomic_write_text
+
+logger = logging.getLogger(__name__)
+
+METRICS = "metrics.jsonl"
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak allocated CUDA memory on ``device``, or the process's peak resident set size on the CPU (MiB)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
+
+
+def read_metrics(out_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(out_dir) / METRICS
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class MetricLogger:
+    """Append epoch rows to ``metrics.jsonl`` and wandb (``mode``: offline | online | disabled)."""
+
+    def __init__(self, out_dir: str | Path, mode: str, project: str, entity: str | None, config: dict,
+                 start_epoch: int, run_id: str | None = None) -> None:
+        self.out_dir = Path(out_dir)
+        rows = [r for r in read_metrics(self.out_dir) if r["epoch"] < start_epoch]
+        atomic_write_text(self.out_dir / METRICS, "".join(json.dumps(r) + "\n" for r in rows))
+        self.run = None
+        self.run_id = run_id
+        if mode != "disabled":
+            import wandb
+
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self.run = wandb.init(project=project, entity=entity, mode=mode, dir=str(self.out_dir), config=config,
+                                  job_type="train", id=run_id, resume="allow", reinit="finish_previous")
+            self.run_id = self.run.id
+
+    def log(self, row: dict[str, Any]) -> None:
+        with open(self.out_dir / METRICS, "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+        if self.run is not None:
+            scalars = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            self.run.log(scalars, step=int(row["epoch"]))
+
+    def finish(self, summary: dict[str, Any] | None = None) -> None:
+        if self.run is not None:
+            for k, v in (summary or {}).items():
+                self.run.summary[k] = v
+            self.run.finish()
+            self.run = None
+
+
+def plot_rewards(rows: list[dict[str, Any]], path: str | Path, title: str) -> Path:
+    """Reward mean ± std per epoch (and the eval reward when present) as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ep = [r["epoch"] for r in rows]
+    mean = [r["reward_mean"] for r in rows]
+    std = [r["reward_std"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
+    ax.plot(ep, mean, marker="o", ms=3, label="rollout reward (mean over the epoch's samples)")
+    ax.fill_between(ep, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2, label="± std")
+    ev = [(r["epoch"], r["eval_reward_mean"]) for r in rows if "eval_reward_mean" in r]
+    if ev:
+        ax.plot([e for e, _ in ev], [v for _, v in ev], marker="s", ms=3, label="eval reward (ODE sampler)")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("reward")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,137 @@
+"""The training side's view of the policy: log-probabilities of recorded (sample, step) pairs.
+
+A micro-batch holds pairs from different denoising steps; one forward serves all of them, each
+sample at its own sigma (the strict model is batch-invariant, so a row's bytes do not depend on what
+it is batched with). Only what the config allows differs from the rollout: batch composition, CFG
+layout, runtime, autograd. The SDE step then scores the recorded ``x_{t+1}`` (``prev_sample=``). Gradient
+sample keys are ``((sample_id, step), cfg_branch)``, so the grad sink folds every pair's LoRA partial in
+one global order whatever the split.
+
+The reference policy for the KL term is the same model with the LoRA adapter disabled
+(:func:`adapters_disabled`), run by the same operators.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from ..model import MMDiT
+from ..sampling import sde_step
+from ..trajectories.setup import Prompts
+from .rollout import EpochSamples
+
+
+@dataclass
+class PairEval:
+    """Per-pair results, in the order of the pairs asked for.
+
+    Attributes:
+        logp: ``(P,)`` FP32 log-probability of the recorded transition (differentiable when grad is on).
+        mean: ``(P, T, 64)`` FP32 transition mean.
+        std: ``(P,)`` FP32 Flow-GRPO ``std_dev_t`` of each pair's step.
+    """
+
+    logp: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+
+
+def _adapter_layers(model: nn.Module) -> list[nn.Module]:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Run the base model: every PEFT LoRA layer disabled inside the block, re-enabled (and trainable) after."""
+    layers = _adapter_layers(model)
+    if not layers:
+        raise ValueError("the model has no LoRA adapter: the KL reference (adapter disabled) needs lora.rank > 0")
+    trainable = {id(p): p.requires_grad for p in model.parameters()}
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+        for p in model.parameters():
+            p.requires_grad_(trainable[id(p)])
+
+
+def _pad(rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts ``(L_i, C)`` → zero-padded ``(B, max L_i, C)`` and the prefix mask ``(B, max L_i)``."""
+    L = max(r.shape[0] for r in rows)
+    out = rows[0].new_zeros(len(rows), L, rows[0].shape[1])
+    mask = torch.zeros(len(rows), L, dtype=torch.long, device=rows[0].device)
+    for i, r in enumerate(rows):
+        out[i, : r.shape[0]] = r
+        mask[i, : r.shape[0]] = 1
+    return out, mask
+
+
+def pair_velocity(
+    model: MMDiT, x: torch.Tensor, cond: Sequence[torch.Tensor], neg: torch.Tensor, sigmas: Sequence[float],
+    grid: tuple[int, int], cfg_scale: float, cfg_layout: str, keys: Sequence[tuple[int, int]],
+) -> torch.Tensor:
+    """CFG-combined velocity ``(B, T, 64)`` FP32 where sample ``i`` is at its own ``sigmas[i]``.
+
+    The same composition as the rollout's :func:`~mmdit_strict.trajectories.engine.velocity` (pad to the
+    longest prompt, one forward per CFG branch or both branches in one, :func:`cfg_combine`), with a
+    per-sample timestep so pairs of different steps share a forward. Gradient sample keys are
+    ``(keys[i], branch)``.
+    """
+    from ..kernels.grad_sink import sample_keys
+    from ..sampling import cfg_combine
+
+    B = x.shape[0]
+    shapes = [[(1, grid[0], grid[1])]] * B
+    t1 = torch.tensor([float(s) for s in sigmas], dtype=torch.float32, device=x.device)
+
+    def forward(xs: torch.Tensor, prompts: Sequence[torch.Tensor], branches: Sequence[int]) -> torch.Tensor:
+        ehs, mask = _pad(prompts)
+        with sample_keys([(k, br) for br in branches for k in keys]):
+            return model(xs, ehs, mask, t1.repeat(len(branches)), shapes * len(branches), return_dict=False)[0]
+
+    if cfg_scale == 1.0:
+        return forward(x, cond, (0,)).float()
+    negs = [neg] * B
+    if cfg_layout == "batched":
+        both = forward(torch.cat([x, x]), list(cond) + negs, (0, 1)).float()
+        v_cond, v_neg = both[:B], both[B:]
+    elif cfg_layout == "sequential":
+        v_cond = forward(x, cond, (0,)).float()
+        v_neg = forward(x, negs, (1,)).float()
+    else:
+        raise ValueError(f"cfg_layout must be 'batched' or 'sequential', got {cfg_layout!r}")
+    return cfg_combine(v_cond, v_neg, float(cfg_scale))
+
+
+def evaluate_pairs(
+    model: MMDiT, samples: EpochSamples, pairs: Sequence[tuple[int, int]], prompts: Prompts, sigmas: torch.Tensor,
+    grid: tuple[int, int], cfg_scale: float, cfg_layout: str, eta: float,
+) -> PairEval:
+    """Evaluate ``pairs`` = ``[(sample index n, step), ...]`` with the current policy and autograd mode.
+
+    One forward (per CFG branch in the sequential layout) for the whole micro-batch, each pair at its
+    own sigma; results in the order of ``pairs``.
+    """
+    if not pairs:
+        raise ValueError("evaluate_pairs needs at least one (sample, step) pair")
+    rows = [n for n, _ in pairs]
+    steps = [s for _, s in pairs]
+    x_t = torch.stack([samples.x[s, n] for n, s in pairs])
+    x_next = torch.stack([samples.x[s + 1, n] for n, s in pairs])
+    keys = [(samples.sample_ids[n], s) for n, s in pairs]
+    sig = sigmas[steps].contiguous()
+    sig_prev = sigmas[[s + 1 for s in steps]].contiguous()
+    v = pair_velocity(model, x_t.to(model.dtype), [prompts.embeds[samples.prompt_ids[n]] for n in rows], prompts.negative,
+                      sig.tolist(), grid, cfg_scale, cfg_layout, keys)
+    res = sde_step(v, x_t, sig, sig_prev, prev_sample=x_next, eta=eta, sigma_max=float(sigmas[1]))
+    return PairEval(res.logp, res.mean, res.std)
