@@ -1,0 +1,302 @@
+"""CUDA strict QK preprocessing (``kernels/triton/rope.py``): qk_rmsnorm, multi_axis_rope and the fused
+qk_rmsnorm_rope, which must give the unfused pair's bytes forward and backward.
+
+Interpreter (FP32, tiny heads) in CI; ``@pytest.mark.gpu`` tests at Qwen-Image's 24 heads × 128 in bf16
+and fp32. Accuracy bounds: ``tolerances.yaml`` ``row_ops.*``. Byte claims: tests/harness.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.triton_rows import INTERPRET, R  # noqa: I001  (sets TRITON_INTERPRET first)
+
+from mmdit_strict.kernels import production as P  # noqa: E402
+from mmdit_strict.model.rope import rope_tables  # noqa: E402
+from mmdit_strict.reference import ops as ref  # noqa: E402
+from tests.harness import (  # noqa: E402
+    CPU_FP32,
+    BadCase,
+    Target,
+    assert_bytes_equal,
+    check_bad_inputs,
+    check_param_grad_fold,
+    check_row_invariance,
+    check_token_sweep,
+    generator,
+    packed_op,
+    randn,
+    run_with_grads,
+)
+from tests.kernels.test_triton_norms import accuracy  # noqa: E402
+
+interp = pytest.mark.skipif(not INTERPRET, reason="interpreter (CPU FP32) test; CUDA runs the gpu tests")
+EPS = 1e-6
+H, DH = 3, 12  # interpreter heads and head width (d/2 = 6: not a power of two)
+SEQ = (5, 0, 19, 33)
+
+
+def _tables(m: int, d: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP32 cos/sin of FP64 angles in [0, 200) rad, as the model's tables are built."""
+    ang = 200.0 * torch.rand(m, d // 2, generator=gen, dtype=torch.float64)
+    return torch.cos(ang).float(), torch.sin(ang).float()
+
+
+def _gain(d: int, gen) -> torch.Tensor:
+    return 1 + randn(d, gen=gen, scale=0.1)
+
+
+def check_accuracy(h, d, seq, target):
+    gen = generator(11)
+    m = sum(seq)
+    x, gain = randn(m, h, d, gen=gen), _gain(d, gen)
+    cos, sin = _tables(m, d, gen)
+    kw = {"seqlens": seq, "eps": EPS}
+    cuda = target.device == "cuda"
+    accuracy(R.qk_rmsnorm, lambda a, g, seqlens, eps: ref.qk_rmsnorm(a, g, eps, seqlens=seqlens), [x, gain], [0, 1],
+             "qk_rmsnorm", target, "triton qk_rmsnorm", kw, P.qk_rmsnorm if cuda else None)
+    # the tables stay FP32 (as the model passes them) whatever the execution dtype
+    accuracy(lambda a: R.multi_axis_rope(a, cos.to(a.device), sin.to(a.device)),
+             lambda a: ref.multi_axis_rope(a, cos.double(), sin.double()), [x], [0],
+             "multi_axis_rope", target, "triton multi_axis_rope")
+    accuracy(lambda a, g, seqlens, eps: R.qk_rmsnorm_rope(a, g, cos.to(a.device), sin.to(a.device), seqlens=seqlens, eps=eps),
+             lambda a, g, seqlens, eps: ref.multi_axis_rope(ref.qk_rmsnorm(a, g, eps), cos.double(), sin.double()),
+             [x, gain], [0, 1], "qk_rmsnorm_rope", target, "triton qk_rmsnorm_rope", kw)
+
+
+def check_fused_equals_unfused(h, d, seq, target):
+    """Forward, dx and d_gain of the fused op are the unfused pair's bytes."""
+    gen = generator(12)
+    m = sum(seq)
+    x, gain = randn(m, h, d, gen=gen, target=target), _gain(d, gen).to(target.device, target.dtype)
+    cos, sin = (t.to(target.device) for t in _tables(m, d, gen))
+    gy = randn(m, h, d, gen=gen, target=target)
+
+    def unfused(a, g):
+        return R.multi_axis_rope(R.qk_rmsnorm(a, g, seqlens=seq, eps=EPS), cos, sin)
+
+    def fused(a, g):
+        return R.qk_rmsnorm_rope(a, g, cos, sin, seqlens=seq, eps=EPS)
+
+    out_u, grads_u = run_with_grads(unfused, [x, gain], gy)
+    out_f, grads_f = run_with_grads(fused, [x, gain], gy)
+    assert_bytes_equal(out_f, out_u, f"fused vs unfused forward {target.label}")
+    assert_bytes_equal(grads_f[0], grads_u[0], f"fused vs unfused dx {target.label}")
+    assert_bytes_equal(grads_f[1], grads_u[1], f"fused vs unfused d_gain {target.label}")
+    with torch.no_grad():
+        assert_bytes_equal(fused(x, gain), out_u, f"fused no-grad forward {target.label}")
+
+
+def _qk_item(h, d, lo, hi):
+    def make(gen):
+        n = int(torch.randint(lo, hi + 1, (1,), generator=gen))
+        c, s = _tables(n, d, gen)
+        return (randn(n, h, d, gen=gen), c, s, randn(n, h, d, gen=gen))
+    return make
+
+
+def _fused_with_grads(gain: torch.Tensor, fused: bool):
+    """packed batch fn: forward + dx of qk_rmsnorm(+rope); d_gain of the batch is checked by the fold test."""
+
+    def run(x, cos, sin, dy, *, seqlens):
+        c, s = cos.float(), sin.float()  # the harness casts every input to the target dtype; tables are FP32
+
+        def op(a):
+            if fused:
+                return R.qk_rmsnorm_rope(a, gain, c, s, seqlens=seqlens, eps=EPS)
+            return R.multi_axis_rope(R.qk_rmsnorm(a, gain, seqlens=seqlens, eps=EPS), c, s)
+
+        out, (dx,) = run_with_grads(op, [x], dy)
+        return out, dx
+
+    return packed_op(run)
+
+
+def check_invariance(h, d, target, batch_sizes, lo, hi):
+    gain = _gain(d, generator(13)).to(target.device, target.dtype)
+    for fused in (True, False):
+        check_row_invariance(_fused_with_grads(gain, fused), _qk_item(h, d, lo, hi), batch_sizes, target=target,
+                             what=f"triton qk_rmsnorm{'_rope' if fused else ' + multi_axis_rope'} fwd+dx {target.label}")
+
+
+def check_sweep(h, d, target, counts):
+    gain = _gain(d, generator(14)).to(target.device, target.dtype)
+
+    def item(n, gen):
+        return _qk_item(h, d, n, n)(gen)
+
+    check_token_sweep(_fused_with_grads(gain, True), item, counts, target=target, row_local=True,
+                      what=f"triton qk_rmsnorm_rope {target.label}")
+
+
+def check_gain_fold(h, d, target, lens):
+    gen = generator(15)
+    gain = _gain(d, gen).to(target.device, target.dtype)
+    items = []
+    for k in lens:
+        c, s = _tables(k, d, gen)
+        items.append((randn(k, h, d, gen=gen, target=target), c.to(target.device), s.to(target.device)))
+    gouts = [randn(k, h, d, gen=gen, target=target) for k in lens]
+    for fused in (True, False):
+        def fn(batch, params, fused=fused):
+            seq = tuple(t[0].shape[0] for t in batch)
+            x, c, s = (torch.cat([t[i] for t in batch]) for i in range(3))
+            if fused:
+                out = R.qk_rmsnorm_rope(x, params[0], c, s, seqlens=seq, eps=EPS)
+            else:
+                out = R.multi_axis_rope(R.qk_rmsnorm(x, params[0], seqlens=seq, eps=EPS), c, s)
+            return list(out.split(seq))
+
+        check_param_grad_fold(fn, items, [gain], gouts, what=f"triton qk gain ({'fused' if fused else 'unfused'}) {target.label}")
+
+
+# ------------------------------------------------------------------------------------------------
+# interpreter (CI)
+# ------------------------------------------------------------------------------------------------
+
+
+@interp
+def test_accuracy_interpreter():
+    check_accuracy(H, DH, SEQ, CPU_FP32)
+
+
+@interp
+def test_fused_equals_unfused_interpreter():
+    check_fused_equals_unfused(H, DH, SEQ, CPU_FP32)
+
+
+@interp
+def test_batch_invariance_interpreter():
+    check_invariance(H, DH, CPU_FP32, (2, 3, 8), 1, 12)
+
+
+@interp
+def test_token_sweep_interpreter():
+    check_sweep(H, DH, CPU_FP32, (1, 7, 15, 16, 17, 33))
+
+
+@interp
+def test_gain_grad_fold_interpreter():
+    check_gain_fold(H, DH, CPU_FP32, (7, 1, 20, 0, 16))
+
+
+@interp
+def test_model_tables_interpreter():
+    """With the model's own RoPE tables (axes 16/56/56 scaled down to 2/2/2 here, centred image grid and
+    text on the diagonal) the fused op still equals the pair, and RoPE matches the FP64 reference."""
+    ic, is_, tc, ts = rope_tables([(1, 3, 4)], 5, (2, 2, 2), 10000.0)
+    x = randn(12, 2, 6, gen=generator(16))
+    gain = _gain(6, generator(17))
+    out = R.qk_rmsnorm_rope(x, gain, ic, is_, seqlens=(12,), eps=EPS)
+    assert_bytes_equal(out, R.multi_axis_rope(R.qk_rmsnorm(x, gain, seqlens=(12,), eps=EPS), ic, is_), "model tables")
+    xt = randn(5, 2, 6, gen=generator(18))
+    err = (R.multi_axis_rope(xt, tc, ts).double() - ref.multi_axis_rope(xt, tc.double(), ts.double())).abs().max()
+    assert float(err) < 1e-6
+
+
+@interp
+def test_bad_inputs_raise_clear_errors():
+    x = torch.zeros(6, H, DH)
+    g = torch.ones(DH)
+    c = torch.zeros(6, DH // 2)
+    kw = {"seqlens": (2, 4), "eps": EPS}
+    check_bad_inputs(R.qk_rmsnorm, [
+        BadCase("2-d x", (torch.zeros(6, DH), g), kw, "(M, H, d)"),
+        BadCase("odd head width", (torch.zeros(6, H, 7), torch.ones(7)), kw, "even head width"),
+        BadCase("gain shape", (x, torch.ones(DH + 2)), kw, "gain of shape (12,)"),
+        BadCase("gain dtype", (x, g.double()), kw, "gain of dtype"),
+        BadCase("fp16 x", (x.half(), g.half()), kw, "fp32 or bf16"),
+        BadCase("seqlens", (x, g), {"seqlens": (1, 4), "eps": EPS}, "sum to the 6 rows"),
+        BadCase("non-contiguous", (torch.zeros(H, 6, DH).transpose(0, 1), g), kw, "contiguous"),
+    ])
+    check_bad_inputs(R.multi_axis_rope, [
+        BadCase("table rows", (x, c[:5], c), {}, "cos of shape (6, 6)"),
+        BadCase("table width", (x, c, torch.zeros(6, DH)), {}, "sin of shape"),
+        BadCase("table dtype", (x, c.double(), c), {}, "float32"),
+    ])
+    check_bad_inputs(R.qk_rmsnorm_rope, [
+        BadCase("table rows", (x, g, c[:4], c), kw, "cos of shape"),
+    ])
+
+
+def test_registered_for_cuda_strict_fp32_and_bf16():
+    from mmdit_strict.kernels.registry import implementations
+
+    for op in ("qk_rmsnorm", "multi_axis_rope"):
+        impls = [i for i in implementations(op) if i.backend == "triton"]
+        assert len(impls) == 1 and impls[0].device == "cuda" and impls[0].strict, op
+        assert impls[0].dtypes == frozenset({torch.float32, torch.bfloat16}), op
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: 24 heads × 128 (never in CI)
+# ------------------------------------------------------------------------------------------------
+
+GPU_TARGETS = [Target("cuda", torch.bfloat16), Target("cuda", torch.float32)]
+QH, QDH = 24, 128
+
+
+def _gpu(target: Target) -> None:
+    target.skip_unless_available()
+    if INTERPRET:
+        pytest.skip("TRITON_INTERPRET=1: the GPU tests need compiled kernels")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
+def test_gpu_accuracy(target):
+    _gpu(target)
+    check_accuracy(QH, QDH, (300, 0, 77), target)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
+def test_gpu_fused_equals_unfused(target):
+    _gpu(target)
+    check_fused_equals_unfused(QH, QDH, (4096, 0, 256, 77), target)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
+def test_gpu_batch_invariance(target):
+    _gpu(target)
+    check_invariance(QH, QDH, target, (2, 3, 8, 64), 1, 40)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
+def test_gpu_token_sweep(target):
+    _gpu(target)
+    check_sweep(QH, QDH, target, (1, 7, 15, 16, 17, 100, 1025))
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_gain_grad_fold():
+    target = GPU_TARGETS[1]
+    _gpu(target)
+    check_gain_fold(QH, QDH, target, (7, 1, 130, 0, 1100))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
+def test_gpu_no_host_sync_on_repeat(target):
+    _gpu(target)
+    gen = generator(19)
+    seq = (100, 3)
+    x = randn(103, QH, QDH, gen=gen, target=target).requires_grad_(True)
+    gain = _gain(QDH, gen).to("cuda", target.dtype).requires_grad_(True)
+    cos, sin = (t.cuda() for t in _tables(103, QDH, gen))
+
+    def step():
+        a = R.qk_rmsnorm_rope(x, gain, cos, sin, seqlens=seq, eps=EPS)
+        b = R.multi_axis_rope(R.qk_rmsnorm(x, gain, seqlens=seq, eps=EPS), cos, sin)
+        (a.float().sum() + b.float().sum()).backward()
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
