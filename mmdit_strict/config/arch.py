@@ -98,6 +98,27 @@ class ArchConfig:
         """MLP inner width (12288 for Qwen-Image)."""
         return self.mlp_ratio * self.hidden_size
 
+    # diffusers reads these flags off ``transformer.config``; variants that set them are refused at load.
+    @property
+    def guidance_embeds(self) -> bool:
+        return False
+
+    @property
+    def zero_cond_t(self) -> bool:
+        return False
+
+    @property
+    def use_additional_t_cond(self) -> bool:
+        return False
+
+    @property
+    def use_layer3d_rope(self) -> bool:
+        return False
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """Dict-style read, as on diffusers' ``FrozenDict`` configs (``config.get("in_channels")``)."""
+        return getattr(self, key, default)
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["axes_dims_rope"] = list(self.axes_dims_rope)

@@ -2,7 +2,10 @@
 
 Layout: ``config.json`` plus ``diffusion_pytorch_model.safetensors`` or shards listed in
 ``diffusion_pytorch_model.safetensors.index.json``. Every tensor is checked against the model's own
-state dict: missing, unexpected and mis-shaped tensors are reported by name.
+state dict: missing, unexpected and mis-shaped tensors are reported by name, from the headers alone.
+Loading is lazy: the model is built on the ``meta`` device and each tensor is read, moved and cast on
+its own, so host memory stays bounded by the largest tensor (a 20 B checkpoint never needs an FP32
+copy in host memory).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -149,6 +152,119 @@ def _clip(items: list[str], n: int = 8) -> str:
     return ", ".join(items[:n]) + (f", … (+{len(items) - n} more)" if len(items) > n else "")
 
 
+_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+
+
+def _read_tensor(fh: object, key: str) -> torch.Tensor:
+    """One tensor from an open safetensors file, in the file's dtype, on the host (the only host copy)."""
+    return fh.get_tensor(key)  # type: ignore[attr-defined]
+
+
+def _place(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Move then cast (a CUDA target casts on the device, so the host never holds a cast copy)."""
+    if device.type != "cpu":
+        t = t.to(device=device)
+    return t.to(dtype=dtype)
+
+
+def check_headers(model: torch.nn.Module, files: Iterable[Path]) -> dict[str, Path]:
+    """Validate names, shapes and dtypes from the safetensors headers alone (no tensor is read).
+
+    Returns the file holding each tensor. Raises :class:`CheckpointError` naming every missing,
+    unexpected, mis-shaped or non-floating tensor, a tensor stored twice, or an unreadable file.
+    """
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    where: dict[str, Path] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    bad_dtype: list[str] = []
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as fh:
+                for key in fh.keys():
+                    if key in where:
+                        raise CheckpointError(f"tensor {key} appears in more than one shard ({f.name})")
+                    sl = fh.get_slice(key)
+                    where[key] = f
+                    shapes[key] = tuple(int(n) for n in sl.get_shape())
+                    if sl.get_dtype() not in _FLOAT_DTYPES:
+                        bad_dtype.append(key)
+        except SafetensorError as exc:
+            raise CheckpointError(f"{f} is corrupt or truncated: {exc}") from exc
+        except (OSError, RuntimeError) as exc:
+            raise CheckpointError(f"could not read {f}: {exc}") from exc
+    missing = sorted(set(expected) - set(where))
+    unexpected = sorted(set(where) - set(expected))
+    misshaped = sorted(
+        f"{k}: checkpoint {shapes[k]} vs model {expected[k]}" for k in set(expected) & set(where) if shapes[k] != expected[k]
+    )
+    problems = []
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): {_clip(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors ({len(unexpected)}): {_clip(unexpected)}")
+    if misshaped:
+        problems.append(f"mis-shaped tensors ({len(misshaped)}): {_clip(misshaped)}")
+    if bad_dtype:
+        problems.append(f"non-floating tensors: {_clip(sorted(bad_dtype))}")
+    if problems:
+        raise CheckpointError("checkpoint does not match the architecture: " + "; ".join(problems))
+    return where
+
+
+def load_state_dict_lazily(
+    model: torch.nn.Module, files: Sequence[Path], device: torch.device, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Read the checkpoint tensor by tensor straight to ``device`` in ``dtype``.
+
+    Headers are validated first (:func:`check_headers`); then each tensor is read from its file
+    (safetensors' lazy access), checked finite, moved and cast before the next is read. Host memory
+    beyond the result is bounded by the largest tensor (its file-dtype copy, plus its cast when the
+    target is the CPU); no whole-checkpoint copy in the file dtype or in FP32 is ever built.
+    """
+    check_headers(model, files)
+    state: dict[str, torch.Tensor] = {}
+    nonfinite: list[str] = []
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as fh:
+                for key in fh.keys():
+                    host = _read_tensor(fh, key)
+                    if not torch.isfinite(host).all():
+                        nonfinite.append(key)
+                    state[key] = _place(host, device, dtype)
+                    del host
+        except SafetensorError as exc:
+            raise CheckpointError(f"{f} is corrupt or truncated: {exc}") from exc
+        except (OSError, RuntimeError) as exc:
+            raise CheckpointError(f"could not read {f}: {exc}") from exc
+    if nonfinite:
+        raise CheckpointError(f"checkpoint tensors contain NaN/Inf: {_clip(sorted(nonfinite))}")
+    return state
+
+
+def resolve_dtype(torch_dtype: torch.dtype | str | None, dtype: torch.dtype | str | None) -> torch.dtype:
+    """The execution dtype from diffusers' ``torch_dtype=`` and our ``dtype=`` alias (FP32 when neither).
+
+    Strings name torch dtypes (``"bfloat16"``, ``"torch.float32"``). Both given and different: ValueError.
+    """
+    def parse(v: torch.dtype | str | None, name: str) -> torch.dtype | None:
+        if v is None or isinstance(v, torch.dtype):
+            return v
+        if isinstance(v, str):
+            attr = getattr(torch, v.removeprefix("torch."), None)
+            if isinstance(attr, torch.dtype):
+                return attr
+        raise ValueError(f"{name}={v!r} is not a torch dtype (use torch.float32 or torch.bfloat16)")
+
+    a, b = parse(torch_dtype, "torch_dtype"), parse(dtype, "dtype")
+    if a is not None and b is not None and a != b:
+        raise ValueError(f"torch_dtype={a} and dtype={b} disagree; dtype is an alias of torch_dtype, pass one")
+    out = a or b or torch.float32
+    if out not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"execution dtype must be torch.float32 or torch.bfloat16, got {out}")
+    return out
+
+
 def load_pretrained(
     cls: type["MMDiT"],
     path_or_repo_id: str | Path,
@@ -170,9 +286,7 @@ def load_pretrained(
     arch = ArchConfig.from_diffusers_config(raw_cfg)
     with torch.device("meta"):
         model = cls(arch, runtime=runtime)
-    state = read_state_dict(_weight_files(folder))
-    check_state_dict(model, state)
-    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    state = load_state_dict_lazily(model, _weight_files(folder), torch.device(device), dtype)
     model.load_state_dict(state, strict=True, assign=True)
     model.checkpoint_path = str(folder)  # type: ignore[attr-defined]
     return model.eval()

@@ -18,6 +18,7 @@ from torch import nn
 
 from ..config.arch import ArchConfig
 from ..kernels.runtime import Runtime, runtime_mode
+from .diffusers_compat import DiffusersCompatMixin, check_attention_kwargs
 from .layers import AdaNormOut, DoubleStreamBlock, RMSNorm, TimeTextEmbed
 from .rope import normalize_img_shapes, rope_tables
 
@@ -43,6 +44,10 @@ class MMDiTOutput:
             raise IndexError("MMDiTOutput holds one tensor (index 0)")
         return self.sample
 
+    def to_tuple(self) -> tuple[torch.Tensor]:
+        """``(sample,)``, as diffusers' ``BaseOutput.to_tuple``."""
+        return (self.sample,)
+
 
 @dataclass
 class ModelInputs:
@@ -56,8 +61,12 @@ class ModelInputs:
     img_shapes: list[list[tuple[int, int, int]]]
 
 
-class MMDiT(nn.Module):
-    """Qwen-Image double-stream MMDiT (diffusers parameter names and forward semantics)."""
+class MMDiT(DiffusersCompatMixin, nn.Module):
+    """Qwen-Image double-stream MMDiT (diffusers parameter names and forward semantics).
+
+    Drop-in for diffusers' ``QwenImageTransformer2DModel`` inside ``QwenImagePipeline`` (see
+    ``diffusers_compat.py`` for the pipeline-facing surface: ``cache_context``, LoRA methods, …).
+    """
 
     def __init__(self, config: ArchConfig, runtime: str | Runtime = "off") -> None:
         super().__init__()
@@ -89,10 +98,6 @@ class MMDiT(nn.Module):
         self.runtime = Runtime.parse(runtime)
         return self
 
-    def enable_gradient_checkpointing(self, enabled: bool = True) -> "MMDiT":
-        self.gradient_checkpointing = enabled
-        return self
-
     def enable_cuda_graphs(self, enabled: bool = True, max_graphs: int = 8) -> "MMDiT":
         """Replay the strict forward from CUDA graphs captured per batch layout (``model/graphs.py``).
 
@@ -115,24 +120,59 @@ class MMDiT(nn.Module):
         path_or_repo_id: str | Path,
         *,
         runtime: str | Runtime = "off",
-        dtype: torch.dtype = torch.float32,
+        torch_dtype: torch.dtype | str | None = None,
+        dtype: torch.dtype | str | None = None,
         device: str | torch.device = "cpu",
         subfolder: str | None = None,
         revision: str | None = None,
         local_files_only: bool | None = None,
+        low_cpu_mem_usage: bool = True,
     ) -> "MMDiT":
         """Load a diffusers-format transformer (``config.json`` + safetensors, sharded or not).
 
         ``path_or_repo_id`` is a local folder (the transformer folder or a pipeline folder with a
         ``transformer/`` subfolder) or a Hugging Face repo id, resolved through huggingface_hub
-        (from the local cache when offline).
+        (from the local cache when offline). ``torch_dtype`` (diffusers' name; ``dtype`` is an alias,
+        FP32 when neither is given) is the execution dtype. Tensors are read one at a time straight to
+        ``device`` and ``torch_dtype`` (host memory bounded by the largest tensor, whatever
+        ``low_cpu_mem_usage`` says).
         """
-        from .checkpoint import load_pretrained
+        from .checkpoint import load_pretrained, resolve_dtype
 
         return load_pretrained(
-            cls, path_or_repo_id, runtime=runtime, dtype=dtype, device=device,
+            cls, path_or_repo_id, runtime=runtime, dtype=resolve_dtype(torch_dtype, dtype), device=device,
             subfolder=subfolder, revision=revision, local_files_only=local_files_only,
         )
+
+    @classmethod
+    def from_config(
+        cls,
+        config: ArchConfig | dict[str, Any] | str | Path,
+        *,
+        runtime: str | Runtime = "off",
+        seed: int = 0,
+        torch_dtype: torch.dtype | str | None = None,
+        dtype: torch.dtype | str | None = None,
+        device: str | torch.device = "cpu",
+    ) -> "MMDiT":
+        """A randomly initialised model (deterministic in ``seed``) from an :class:`ArchConfig`, a diffusers
+        config dict, or a ``config.json`` / transformer folder / pipeline folder path."""
+        import json as _json
+
+        from .checkpoint import resolve_dtype
+        from .init import build_model
+
+        if isinstance(config, (str, Path)):
+            p = Path(config)
+            for cand in (p, p / "config.json", p / "transformer" / "config.json"):
+                if cand.is_file():
+                    config = _json.loads(cand.read_text())
+                    break
+            else:
+                raise FileNotFoundError(f"no config.json at {p} (nor in its transformer/ subfolder)")
+        arch = config if isinstance(config, ArchConfig) else ArchConfig.from_diffusers_config(config)  # type: ignore[arg-type]
+        rt = runtime.value if isinstance(runtime, Runtime) else runtime
+        return build_model(arch, seed=seed, runtime=rt, dtype=resolve_dtype(torch_dtype, dtype), device=str(device))
 
     def save_pretrained(self, directory: str | Path, max_shard_size: int = 2 * 1024**3) -> Path:
         """Write ``config.json`` and safetensors in diffusers' layout (atomically)."""
@@ -225,7 +265,9 @@ class MMDiT(nn.Module):
             encoder_hidden_states: ``(B, L, 3584)`` prompt embeddings.
             encoder_hidden_states_mask: ``(B, L)`` 1 for valid, 0 for padding (prefix masks).
             timestep: ``(B,)`` sigma in [0, 1] (the pipeline passes ``t / 1000``).
-            img_shapes: latent grids, ``[[(1, H/2, W/2)]] * B`` as diffusers' pipeline passes them.
+            img_shapes: latent grids, ``[[(1, H/2, W/2)]] * B`` as diffusers' pipeline passes them, or any
+                other form diffusers accepts (``rope.normalize_img_shapes`` states the rule).
+            attention_kwargs: ``None`` / ``{}`` (anything that asks for more is a ValueError).
             return_dict: return :class:`MMDiTOutput` (else a 1-tuple).
 
         Returns:
@@ -236,6 +278,7 @@ class MMDiT(nn.Module):
         bad = {k: v for k, v in unsupported.items() if v is not None}
         if bad:
             raise ValueError(f"unsupported forward arguments: {sorted(bad)} (Phase A covers the base text-to-image model)")
+        check_attention_kwargs(attention_kwargs)
         if encoder_hidden_states is None or timestep is None:
             raise ValueError("encoder_hidden_states and timestep are required")
         inputs = self.validate_inputs(hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_shapes)

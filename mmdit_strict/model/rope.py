@@ -9,6 +9,7 @@ Text token ``j`` sits on the diagonal at ``max(h//2, w//2) + j`` on all three ax
 from __future__ import annotations
 
 import functools
+import numbers
 from typing import Sequence
 
 import torch
@@ -89,28 +90,83 @@ def packed_rope_tables(
 
 
 def normalize_img_shapes(img_shapes: object, batch: int, tokens: int) -> list[list[ImgShape]]:
-    """Accept diffusers' ``img_shapes`` forms and return one list of (f, h, w) per sample.
+    """Accept every ``img_shapes`` form diffusers' Qwen-Image transformer accepts; return one list of
+    ``(f, h, w)`` grids per sample.
 
-    Accepted: ``(f, h, w)``; ``[(f, h, w)]`` (shared); ``[[(f, h, w), ...]] * B`` (per sample).
+    ``batch`` is ``hidden_states.shape[0]`` and ``tokens`` its image-token count ``T_img``. The forms:
+
+    * ``(f, h, w)``: one grid shared by every sample.
+    * ``[[(f, h, w), ...], ...]`` (list of lists, what ``QwenImagePipeline`` passes): one grid list per
+      sample when its length is ``batch``; a shorter list whose length divides ``batch`` and whose entries
+      are all equal is that one grid list for every sample (the pipeline passes ``batch_size`` entries for
+      ``batch_size * num_images_per_prompt`` samples; diffusers reads only the first entry).
+    * ``[(f, h, w), ...]`` (flat list of triples). Diffusers reads it as one grid per sample (the form
+      its first Qwen-Image pipeline passed, ``[(1, h, w)] * B``); older callers of this project used it
+      for several grids shared by every sample. Token counts decide, and never both at once (``T_img > 0``):
+
+      1. every triple describes ``T_img`` tokens and there are ``batch`` of them → one grid per sample;
+      2. the triples together describe ``T_img`` tokens → one multi-grid list shared by every sample;
+      3. all triples are equal, each describes ``T_img`` tokens and their number divides ``batch`` →
+         that grid for every sample, as diffusers does (``num_images_per_prompt > 1``);
+      4. anything else is a ValueError naming the counts.
+
+    Unlike diffusers, which uses the first sample's grids for the whole batch (with a warning),
+    per-sample grids that differ are honoured sample by sample.
     """
     if img_shapes is None:
         raise ValueError("img_shapes is required: one (frame, height, width) latent grid per sample")
+
     def is_triple(o: object) -> bool:
-        return isinstance(o, (tuple, list)) and len(o) == 3 and all(isinstance(v, int) for v in o)
+        return (
+            isinstance(o, (tuple, list)) and len(o) == 3
+            and all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and int(v) > 0 for v in o)
+        )
+
+    def grid_list(o: object) -> bool:
+        return isinstance(o, (list, tuple)) and len(o) > 0 and all(is_triple(t) for t in o)
+
+    def count(shapes: Sequence[Sequence[int]]) -> int:
+        return sum(int(f) * int(h) * int(w) for f, h, w in shapes)
+
+    def canon(shapes: Sequence[Sequence[int]]) -> list[ImgShape]:
+        return [(int(f), int(h), int(w)) for f, h, w in shapes]
+
+    per: list[list[ImgShape]]
     if is_triple(img_shapes):
-        per = [[tuple(img_shapes)]] * batch  # type: ignore[arg-type]
-    elif isinstance(img_shapes, (list, tuple)) and len(img_shapes) > 0 and all(is_triple(s) for s in img_shapes):
-        per = [[tuple(s) for s in img_shapes]] * batch  # type: ignore[union-attr]
-    elif isinstance(img_shapes, (list, tuple)) and len(img_shapes) == batch and all(
-        isinstance(s, (list, tuple)) and len(s) > 0 and all(is_triple(t) for t in s) for s in img_shapes
-    ):
-        per = [[tuple(t) for t in s] for s in img_shapes]  # type: ignore[union-attr]
+        per = [canon([img_shapes])] * batch  # type: ignore[list-item]
+    elif grid_list(img_shapes):
+        flat = canon(img_shapes)  # type: ignore[arg-type]
+        each = [f * h * w for f, h, w in flat]
+        if len(flat) == batch and all(n == tokens for n in each):
+            per = [[t] for t in flat]
+        elif sum(each) == tokens:
+            per = [flat] * batch
+        elif batch % len(flat) == 0 and all(t == flat[0] for t in flat) and each[0] == tokens:
+            per = [[flat[0]]] * batch
+        else:
+            raise ValueError(
+                f"img_shapes {list(img_shapes)!r} fits neither reading of a flat list of (f, h, w): one grid per "  # type: ignore[call-overload]
+                f"sample needs {batch} triples of {tokens} tokens each (got {len(flat)} triples of {each} tokens); "
+                f"grids shared by every sample need {tokens} tokens together (got {sum(each)})"
+            )
+    elif isinstance(img_shapes, (list, tuple)) and len(img_shapes) > 0 and all(grid_list(s) for s in img_shapes):
+        lists = [canon(s) for s in img_shapes]
+        if len(lists) == batch:
+            per = lists
+        elif batch % len(lists) == 0 and all(s == lists[0] for s in lists):
+            per = [lists[0]] * batch
+        else:
+            raise ValueError(
+                f"img_shapes holds {len(lists)} grid lists for a batch of {batch}: pass one list of (f, h, w) per sample "
+                f"(or equal lists whose number divides the batch, which are shared)"
+            )
     else:
         raise ValueError(
-            f"img_shapes must be (f, h, w), [(f, h, w), ...] or one list of (f, h, w) per sample (batch {batch}); got {img_shapes!r}"
+            "img_shapes must be (f, h, w), a list of (f, h, w) or a list of such lists (one per sample) with positive "
+            f"integer sizes (batch {batch}); got {img_shapes!r}"
         )
     for b, shapes in enumerate(per):
-        n = sum(f * h * w for f, h, w in shapes)
+        n = count(shapes)
         if n != tokens:
             raise ValueError(f"img_shapes of sample {b} describe {n} tokens but hidden_states has {tokens} image tokens")
-    return per  # type: ignore[return-value]
+    return per
