@@ -99,24 +99,44 @@ def _row_ptrs(base_ptr, row0, row_stride, col, ROWS: tl.constexpr, D: tl.constex
 
 @triton.jit
 def _fwd_segment(acc, m_i, l_i, q, k_ptr, v_ptr, row0, n, row_stride, col, qk_scale,
-                 D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Key tiles of one segment (rows ``row0 .. row0+n`` of one stream), ascending; last tile peeled."""
-    k_ptrs = _row_ptrs(k_ptr, row0, row_stride, col, BLOCK_N, D)
-    v_ptrs = _row_ptrs(v_ptr, row0, row_stride, col, BLOCK_N, D)
-    step = BLOCK_N * row_stride.to(tl.int64)
+                 D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
+    """Key tiles of one segment (rows ``row0 .. row0+n`` of one stream), ascending; last tile peeled.
+
+    ``TMA``: load through device-side tensor descriptors whose row extent ends at the segment's end
+    (the hardware zero-fills the rows past it); otherwise pointer loads, masked on the last tile.
+    Both read the same values, so the arithmetic and the result bytes are the same.
+    """
     n_full = n // BLOCK_N
-    for _ in range(0, n_full):
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k, v, qk_scale, BLOCK_N, BLOCK_N, False, DOT_PRECISION)
-        k_ptrs += step
-        v_ptrs += step
     tail = n - n_full * BLOCK_N
-    if tail > 0:
-        ok = (tl.arange(0, BLOCK_N) < tail)[:, None]
-        k = tl.load(k_ptrs, mask=ok, other=0.0)
-        v = tl.load(v_ptrs, mask=ok, other=0.0)
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k, v, qk_scale, tail, BLOCK_N, True, DOT_PRECISION)
+    if TMA:
+        seg_end = tl.maximum(row0 + n, 1)
+        k_desc = tl.make_tensor_descriptor(k_ptr + col, shape=[seg_end, D], strides=[row_stride, 1], block_shape=[BLOCK_N, D])
+        v_desc = tl.make_tensor_descriptor(v_ptr + col, shape=[seg_end, D], strides=[row_stride, 1], block_shape=[BLOCK_N, D])
+        row = row0
+        for _ in range(0, n_full):
+            k = k_desc.load([row, 0])
+            v = v_desc.load([row, 0])
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k, v, qk_scale, BLOCK_N, BLOCK_N, False, DOT_PRECISION)
+            row += BLOCK_N
+        if tail > 0:
+            k = k_desc.load([row, 0])
+            v = v_desc.load([row, 0])
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k, v, qk_scale, tail, BLOCK_N, True, DOT_PRECISION)
+    else:
+        k_ptrs = _row_ptrs(k_ptr, row0, row_stride, col, BLOCK_N, D)
+        v_ptrs = _row_ptrs(v_ptr, row0, row_stride, col, BLOCK_N, D)
+        step = BLOCK_N * row_stride.to(tl.int64)
+        for _ in range(0, n_full):
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k, v, qk_scale, BLOCK_N, BLOCK_N, False, DOT_PRECISION)
+            k_ptrs += step
+            v_ptrs += step
+        if tail > 0:
+            ok = (tl.arange(0, BLOCK_N) < tail)[:, None]
+            k = tl.load(k_ptrs, mask=ok, other=0.0)
+            v = tl.load(v_ptrs, mask=ok, other=0.0)
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k, v, qk_scale, tail, BLOCK_N, True, DOT_PRECISION)
     return acc, m_i, l_i
 
 
@@ -124,7 +144,7 @@ def _fwd_segment(acc, m_i, l_i, q, k_ptr, v_ptr, row0, n, row_stride, col, qk_sc
 def _attn_fwd_kernel(
     q_txt_ptr, k_txt_ptr, v_txt_ptr, q_img_ptr, k_img_ptr, v_img_ptr, o_txt_ptr, o_img_ptr, lse_ptr, tiles_ptr,
     row_stride, n_heads, qk_scale,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     """One (query tile, head): O rows and their base-2 LSE. Grid (query tiles, heads)."""
     tile = tl.program_id(0)
@@ -151,9 +171,9 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     acc, m_i, l_i = _fwd_segment(acc, m_i, l_i, q, k_txt_ptr, v_txt_ptr, t_start, nt, row_stride, col, qk_scale,
-                                 D, BLOCK_N, DOT_PRECISION)
+                                 D, BLOCK_N, DOT_PRECISION, TMA)
     acc, m_i, l_i = _fwd_segment(acc, m_i, l_i, q, k_img_ptr, v_img_ptr, i_start, ni, row_stride, col, qk_scale,
-                                 D, BLOCK_N, DOT_PRECISION)
+                                 D, BLOCK_N, DOT_PRECISION, TMA)
 
     o = tl.math.div_rn(acc, l_i[:, None]).to(o_txt_ptr.dtype.element_ty)
     tl.store(o_txt_ptr + offs, o, mask=txt_ok)
@@ -354,8 +374,12 @@ def _attn_bwd_dq_kernel(
 _SMALL = {"fwd": (16, 16, 4, 2), "dkdv": (16, 16, 4, 2), "dq": (16, 16, 4, 2), "delta": 16}
 
 CONFIGS: dict[tuple[int, torch.dtype], dict] = {
-    (128, torch.bfloat16): {"fwd": (128, 64, 8, 3), "dkdv": (32, 128, 4, 5), "dq": (128, 32, 4, 5), "delta": 64},
-    (128, torch.float32): {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "dq": (64, 32, 4, 2), "delta": 64},
+    # bf16 d=128 from the H200 candidate run at 90d39bb (4096 + 128 tokens, B = 1): fwd 128x64/8w/3s 414 TFLOP/s
+    # (128x128/8w 283, 4 warps 222); backward with dkdv 32x128/8w/4s and dq 128x64/8w/3s (4-warp variants spill).
+    (128, torch.bfloat16): {"fwd": (128, 64, 8, 3), "dkdv": (32, 128, 8, 4), "dq": (128, 64, 8, 3), "delta": 64},
+    # fp32 (IEEE FMA dots, no tensor cores): the backward's FP32 dK/dV and dQ accumulators take 8 warps
+    # (4-warp tiles spilled in the bf16 candidates at 90d39bb; fp32 ran 1 TFLOP/s there with 4 warps).
+    (128, torch.float32): {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 8, 2), "dq": (64, 32, 8, 2), "delta": 64},
     (64, torch.bfloat16): {"fwd": (128, 64, 4, 3), "dkdv": (32, 128, 4, 4), "dq": (128, 32, 4, 4), "delta": 64},
     (64, torch.float32): {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "dq": (64, 32, 4, 2), "delta": 64},
     (32, torch.bfloat16): _SMALL, (32, torch.float32): _SMALL,
@@ -406,6 +430,17 @@ def _tile_table(tseq: tuple[int, ...], iseq: tuple[int, ...], block: int, device
         _TABLES.clear()
     _TABLES[key] = (table, len(rows))
     return _TABLES[key]
+
+
+_ALLOCATOR_SET = False
+
+
+def _ensure_allocator() -> None:
+    """Device-side tensor descriptors need global scratch: give Triton a torch-backed allocator once."""
+    global _ALLOCATOR_SET
+    if not _ALLOCATOR_SET and not _interpreting():
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+        _ALLOCATOR_SET = True
 
 
 def _launch_opts(warps: int, stages: int) -> dict:
@@ -489,6 +524,9 @@ def attention_fwd(q_txt, k_txt, v_txt, q_img, k_img, v_img, tseq, iseq, cfg: dic
     heads, d = q_img.shape[1:]
     cfg = cfg or config_for(d, q_img.dtype)
     bm, bn, warps, stages = cfg["fwd"]
+    tma = bool(cfg.get("fwd_tma", False))
+    if tma:
+        _ensure_allocator()
     if out is None:
         out = (torch.empty_like(q_txt), torch.empty_like(q_img),
                torch.empty((q_txt.shape[0] + q_img.shape[0], heads), dtype=torch.float32, device=q_img.device))
@@ -499,7 +537,7 @@ def attention_fwd(q_txt, k_txt, v_txt, q_img, k_img, v_img, tseq, iseq, cfg: dic
         _attn_fwd_kernel[(n_tiles, heads)](
             q_txt, k_txt, v_txt, q_img, k_img, v_img, o_txt, o_img, lse, table,
             heads * d, heads, qk_scale,
-            D=d, BLOCK_M=bm, BLOCK_N=bn, DOT_PRECISION=_DOT_PRECISION, **_launch_opts(warps, stages))
+            D=d, BLOCK_M=bm, BLOCK_N=bn, DOT_PRECISION=_DOT_PRECISION, TMA=tma, **_launch_opts(warps, stages))
     return o_txt, o_img, lse
 
 
