@@ -172,6 +172,10 @@ def cmd_qualify(args: argparse.Namespace) -> int:
         from ..bench import attention
 
         rc |= int(attention.main(["--out", args.out, "--sections", "accuracy,invariance,speed"]) or 0)
+    if section in ("norms", "all"):
+        from ..bench import norms
+
+        rc |= int(norms.main(["--out", args.out]) or 0)
     return rc
 
 
@@ -210,13 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", action="store_true", help="print a markdown table (with reduction orders)")
     p = add("qualify", cmd_qualify, "GPU qualification report of the strict kernels (JSON + markdown)", overrides=False)
     p.add_argument("--out", default="experiments/local", help="output folder")
-    p.add_argument("--section", default="all", choices=["gemm", "attention", "all"],
+    p.add_argument("--section", default="all", choices=["gemm", "attention", "norms", "all"],
                    help="which kernels to qualify (default: all)")
     p = add("bench", cmd_bench, "run a benchmark and write its JSON + markdown report", overrides=False)
-    p.add_argument("which", choices=["cpu_strict", "gemm", "model", "attention"],
+    p.add_argument("which", choices=["cpu_strict", "gemm", "model", "attention", "norms"],
                    help="cpu_strict: CPU strict vs production forward; gemm: Triton GEMM engine (GPU); "
                    "model: whole transformer vs diffusers eager on identical weights (GPU); "
-                   "attention: strict joint attention vs SDPA/cuDNN (GPU)")
+                   "attention: strict joint attention vs SDPA/cuDNN (GPU); "
+                   "norms: strict row operators (norms, modulation, gating, QK-norm, RoPE) vs FP64 and eager PyTorch (GPU)")
     p.add_argument("--out", default="experiments/local", help="output folder")
     return parser
 
