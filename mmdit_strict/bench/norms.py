@@ -444,6 +444,37 @@ def speed_case(spec: Spec, dname: str, rows: int, seed: int) -> dict:
     return row
 
 
+def model_trace_case(layers: int = 2, grid: tuple[int, int] = (32, 32), txt_lens: tuple[int, ...] = (77, 5),
+                     arch_name: str = "qwen-image", dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The qwen-image architecture (``layers`` blocks, random bf16 weights) in ``runtime=auto``: which
+    operators fell back to PyTorch in a forward and a forward + backward, from the operator trace."""
+    import dataclasses
+
+    from mmdit_strict.config.arch import preset
+    from mmdit_strict.kernels.trace import capture_trace
+    from mmdit_strict.model.init import build_model
+    from mmdit_strict.model.inputs import random_inputs
+
+    arch = dataclasses.replace(preset(arch_name), num_layers=layers)
+    model = build_model(arch, seed=0, runtime="auto", dtype=dtype, device=DEVICE)
+    inp = {k: (v.to(DEVICE).to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point()
+               else v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in random_inputs(arch, grid, txt_lens, seed=0).items()}
+    res: dict[str, Any] = {"layers": layers, "grid": list(grid), "txt_lens": list(txt_lens), "dtype": str(dtype).replace("torch.", "")}
+    for kind in ("forward", "forward+backward"):
+        with capture_trace() as trace:
+            if kind == "forward":
+                with torch.no_grad():
+                    model(**inp, return_dict=False)
+            else:
+                x = inp["hidden_states"].detach().clone().requires_grad_(True)
+                out = model(**{**inp, "hidden_states": x}, return_dict=False)[0]
+                out.float().sum().backward()
+        res[kind] = sorted({f"{r.op} -> {r.actual_backend}" for r in trace.fallbacks})
+        res[f"{kind}_backends"] = sorted({f"{r.op}: {r.actual_backend}" for r in trace.records.values()})
+    del model
+    return res
+
+
 # ----------------------------------------------------------------------------------------------
 # report
 # ----------------------------------------------------------------------------------------------
@@ -520,6 +551,12 @@ def render(report: dict) -> str:
                          f"{_f(s.get('fwd_plain_ms'), '.4f')} ({_f(s.get('torch_fwd_plain_ms'), '.4f')}), "
                          f"{_f(s.get('fwd_bwd_plain_ms'), '.4f')} ({_f(s.get('torch_fwd_bwd_plain_ms'), '.4f')}) |")
         lines.append("")
+    mt = report.get("model_trace")
+    if mt:
+        lines += [f"## qwen-image architecture, runtime=auto ({mt['layers']} blocks, grid {mt['grid']}, text {mt['txt_lens']}, {mt.get('dtype')})", "",
+                  f"- forward fallbacks: {', '.join(mt['forward']) or 'none'}",
+                  f"- forward + backward fallbacks: {', '.join(mt['forward+backward']) or 'none'}",
+                  f"- backends: {', '.join(mt['forward_backends'])}", ""]
     if report.get("errors"):
         lines += ["## Errors", ""] + [f"- {x}" for x in report["errors"]] + [""]
     lines.append(f"Wall time {report.get('wall_s', 0):.0f} s.")
@@ -529,7 +566,8 @@ def render(report: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--sections", default="accuracy,invariance,speed", help="comma list of accuracy, invariance, speed")
+    ap.add_argument("--sections", default="speed,accuracy,invariance,model",
+                    help="comma list of speed, accuracy, invariance, model (the qwen-image architecture's fallbacks in runtime=auto)")
     ap.add_argument("--ops", default=None, help="comma list of operator names (default: all)")
     ap.add_argument("--budget-s", type=float, default=300.0, help="skip remaining cases past this wall time")
     args = ap.parse_args(argv)
@@ -576,6 +614,10 @@ def main(argv: list[str] | None = None) -> int:
                 if r:
                     report["invariance"].append(r)
             torch.cuda.empty_cache()
+    if "model" in sections:
+        mt = guarded("model trace", model_trace_case)
+        if mt:
+            report["model_trace"] = mt
     report["wall_s"] = time.time() - t0
     (out_dir / "norms.json").write_text(json.dumps(report, indent=1))
     (out_dir / "norms.md").write_text(render(report))
