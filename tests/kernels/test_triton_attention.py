@@ -25,6 +25,7 @@ import pytest  # noqa: E402
 triton = pytest.importorskip("triton")
 
 from mmdit_strict.kernels.triton import attention as A  # noqa: E402
+from mmdit_strict.kernels.triton import attention_unfused as U  # noqa: E402
 
 INTERPRET = A._interpreting()
 try:  # an earlier import may have compiled the kernels for a GPU; rebuild them for the interpreter
@@ -32,6 +33,8 @@ try:  # an earlier import may have compiled the kernels for a GPU; rebuild them 
 
     if INTERPRET and not isinstance(A._attn_fwd_kernel, InterpretedFunction):
         A = importlib.reload(A)
+    if INTERPRET and not isinstance(U._bmm_kernel, InterpretedFunction):
+        U = importlib.reload(U)
 except ImportError:  # pragma: no cover - layout of triton's internals changed
     pass
 
@@ -194,6 +197,80 @@ def test_registered_strict_for_cuda() -> None:
         assert impl.fn is A.joint_attention_fused or impl.fn.__name__ == "joint_attention_fused"
 
 
+# ------------------------------------------------------------------------------------ unfused trio
+
+
+def _unfused(*qkv_txt_img, txt_seqlens, img_seqlens):
+    """The trio composed sample by sample on packed rows, in the fused op's calling convention."""
+    q_t, k_t, v_t, q_i, k_i, v_i = qkv_txt_img
+    outs_t, outs_i = [], []
+    t0 = i0 = 0
+    for nt, ni in zip(txt_seqlens, img_seqlens):
+        def joint(a, b):
+            return torch.cat([a[t0:t0 + nt], b[i0:i0 + ni]]).transpose(0, 1)  # (H, L, d), strided
+
+        o = U.joint_attn_av_gemm(U.joint_attn_softmax(U.joint_attn_qk_gemm(joint(q_t, q_i), joint(k_t, k_i))), joint(v_t, v_i))
+        o = o.transpose(0, 1).reshape(nt + ni, -1)
+        outs_t.append(o[:nt])
+        outs_i.append(o[nt:])
+        t0, i0 = t0 + nt, i0 + ni
+    return torch.cat(outs_t), torch.cat(outs_i)
+
+
+def _check_vs_reference(section: str, batch: list[tuple], outs: list[tuple], dtype: torch.dtype) -> None:
+    for (s, g), out in zip(batch, outs):
+        sub = [t.detach().to("cpu", torch.float64).requires_grad_(True) for t in s]
+        nt, ni = s[0].shape[0], s[3].shape[0]
+        rt, ri = ref_ops.joint_attention(*sub, (nt,), (ni,))
+        rg = torch.autograd.grad((rt, ri), sub, tuple(x.to("cpu", torch.float64) for x in g))
+        pairs = [("fwd", out[0], rt), ("fwd", out[1], ri)]
+        for i, name in enumerate(("dq", "dk", "dv")):
+            pairs += [(name, out[2 + i], rg[i]), (name, out[5 + i], rg[3 + i])]
+        for name, got, ref in pairs:
+            if ref.numel() == 0:
+                continue
+            t = bench.attention_tolerance(name, dtype, ref) if section == "attention" else None
+            if t is None:
+                from mmdit_strict.tolerances import Tolerance, tolerance
+
+                base = tolerance(section, name, dtype)
+                t = Tolerance(base.rtol, base.atol * float(ref.detach().abs().max()), base.reason)
+            ok, max_abs, _ = t.check(got.reshape(ref.shape), ref)
+            assert ok, f"{section} {name} (text {nt}, image {ni}): max abs {max_abs:.3e} beyond {t}"
+
+
+@interp
+def test_unfused_trio_vs_reference_and_fused() -> None:
+    """qk_gemm → softmax → av_gemm per sample: forward and input gradients vs FP64, forward vs the fused kernel."""
+    batch = [_sample(5, 20, 70), _sample(0, 17, 71)]
+    outs = bench.run_batch(_unfused, [b[0] for b in batch], [b[1] for b in batch])
+    _check_vs_reference("attention_unfused", batch, outs, torch.float32)
+    fused = _run(batch)
+    from mmdit_strict.tolerances import tolerance
+
+    tol = tolerance("attention_unfused", "vs_fused", torch.float32)
+    for u, f in zip(outs, fused):
+        for a, b in zip(u[:2], f[:2]):
+            if b.numel():
+                ok, max_abs, _ = tol.check(a, b)
+                assert ok, f"unfused vs fused: max abs {max_abs:.3e}"
+    assert_bytes_equal(bench.run_batch(_unfused, [b[0] for b in batch], [b[1] for b in batch]), outs, "trio repeat")
+
+
+def test_unfused_bad_inputs() -> None:
+    q = torch.zeros(2, 5, D, device=DEV)
+    cases = [
+        BadCase("qk 2-D", (q[0], q), {}, "3-D"),
+        BadCase("qk shapes", (q, q[:, :4]), {}, "one shape"),
+        BadCase("qk fp16", (q.half(), q.half()), {}, "fp32 or bf16"),
+    ]
+    check_bad_inputs(U.joint_attn_qk_gemm, cases)
+    check_bad_inputs(U.joint_attn_softmax, [BadCase("not square", (torch.zeros(2, 5, 4, device=DEV),), {}, "square"),
+                                            BadCase("strided", (torch.zeros(2, 5, 5, device=DEV).transpose(1, 2),), {}, "contiguous")])
+    check_bad_inputs(U.joint_attn_av_gemm, [BadCase("p vs v", (torch.zeros(2, 5, 5, device=DEV), q[:, :4]), {}, "expected p"),
+                                            BadCase("dtype", (torch.zeros(2, 5, 5, device=DEV).double(), q), {}, "dtype")])
+
+
 # ------------------------------------------------------------------------------------------------ GPU
 
 
@@ -218,6 +295,28 @@ def test_gpu_invariance_24x128(dtype: str) -> None:
         pytest.skip("no CUDA device")
     r = bench.invariance(A, dtype, (2, 3), 5)
     assert r["pass"], r
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_gpu_unfused_trio_24x128(dtype: str) -> None:
+    """The trio at 24 heads × 128, 77 + 1999 tokens: forward and input gradients vs FP64 (heads 0–1)."""
+    if not torch.cuda.is_available() or INTERPRET:
+        pytest.skip("no CUDA device")
+    dt = bench.DTYPES[dtype]
+    s = bench.make_sample(77, 1999, heads=24, head_dim=128, dtype=dt, seed=80)
+    g = bench.make_grad(s, 81)
+    (out,) = bench.run_batch(_unfused, [s], [g])
+    (fused,) = bench.run_batch(A.joint_attention_fused, [s], [g])
+    heads = bench.REF_HEADS
+
+    def sub(t):
+        return t.reshape(t.shape[0], 24, 128)[:, :heads].contiguous()
+
+    batch = [(tuple(sub(t) for t in s), tuple(sub(t).reshape(t.shape[0], -1) for t in g))]
+    _check_vs_reference("attention_unfused", batch, [tuple(sub(t) for t in out)], dt)
+    diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(out, fused))
+    print(f"unfused vs fused ({dtype}): max abs difference over outputs and gradients {diff:.3e}")
 
 
 @gpu

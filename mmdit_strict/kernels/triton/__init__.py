@@ -6,4 +6,4 @@ slots empty, so strict mode fails closed there.
 
 import triton  # noqa: F401  (ImportError here means: no Triton backend on this machine)
 
-from . import attention, embed, gemm, norms, rope  # noqa: F401
+from . import attention, attention_unfused, embed, gemm, norms, rope  # noqa: F401
