@@ -80,6 +80,9 @@ class KernelImpl:
     config: dict = field(default_factory=dict)
     reduction_order: str = ""
     accumulator: str = "fp32"
+    # fused kernels this implementation offers with the *next* operator of the graph: {next op: fn(...)}.
+    # Each must give the bytes of the unfused pair; the model uses it when both ops resolve to this backend.
+    fusions: dict = field(default_factory=dict)
 
     @property
     def source_hash(self) -> str:

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from ..kernels.registry import dispatch
+from ..kernels.registry import dispatch, resolve
+from ..kernels.trace import record
 from ..kernels.runtime import current_runtime, runtime_mode
 from .rope import packed_rope_tables
 
@@ -82,6 +83,27 @@ def instrumented() -> bool:
     return _CAPTURE.get() is not None or _FAULT.get() is not None
 
 
+def _fusion(first: str, second: str, ref: torch.Tensor) -> Callable[..., Any] | None:
+    """The fused kernel for ``second(first(...))`` when both resolve to one backend offering it, else None.
+
+    Never while operators are captured or a fault is planted (the localizer needs both outputs; the fused
+    kernel gives the pair's bytes, so results do not change). Both operators are recorded in the trace.
+    """
+    if instrumented():
+        return None
+    runtime = current_runtime()
+    a, a_fell = resolve(first, ref.device, ref.dtype, runtime)
+    fn = a.fusions.get(second)
+    if fn is None:
+        return None
+    b, b_fell = resolve(second, ref.device, ref.dtype, runtime)
+    if b.backend != a.backend:
+        return None
+    record(first, a, runtime, ref.device.type, ref.dtype, a_fell)
+    record(second, b, runtime, ref.device.type, ref.dtype, b_fell)
+    return fn
+
+
 def linear_params(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
     """(weight, bias, lora) of a plain ``nn.Linear`` or a PEFT LoRA-wrapped one (active adapters, unmerged)."""
     base = getattr(module, "base_layer", None)
@@ -130,6 +152,9 @@ def _block(
 
     def qk(where: str, h: torch.Tensor, proj: nn.Module, norm: nn.Module, cos: torch.Tensor, sin: torch.Tensor, seq: tuple[int, ...]) -> torch.Tensor:
         t = heads_of(_gemm("qkv_bias_gemm", where, h, proj, seq))
+        fused = _fusion("qk_rmsnorm", "multi_axis_rope", t)
+        if fused is not None:
+            return fused(t, norm.weight, cos, sin, seqlens=seq, eps=eps)
         t = _op("qk_rmsnorm", where, t, t, norm.weight, seqlens=seq, eps=eps)
         return _op("multi_axis_rope", where, t, t, cos, sin)
 

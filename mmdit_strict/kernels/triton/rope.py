@@ -382,6 +382,7 @@ _CONFIG = {"programs": "one token per forward program; backward chunks of segmen
            "chunk_rows": seg.CHUNK_ROWS, "fold_tile": seg.FOLD_TILE}
 register(KernelImpl(
     op="qk_rmsnorm", backend="triton", device="cuda", dtypes=_DT, fn=qk_rmsnorm, strict=True,
+    fusions={"multi_axis_rope": qk_rmsnorm_rope},
     kernel_name="_qk_norm_fwd_kernel/_qk_norm_bwd_kernel/_segment_fold_kernel", source=_SOURCE, config=dict(_CONFIG),
     reduction_order=(f"per (token, head): tl.sum over d/2 of x_e²+x_o², div_rn/sqrt_rn; d_gain: tl.sum over heads per token, "
                      f"tokens chained in {seg.CHUNK_ROWS}-token chunks from the sample's first token, chunk partials summed "
