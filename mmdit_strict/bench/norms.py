@@ -11,7 +11,7 @@
   and last position among random companions) against the same sample alone, and the probe against
   companions whose lengths grow by 0..256 rows (what prompt padding changes in a padded layout);
   forward output and every per-row / per-sample gradient, ``torch.equal``;
-* speed at B = 1 (4096 and 6889 image rows, 256 text rows for the text input): forward and backward
+* speed at B = 1 (4096 image rows, also 6889 in bf16; 256 text rows for the text input): forward and backward
   kernels' GPU time (CUDA-graph replay), the bytes they must move, GB/s and the fraction of the
   device-to-device copy bandwidth measured in the same run at the same size; our forward+backward
   against the eager PyTorch composition it replaces (``kernels/production.py``), both graph-replayed;
@@ -327,7 +327,8 @@ def invariance_case(spec: Spec, dname: str, probe_rows: int, hi: int, seed: int)
         grads = [gys[0]] + [_randn((int(c[0].shape[0]),) + tail, g, dt) for c in comp]
         outs = run([], samples=[pool[0]] + comp, grads=grads)
         compare(outs[0], alone(0), f"pad +{pad}")
-    return {"op": spec.name, "dtype": dname, "probe_rows": probe_rows, "checked": checked, "equal": equal,
+    return {"op": spec.name, "dtype": dname, "probe_rows": probe_rows, "companion_rows": [0 if spec.stream == "text" else 1, hi],
+            "checked": checked, "equal": equal,
             "pass": checked == equal, "failures": failures}
 
 
@@ -351,7 +352,8 @@ def _graph_ms(fn) -> float | None:
 def _plain_ms(fn) -> float:
     from triton.testing import do_bench
 
-    return float(do_bench(fn, warmup=10, rep=50, quantiles=[0.5])[0])
+    r = do_bench(fn, warmup=10, rep=50, quantiles=[0.5])
+    return float(r[0] if isinstance(r, (list, tuple)) else r)  # one quantile comes back as a float
 
 
 _COPY: dict[int, float] = {}
@@ -527,9 +529,11 @@ def render(report: dict) -> str:
                   f"Every sample of batches B ∈ {list(BATCHES)} (the probe first, middle and last among random companions) vs the same "
                   f"sample alone, and the probe with companions {list(PADS)} rows longer: forward output and every per-row / per-sample "
                   "gradient, `torch.equal`.", "",
-                  "| op | dtype | probe rows | equal / checked | failures |", "|---|---|---|---|---|"]
+                  "| op | dtype | probe rows | companion rows | equal / checked | failures |", "|---|---|---|---|---|---|"]
         for a in inv:
-            lines.append(f"| {a['op']} | {a['dtype']} | {a['probe_rows']} | {a['equal']}/{a['checked']} | {', '.join(a['failures'][:3])} |")
+            lo_hi = a.get("companion_rows", ["?", "?"])
+            lines.append(f"| {a['op']} | {a['dtype']} | {a['probe_rows']} | {lo_hi[0]}..{lo_hi[1]} | {a['equal']}/{a['checked']} | "
+                         f"{', '.join(a['failures'][:3])} |")
         lines.append("")
     sp = report.get("speed", [])
     if sp:
@@ -595,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     if "speed" in sections:
         for spec in specs:
             for dname in DTYPES:
-                for rows in ((256,) if spec.stream == "text" else (4096, 6889)):
+                for rows in ((256,) if spec.stream == "text" else (4096, 6889) if dname == "bf16" else (4096,)):
                     r = guarded(f"speed {spec.name} {dname} {rows}", lambda: speed_case(spec, dname, rows, 30))
                     if r:
                         report["speed"].append(r)
@@ -609,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
                         r = guarded(f"accuracy {spec.name} {dname} {rows}", lambda: accuracy_case(spec, dname, rows, 10 + i))
                         report["accuracy"] += r or []
             if "invariance" in sections:
-                probe, hi = (77, 256) if spec.stream == "text" else (4096, 2048)
+                probe, hi = (77, 256) if spec.stream == "text" else (4096, 1024)
                 r = guarded(f"invariance {spec.name} {dname}", lambda: invariance_case(spec, dname, probe, hi, 20))
                 if r:
                     report["invariance"].append(r)
