@@ -56,13 +56,16 @@ REF_HEADS = 2  # accuracy is checked on heads 0..REF_HEADS-1 against the CPU FP6
 # Candidate overrides of the frozen bf16 d=128 configuration (informational; see ``candidates``).
 # Run at 90d39bb: fwd 128x64/8/3 (also /8/4), 128x128/8/3, 128x64/4/3; dkdv 32x128/4/5, 64x128/8/3, 32x128/8/4,
 # 64x64/4/3; dq 128x32/4/5, 128x64/8/3, 64x64/4/3, 128x32/8/4. This set: TMA descriptor loads for the forward and
-# neighbours of the frozen backward tiles.
+# block pointers (the anchor kernel's loads; Triton 3.6 still has them), neighbours of the frozen backward tiles.
 CANDIDATES = (
-    ("fwd", {"fwd": (128, 64, 8, 3), "fwd_tma": True}),
-    ("fwd", {"fwd": (128, 128, 8, 3), "fwd_tma": True}),
+    ("fwd", {"fwd_loads": "tma"}),
+    ("fwd", {"fwd": (128, 128, 8, 3), "fwd_loads": "tma"}),
+    ("fwd", {"fwd_loads": "block_ptr"}),
     ("fwd", {"fwd": (128, 64, 8, 2)}),
     ("dkdv", {"dkdv": (32, 128, 8, 3)}),
+    ("dkdv", {"dkdv": (64, 128, 8, 4)}),
     ("dq", {"dq": (128, 64, 8, 4)}),
+    ("dq", {"dq": (128, 32, 8, 3)}),
 )
 DEVICE = "cuda"
 

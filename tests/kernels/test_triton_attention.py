@@ -129,11 +129,11 @@ def test_tail_tiles_never_write_over_neighbour_rows() -> None:
 
 @interp
 def test_tma_descriptor_loads_give_the_same_bytes() -> None:
-    """The forward's optional descriptor loads (config ``fwd_tma``) read the same values: same bytes."""
+    """The forward's optional descriptor loads (config ``fwd_loads="tma"``) read the same values: same bytes."""
     packed, tseq, iseq = bench.pack([_sample(5, 37, 60)[0], _sample(0, 19, 61)[0], _sample(16, 1, 62)[0]])
     base = A.config_for(D, torch.float32)
-    assert_bytes_equal(A.attention_fwd(*packed, tseq, iseq, {**base, "fwd_tma": True}),
-                       A.attention_fwd(*packed, tseq, iseq, base), "fwd_tma vs pointer loads")
+    assert_bytes_equal(A.attention_fwd(*packed, tseq, iseq, {**base, "fwd_loads": "tma"}),
+                       A.attention_fwd(*packed, tseq, iseq, base), "tma vs pointer loads")
 
 
 @interp

@@ -99,16 +99,31 @@ def _row_ptrs(base_ptr, row0, row_stride, col, ROWS: tl.constexpr, D: tl.constex
 
 @triton.jit
 def _fwd_segment(acc, m_i, l_i, q, k_ptr, v_ptr, row0, n, row_stride, col, qk_scale,
-                 D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
+                 D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr):
     """Key tiles of one segment (rows ``row0 .. row0+n`` of one stream), ascending; last tile peeled.
 
-    ``TMA``: load through device-side tensor descriptors whose row extent ends at the segment's end
-    (the hardware zero-fills the rows past it); otherwise pointer loads, masked on the last tile.
-    Both read the same values, so the arithmetic and the result bytes are the same.
+    ``LOADS`` (see ``_LOADS``): 0 pointer loads, masked on the last tile; 1 device-side tensor
+    descriptors (TMA) whose row extent ends at the segment's end (the hardware zero-fills the rows
+    past it); 2 block pointers bounded at the segment's end (Triton releases that still have them).
+    All read the same values, so the arithmetic and the result bytes are the same.
     """
     n_full = n // BLOCK_N
     tail = n - n_full * BLOCK_N
-    if TMA:
+    if LOADS == 2:
+        seg_end = row0 + n
+        k_bp = tl.make_block_ptr(k_ptr + col, (seg_end, D), (row_stride, 1), (row0, 0), (BLOCK_N, D), (1, 0))
+        v_bp = tl.make_block_ptr(v_ptr + col, (seg_end, D), (row_stride, 1), (row0, 0), (BLOCK_N, D), (1, 0))
+        for _ in range(0, n_full):
+            k = tl.load(k_bp)
+            v = tl.load(v_bp)
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k, v, qk_scale, BLOCK_N, BLOCK_N, False, DOT_PRECISION)
+            k_bp = tl.advance(k_bp, (BLOCK_N, 0))
+            v_bp = tl.advance(v_bp, (BLOCK_N, 0))
+        if tail > 0:
+            k = tl.load(k_bp, boundary_check=(0,), padding_option="zero")
+            v = tl.load(v_bp, boundary_check=(0,), padding_option="zero")
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k, v, qk_scale, tail, BLOCK_N, True, DOT_PRECISION)
+    elif LOADS == 1:
         seg_end = tl.maximum(row0 + n, 1)
         k_desc = tl.make_tensor_descriptor(k_ptr + col, shape=[seg_end, D], strides=[row_stride, 1], block_shape=[BLOCK_N, D])
         v_desc = tl.make_tensor_descriptor(v_ptr + col, shape=[seg_end, D], strides=[row_stride, 1], block_shape=[BLOCK_N, D])
@@ -144,7 +159,7 @@ def _fwd_segment(acc, m_i, l_i, q, k_ptr, v_ptr, row0, n, row_stride, col, qk_sc
 def _attn_fwd_kernel(
     q_txt_ptr, k_txt_ptr, v_txt_ptr, q_img_ptr, k_img_ptr, v_img_ptr, o_txt_ptr, o_img_ptr, lse_ptr, tiles_ptr,
     row_stride, n_heads, qk_scale,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr,
 ):
     """One (query tile, head): O rows and their base-2 LSE. Grid (query tiles, heads)."""
     tile = tl.program_id(0)
@@ -171,9 +186,9 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     acc, m_i, l_i = _fwd_segment(acc, m_i, l_i, q, k_txt_ptr, v_txt_ptr, t_start, nt, row_stride, col, qk_scale,
-                                 D, BLOCK_N, DOT_PRECISION, TMA)
+                                 D, BLOCK_N, DOT_PRECISION, LOADS)
     acc, m_i, l_i = _fwd_segment(acc, m_i, l_i, q, k_img_ptr, v_img_ptr, i_start, ni, row_stride, col, qk_scale,
-                                 D, BLOCK_N, DOT_PRECISION, TMA)
+                                 D, BLOCK_N, DOT_PRECISION, LOADS)
 
     o = tl.math.div_rn(acc, l_i[:, None]).to(o_txt_ptr.dtype.element_ty)
     tl.store(o_txt_ptr + offs, o, mask=txt_ok)
@@ -386,6 +401,8 @@ CONFIGS: dict[tuple[int, torch.dtype], dict] = {
     (16, torch.bfloat16): _SMALL, (16, torch.float32): _SMALL,
 }
 HEAD_DIMS = (16, 32, 64, 128)
+# Forward key/value load paths (config key "fwd_loads", default "pointer"); all read the same values.
+_LOADS = {"pointer": 0, "tma": 1, "block_ptr": 2}
 _DOT_PRECISION = "ieee"
 
 
@@ -524,8 +541,8 @@ def attention_fwd(q_txt, k_txt, v_txt, q_img, k_img, v_img, tseq, iseq, cfg: dic
     heads, d = q_img.shape[1:]
     cfg = cfg or config_for(d, q_img.dtype)
     bm, bn, warps, stages = cfg["fwd"]
-    tma = bool(cfg.get("fwd_tma", False))
-    if tma:
+    loads = _LOADS[cfg.get("fwd_loads", "pointer")]
+    if loads == 1:
         _ensure_allocator()
     if out is None:
         out = (torch.empty_like(q_txt), torch.empty_like(q_img),
@@ -537,7 +554,7 @@ def attention_fwd(q_txt, k_txt, v_txt, q_img, k_img, v_img, tseq, iseq, cfg: dic
         _attn_fwd_kernel[(n_tiles, heads)](
             q_txt, k_txt, v_txt, q_img, k_img, v_img, o_txt, o_img, lse, table,
             heads * d, heads, qk_scale,
-            D=d, BLOCK_M=bm, BLOCK_N=bn, DOT_PRECISION=_DOT_PRECISION, TMA=tma, **_launch_opts(warps, stages))
+            D=d, BLOCK_M=bm, BLOCK_N=bn, DOT_PRECISION=_DOT_PRECISION, LOADS=loads, **_launch_opts(warps, stages))
     return o_txt, o_img, lse
 
 
