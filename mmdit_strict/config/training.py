@@ -59,12 +59,15 @@ class TrainConfig:
     max_grad_norm: float = 1.0  # 0 disables clipping
     ema: bool = False  # keep an EMA of the LoRA weights (used for eval)
     ema_decay: float = 0.9
-    reward_fn: dict = field(default_factory=lambda: {"latent_stats": 1.0})  # name or "module:function" → weight
+    # name or "module:function" → weight; set by the train group (train=tiny | flow_grpo): YAML layers merge
+    # dicts, so only one layer names rewards. Weight 0 switches a reward off; +train.reward_fn.<name>=<w> adds one.
+    reward_fn: dict = field(default_factory=dict)
     reward_kwargs: dict = field(default_factory=dict)  # name → keyword arguments of that reward
     eval_freq: int = 0  # every N epochs, ODE-sample the eval prompts and log their reward (0: never)
     eval_num_prompts: int = 2
     save_freq: int = 1  # checkpoint every N epochs (and always after the last)
     export: bool = True  # write the PEFT and diffusers LoRA folders after the last epoch
+    cpu_threads: Optional[int] = None  # torch intra-op threads for this process (None: torch's default); the tiny run uses 1
 
 
 TRAIN_CHOICES: dict[str, tuple[Any, ...]] = {

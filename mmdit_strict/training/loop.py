@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 
 from ..config.compose import save_resolved
 from ..kernels.grad_sink import collect_sample_grads
-from ..kernels.runtime import Runtime, runtime_mode
+from ..kernels.runtime import Runtime
 from ..sampling import sigma_table
 from ..trajectories.setup import DTYPES, build_side_model, latent_grid, make_prompts
 from . import checkpoint as ckpt
@@ -46,7 +46,7 @@ from .metrics import MetricLogger, peak_memory_mb, read_metrics
 from .optim import LoraEMA, build_optimizer
 from .policy import adapters_disabled, evaluate_pairs
 from .rewards import RewardSet, unpack_final
-from .rollout import EpochSamples, ode_sample, rollout_epoch
+from .rollout import EpochSamples, ode_sample, rollout_epoch, side
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ EVAL_ID_BASE = 1 << 40
 
 #: Config keys that may change between a run and its resume (everything else must match).
 RESUME_FREE = ("resume", "progress", "wandb", "output_dir", "_choices_", "train.num_epochs", "train.eval_freq",
-               "train.save_freq", "train.export", "train.recompute_old_logp")
+               "train.save_freq", "train.export", "train.recompute_old_logp", "train.cpu_threads")
 
 UpdateHook = Callable[[int, int, int], None]
 
@@ -218,7 +218,7 @@ class Trainer:
 
     def _check_old_logp(self, samples: EpochSamples, pairs: list[tuple[int, int]]) -> None:
         mb = int(self.tcfg.micro_batch)
-        with runtime_mode(self.train_rt), torch.no_grad():
+        with side(self.model, self.train_rt), torch.no_grad():
             for i in range(0, len(pairs), mb):
                 chunk = pairs[i:i + mb]
                 got = self._eval_pairs(samples, chunk).logp
@@ -240,6 +240,7 @@ class Trainer:
         adv_dev = adv.to(device=self.device, dtype=torch.float32)
         ratios, clipped, approx, policy, kl, norms, folds = [], [], [], [], [], [], set()
         first_ratios: torch.Tensor | None = None
+        first_dlogp = torch.zeros(1)
         t_opt = 0.0
         n_updates = sum(math.ceil(len(pairs) / per_update) for _ in range(int(t.num_inner_epochs)))
         bar = tqdm(total=n_updates, desc=f"epoch {epoch} train [{self.train_rt.value}]", disable=not self.progress, leave=False)
@@ -250,8 +251,8 @@ class Trainer:
             for u, u0 in enumerate(range(0, len(order), per_update)):
                 chunk = order[u0:u0 + per_update]
                 weight = 1.0 / len(chunk)
-                update_ratios = []
-                with collect_sample_grads() as sink, runtime_mode(self.train_rt):
+                update_ratios, update_dlogp = [], []
+                with collect_sample_grads() as sink, side(self.model, self.train_rt):
                     for m0 in range(0, len(chunk), mb):
                         part = chunk[m0:m0 + mb]
                         ev = self._eval_pairs(samples, part)
@@ -265,6 +266,7 @@ class Trainer:
                                        ev.mean, ref_mean, ev.std)
                         pl.loss.backward()
                         update_ratios.append(pl.ratio)
+                        update_dlogp.append((ev.logp.detach() - old).abs())
                         clipped.append(pl.clipped)
                         approx.append(0.5 * (ev.logp.detach() - old) ** 2)
                         policy.append(pl.policy)
@@ -276,7 +278,7 @@ class Trainer:
                 r = torch.cat(update_ratios)
                 ratios.append(r)
                 if first_ratios is None:
-                    first_ratios = r
+                    first_ratios, first_dlogp = r, torch.cat(update_dlogp)
                 bar.update(1)
                 if self.on_update is not None:
                     self.on_update(epoch, inner, u)
@@ -288,6 +290,7 @@ class Trainer:
             "ratio_min": float(r.min()), "ratio_max": float(r.max()), "ratio_exact_one_frac": float((r == 1.0).double().mean()),
             "first_update_ratio_exact_one_frac": float((fr == 1.0).double().mean()),
             "first_update_ratio_max_abs_dev": float((fr - 1.0).abs().max()),
+            "first_update_logp_max_abs_diff": float(first_dlogp.max()),
             "first_update_pairs": int(fr.numel()),
             "clipfrac": float(torch.cat(clipped).double().mean()), "approx_kl": float(torch.cat(approx).double().mean()),
             "policy_loss": float(torch.cat(policy).double().mean()), "kl_loss": float(torch.cat(kl).double().mean()),
@@ -399,5 +402,12 @@ class Trainer:
 
 
 def run_training(cfg: DictConfig, progress: bool = True, on_update: UpdateHook | None = None) -> TrainResult:
-    """Train (or resume) the run configured by ``cfg`` in ``cfg.output_dir``."""
+    """Train (or resume) the run configured by ``cfg`` in ``cfg.output_dir``.
+
+    ``train.cpu_threads`` (when set) applies ``torch.set_num_threads`` to the whole process.
+    """
+    if cfg.train.cpu_threads is not None:
+        if int(cfg.train.cpu_threads) < 1:
+            raise ValueError(f"train.cpu_threads must be >= 1, got {cfg.train.cpu_threads}")
+        torch.set_num_threads(int(cfg.train.cpu_threads))
     return Trainer(cfg, progress=progress, on_update=on_update).run()

@@ -169,12 +169,14 @@ class RewardSet:
     """Weighted sum of rewards; each is also reported on its own."""
 
     def __init__(self, weights: Mapping[str, float], kwargs: Mapping[str, Mapping[str, Any]] | None = None) -> None:
-        if not weights:
-            raise ValueError("train.reward_fn is empty: name at least one reward with a weight")
         kwargs = dict(kwargs or {})
         unknown = sorted(set(kwargs) - set(weights))
         if unknown:
             raise ValueError(f"train.reward_kwargs names rewards not in train.reward_fn: {unknown}")
+        weights = {n: w for n, w in weights.items() if float(w) != 0.0}  # weight 0 switches a reward off
+        if not weights:
+            raise ValueError("train.reward_fn names no reward with a non-zero weight: pick a train group (train=tiny, train=flow_grpo), an experiment (experiment=grpo_tiny) or add one (+train.reward_fn.jpeg_compressibility=1.0)")
+        kwargs = {n: k for n, k in kwargs.items() if n in weights}
         self.specs = [resolve_reward(str(n)) for n in weights]
         self.weights = {str(n): float(w) for n, w in weights.items()}
         self.kwargs = {str(n): dict(k) for n, k in kwargs.items()}

@@ -15,9 +15,10 @@ reuses directly (no recompute pass).
 
 from __future__ import annotations
 
+import contextlib
 import random
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -27,6 +28,19 @@ from ..model import MMDiT
 from ..sampling import euler_step, initial_latents, sde_step, step_noise
 from ..trajectories.engine import velocity
 from ..trajectories.setup import Prompts
+
+
+@contextlib.contextmanager
+def side(model: MMDiT, runtime: Runtime) -> Iterator[None]:
+    """Run ``model`` in ``runtime`` inside the block (its forward and the operator registry), then restore."""
+    before = model.runtime
+    model.set_runtime(runtime)
+    try:
+        with runtime_mode(runtime):
+            yield
+    finally:
+        model.set_runtime(before)
+
 
 
 @dataclass
@@ -117,7 +131,7 @@ def rollout_epoch(
     xs[0] = initial_latents(seed, init_ids, (T, C), device)
     logp = torch.zeros(S, N, dtype=torch.float32, device=device)
     sigma_max = float(sigmas[1])
-    with runtime_mode(runtime):
+    with side(model, runtime):
         for step in range(S):
             s, sp = float(sigmas[step]), float(sigmas[step + 1])
             for b0 in range(0, N, bs):
@@ -150,7 +164,7 @@ def ode_sample(model: MMDiT, runtime: Runtime, prompts: Prompts, prompt_ids: Seq
     T, C = grid[0] * grid[1], model.config.in_channels
     x = initial_latents(seed, [id_base + i for i in range(len(prompt_ids))], (T, C), model.device)
     bs = max(1, int(scfg.batch_size))
-    with runtime_mode(runtime):
+    with side(model, runtime):
         for step in range(S):
             s, sp = float(sigmas[step]), float(sigmas[step + 1])
             nxt = torch.empty_like(x)
