@@ -17,7 +17,8 @@ EXIT_OK, EXIT_DRIFT, EXIT_ERROR = 0, 1, 2
 
 _OVERRIDES_HELP = (
     "hydra-style overrides: group=option (model=tiny, runtime=off, experiment=recompute_off) and "
-    "key=value (sampler.num_steps=4, recompute.micro_batch=2); +key=value adds a new key under extra"
+    "key=value (sampler.num_steps=4, recompute.micro_batch=2, model.checkpoint=null); +key=value adds a new "
+    "key under extra, ++key=value adds or sets, ~key deletes, ~group drops a group; flags may come anywhere"
 )
 
 
@@ -31,6 +32,8 @@ def _add_overrides(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help=_OVERRIDES_HELP)
     p.add_argument("--config-dir", default=None, help="folder holding config.yaml and the groups (default: ./configs)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("-m", "--multirun", action="store_true",
+                   help="sweep: key=a,b values run the cartesian product, job i in OUTPUT_DIR/i (hydra's -m)")
 
 
 def cmd_fingerprint(args: argparse.Namespace) -> int:
@@ -226,9 +229,49 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """parse_args that also takes overrides after flags (``run a=1 --quiet b=2``), as hydra does."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        stray = [e for e in extra if e.startswith("-") or "=" not in e.lstrip("~")]
+        if stray or not hasattr(args, "overrides"):
+            parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+        args.overrides = list(args.overrides) + extra
+    return args
+
+
+def _multirun(args: argparse.Namespace) -> int:
+    """Run ``args.func`` once per point of the sweep's cartesian product, job i in ``OUTPUT_DIR/i``."""
+    import copy
+
+    from ..config.compose import compose
+    from ..config.overrides import expand_multirun, parse_override
+    from ..io import atomic_write_text
+
+    if any(parse_override(o).key == "output_dir" and "," in (parse_override(o).raw or "") for o in args.overrides):
+        raise ValueError("output_dir cannot be swept: multirun jobs go to OUTPUT_DIR/<job number>")
+    jobs = expand_multirun(args.overrides)
+    base = Path(compose(jobs[0], config_dir=args.config_dir).output_dir)
+    rows, worst = [], EXIT_OK
+    for i, job in enumerate(jobs):
+        sub = copy.copy(args)
+        sub.overrides = [*job, f"output_dir={base / str(i)}"]
+        print(f"[multirun] job {i}: {' '.join(job)}", flush=True)
+        rc = args.func(sub)
+        rows.append({"job": i, "overrides": job, "output_dir": str(base / str(i)), "exit_code": rc})
+        worst = max(worst, rc)
+        if rc == EXIT_ERROR:
+            break
+    import yaml
+
+    atomic_write_text(base / "multirun.yaml", yaml.safe_dump({"jobs": rows}, sort_keys=False))
+    print(f"[multirun] {len(rows)}/{len(jobs)} jobs → {base / 'multirun.yaml'}")
+    return worst
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if not getattr(args, "func", None):
         parser.print_help()
@@ -239,6 +282,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ..trajectories.artifact import TrajectoryError
 
     try:
+        if getattr(args, "multirun", False):
+            return _multirun(args)
         return args.func(args)
     except (ConfigError, CheckpointError, TrajectoryError, NoStrictKernelError, ValueError, FileNotFoundError) as exc:
         print(f"mmdit-strict {args.command}: error: {exc}", file=sys.stderr)

@@ -5,9 +5,13 @@ each group is a folder of YAML files merged under the group's key, unless the fi
 ``# @package _global_`` (the ``experiment`` group), which merges at the root. Command-line
 overrides work as in hydra:
 
-* ``group=option`` picks another file of a group (``runtime=off``);
+* ``group=option`` picks another file of a group (``runtime=off``); ``~group`` drops it;
 * ``key.sub=value`` sets an existing key (an unknown key is an error listing the valid ones);
-* ``+key=value`` adds a key under the free-form ``extra`` mapping or any dict-typed node.
+* ``+key=value`` adds a key under the free-form ``extra`` mapping or any dict-typed node (an
+  existing key is an error); ``++key=value`` adds or sets;
+* ``~key`` (or ``~key=value``, only if it holds ``value``) deletes a key that is not a schema field.
+
+Values are parsed as hydra does (``null`` → None, numbers, booleans, lists; ``overrides.py``).
 
 The result is validated against :class:`~mmdit_strict.config.schema.RunConfig`.
 """
@@ -21,6 +25,7 @@ from typing import Any, Sequence
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from .overrides import Override, OverrideError, parse_override
 from .schema import CHOICES, RunConfig
 
 GLOBAL_PACKAGE = "# @package _global_"
@@ -60,15 +65,18 @@ def _load_yaml(path: Path) -> tuple[DictConfig, bool]:
     return node, text.lstrip().startswith(GLOBAL_PACKAGE)
 
 
-def _parse_override(item: str) -> tuple[str, str, bool]:
-    if "=" not in item:
-        raise ConfigError(f"override {item!r} is not of the form key=value or group=option")
-    key, value = item.split("=", 1)
-    add = key.startswith("+")
-    key = key.lstrip("+").strip()
-    if not key:
-        raise ConfigError(f"override {item!r} has an empty key")
-    return key, value, add
+def _parse_override(item: str) -> Override:
+    try:
+        return parse_override(item)
+    except OverrideError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _is_schema_field(parent: DictConfig, leaf: str) -> bool:
+    import dataclasses
+
+    t = OmegaConf.get_type(parent)
+    return t is not None and dataclasses.is_dataclass(t) and leaf in {f.name for f in dataclasses.fields(t)}
 
 
 def _valid_keys(node: Any, prefix: str) -> list[str]:
@@ -87,8 +95,10 @@ def compose(overrides: Sequence[str] = (), config_dir: str | Path | None = None,
     known_groups = groups(cdir)
 
     parsed = [_parse_override(o) for o in overrides]
-    group_choice = {k: v for k, v, add in parsed if k in known_groups}
-    value_overrides = [(k, v, add) for k, v, add in parsed if k not in known_groups]
+    group_choice: dict[str, str | None] = {
+        o.key: (None if o.op == "delete" else o.raw) for o in parsed if o.key in known_groups
+    }
+    value_overrides = [o for o in parsed if o.key not in known_groups]
 
     defaults = OmegaConf.to_container(primary.pop("defaults")) if "defaults" in primary else ["_self_"]
     order: list[tuple[str, str | None]] = []
@@ -137,23 +147,37 @@ def compose(overrides: Sequence[str] = (), config_dir: str | Path | None = None,
     except (ConfigKeyError, ValidationError) as exc:
         raise ConfigError(_explain(exc, merged)) from exc
 
-    for key, value, add in value_overrides:
+    for o in value_overrides:
+        key, value = o.key, o.raw if o.raw is not None else ""
+        add = o.op in ("add", "force")
         parent_key, _, leaf = key.rpartition(".")
         parent = OmegaConf.select(merged, parent_key) if parent_key else merged
         if parent is None or not isinstance(parent, DictConfig):
             raise ConfigError(f"unknown config key {key!r}: {parent_key!r} is not a config section")
         exists = leaf in parent
+        if o.op == "delete":
+            if not exists:
+                raise ConfigError(f"cannot delete {key!r}: no such key")
+            if _is_schema_field(parent, leaf):
+                raise ConfigError(f"cannot delete {key!r}: it is a schema field (set it, e.g. {key}=null, instead)")
+            if o.raw is not None and parent[leaf] != o.value:
+                raise ConfigError(f"cannot delete {key!r}: it holds {parent[leaf]!r}, not {o.value!r}")
+            with_flag = OmegaConf.is_struct(parent)
+            OmegaConf.set_struct(parent, False)
+            del parent[leaf]
+            OmegaConf.set_struct(parent, with_flag)
+            continue
+        if exists and o.op == "add":
+            raise ConfigError(f"cannot add {key!r}: it already exists (set it with {key}=..., or ++{key}=...)")
         if not exists and not add:
             raise ConfigError(
                 f"unknown config key {key!r}; valid keys here: {', '.join(_valid_keys(parent, parent_key + '.' if parent_key else ''))}"
                 + (" (prefix with + to add a new key)" if parent_key == "extra" else "")
             )
         try:
-            # YAML 1.1 reads on/off/yes/no as booleans; keep them as text (``runtime=off``), a bool field still parses them.
-            if value.lower() in ("on", "off", "yes", "no") or value == "":
-                parsed_value: Any = value
-            else:
-                parsed_value = OmegaConf.create({"v": value}).v
+            # hydra's value grammar: null → None, numbers, booleans, lists; on/off/yes/no stay text
+            # (``runtime=off``), a bool field still parses them.
+            parsed_value: Any = o.value if o.raw is not None else ""
             if add and not exists:
                 with_flag = OmegaConf.is_struct(parent)
                 OmegaConf.set_struct(parent, False)
