@@ -25,8 +25,9 @@ run cut short still leaves what it measured):
   each sample's own length L, backward counted as 2.5× forward. SDPA runs the padded batch
   ``(B, H, max text + image, d)`` without a mask (for B = 1 the same work); its TFLOP/s are counted on
   its own padded shape and the ratio is of TFLOP/s (for B = 1 it equals the time ratio);
-* candidate configurations (informational): overrides of the frozen BF16 configuration at 4096 + 128,
-  B = 1, passed explicitly through the op's ``config`` argument (the frozen table is not touched).
+* candidate configurations (informational): overrides of the frozen configurations at 4096 + 128,
+  B = 1, passed explicitly through the op's ``config`` argument (the frozen table is not touched); bytes
+  compared with the frozen configuration where only the load path differs.
 """
 
 from __future__ import annotations
@@ -53,19 +54,18 @@ NEIGHBOURS = ((0, 4096), (256, 6032), (77, 4096), (0, 6889), (256, 6889), (77, 6
 PROBE_FP32 = (77, 1999)
 NEIGHBOURS_FP32 = ((0, 1029), (256, 1500))
 REF_HEADS = 2  # accuracy is checked on heads 0..REF_HEADS-1 against the CPU FP64 reference
-# Candidate overrides of the frozen bf16 d=128 configuration (informational; see ``candidates``).
-# Run at 90d39bb: fwd 128x64/8/3 (also /8/4), 128x128/8/3, 128x64/4/3; dkdv 32x128/4/5, 64x128/8/3, 32x128/8/4,
-# 64x64/4/3; dq 128x32/4/5, 128x64/8/3, 64x64/4/3, 128x32/8/4. This set: TMA descriptor loads for the forward and
-# block pointers (the anchor kernel's loads; Triton 3.6 still has them), neighbours of the frozen backward tiles.
+# Candidate overrides of the frozen d=128 configurations (informational; see ``candidates``), as
+# (dtype, part, override). Earlier runs: 90d39bb (tiles and warps) and f02d17b (load paths, backward neighbours);
+# see experiments/attention/. This set: the pointer-load forward for comparison, TMA forward tile neighbours, TMA
+# loads in the backward, and fp32 forward tiles on 8 warps.
 CANDIDATES = (
-    ("fwd", {"fwd_loads": "tma"}),
-    ("fwd", {"fwd": (128, 128, 8, 3), "fwd_loads": "tma"}),
-    ("fwd", {"fwd_loads": "block_ptr"}),
-    ("fwd", {"fwd": (128, 64, 8, 2)}),
-    ("dkdv", {"dkdv": (32, 128, 8, 3)}),
-    ("dkdv", {"dkdv": (64, 128, 8, 4)}),
-    ("dq", {"dq": (128, 64, 8, 4)}),
-    ("dq", {"dq": (128, 32, 8, 3)}),
+    ("bf16", "fwd", {"fwd_loads": "pointer"}),
+    ("bf16", "fwd", {"fwd": (128, 64, 8, 4)}),
+    ("bf16", "fwd", {"fwd": (128, 128, 8, 3)}),
+    ("bf16", "bwd", {"bwd_loads": "tma"}),
+    ("bf16", "bwd", {"bwd_loads": "tma", "dq": (128, 32, 8, 4)}),
+    ("fp32", "fwd", {"fwd": (64, 32, 8, 2)}),
+    ("fp32", "fwd", {"fwd": (64, 64, 8, 2)}),
 )
 DEVICE = "cuda"
 
@@ -332,29 +332,38 @@ def speed_case(A, dtype_name: str, ni: int, texts: Sequence[int], cfg: dict | No
 
 
 def candidates(A) -> list[dict]:
-    """Each override of :data:`CANDIDATES` on the frozen bf16 configuration, at 4096 + 128, B = 1.
+    """Each override of :data:`CANDIDATES` on the frozen configuration of its dtype, at 4096 + 128, B = 1.
 
-    Outputs are compared in bytes with the frozen configuration's where the override keeps the tiles
-    (TMA loads read the same values, so the bytes must not move).
+    Forward (backward) bytes are compared with the frozen configuration's where the override keeps the
+    forward (backward) tiles: another load path reads the same values, so the bytes must not move.
     """
-    base = dict(A.config_for(HEAD_DIM, torch.bfloat16))
-    s = make_sample(TEXTS[1][0], IMAGES[0], heads=HEADS, head_dim=HEAD_DIM, dtype=torch.bfloat16, seed=100)
-    packed, tseq, iseq = pack([s])
-    ref_out = A.attention_fwd(*packed, tseq, iseq, base)
     rows = []
-    for part, override in CANDIDATES:
+    frozen = {}
+    for dtype_name, part, override in CANDIDATES:
+        dtype = DTYPES[dtype_name]
+        base = dict(A.config_for(HEAD_DIM, dtype))
+        if dtype_name not in frozen:
+            s = make_sample(TEXTS[1][0], IMAGES[0], heads=HEADS, head_dim=HEAD_DIM, dtype=dtype, seed=100)
+            packed, tseq, iseq = pack([s])
+            o_t, o_i, lse = A.attention_fwd(*packed, tseq, iseq, base)
+            do_t, do_i = torch.randn_like(o_t), torch.randn_like(o_i)
+            grads = A.attention_bwd(do_t, do_i, *packed, o_t, o_i, lse, tseq, iseq, base)
+            frozen[dtype_name] = (packed, tseq, iseq, (o_t, o_i, lse), (do_t, do_i), grads)
+        packed, tseq, iseq, fwd_ref, (do_t, do_i), bwd_ref = frozen[dtype_name]
         cfg = {**base, **override}
         label = {k: list(v) if isinstance(v, tuple) else v for k, v in override.items()}
         try:
-            r = speed_case(A, "bf16", IMAGES[0], TEXTS[1], cfg, sdpa=False)
-            row = {"part": part, "config": label, "fwd_tflops": r["ours_fwd"]["tflops"], "fwd_ms": r["ours_fwd"]["ms"],
-                   "bwd_tflops": r["ours_bwd"]["tflops"], "bwd_ms": r["ours_bwd"]["ms"]}
+            r = speed_case(A, dtype_name, IMAGES[0], TEXTS[1], cfg, sdpa=False)
+            row = {"dtype": dtype_name, "part": part, "config": label, "fwd_tflops": r["ours_fwd"]["tflops"],
+                   "fwd_ms": r["ours_fwd"]["ms"], "bwd_tflops": r["ours_bwd"]["tflops"], "bwd_ms": r["ours_bwd"]["ms"]}
             if cfg["fwd"] == base["fwd"]:
-                out = A.attention_fwd(*packed, tseq, iseq, cfg)
-                row["fwd_bytes_equal_frozen"] = _same_bytes(out, ref_out)
+                row["fwd_bytes_equal_frozen"] = _same_bytes(A.attention_fwd(*packed, tseq, iseq, cfg), fwd_ref)
+            if cfg["dkdv"] == base["dkdv"] and cfg["dq"] == base["dq"]:
+                g = A.attention_bwd(do_t, do_i, *packed, *fwd_ref, tseq, iseq, cfg)
+                row["bwd_bytes_equal_frozen"] = _same_bytes(g, bwd_ref)
             rows.append(row)
         except Exception as exc:  # a candidate that fails to compile is reported, not fatal
-            rows.append({"part": part, "config": label, "error": repr(exc)[:300]})
+            rows.append({"dtype": dtype_name, "part": part, "config": label, "error": repr(exc)[:300]})
     return rows
 
 
@@ -407,14 +416,15 @@ def _markdown(rep: dict) -> str:
                          f"{r['repeated_backward']['equal']}/{r['repeated_backward']['runs']} | {'yes' if r['pass'] else 'NO'} |")
         lines.append("")
     if "candidates" in rep:
-        lines += ["## Candidate overrides of the frozen configuration (bf16, 4096 + 128, B = 1; informational)", "",
-                  "| part | override (BM, BN, warps, stages) | fwd TFLOP/s | bwd TFLOP/s | fwd bytes = frozen |", "|---|---|---|---|---|"]
+        lines += ["## Candidate overrides of the frozen configuration (4096 + 128, B = 1; informational)", "",
+                  "| dtype | part | override (BM, BN, warps, stages) | fwd TFLOP/s | bwd TFLOP/s | fwd bytes = frozen | bwd bytes = frozen |",
+                  "|---|---|---|---|---|---|---|"]
         for r in rep["candidates"]:
             if "error" in r:
-                lines.append(f"| {r['part']} | {r['config']} | error: {r['error'][:80]} | | |")
+                lines.append(f"| {r.get('dtype')} | {r['part']} | {r['config']} | error: {r['error'][:80]} | | | |")
             else:
-                lines.append(f"| {r['part']} | {r['config']} | {r['fwd_tflops']:.0f} | {r['bwd_tflops']:.0f} | "
-                             f"{r.get('fwd_bytes_equal_frozen', '—')} |")
+                lines.append(f"| {r.get('dtype')} | {r['part']} | {r['config']} | {r['fwd_tflops']:.0f} | {r['bwd_tflops']:.0f} | "
+                             f"{r.get('fwd_bytes_equal_frozen', '—')} | {r.get('bwd_bytes_equal_frozen', '—')} |")
         lines.append("")
     return "\n".join(lines) + "\n"
 

@@ -129,11 +129,15 @@ def test_tail_tiles_never_write_over_neighbour_rows() -> None:
 
 @interp
 def test_tma_descriptor_loads_give_the_same_bytes() -> None:
-    """The forward's optional descriptor loads (config ``fwd_loads="tma"``) read the same values: same bytes."""
+    """Descriptor loads (config ``fwd_loads``/``bwd_loads`` = "tma") read the same values: same bytes."""
     packed, tseq, iseq = bench.pack([_sample(5, 37, 60)[0], _sample(0, 19, 61)[0], _sample(16, 1, 62)[0]])
     base = A.config_for(D, torch.float32)
-    assert_bytes_equal(A.attention_fwd(*packed, tseq, iseq, {**base, "fwd_loads": "tma"}),
-                       A.attention_fwd(*packed, tseq, iseq, base), "tma vs pointer loads")
+    tma = {**base, "fwd_loads": "tma", "bwd_loads": "tma"}
+    fwd = A.attention_fwd(*packed, tseq, iseq, base)
+    assert_bytes_equal(A.attention_fwd(*packed, tseq, iseq, tma), fwd, "tma vs pointer loads, forward")
+    do_t, do_i = torch.randn_like(fwd[0]), torch.randn_like(fwd[1])
+    assert_bytes_equal(A.attention_bwd(do_t, do_i, *packed, *fwd, tseq, iseq, tma),
+                       A.attention_bwd(do_t, do_i, *packed, *fwd, tseq, iseq, base), "tma vs pointer loads, backward")
 
 
 @interp

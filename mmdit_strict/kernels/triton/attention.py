@@ -232,31 +232,52 @@ def _dkdv_tile(dk, dv, k, v, q, do, lse, delta, qk_scale, DOT_PRECISION: tl.cons
 
 @triton.jit
 def _dkdv_segment(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, row0, n, stat0, row_stride, col, n_heads,
-                  qk_scale, D: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Query tiles of one segment, ascending from its first row; the last tile peeled."""
-    q_ptrs = _row_ptrs(q_ptr, row0, row_stride, col, BLOCK_M, D)
-    do_ptrs = _row_ptrs(do_ptr, row0, row_stride, col, BLOCK_M, D)
-    step = BLOCK_M * row_stride.to(tl.int64)
+                  qk_scale, D: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr):
+    """Query tiles of one segment, ascending from its first row; the last tile peeled (LOADS as in _fwd_segment)."""
     offs_m = tl.arange(0, BLOCK_M)
     stat = (stat0 + offs_m).to(tl.int64) * n_heads
     n_full = n // BLOCK_M
-    for _ in range(0, n_full):
-        q = tl.load(q_ptrs)
-        do = tl.load(do_ptrs)
-        lse = tl.load(lse_ptr + stat)
-        delta = tl.load(delta_ptr + stat)
-        dk, dv = _dkdv_tile(dk, dv, k, v, q, do, lse, delta, qk_scale, DOT_PRECISION)
-        q_ptrs += step
-        do_ptrs += step
-        stat += BLOCK_M * n_heads
     tail = n - n_full * BLOCK_M
-    if tail > 0:
-        ok = offs_m < tail
-        q = tl.load(q_ptrs, mask=ok[:, None], other=0.0)
-        do = tl.load(do_ptrs, mask=ok[:, None], other=0.0)
-        lse = tl.load(lse_ptr + stat, mask=ok, other=float("inf"))
-        delta = tl.load(delta_ptr + stat, mask=ok, other=0.0)
-        dk, dv = _dkdv_tile(dk, dv, k, v, q, do, lse, delta, qk_scale, DOT_PRECISION)
+    if LOADS == 1:
+        seg_end = tl.maximum(row0 + n, 1)
+        q_desc = tl.make_tensor_descriptor(q_ptr + col, shape=[seg_end, D], strides=[row_stride, 1], block_shape=[BLOCK_M, D])
+        do_desc = tl.make_tensor_descriptor(do_ptr + col, shape=[seg_end, D], strides=[row_stride, 1], block_shape=[BLOCK_M, D])
+        row = row0
+        for _ in range(0, n_full):
+            q = q_desc.load([row, 0])
+            do = do_desc.load([row, 0])
+            lse = tl.load(lse_ptr + stat)
+            delta = tl.load(delta_ptr + stat)
+            dk, dv = _dkdv_tile(dk, dv, k, v, q, do, lse, delta, qk_scale, DOT_PRECISION)
+            row += BLOCK_M
+            stat += BLOCK_M * n_heads
+        if tail > 0:
+            ok = offs_m < tail
+            q = q_desc.load([row, 0])
+            do = do_desc.load([row, 0])
+            lse = tl.load(lse_ptr + stat, mask=ok, other=float("inf"))
+            delta = tl.load(delta_ptr + stat, mask=ok, other=0.0)
+            dk, dv = _dkdv_tile(dk, dv, k, v, q, do, lse, delta, qk_scale, DOT_PRECISION)
+    else:
+        q_ptrs = _row_ptrs(q_ptr, row0, row_stride, col, BLOCK_M, D)
+        do_ptrs = _row_ptrs(do_ptr, row0, row_stride, col, BLOCK_M, D)
+        step = BLOCK_M * row_stride.to(tl.int64)
+        for _ in range(0, n_full):
+            q = tl.load(q_ptrs)
+            do = tl.load(do_ptrs)
+            lse = tl.load(lse_ptr + stat)
+            delta = tl.load(delta_ptr + stat)
+            dk, dv = _dkdv_tile(dk, dv, k, v, q, do, lse, delta, qk_scale, DOT_PRECISION)
+            q_ptrs += step
+            do_ptrs += step
+            stat += BLOCK_M * n_heads
+        if tail > 0:
+            ok = offs_m < tail
+            q = tl.load(q_ptrs, mask=ok[:, None], other=0.0)
+            do = tl.load(do_ptrs, mask=ok[:, None], other=0.0)
+            lse = tl.load(lse_ptr + stat, mask=ok, other=float("inf"))
+            delta = tl.load(delta_ptr + stat, mask=ok, other=0.0)
+            dk, dv = _dkdv_tile(dk, dv, k, v, q, do, lse, delta, qk_scale, DOT_PRECISION)
     return dk, dv
 
 
@@ -265,7 +286,7 @@ def _attn_bwd_dkdv_kernel(
     q_txt_ptr, k_txt_ptr, v_txt_ptr, q_img_ptr, k_img_ptr, v_img_ptr, do_txt_ptr, do_img_ptr,
     dk_txt_ptr, dv_txt_ptr, dk_img_ptr, dv_img_ptr, lse_ptr, delta_ptr, tiles_ptr,
     row_stride, n_heads, qk_scale, sm_scale,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr,
 ):
     """One (key tile, head): dK and dV over the sample's query tiles (text, then image). Grid (key tiles, heads)."""
     tile = tl.program_id(0)
@@ -291,9 +312,9 @@ def _attn_bwd_dkdv_kernel(
     lse_ptr += h  # stat buffers are (rows, H): this head's column
     delta_ptr += h
     dk, dv = _dkdv_segment(dk, dv, k, v, q_txt_ptr, do_txt_ptr, lse_ptr, delta_ptr, t_start, nt, t_start,
-                           row_stride, col, n_heads, qk_scale, D, BLOCK_M, DOT_PRECISION)
+                           row_stride, col, n_heads, qk_scale, D, BLOCK_M, DOT_PRECISION, LOADS)
     dk, dv = _dkdv_segment(dk, dv, k, v, q_img_ptr, do_img_ptr, lse_ptr, delta_ptr, i_start, ni, i_stat0,
-                           row_stride, col, n_heads, qk_scale, D, BLOCK_M, DOT_PRECISION)
+                           row_stride, col, n_heads, qk_scale, D, BLOCK_M, DOT_PRECISION, LOADS)
     dk = (dk * sm_scale).to(dk_txt_ptr.dtype.element_ty)
     dv = dv.to(dv_txt_ptr.dtype.element_ty)
     tl.store(dk_txt_ptr + offs, dk, mask=txt_ok)
@@ -318,24 +339,39 @@ def _dq_tile(dq, q, do, k, v, lse, delta, qk_scale, n_valid,
 
 @triton.jit
 def _dq_segment(dq, q, do, lse, delta, k_ptr, v_ptr, row0, n, row_stride, col, qk_scale,
-                D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Key tiles of one segment, ascending from its first row; the last tile peeled."""
-    k_ptrs = _row_ptrs(k_ptr, row0, row_stride, col, BLOCK_N, D)
-    v_ptrs = _row_ptrs(v_ptr, row0, row_stride, col, BLOCK_N, D)
-    step = BLOCK_N * row_stride.to(tl.int64)
+                D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr):
+    """Key tiles of one segment, ascending from its first row; the last tile peeled (LOADS as in _fwd_segment)."""
     n_full = n // BLOCK_N
-    for _ in range(0, n_full):
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
-        dq = _dq_tile(dq, q, do, k, v, lse, delta, qk_scale, BLOCK_N, BLOCK_N, False, DOT_PRECISION)
-        k_ptrs += step
-        v_ptrs += step
     tail = n - n_full * BLOCK_N
-    if tail > 0:
-        ok = (tl.arange(0, BLOCK_N) < tail)[:, None]
-        k = tl.load(k_ptrs, mask=ok, other=0.0)
-        v = tl.load(v_ptrs, mask=ok, other=0.0)
-        dq = _dq_tile(dq, q, do, k, v, lse, delta, qk_scale, tail, BLOCK_N, True, DOT_PRECISION)
+    if LOADS == 1:
+        seg_end = tl.maximum(row0 + n, 1)
+        k_desc = tl.make_tensor_descriptor(k_ptr + col, shape=[seg_end, D], strides=[row_stride, 1], block_shape=[BLOCK_N, D])
+        v_desc = tl.make_tensor_descriptor(v_ptr + col, shape=[seg_end, D], strides=[row_stride, 1], block_shape=[BLOCK_N, D])
+        row = row0
+        for _ in range(0, n_full):
+            k = k_desc.load([row, 0])
+            v = v_desc.load([row, 0])
+            dq = _dq_tile(dq, q, do, k, v, lse, delta, qk_scale, BLOCK_N, BLOCK_N, False, DOT_PRECISION)
+            row += BLOCK_N
+        if tail > 0:
+            k = k_desc.load([row, 0])
+            v = v_desc.load([row, 0])
+            dq = _dq_tile(dq, q, do, k, v, lse, delta, qk_scale, tail, BLOCK_N, True, DOT_PRECISION)
+    else:
+        k_ptrs = _row_ptrs(k_ptr, row0, row_stride, col, BLOCK_N, D)
+        v_ptrs = _row_ptrs(v_ptr, row0, row_stride, col, BLOCK_N, D)
+        step = BLOCK_N * row_stride.to(tl.int64)
+        for _ in range(0, n_full):
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+            dq = _dq_tile(dq, q, do, k, v, lse, delta, qk_scale, BLOCK_N, BLOCK_N, False, DOT_PRECISION)
+            k_ptrs += step
+            v_ptrs += step
+        if tail > 0:
+            ok = (tl.arange(0, BLOCK_N) < tail)[:, None]
+            k = tl.load(k_ptrs, mask=ok, other=0.0)
+            v = tl.load(v_ptrs, mask=ok, other=0.0)
+            dq = _dq_tile(dq, q, do, k, v, lse, delta, qk_scale, tail, BLOCK_N, True, DOT_PRECISION)
     return dq
 
 
@@ -344,7 +380,7 @@ def _attn_bwd_dq_kernel(
     q_txt_ptr, k_txt_ptr, v_txt_ptr, q_img_ptr, k_img_ptr, v_img_ptr, do_txt_ptr, do_img_ptr,
     dq_txt_ptr, dq_img_ptr, lse_ptr, delta_ptr, tiles_ptr,
     row_stride, n_heads, qk_scale, sm_scale,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr,
 ):
     """One (query tile, head): dQ over the sample's key tiles in the forward's order. Grid (query tiles, heads)."""
     tile = tl.program_id(0)
@@ -371,9 +407,9 @@ def _attn_bwd_dq_kernel(
     delta = tl.load(delta_ptr + stat, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, D], tl.float32)
     dq = _dq_segment(dq, q, do, lse, delta, k_txt_ptr, v_txt_ptr, t_start, nt, row_stride, col, qk_scale,
-                     D, BLOCK_N, DOT_PRECISION)
+                     D, BLOCK_N, DOT_PRECISION, LOADS)
     dq = _dq_segment(dq, q, do, lse, delta, k_img_ptr, v_img_ptr, i_start, ni, row_stride, col, qk_scale,
-                     D, BLOCK_N, DOT_PRECISION)
+                     D, BLOCK_N, DOT_PRECISION, LOADS)
     dq = (dq * sm_scale).to(dq_txt_ptr.dtype.element_ty)
     tl.store(dq_txt_ptr + offs, dq, mask=txt_ok)
     tl.store(dq_img_ptr + offs, dq, mask=img_ok)
@@ -389,9 +425,11 @@ def _attn_bwd_dq_kernel(
 _SMALL = {"fwd": (16, 16, 4, 2), "dkdv": (16, 16, 4, 2), "dq": (16, 16, 4, 2), "delta": 16}
 
 CONFIGS: dict[tuple[int, torch.dtype], dict] = {
-    # bf16 d=128 from the H200 candidate run at 90d39bb (4096 + 128 tokens, B = 1): fwd 128x64/8w/3s 414 TFLOP/s
-    # (128x128/8w 283, 4 warps 222); backward with dkdv 32x128/8w/4s and dq 128x64/8w/3s (4-warp variants spill).
-    (128, torch.bfloat16): {"fwd": (128, 64, 8, 3), "dkdv": (32, 128, 8, 4), "dq": (128, 64, 8, 3), "delta": 64},
+    # bf16 d=128 from the H200 candidate runs at 90d39bb and f02d17b (4096 + 128 tokens, B = 1): fwd 128x64/8w/3s
+    # (128x128/8w 283 TFLOP/s, 4 warps 222, 2 stages 302) with TMA descriptor loads 459 TFLOP/s (pointer loads 412,
+    # block pointers 422; same bytes); backward dkdv 32x128/8w/4s and dq 128x64/8w/3s: 275 TFLOP/s (4-warp tiles 88).
+    (128, torch.bfloat16): {"fwd": (128, 64, 8, 3), "fwd_loads": "tma", "dkdv": (32, 128, 8, 4), "dq": (128, 64, 8, 3),
+                            "delta": 64},
     # fp32 (IEEE FMA dots, no tensor cores): the backward's FP32 dK/dV and dQ accumulators take 8 warps
     # (4-warp tiles spilled in the bf16 candidates at 90d39bb; fp32 ran 1 TFLOP/s there with 4 warps).
     (128, torch.float32): {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 8, 2), "dq": (64, 32, 8, 2), "delta": 64},
@@ -401,7 +439,7 @@ CONFIGS: dict[tuple[int, torch.dtype], dict] = {
     (16, torch.bfloat16): _SMALL, (16, torch.float32): _SMALL,
 }
 HEAD_DIMS = (16, 32, 64, 128)
-# Forward key/value load paths (config key "fwd_loads", default "pointer"); all read the same values.
+# Load paths of the streamed tiles (config keys "fwd_loads", "bwd_loads"; default "pointer"); all read the same values.
 _LOADS = {"pointer": 0, "tma": 1, "block_ptr": 2}
 _DOT_PRECISION = "ieee"
 
@@ -458,6 +496,19 @@ def _ensure_allocator() -> None:
     if not _ALLOCATOR_SET and not _interpreting():
         triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
         _ALLOCATOR_SET = True
+
+
+def _load_path(name: str, *tensors: torch.Tensor) -> int:
+    """The LOADS code of a configured load path; TMA falls back to pointer loads when a base is not 16-byte aligned.
+
+    (Descriptors need 16-byte aligned bases; both paths load the same values, so the bytes do not change.)
+    """
+    loads = _LOADS[name]
+    if loads == 1:
+        if any(t.data_ptr() % 16 for t in tensors if t.numel()):
+            return 0
+        _ensure_allocator()
+    return loads
 
 
 def _launch_opts(warps: int, stages: int) -> dict:
@@ -541,9 +592,7 @@ def attention_fwd(q_txt, k_txt, v_txt, q_img, k_img, v_img, tseq, iseq, cfg: dic
     heads, d = q_img.shape[1:]
     cfg = cfg or config_for(d, q_img.dtype)
     bm, bn, warps, stages = cfg["fwd"]
-    loads = _LOADS[cfg.get("fwd_loads", "pointer")]
-    if loads == 1:
-        _ensure_allocator()
+    loads = _load_path(cfg.get("fwd_loads", "pointer"), k_txt, k_img, v_txt, v_img)
     if out is None:
         out = (torch.empty_like(q_txt), torch.empty_like(q_img),
                torch.empty((q_txt.shape[0] + q_img.shape[0], heads), dtype=torch.float32, device=q_img.device))
@@ -578,20 +627,21 @@ def attention_bwd(do_txt, do_img, q_txt, k_txt, v_txt, q_img, k_img, v_img, o_tx
     if out is None:
         out = tuple(torch.empty_like(t) for t in (q_txt, k_txt, v_txt, q_img, k_img, v_img))
     dq_txt, dk_txt, dv_txt, dq_img, dk_img, dv_img = out
+    loads = _load_path(cfg.get("bwd_loads", "pointer"), q_txt, q_img, do_txt, do_img, k_txt, k_img, v_txt, v_img)
     bm, bn, warps, stages = cfg["dkdv"]
     table, n = _sample_tiles(tseq, iseq, bn, dev, only_sample)
     if n:
         _attn_bwd_dkdv_kernel[(n, heads)](
             q_txt, k_txt, v_txt, q_img, k_img, v_img, do_txt, do_img, dk_txt, dv_txt, dk_img, dv_img, lse, delta, table,
             heads * d, heads, qk_scale, sm_scale,
-            D=d, BLOCK_M=bm, BLOCK_N=bn, DOT_PRECISION=_DOT_PRECISION, **_launch_opts(warps, stages))
+            D=d, BLOCK_M=bm, BLOCK_N=bn, DOT_PRECISION=_DOT_PRECISION, LOADS=loads, **_launch_opts(warps, stages))
     bm, bn, warps, stages = cfg["dq"]
     table, n = _sample_tiles(tseq, iseq, bm, dev, only_sample)
     if n:
         _attn_bwd_dq_kernel[(n, heads)](
             q_txt, k_txt, v_txt, q_img, k_img, v_img, do_txt, do_img, dq_txt, dq_img, lse, delta, table,
             heads * d, heads, qk_scale, sm_scale,
-            D=d, BLOCK_M=bm, BLOCK_N=bn, DOT_PRECISION=_DOT_PRECISION, **_launch_opts(warps, stages))
+            D=d, BLOCK_M=bm, BLOCK_N=bn, DOT_PRECISION=_DOT_PRECISION, LOADS=loads, **_launch_opts(warps, stages))
     return out
 
 
