@@ -199,6 +199,13 @@ class MMDiT(DiffusersCompatMixin, nn.Module):
             raise ValueError(
                 f"encoder_hidden_states must be a (B, text_tokens, {cfg.joint_attention_dim}) tensor, got {_desc(encoder_hidden_states)}"
             )
+        if encoder_hidden_states.shape[0] == 1 and B > 1:
+            # One prompt for the whole batch (QwenImagePipeline with a single negative_prompt string):
+            # diffusers broadcasts it, so do we, as B identical rows.
+            encoder_hidden_states = encoder_hidden_states.expand(B, -1, -1).contiguous()
+            if isinstance(encoder_hidden_states_mask, torch.Tensor) and encoder_hidden_states_mask.dim() == 2 \
+                    and encoder_hidden_states_mask.shape[0] == 1:
+                encoder_hidden_states_mask = encoder_hidden_states_mask.expand(B, -1).contiguous()
         if encoder_hidden_states.shape[0] != B or encoder_hidden_states.shape[2] != cfg.joint_attention_dim:
             raise ValueError(
                 f"expected encoder_hidden_states of shape ({B}, L, {cfg.joint_attention_dim}), got {tuple(encoder_hidden_states.shape)}"

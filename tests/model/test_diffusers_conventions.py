@@ -252,3 +252,16 @@ def test_lora_errors(lora_pair):
         model.fuse_lora()
     with pytest.raises(ValueError, match="2 adapter names but 1 weights"):
         model.set_adapters(["a", "a"], [1.0])
+
+
+def test_one_prompt_broadcast_over_the_batch(ours):
+    """A (1, L, C) prompt with a (1, L) mask serves every sample, as in diffusers (a single negative prompt)."""
+    inputs = make_inputs(3, (2, 3), [4, 4, 4], pad_to=6, seed=9, sigma=[0.9, 0.5, 0.1])
+    one = dict(inputs, encoder_hidden_states=inputs["encoder_hidden_states"][:1],
+               encoder_hidden_states_mask=inputs["encoder_hidden_states_mask"][:1])
+    full = dict(inputs, encoder_hidden_states=one["encoder_hidden_states"].expand(3, -1, -1),
+                encoder_hidden_states_mask=one["encoder_hidden_states_mask"].expand(3, -1))
+    for runtime in ("off", "strict"):
+        ours.set_runtime(runtime)
+        assert_bytes_equal(_out(ours, one), _out(ours, full), f"{runtime}: broadcast prompt")
+    ours.set_runtime("off")

@@ -1,0 +1,28 @@
+"""The tiny random Qwen-Image pipeline folder shared by the pipeline tests (built once, offline)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_pipeline_dir(tmp_path_factory):
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    logging.getLogger("diffusers").setLevel(logging.ERROR)
+    from mmdit_strict.pipelines.tiny import save_tiny_pipeline
+
+    return save_tiny_pipeline(tmp_path_factory.mktemp("pipe") / "tiny-qwen-image", seed=0)
+
+
+@pytest.fixture()
+def tiny_pipe(tiny_pipeline_dir):
+    """A fresh diffusers QwenImagePipeline (its own transformer) loaded from the tiny folder."""
+    from diffusers import QwenImagePipeline
+
+    pipe = QwenImagePipeline.from_pretrained(str(tiny_pipeline_dir))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
