@@ -56,12 +56,12 @@ NEIGHBOURS_FP32 = ((0, 1029), (256, 1500))
 REF_HEADS = 2  # accuracy is checked on heads 0..REF_HEADS-1 against the CPU FP64 reference
 # Candidate overrides of the frozen d=128 configurations (informational; see ``candidates``), as
 # (dtype, part, override). Earlier runs: 90d39bb (tiles and warps) and f02d17b (load paths, backward neighbours);
-# see experiments/attention/. This set: the pointer-load forward for comparison, TMA forward tile neighbours, TMA
+# see experiments/attention/. This set: the TMA forward and its tile neighbours, TMA
 # loads in the backward, and fp32 forward tiles on 8 warps.
 CANDIDATES = (
-    ("bf16", "fwd", {"fwd_loads": "pointer"}),
-    ("bf16", "fwd", {"fwd": (128, 64, 8, 4)}),
-    ("bf16", "fwd", {"fwd": (128, 128, 8, 3)}),
+    ("bf16", "fwd", {"fwd_loads": "tma"}),
+    ("bf16", "fwd", {"fwd": (128, 64, 8, 4), "fwd_loads": "tma"}),
+    ("bf16", "fwd", {"fwd": (128, 128, 8, 3), "fwd_loads": "tma"}),
     ("bf16", "bwd", {"bwd_loads": "tma"}),
     ("bf16", "bwd", {"bwd_loads": "tma", "dq": (128, 32, 8, 4)}),
     ("fp32", "fwd", {"fwd": (64, 32, 8, 2)}),

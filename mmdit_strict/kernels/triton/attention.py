@@ -426,10 +426,10 @@ _SMALL = {"fwd": (16, 16, 4, 2), "dkdv": (16, 16, 4, 2), "dq": (16, 16, 4, 2), "
 
 CONFIGS: dict[tuple[int, torch.dtype], dict] = {
     # bf16 d=128 from the H200 candidate runs at 90d39bb and f02d17b (4096 + 128 tokens, B = 1): fwd 128x64/8w/3s
-    # (128x128/8w 283 TFLOP/s, 4 warps 222, 2 stages 302) with TMA descriptor loads 459 TFLOP/s (pointer loads 412,
-    # block pointers 422; same bytes); backward dkdv 32x128/8w/4s and dq 128x64/8w/3s: 275 TFLOP/s (4-warp tiles 88).
-    (128, torch.bfloat16): {"fwd": (128, 64, 8, 3), "fwd_loads": "tma", "dkdv": (32, 128, 8, 4), "dq": (128, 64, 8, 3),
-                            "delta": 64},
+    # (128x128/8w 283 TFLOP/s, 4 warps 222, 2 stages 302); backward dkdv 32x128/8w/4s and dq 128x64/8w/3s: 275 TFLOP/s
+    # (4-warp tiles 88). TMA descriptor loads reached 459 TFLOP/s forward vs 412 with the same bytes at f02d17b, but only
+    # at a shape with no partial tile: "fwd_loads": "tma" waits for a GPU run over tails and mixed batches.
+    (128, torch.bfloat16): {"fwd": (128, 64, 8, 3), "dkdv": (32, 128, 8, 4), "dq": (128, 64, 8, 3), "delta": 64},
     # fp32 (IEEE FMA dots, no tensor cores): the backward's FP32 dK/dV and dQ accumulators take 8 warps
     # (4-warp tiles spilled in the bf16 candidates at 90d39bb; fp32 ran 1 TFLOP/s there with 4 warps).
     (128, torch.float32): {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 8, 2), "dq": (64, 32, 8, 2), "delta": 64},
