@@ -345,3 +345,17 @@ def test_gpu_one_compiled_variant_per_config() -> None:
         now = variants()
         assert counts is None or now == counts, f"new compiled variants for texts {texts}, image {ni}: {counts} -> {now}"
         counts = now
+
+
+def test_committed_gpu_report_renders() -> None:
+    """The qualification report writer renders the committed H200 report (the JSON layout the bench writes)."""
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "experiments" / "attention" / "f02d17b" / "attention_report.json"
+    if not path.exists():
+        pytest.skip("no committed report")
+    md = bench._markdown(json.loads(path.read_text()))
+    for heading in ("## Speed", "## Accuracy", "## Raw-byte invariance", "## Candidate"):
+        assert heading in md
+    assert "f02d17b" in md
