@@ -119,7 +119,8 @@ def _attach_lora(module: torch.nn.Module, rank: int, seed: int) -> None:
                 p.copy_((0.01 * torch.randn(p.shape, generator=gen, device="cuda", dtype=torch.float32)).to(p.dtype))
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, on_case: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Every case for every engine; ``on_case(results so far)`` after each case (partial reports survive a timeout)."""
     from diffusers import QwenImageTransformer2DModel
 
     from ..model.init import build_model
@@ -206,6 +207,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if base and "median_ms" in row[name]:
                 row[name]["vs_diffusers"] = row[name]["median_ms"] / base
         results[case] = row
+        if on_case is not None:
+            on_case(results)
     return {"arch_layers": arch.num_layers, "grid": list(grid), "cases": results,
             "state_dict_check": {"missing": list(missing), "unexpected": list(unexpected)}}
 
@@ -268,10 +271,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.model needs a CUDA GPU")
-    report = run(args)
-    report["environment"] = environment()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    env = environment()
+
+    def partial(results: dict[str, Any]) -> None:
+        (out / "model_bench.partial.json").write_text(json.dumps({"environment": env, "cases": results}, indent=2))
+        print(f"done: {', '.join(results)}", flush=True)
+
+    report = run(args, on_case=partial)
+    report["environment"] = env
     (out / "model_bench.json").write_text(json.dumps(report, indent=2))
     (out / "model_bench.md").write_text(render(report))
     print(render(report))
