@@ -101,6 +101,28 @@ def cmd_recompute(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_encode(args: argparse.Namespace) -> int:
+    """Prompts → embeddings + masks with a pipeline folder's Qwen2.5-VL text encoder (a ``prompts.embeddings`` file)."""
+    import torch
+
+    from ..pipelines.encode import encode_prompts, load_text_components, write_prompt_file
+
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        prompts += [line for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError("no prompts: pass --prompt TEXT (repeatable) or --prompts-file FILE (one prompt per line)")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    tokenizer, encoder = load_text_components(args.pipeline, torch_dtype=dtype, device=args.device)
+    encoded = encode_prompts(tokenizer, encoder, prompts, args.negative_prompt, batch_size=args.batch_size,
+                             device=args.device, max_sequence_length=args.max_sequence_length)
+    path = write_prompt_file(args.out, encoded, pipeline_folder=args.pipeline, batch_size=args.batch_size,
+                             max_sequence_length=args.max_sequence_length)
+    print(f"encode: {len(prompts)} prompts → {path} (prompt_embeds {tuple(encoded.prompt_embeds.shape)}, "
+          f"negative {tuple(encoded.negative_embeds.shape)}); use it with prompts.embeddings={path}")
+    return EXIT_OK
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     from ..trajectories import compare, read, summary_line
 
@@ -211,6 +233,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="a folder made by `mmdit-strict run`")
     p.add_argument("--print", action="store_true", help="print the markdown report")
     add("config", cmd_config, "print the composed, resolved config")
+    p = add("encode", cmd_encode, "encode prompts with a Qwen-Image pipeline folder's text encoder into a "
+            "safetensors file for prompts.embeddings (Qwen-Image's template, first 34 tokens dropped)", overrides=False)
+    p.add_argument("pipeline", help="pipeline folder holding tokenizer/ and text_encoder/")
+    p.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    p.add_argument("--prompts-file", default=None, help="text file, one prompt per line")
+    p.add_argument("--negative-prompt", default=" ", help="negative prompt for CFG (default: ' ')")
+    p.add_argument("--out", default="prompts.safetensors", help="output file (default: prompts.safetensors)")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="prompts per encoder batch (1: each prompt encoded alone, independent of the others)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="text encoder dtype")
+    p.add_argument("--max-sequence-length", type=int, default=1024)
     p = add("fingerprint", cmd_fingerprint, "print the sha256 fingerprint of the model/arithmetic contract", overrides=False)
     p.add_argument("--preset", default="qwen-image", help="architecture preset (qwen-image | tiny)")
     p = add("operators", cmd_operators, "list the operator inventory: implementations per device/dtype, strict or not", overrides=False)
