@@ -42,7 +42,7 @@ from . import checkpoint as ckpt
 from .advantages import StatTracker
 from .export import export_lora
 from .loss import grpo_loss
-from .metrics import MetricLogger, peak_memory_mb, read_metrics
+from .metrics import MetricLogger, peak_memory_mb, plot_rewards, read_metrics
 from .optim import LoraEMA, build_optimizer
 from .policy import adapters_disabled, evaluate_pairs
 from .rewards import RewardSet, unpack_final
@@ -364,6 +364,11 @@ class Trainer:
             bar.close()
             rows = read_metrics(self.out)
             mlog.finish({"reward_mean_last": rows[-1]["reward_mean"]} if rows else None)
+        rows = read_metrics(self.out)
+        if rows:
+            names = " + ".join(f"{w:g}·{n}" for n, w in self.rewards.weights.items())
+            plot_rewards(rows, self.out / "reward_curve.png",
+                         f"Flow-GRPO LoRA, {self.cfg.model.preset} model, reward {names}, seed {self.seed}")
         exported = {}
         if self.tcfg.export:
             exported = export_lora(self.model, self.out / "lora", int(self.cfg.lora.rank), float(self.cfg.lora.alpha),
