@@ -2,6 +2,9 @@
 
 Every command that runs something takes hydra-style overrides after its name
 (``mmdit-strict run runtime=off sampler.num_steps=4``); ``--help`` on each command says more.
+
+Exit status (also in ``--help``): 0 byte-identical or done, 1 drift, 2 bad input or any error. An
+error prints one line; ``-v`` adds the traceback.
 """
 
 from __future__ import annotations
@@ -14,6 +17,12 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 EXIT_OK, EXIT_DRIFT, EXIT_ERROR = 0, 1, 2
+_EXIT_HELP = """exit status:
+  0  byte-identical (or the command finished)
+  1  drift: the compared trajectories differ in some byte
+  2  bad input or any error (bad config, unusable output_dir, corrupt artifact, crash,
+     out of memory); one line on stderr, the traceback with -v
+"""
 
 _OVERRIDES_HELP = (
     "hydra-style overrides: group=option (model=tiny, runtime=off, experiment=recompute_off) and "
@@ -67,10 +76,12 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     from ..config.compose import save_resolved
     from ..trajectories import run_rollout
 
+    from ..trajectories.outdir import claim_output_dir
+
     cfg = _compose(args)
-    out = Path(cfg.output_dir)
-    save_resolved(cfg, out)
-    traj = run_rollout(cfg, out / "rollout", progress=not args.quiet and cfg.progress)
+    with claim_output_dir(cfg.output_dir) as out:
+        save_resolved(cfg, out)
+        traj = run_rollout(cfg, out / "rollout", progress=not args.quiet and cfg.progress)
     print(f"rollout: {traj.num_steps} steps × {len(traj.sample_ids)} samples [{traj.manifest['runtime']}] → {out / 'rollout'}")
     return EXIT_OK
 
@@ -80,10 +91,12 @@ def cmd_sample(args: argparse.Namespace) -> int:
     from ..config.compose import save_resolved
     from ..trajectories import run_rollout
 
+    from ..trajectories.outdir import claim_output_dir
+
     cfg = _compose(args)
-    out = Path(cfg.output_dir)
-    save_resolved(cfg, out)
-    traj = run_rollout(cfg, out / "rollout", progress=not args.quiet and cfg.progress)
+    with claim_output_dir(cfg.output_dir) as out:
+        save_resolved(cfg, out)
+        traj = run_rollout(cfg, out / "rollout", progress=not args.quiet and cfg.progress)
     for step in traj.manifest["steps"]:
         print(f"step {step['step']:3d} sigma {step['sigma']:.4f}  x[0] {step['x'][0][:16]}  logp[0] {step['logp_values'][0]:+.6f}")
     print(f"latents and hashes → {out / 'rollout'}")
@@ -93,10 +106,12 @@ def cmd_sample(args: argparse.Namespace) -> int:
 def cmd_recompute(args: argparse.Namespace) -> int:
     from ..trajectories import read, run_recompute
 
+    from ..trajectories.outdir import claim_output_dir
+
     cfg = _compose(args)
-    out = Path(cfg.output_dir)
-    rollout = read(args.rollout or out / "rollout")
-    traj = run_recompute(cfg, rollout, out / "recompute", progress=not args.quiet and cfg.progress)
+    with claim_output_dir(cfg.output_dir) as out:
+        rollout = read(args.rollout or out / "rollout")
+        traj = run_recompute(cfg, rollout, out / "recompute", progress=not args.quiet and cfg.progress)
     print(f"recompute: {traj.num_steps} steps × {len(traj.sample_ids)} samples [{traj.manifest['runtime']}] → {out / 'recompute'}")
     return EXIT_OK
 
@@ -135,17 +150,17 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    """Rebuild a run's report from its artifacts: the configuration comes from the manifests (not config.yaml)."""
     from omegaconf import OmegaConf
 
     from ..trajectories import read
+    from ..trajectories.outdir import claim_output_dir
     from ..trajectories.pipeline import compare_stage
 
-    run_dir = Path(args.run_dir)
-    cfg_path = run_dir / "config.yaml"
-    if not cfg_path.exists():
-        raise FileNotFoundError(f"{run_dir} has no config.yaml: not a run folder made by `mmdit-strict run`")
-    cfg = OmegaConf.load(cfg_path)
-    result = compare_stage(cfg, read(run_dir / "rollout"), read(run_dir / "recompute"), run_dir)
+    with claim_output_dir(args.run_dir, existing_run=True) as run_dir:
+        rollout, recompute = read(run_dir / "rollout"), read(run_dir / "recompute")
+        cfg = OmegaConf.create(recompute.manifest["config"])
+        result = compare_stage(cfg, rollout, recompute, run_dir)
     print(result.summary)
     print((run_dir / "report" / "report.md").read_text() if args.print else f"report: {run_dir / 'report' / 'report.md'}")
     return EXIT_OK if result.byte_identical else EXIT_DRIFT
@@ -209,18 +224,22 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mmdit-strict",
         description="Byte-identical rollout and training recomputation for Qwen-Image Flow-GRPO, "
         "and the tools that say where two runs first drift.",
+        epilog=_EXIT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details; print the traceback of an error")
     sub = parser.add_subparsers(dest="command", metavar="command")
 
     def add(name: str, fn: Callable[[argparse.Namespace], int], help_: str, overrides: bool = True) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_, description=help_)
+        p = sub.add_parser(name, help=help_, description=help_, epilog=_EXIT_HELP,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                       help="log progress details; print the traceback of an error")
         if overrides:
             _add_overrides(p)
         p.set_defaults(func=fn)
         return p
 
-    add("run", cmd_run, "main job: rollout → recompute → compare → report; exit 0 when byte-identical, 1 on drift")
+    add("run", cmd_run, "main job: rollout → recompute → compare → report; exit 0 when byte-identical, 1 on drift, 2 on error")
     add("rollout", cmd_rollout, "sample trajectories (batched CFG + Flow-GRPO SDE) into OUTPUT_DIR/rollout")
     p = add("recompute", cmd_recompute, "training-side recomputation of a rollout into OUTPUT_DIR/recompute")
     p.add_argument("--rollout", default=None, help="rollout artifact folder (default: OUTPUT_DIR/rollout)")
@@ -319,9 +338,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, "multirun", False):
             return _multirun(args)
         return args.func(args)
-    except (ConfigError, CheckpointError, TrajectoryError, NoStrictKernelError, ValueError, FileNotFoundError) as exc:
-        print(f"mmdit-strict {args.command}: error: {exc}", file=sys.stderr)
+    except (ConfigError, CheckpointError, TrajectoryError, NoStrictKernelError, ValueError, OSError) as exc:
+        _report_error(args, exc, expected=True)
         return EXIT_ERROR
+    except Exception as exc:  # a crash is an error (2), never read as drift (1)
+        _report_error(args, exc, expected=False)
+        return EXIT_ERROR
+
+
+def _report_error(args: argparse.Namespace, exc: BaseException, expected: bool) -> None:
+    """One line on stderr (the exception type too when it was not an expected input error); -v adds the traceback."""
+    if args.verbose:
+        import traceback
+
+        traceback.print_exception(exc, file=sys.stderr)
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if not expected or (isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError)):
+        text = f"{type(exc).__name__}: {text}"
+    print(f"mmdit-strict {args.command}: error: {text}", file=sys.stderr)
 
 
 if __name__ == "__main__":

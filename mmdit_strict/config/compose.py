@@ -27,6 +27,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from .overrides import Override, OverrideError, parse_override
 from .schema import CHOICES, RunConfig
+from .validate import problems
 
 GLOBAL_PACKAGE = "# @package _global_"
 
@@ -196,6 +197,9 @@ def compose(overrides: Sequence[str] = (), config_dir: str | Path | None = None,
         OmegaConf.resolve(merged)
     except OmegaConfBaseException as exc:
         raise ConfigError(f"cannot resolve interpolations: {exc}") from exc
+    found = problems(merged)
+    if found:
+        raise ConfigError("; ".join(found))
     merged_choices = OmegaConf.create({"choices": choices})
     OmegaConf.set_struct(merged, False)
     merged["_choices_"] = merged_choices.choices

@@ -22,6 +22,7 @@ class ModelConfig:
     dtype: str = "float32"  # float32 | bfloat16
     device: str = "cpu"  # cpu | cuda
     num_layers: Optional[int] = None  # override the preset's block count (for quick experiments)
+    allow_large_cpu: bool = False  # permit preset=qwen-image on device=cpu (a 20 B-parameter model in host memory)
     cuda_graphs: bool = True  # replay no-grad strict/auto forwards on CUDA from graphs captured per batch layout
 
 

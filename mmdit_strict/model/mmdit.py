@@ -193,6 +193,8 @@ class MMDiT(DiffusersCompatMixin, nn.Module):
         if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
             raise ValueError(f"hidden_states must be a (B, image_tokens, {cfg.in_channels}) tensor, got {_desc(hidden_states)}")
         B, Ti, C = hidden_states.shape
+        if B < 1:
+            raise ValueError(f"hidden_states needs at least one sample (B >= 1), got shape {tuple(hidden_states.shape)}")
         if C != cfg.in_channels:
             raise ValueError(f"hidden_states must have {cfg.in_channels} channels per token, got shape {tuple(hidden_states.shape)}")
         if not isinstance(encoder_hidden_states, torch.Tensor) or encoder_hidden_states.dim() != 3:
@@ -247,8 +249,12 @@ class MMDiT(DiffusersCompatMixin, nn.Module):
             sigma = sigma.expand(B)
         if sigma.dim() != 1 or sigma.shape[0] != B:
             raise ValueError(f"timestep must be a scalar or a ({B},) tensor of sigmas, got shape {tuple(sigma.shape)}")
-        if not sigma.is_floating_point() or not torch.isfinite(sigma).all():
-            raise ValueError("timestep must be finite floating-point sigmas (the pipeline passes t / 1000)")
+        # one host sync on the good path: NaN fails both comparisons, so it takes the same branch
+        if not sigma.is_floating_point() or not ((sigma >= 0) & (sigma <= 1)).all():
+            if not sigma.is_floating_point() or not torch.isfinite(sigma).all():
+                raise ValueError("timestep must be finite floating-point sigmas (the pipeline passes t / 1000)")
+            raise ValueError(f"timestep must be sigmas in [0, 1] (the pipeline passes t / 1000), got values from "
+                             f"{float(sigma.min())} to {float(sigma.max())}")
         shapes = normalize_img_shapes(img_shapes, B, Ti)
         return ModelInputs(hidden_states, encoder_hidden_states, mask, txt_lens, sigma.to(self.dtype), shapes)
 

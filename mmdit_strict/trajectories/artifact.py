@@ -9,13 +9,16 @@ Layout of an artifact folder::
                           when saved, v (S, N, T, C), x (S+1, N, T, C), logp (S, N)
 
 The folder is built under a temporary name and renamed into place, so a reader never sees a half
-written artifact. Reading checks the format version, the tensor file's sha256 and every per-step
-hash against the stored tensors.
+written artifact. The tensor file is byte-stable: tensors in name order, header keys sorted, fixed
+metadata, so identical runs write identical files. Reading checks the format version, the
+manifest against itself (schema, one step record per sigma-table interval, one hash per sample),
+the tensor file's sha256, every tensor's shape, and every per-step hash against the stored tensors.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import shutil
@@ -26,9 +29,9 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from .hashing import file_sha256, tensor_sha256
+from .hashing import file_sha256, tensor_bytes, tensor_sha256
 
 FORMAT = "mmdit-strict-trajectory"
 FORMAT_VERSION = 1
@@ -85,6 +88,41 @@ def hardware_info(device: str) -> dict[str, Any]:
     return info
 
 
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> None:
+    """Write ``tensors`` as a safetensors file whose bytes depend only on names, dtypes, shapes and values.
+
+    The header is JSON with every key sorted (``__metadata__`` included) and no spaces, padded with
+    spaces to a multiple of 8 bytes; tensor data follows in name order. (The safetensors library's
+    own writer orders the metadata through a hash map, so two writes of the same tensors can differ.)
+    """
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    ordered = []
+    offset = 0
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu").contiguous()
+        if t.dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"cannot store tensor {name!r} of dtype {t.dtype} in safetensors")
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        ordered.append(t)
+        offset += size
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as fh:
+        fh.write(len(text).to_bytes(8, "little"))
+        fh.write(text)
+        for t in ordered:
+            fh.write(tensor_bytes(t))
+
+
 def write(traj: Trajectory, directory: str | Path) -> Path:
     """Write ``traj`` into ``directory`` atomically and return the path."""
     directory = Path(directory)
@@ -92,7 +130,7 @@ def write(traj: Trajectory, directory: str | Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     try:
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in traj.tensors.items()}
-        save_file(tensors, str(tmp / TENSORS), metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)})
+        save_safetensors(tensors, tmp / TENSORS, metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)})
         manifest = dict(traj.manifest)
         manifest["format"] = FORMAT
         manifest["format_version"] = FORMAT_VERSION
@@ -133,6 +171,7 @@ def read(directory: str | Path, *, verify: bool = True) -> Trajectory:
         raise TrajectoryError(
             f"{directory} has format version {manifest.get('format_version')}, this mmdit_strict reads version {FORMAT_VERSION}"
         )
+    check_manifest(manifest, mpath)
     if not tpath.exists():
         raise TrajectoryError(f"{directory} is missing {TENSORS}")
     expected = manifest.get("files", {}).get(TENSORS)
@@ -144,9 +183,104 @@ def read(directory: str | Path, *, verify: bool = True) -> Trajectory:
     except (SafetensorError, OSError, RuntimeError) as exc:
         raise TrajectoryError(f"{tpath} cannot be read: {exc}") from exc
     traj = Trajectory(manifest, tensors, directory)
+    check_tensors(traj)
     if verify:
         verify_hashes(traj)
     return traj
+
+
+_NUMBER = (int, float)
+_SCHEMA: dict[str, tuple[type, ...]] = {
+    "kind": (str,), "config": (dict,), "runtime": (str,), "side": (dict,), "fingerprint": (str,),
+    "weights_sha256": (str,), "lora_sha256": (str, type(None)), "prompt_hashes": (dict,), "sample_ids": (list,),
+    "grid": (list,), "sigma_table": (list,), "sigma_sha256": (str,), "init_latents_sha256": (str,),
+    "cfg_scale": _NUMBER, "eta": _NUMBER, "sde": (bool,), "noise": (dict,), "trace": (dict,),
+    "software": (dict,), "wall_seconds": _NUMBER, "steps": (list,), "files": (dict,),
+}
+
+
+def check_manifest(m: dict[str, Any], where: str | Path) -> None:
+    """Raise :class:`TrajectoryError` unless ``m`` is a well-formed, self-consistent manifest.
+
+    Checks the keys and their types, one step record per sigma-table interval (step ``i`` labelled
+    ``i``, with the table's sigmas), and one v/x/logp hash per sample in every step.
+    """
+    for key, types in _SCHEMA.items():
+        if key not in m:
+            raise TrajectoryError(f"{where}: missing key {key!r}")
+        if not isinstance(m[key], types) or (types == _NUMBER and isinstance(m[key], bool)):
+            raise TrajectoryError(f"{where}: {key!r} has type {type(m[key]).__name__}, expected {' or '.join(t.__name__ for t in types)}")
+    if m["kind"] not in ("rollout", "recompute"):
+        raise TrajectoryError(f"{where}: kind {m['kind']!r} is neither rollout nor recompute")
+    ids = m["sample_ids"]
+    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids) or len(set(ids)) != len(ids):
+        raise TrajectoryError(f"{where}: sample_ids must be a non-empty list of distinct integers, got {ids!r}")
+    grid = m["grid"]
+    if len(grid) != 2 or not all(isinstance(g, int) and not isinstance(g, bool) and g > 0 for g in grid):
+        raise TrajectoryError(f"{where}: grid must be two positive integers, got {grid!r}")
+    sig = m["sigma_table"]
+    if len(sig) < 2 or not all(isinstance(v, _NUMBER) and not isinstance(v, bool) and math.isfinite(v) for v in sig):
+        raise TrajectoryError(f"{where}: sigma_table must hold at least 2 finite numbers, got {len(sig)} entries")
+    S, N = len(sig) - 1, len(ids)
+    if len(m["steps"]) != S:
+        raise TrajectoryError(f"{where}: steps has {len(m['steps'])} entries but the sigma table has {S + 1} values ({S} steps)")
+    for i, step in enumerate(m["steps"]):
+        if not isinstance(step, dict) or step.get("step") != i:
+            raise TrajectoryError(f"{where}: steps[{i}] is not the record of step {i}")
+        if step.get("sigma") != sig[i] or step.get("sigma_prev") != sig[i + 1]:
+            raise TrajectoryError(f"{where}: step {i}'s sigmas do not match the sigma table")
+        for q in ("v", "x", "logp"):
+            hashes = step.get(q)
+            if not isinstance(hashes, list) or len(hashes) != N or not all(isinstance(h, str) for h in hashes):
+                got = len(hashes) if isinstance(hashes, list) else "no"
+                raise TrajectoryError(f"{where}: step {i}: {q} has {got} hashes for {N} samples")
+    prompts = m["prompt_hashes"].get("prompts")
+    if not isinstance(prompts, list) or len(prompts) != N or not isinstance(m["prompt_hashes"].get("negative"), str):
+        raise TrajectoryError(f"{where}: prompt_hashes must hold one hash per sample ({N}) and the negative prompt's")
+    keys = m["noise"].get("keys")
+    if not isinstance(keys, dict) or set(keys) != {str(i) for i in ids} or any(len(k) != S for k in keys.values()):
+        raise TrajectoryError(f"{where}: noise keys must name every sample id with one key per step")
+    if not isinstance(m["files"].get(TENSORS), str):
+        raise TrajectoryError(f"{where}: files has no sha256 for {TENSORS}")
+    if not isinstance(m["side"].get("resumed_after_step", None), (int, type(None))):
+        raise TrajectoryError(f"{where}: side.resumed_after_step must be an integer or null")
+
+
+def check_tensors(traj: Trajectory) -> None:
+    """Raise :class:`TrajectoryError` unless the stored tensors have the shapes the manifest implies.
+
+    ``init_latents (N, T, C)`` with ``T = grid h·w``; ``sigmas (S+1,)`` FP32 equal to the manifest's
+    table; ``prompt.i (L_i, D)`` for every sample and ``negative (L, D)``; and, when stored at all, all
+    of ``v (S, N, T, C)``, ``x (S+1, N, T, C)`` and ``logp (S, N)``.
+    """
+    m, t = traj.manifest, traj.tensors
+    where = traj.path or "artifact"
+    S, N = len(m["steps"]), len(m["sample_ids"])
+    T = m["grid"][0] * m["grid"][1]
+    names = ["init_latents", "sigmas", "negative"] + [f"prompt.{i}" for i in range(N)]
+    missing = [n for n in names if n not in t]
+    if missing:
+        raise TrajectoryError(f"{where}: {TENSORS} is missing {', '.join(missing)}")
+    x0 = t["init_latents"]
+    if x0.dim() != 3 or tuple(x0.shape[:2]) != (N, T):
+        raise TrajectoryError(f"{where}: init_latents has shape {tuple(x0.shape)}, expected ({N}, {T}, C)")
+    C = x0.shape[2]
+    if t["sigmas"].dtype != torch.float32 or tuple(t["sigmas"].shape) != (S + 1,):
+        raise TrajectoryError(f"{where}: sigmas is {t['sigmas'].dtype} {tuple(t['sigmas'].shape)}, expected float32 ({S + 1},)")
+    if [float(v) for v in t["sigmas"]] != [float(v) for v in m["sigma_table"]]:
+        raise TrajectoryError(f"{where}: the manifest's sigma_table does not match the stored sigma tensor")
+    D = t["negative"].shape[-1] if t["negative"].dim() == 2 else None
+    for n in names[2:]:
+        if t[n].dim() != 2 or t[n].shape[0] < 1 or t[n].shape[1] != D:
+            raise TrajectoryError(f"{where}: {n} has shape {tuple(t[n].shape)}, expected (L >= 1, {D})")
+    stored = [k for k in ("v", "x", "logp") if k in t]
+    if stored and len(stored) != 3:
+        raise TrajectoryError(f"{where}: {TENSORS} holds {', '.join(stored)} but not all of v, x, logp")
+    if stored:
+        expected = {"v": (S, N, T, C), "x": (S + 1, N, T, C), "logp": (S, N)}
+        for k, shape in expected.items():
+            if tuple(t[k].shape) != shape:
+                raise TrajectoryError(f"{where}: {k} has shape {tuple(t[k].shape)}, expected {shape}")
 
 
 def verify_hashes(traj: Trajectory) -> None:

@@ -46,8 +46,15 @@ _SAME_INPUTS = ("sigma_sha256", "init_latents_sha256", "prompt_hashes", "sample_
 
 
 def check_comparable(a: Trajectory, b: Trajectory) -> list[str]:
-    """Raise if the two sides did not replay the same inputs; return warnings for policy differences."""
+    """Raise if the two sides did not replay the same inputs; return warnings for policy differences.
+
+    Symmetric in ``a`` and ``b``; both manifests were validated on read, so equal step counts mean
+    every per-step hash list lines up.
+    """
     ma, mb = a.manifest, b.manifest
+    if a.num_steps != b.num_steps or ma["grid"] != mb["grid"]:
+        raise TrajectoryError(f"the trajectories differ in shape: {a.num_steps} vs {b.num_steps} steps, "
+                              f"grid {ma['grid']} vs {mb['grid']}")
     for key in _SAME_INPUTS:
         if ma.get(key) != mb.get(key):
             raise TrajectoryError(f"the trajectories do not share their replay inputs: {key} differs")

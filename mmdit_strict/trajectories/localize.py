@@ -6,6 +6,10 @@ operator graph with every operator output captured. Walking the operators in exe
 the first whose rows for the drifting sample differ in bytes is the first drift: operator, block,
 stream, logical row (token within the sample), element, max-abs and ULP distance. A side that ran
 ``runtime=off`` is replayed through the same operator graph with the production kernels.
+
+Each side is rebuilt from the configuration stored in its own manifest (never from a config file a
+later run may have rewritten), and its weight and LoRA hashes must equal the manifest's: a replay
+of other weights would blame the wrong place, so it is refused with :class:`TrajectoryError`.
 """
 
 from __future__ import annotations
@@ -15,15 +19,16 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import OmegaConf
 
 from ..kernels.runtime import Runtime, runtime_mode
 from ..model.strict import capture_operators, inject_fault, strict_forward
-from .artifact import Trajectory
+from .artifact import Trajectory, TrajectoryError
 from .compare import FirstDrift
 from .engine import _pad
 from .hashing import ulp_distance
 from .recompute import parse_fault, recorded_prompts
+from .record import model_hashes
 from .setup import build_side_model
 
 _KEY = re.compile(r"^(?:block(?P<block>\d+)\.)?(?P<stream>[a-z_]+)(?:\.(?P<sub>[a-z.]+?))?\.(?P<op>[a-z_]+)(?:\.(?P<part>\d))?$")
@@ -72,10 +77,18 @@ def _side_batch(traj: Trajectory, position: int) -> list[int]:
     raise ValueError(f"sample position {position} not found in the {traj.manifest['kind']} batches")
 
 
-def _replay(cfg: DictConfig, traj: Trajectory, ref: Trajectory, step: int, position: int) -> dict[str, dict[str, torch.Tensor]]:
+def _replay(traj: Trajectory, ref: Trajectory, step: int, position: int) -> dict[str, dict[str, torch.Tensor]]:
     """Captured operator rows of the drifting sample, per CFG branch, for one side."""
     runtime = Runtime.parse(traj.manifest["runtime"])
+    cfg = OmegaConf.create(traj.manifest["config"])
     model = build_side_model(cfg, runtime)
+    for key, val in model_hashes(model).items():
+        if val != traj.manifest[key]:
+            raise TrajectoryError(
+                f"cannot localize: the {traj.manifest['kind']} side's {key} is {str(traj.manifest[key])[:12]}… but "
+                f"its configuration now builds {str(val)[:12]}… (the weights at model.checkpoint="
+                f"{cfg.model.checkpoint} changed since the run); re-run the job"
+            )
     side = traj.manifest["side"]
     prompts = recorded_prompts(ref, model.dtype, cfg.model.device)
     batch = _side_batch(traj, position)
@@ -152,11 +165,14 @@ def _describe(branch: str, key: str, a: torch.Tensor, b: torch.Tensor) -> Operat
     )
 
 
-def localize(cfg: DictConfig, rollout: Trajectory, recompute: Trajectory, first: FirstDrift) -> Localization:
-    """Name the first operator whose output differs for ``first``'s sample at ``first``'s step."""
+def localize(rollout: Trajectory, recompute: Trajectory, first: FirstDrift) -> Localization:
+    """Name the first operator whose output differs for ``first``'s sample at ``first``'s step.
+
+    Each side is rebuilt from its manifest's configuration and must hash to its manifest's weights.
+    """
     position = rollout.sample_ids.index(first.sample_id)
-    a = _replay(cfg, rollout, rollout, first.step, position)
-    b = _replay(cfg, recompute, rollout, first.step, position)
+    a = _replay(rollout, rollout, first.step, position)
+    b = _replay(recompute, rollout, first.step, position)
     loc = Localization(first.sample_id, first.step, None)
     for branch in ("cond", "neg"):
         for key, ta in a[branch].items():

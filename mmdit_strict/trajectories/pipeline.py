@@ -1,4 +1,11 @@
-"""The main job: rollout → recompute → compare → (localize) → report, resumable per stage."""
+"""The main job: rollout → recompute → compare → (localize) → report, resumable per stage.
+
+Before any step runs, the output folder is claimed (see :mod:`.outdir`) and everything that can be
+checked is: the rollout side's model is built and hashed, the prompts are made, both sides'
+``pad_to`` and the planted fault are checked against them. A stage's verified artifact is reused
+only when its stage key (settings, weights, LoRA, prompts, version; see :mod:`.stagekey`) equals
+the current one; otherwise the stage re-runs and the log says which part changed.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +14,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from ..config.compose import save_resolved
 from . import artifact
 from .compare import Comparison, compare
 from .localize import Localization, localize
-from .recompute import run_recompute
+from .outdir import claim_output_dir
+from .recompute import check_fault, run_recompute
+from .record import model_hashes
 from .report import summary_line, write_report
 from .rollout import run_rollout
+from .setup import build_side_model, check_pad_to, make_prompts, side_runtime
+from .stagekey import describe_mismatch, recompute_key, rollout_key
 
 logger = logging.getLogger(__name__)
 
@@ -36,39 +47,42 @@ class RunResult:
         return summary_line(self.comparison, self.localization)
 
 
-def _load_if_done(path: Path, resume: bool) -> artifact.Trajectory | None:
+def _reusable(path: Path, resume: bool, key: dict[str, str], stage: str) -> artifact.Trajectory | None:
+    """The verified artifact at ``path`` when it was made under ``key``; None (saying why) otherwise."""
     if not resume or not (path / artifact.MANIFEST).exists():
         return None
     try:
-        return artifact.read(path)
+        done = artifact.read(path)
     except artifact.TrajectoryError as exc:
-        logger.warning("re-running %s: %s", path.name, exc)
+        logger.warning("re-running %s: %s", stage, exc)
         return None
+    stored = done.manifest.get("stage_key")
+    if stored != key:
+        logger.warning("re-running %s: %s", stage, describe_mismatch(stored, key))
+        return None
+    logger.info("%s: reusing verified artifact %s", stage, path)
+    return done
 
 
-_NOT_ROLLOUT = ("recompute", "compare", "output_dir", "resume", "progress", "wandb", "_choices_")
-_NOT_RECOMPUTE = ("compare", "output_dir", "resume", "progress", "wandb", "_choices_")
+def rollout_stage(cfg: DictConfig, out: Path, progress: bool) -> tuple[artifact.Trajectory, dict[str, str | None]]:
+    """Checks before any work, then the rollout (reused when its key matches); returns it and the model hashes."""
+    model = build_side_model(cfg, side_runtime(cfg, "rollout"))
+    hashes = model_hashes(model)
+    prompts = make_prompts(cfg, model.config, cfg.model.device)
+    for side in ("rollout", "recompute"):
+        check_pad_to(side, cfg[side].pad_to, prompts, float(cfg.sampler.cfg_scale))
+    check_fault(cfg.recompute.inject_fault, model.config.num_layers, int(cfg.sampler.num_steps))
+    done = _reusable(out / "rollout", bool(cfg.resume), rollout_key(cfg, hashes, prompts.hashes()), "rollout")
+    if done is not None:
+        return done, hashes
+    return run_rollout(cfg, out / "rollout", progress=progress, model=model), hashes
 
 
-def _same_config(traj: artifact.Trajectory, cfg: DictConfig, ignore: tuple[str, ...]) -> bool:
-    """Whether a stored artifact was made with the same settings that matter to its stage."""
-    new = OmegaConf.to_container(cfg, resolve=True)
-    old = traj.manifest["config"]
-    return {k: v for k, v in old.items() if k not in ignore} == {k: v for k, v in new.items() if k not in ignore}
-
-
-def rollout_stage(cfg: DictConfig, out: Path, progress: bool) -> artifact.Trajectory:
-    done = _load_if_done(out / "rollout", bool(cfg.resume))
-    if done is not None and _same_config(done, cfg, _NOT_ROLLOUT):
-        logger.info("rollout: reusing verified artifact %s", out / "rollout")
-        return done
-    return run_rollout(cfg, out / "rollout", progress=progress)
-
-
-def recompute_stage(cfg: DictConfig, rollout: artifact.Trajectory, out: Path, progress: bool) -> artifact.Trajectory:
-    done = _load_if_done(out / "recompute", bool(cfg.resume))
-    if done is not None and _same_config(done, cfg, _NOT_RECOMPUTE) and done.manifest["init_latents_sha256"] == rollout.manifest["init_latents_sha256"]:
-        logger.info("recompute: reusing verified artifact %s", out / "recompute")
+def recompute_stage(cfg: DictConfig, rollout: artifact.Trajectory, out: Path, progress: bool,
+                    hashes: dict[str, str | None]) -> artifact.Trajectory:
+    """The recompute (reused when its key, which names the rollout file it replays, matches)."""
+    done = _reusable(out / "recompute", bool(cfg.resume), recompute_key(cfg, hashes, rollout), "recompute")
+    if done is not None:
         return done
     return run_recompute(cfg, rollout, out / "recompute", progress=progress)
 
@@ -77,16 +91,15 @@ def compare_stage(cfg: DictConfig, rollout: artifact.Trajectory, recompute: arti
     comp = compare(rollout, recompute)
     loc = None
     if not comp.byte_identical and cfg.compare.localize and comp.first is not None and comp.first.quantity == "v":
-        loc = localize(cfg, rollout, recompute, comp.first)
+        loc = localize(rollout, recompute, comp.first)
     report = write_report(out / "report", rollout, recompute, comp, loc)
     return RunResult(comp, loc, report, out)
 
 
 def run_all(cfg: DictConfig, progress: bool = True) -> RunResult:
-    """Run the whole job in ``cfg.output_dir``; stages with verified artifacts of the same config are reused."""
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_resolved(cfg, out)
-    rollout = rollout_stage(cfg, out, progress)
-    recompute = recompute_stage(cfg, rollout, out, progress)
-    return compare_stage(cfg, rollout, recompute, out)
+    """Run the whole job in ``cfg.output_dir`` (claimed and locked while it runs); matching stages are reused."""
+    with claim_output_dir(cfg.output_dir) as out:
+        save_resolved(cfg, out)
+        rollout, hashes = rollout_stage(cfg, out, progress)
+        recompute = recompute_stage(cfg, rollout, out, progress, hashes)
+        return compare_stage(cfg, rollout, recompute, out)

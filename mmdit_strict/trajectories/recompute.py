@@ -7,7 +7,10 @@ and padding, LoRA attached, gradient checkpointing, and a backward of ``-sum(log
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import random
+import re
 import time
 from pathlib import Path
 
@@ -15,16 +18,19 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
+from ..config.arch import preset
 from ..kernels.grad_sink import collect_sample_grads
-from ..kernels.runtime import runtime_mode
+from ..kernels.runtime import Runtime, runtime_mode
 from ..kernels.trace import capture_trace
-from ..model.strict import inject_fault
+from ..model import build_model
+from ..model.strict import capture_operators, inject_fault, strict_forward
 from . import artifact, partial
 from .engine import velocity
 from .hashing import tensor_sha256
 from .record import StepRecorder, build_trajectory, model_hashes
 from .rollout import step_latents
-from .setup import Prompts, build_side_model, side_runtime
+from .setup import Prompts, build_side_model, check_pad_to, side_runtime
+from .stagekey import recompute_key
 
 
 def recorded_prompts(traj: artifact.Trajectory, dtype: torch.dtype, device: str) -> Prompts:
@@ -50,6 +56,44 @@ def parse_fault(spec: str | None) -> tuple[str | None, int | None]:
     if not key or (step and not step.isdigit()):
         raise ValueError(f"recompute.inject_fault must look like 'block1.img.mlp_down_gemm@2', got {spec!r}")
     return key, int(step) if step else 0
+
+
+_BLOCK = re.compile(r"^block(\d+)\.")
+
+
+@functools.lru_cache(maxsize=1)
+def operator_keys() -> frozenset[str]:
+    """Every operator key the strict forward emits, with block indices written as ``block{}``.
+
+    Read off one captured forward of a one-block tiny model: the graph (and so the set of keys) is
+    the same for every size; only the number of blocks differs.
+    """
+    arch = dataclasses.replace(preset("tiny"), num_layers=1)
+    model = build_model(arch, seed=0, runtime="strict")
+    x = torch.zeros(1, 4, arch.in_channels)
+    text = torch.zeros(1, 2, arch.joint_attention_dim)
+    inputs = model.validate_inputs(x, text, None, torch.tensor([0.5]), [[(1, 2, 2)]])
+    with runtime_mode(Runtime.STRICT), capture_operators() as cap, torch.no_grad():
+        strict_forward(model, inputs)
+    # tuple outputs are captured as key.0, key.1; a fault names the operator call itself
+    return frozenset(_BLOCK.sub("block{}.", re.sub(r"\.\d+$", "", k)) for k in cap)
+
+
+def check_fault(spec: str | None, num_layers: int, num_steps: int) -> None:
+    """A clear error unless ``recompute.inject_fault`` names an operator call the strict graph makes."""
+    key, step = parse_fault(spec)
+    if key is None or step is None:
+        return
+    if step >= num_steps:
+        raise ValueError(f"recompute.inject_fault={spec!r} names step {step} but the run has {num_steps} steps")
+    m = _BLOCK.match(key)
+    if m and int(m.group(1)) >= num_layers:
+        raise ValueError(f"recompute.inject_fault={spec!r} names block {m.group(1)} but the model has {num_layers} blocks")
+    known = operator_keys()
+    if _BLOCK.sub("block{}.", key) not in known:
+        examples = ", ".join(sorted(k.format(0) for k in known if k.startswith("block{}.img"))[:4])
+        raise ValueError(f"recompute.inject_fault={spec!r}: {key!r} is no operator call of the strict graph "
+                         f"(keys look like {examples}, embed.timestep_embed_mlp)")
 
 
 def _grad_record(trainable: list, sink) -> dict | None:
@@ -91,20 +135,24 @@ def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | 
             )
     device = cfg.model.device
     prompts = recorded_prompts(rollout, model.dtype, device)
+    check_pad_to("recompute", cfg.recompute.pad_to, prompts, float(cfg.sampler.cfg_scale))
     grid = tuple(rollout.manifest["grid"])
     sigmas = rollout.tensors["sigmas"]
     S = sigmas.shape[0] - 1
+    check_fault(cfg.recompute.inject_fault, model.config.num_layers, S)
     ids = rollout.sample_ids
     xs = rollout.tensors["x"].to(device)
     rec = StepRecorder(S, xs[0])
     mbs = micro_batches(list(range(len(ids))), int(cfg.recompute.micro_batch), bool(cfg.recompute.shuffle), int(cfg.recompute.shuffle_seed))
     trainable = sorted(((n, p) for n, p in model.named_parameters() if p.requires_grad), key=lambda t: t[0])
     bar = tqdm(total=S * len(mbs), desc=f"recompute [{runtime.value}]", disable=not progress, leave=False)
-    key = partial.state_key("recompute", cfg, extra=rollout.manifest["files"]["tensors.safetensors"])
-    resumed = partial.load(out_dir, key, rec) if cfg.resume else None
+    key = recompute_key(cfg, hashes, rollout)
+    resumed = partial.load(out_dir, key, rec, "recompute") if cfg.resume else None
+    if resumed is None:
+        partial.start(out_dir, key)
     start = resumed.steps_done if resumed else 0
     wall_before = resumed.wall_s if resumed else 0.0
-    grad_records = list(resumed.extra.get("grad_records", [])) if resumed else []
+    grad_records = list(resumed.step_extras) if resumed else []
     bar.update(start * len(mbs))
     fault_key, fault_step = parse_fault(cfg.recompute.inject_fault)
     with capture_trace(resumed.trace if resumed else None) as trace, runtime_mode(runtime):
@@ -127,8 +175,7 @@ def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | 
             grad_records.append(_grad_record(trainable, sink))
             for _, p in trainable:
                 p.grad = None
-            partial.save_step(out_dir, key, rec, step, trace, wall_before + time.perf_counter() - t0,
-                              extra={"grad_records": grad_records})
+            partial.save_step(out_dir, rec, step, trace, wall_before + time.perf_counter() - t0, extra=grad_records[-1])
     bar.close()
     side = {"micro_batch": int(cfg.recompute.micro_batch), "shuffle": bool(cfg.recompute.shuffle),
             "order": [ids[i] for mb in mbs for i in mb], "cfg_layout": cfg.recompute.cfg_layout, "pad_to": cfg.recompute.pad_to,
@@ -136,7 +183,7 @@ def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | 
             "inject_fault": cfg.recompute.inject_fault, "resumed_after_step": start or None,
             "lora_grads_per_step": grad_records}
     traj = build_trajectory("recompute", cfg, model, runtime, prompts, sigmas, ids, grid, rec, trace,
-                            wall_before + time.perf_counter() - t0, side, True)
+                            wall_before + time.perf_counter() - t0, side, True, hashes=hashes, stage_key=key)
     artifact.write(traj, out_dir)
     partial.discard(out_dir)
     trace.dump(Path(out_dir) / "trace.json")

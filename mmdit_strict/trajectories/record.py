@@ -60,8 +60,10 @@ def model_hashes(model: MMDiT) -> dict[str, str | None]:
 def build_trajectory(
     kind: str, cfg: DictConfig, model: MMDiT, runtime: Runtime, prompts: Prompts, sigmas: torch.Tensor,
     sample_ids: list[int], grid: tuple[int, int], rec: StepRecorder, trace: OperatorTrace, wall_s: float,
-    side: dict[str, Any], save_tensors: bool,
+    side: dict[str, Any], save_tensors: bool, *, hashes: dict[str, str | None] | None = None,
+    stage_key: dict[str, str] | None = None,
 ) -> Trajectory:
+    """The side's artifact in memory; ``hashes`` (weights/LoRA) are computed from ``model`` when not given."""
     S = sigmas.shape[0] - 1
     steps = []
     for s in range(S):
@@ -92,7 +94,8 @@ def build_trajectory(
         "config": OmegaConf.to_container(cfg, resolve=True),
         "runtime": runtime.value,
         "side": side,
-        **model_hashes(model),
+        **(hashes if hashes is not None else model_hashes(model)),
+        "stage_key": stage_key,
         "prompt_hashes": prompts.hashes(),
         "sample_ids": sample_ids,
         "grid": list(grid),

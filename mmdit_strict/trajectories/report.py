@@ -109,11 +109,16 @@ def summary_line(comp: Comparison, loc: Localization | None = None) -> str:
     return line
 
 
+PLOTS = ("drift_per_step.png", "drift_per_block.png", "audit_per_block.png")
+
+
 def write_report(out_dir: str | Path, rollout: Trajectory, recompute: Trajectory, comp: Comparison,
                  loc: Localization | None = None) -> dict[str, Any]:
     """Write ``report.md``, ``report.json`` and plots into ``out_dir``; return the JSON payload."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    for name in PLOTS:  # a plot this comparison does not draw must not survive from an earlier one
+        (out / name).unlink(missing_ok=True)
     plots = {}
     if _plot_steps(comp, out / "drift_per_step.png"):
         plots["per_step"] = "drift_per_step.png"

@@ -12,11 +12,13 @@ from tqdm.auto import tqdm
 
 from ..kernels.runtime import runtime_mode
 from ..kernels.trace import capture_trace
+from ..model import MMDiT
 from ..sampling import euler_step, initial_latents, sde_step, step_noise
 from . import artifact, partial
 from .engine import velocity
-from .record import StepRecorder, build_trajectory
-from .setup import build_side_model, latent_grid, make_prompts, schedule, side_runtime
+from .record import StepRecorder, build_trajectory, model_hashes
+from .setup import build_side_model, check_pad_to, latent_grid, make_prompts, schedule, side_runtime
+from .stagekey import rollout_key
 
 logger = logging.getLogger(__name__)
 
@@ -36,14 +38,24 @@ def step_latents(cfg: DictConfig, v: torch.Tensor, x: torch.Tensor, sigmas: torc
     return res.x_prev, sde_step(v, x, sigma, sigma_prev, prev_sample=prev_sample, **kw).logp
 
 
-def run_rollout(cfg: DictConfig, out_dir: str | Path, progress: bool = True) -> artifact.Trajectory:
-    """Sample every prompt for ``sampler.num_steps`` steps and write the artifact to ``out_dir``."""
+def run_rollout(cfg: DictConfig, out_dir: str | Path, progress: bool = True, model: MMDiT | None = None) -> artifact.Trajectory:
+    """Sample every prompt for ``sampler.num_steps`` steps and write the artifact to ``out_dir``.
+
+    ``model`` is the rollout side's model when the caller already built it (``build_side_model``
+    with the rollout runtime). A step checkpoint in ``<out_dir>.partial`` is resumed only under the
+    same stage key (settings, weights, LoRA, prompts, version) and only as far as its step files verify.
+    """
     t0 = time.perf_counter()
     runtime = side_runtime(cfg, "rollout")
-    model = build_side_model(cfg, runtime)
+    if model is None:
+        model = build_side_model(cfg, runtime)
+    elif model.runtime is not runtime:
+        raise ValueError(f"run_rollout got a model in runtime {model.runtime.value}, the rollout side runs {runtime.value}")
+    hashes = model_hashes(model)
     arch = model.config
     device = cfg.model.device
     prompts = make_prompts(cfg, arch, device)
+    check_pad_to("rollout", cfg.rollout.pad_to, prompts, float(cfg.sampler.cfg_scale))
     grid = latent_grid(cfg, arch)
     sigmas = schedule(cfg, arch)
     S = sigmas.shape[0] - 1
@@ -54,8 +66,10 @@ def run_rollout(cfg: DictConfig, out_dir: str | Path, progress: bool = True) -> 
     if bs < 1:
         raise ValueError(f"rollout.batch_size must be >= 1, got {bs}")
     batches = [ids[i:i + bs] for i in range(0, len(ids), bs)]
-    key = partial.state_key("rollout", cfg, ignore=("recompute",))
-    resumed = partial.load(out_dir, key, rec) if cfg.resume else None
+    key = rollout_key(cfg, hashes, prompts.hashes())
+    resumed = partial.load(out_dir, key, rec, "rollout") if cfg.resume else None
+    if resumed is None:
+        partial.start(out_dir, key)
     start = resumed.steps_done if resumed else 0
     wall_before = resumed.wall_s if resumed else 0.0
     if resumed:
@@ -77,12 +91,13 @@ def run_rollout(cfg: DictConfig, out_dir: str | Path, progress: bool = True) -> 
                 x_next[batch] = xn
                 bar.update(1)
             x = x_next
-            partial.save_step(out_dir, key, rec, step, trace, wall_before + time.perf_counter() - t0)
+            partial.save_step(out_dir, rec, step, trace, wall_before + time.perf_counter() - t0)
     bar.close()
     side = {"batch_size": bs, "cfg_layout": cfg.rollout.cfg_layout, "pad_to": cfg.rollout.pad_to, "autograd": False,
             "resumed_after_step": start or None}
     traj = build_trajectory("rollout", cfg, model, runtime, prompts, sigmas, ids, grid, rec, trace,
-                            wall_before + time.perf_counter() - t0, side, bool(cfg.rollout.save_tensors))
+                            wall_before + time.perf_counter() - t0, side, bool(cfg.rollout.save_tensors),
+                            hashes=hashes, stage_key=key)
     artifact.write(traj, out_dir)
     partial.discard(out_dir)
     trace.dump(Path(out_dir) / "trace.json")

@@ -107,7 +107,13 @@ def make_prompts(cfg: DictConfig, arch: ArchConfig, device: str) -> Prompts:
         for key in ("prompt_embeds", "prompt_mask", "negative_embeds"):
             if key not in data:
                 raise ValueError(f"{p.embeddings} must hold prompt_embeds (N, L, C), prompt_mask (N, L) and negative_embeds (L, C); missing {key}")
-        embeds = [data["prompt_embeds"][i, : int(data["prompt_mask"][i].sum())] for i in range(data["prompt_embeds"].shape[0])]
+        pe, pm = data["prompt_embeds"], data["prompt_mask"]
+        if pe.dim() != 3 or pe.shape[0] < 1 or tuple(pm.shape) != tuple(pe.shape[:2]):
+            raise ValueError(f"{p.embeddings}: prompt_embeds must be (N >= 1, L, C) with prompt_mask (N, L), "
+                             f"got {tuple(pe.shape)} and {tuple(pm.shape)}")
+        embeds = [pe[i, : int(pm[i].sum())] for i in range(pe.shape[0])]
+        if any(e.shape[0] < 1 for e in embeds):
+            raise ValueError(f"{p.embeddings}: every prompt needs at least one valid token (a prompt_mask row is all zero)")
         neg = data["negative_embeds"]
     else:
         if not 1 <= p.min_tokens <= p.max_tokens:
@@ -126,6 +132,17 @@ def make_prompts(cfg: DictConfig, arch: ArchConfig, device: str) -> Prompts:
         if not torch.isfinite(e).all():
             raise ValueError("prompt embeddings contain NaN or Inf")
     return Prompts([e.to(device=device, dtype=dtype) for e in embeds], neg.to(device=device, dtype=dtype))
+
+
+def check_pad_to(name: str, pad_to: int | None, prompts: Prompts, cfg_scale: float) -> None:
+    """A clear error when ``<name>.pad_to`` is shorter than a prompt (or the negative prompt, with CFG)."""
+    if pad_to is None:
+        return
+    longest = max(e.shape[0] for e in prompts.embeds)
+    if cfg_scale != 1.0:
+        longest = max(longest, prompts.negative.shape[0])
+    if pad_to < longest:
+        raise ValueError(f"{name}.pad_to={pad_to} is shorter than the longest prompt ({longest} tokens)")
 
 
 def latent_grid(cfg: DictConfig, arch: ArchConfig) -> tuple[int, int]:

@@ -108,3 +108,13 @@ def test_sample_command_writes_latents_and_hashes(tmp_path: Path, capsys: pytest
 
     traj = read(out / "rollout")
     assert traj.tensors["x"].shape == (3, 2, 64, 64) and len(traj.manifest["steps"][1]["x"]) == 2
+
+
+def test_stage_with_a_broken_manifest_is_rerun(tmp_path: Path) -> None:
+    out = tmp_path / "broken"
+    _run(out)
+    m = json.loads((out / "rollout" / "manifest.json").read_text())
+    del m["config"]
+    (out / "rollout" / "manifest.json").write_text(json.dumps(m))
+    assert _run(out).byte_identical
+    assert "config" in json.loads((out / "rollout" / "manifest.json").read_text())

@@ -84,5 +84,63 @@ def test_checkpoint_of_other_settings_is_not_used(tmp_path: Path, monkeypatch: p
     step_file = tmp_path / "c.partial" / "step_00001.safetensors"
     step_file.write_bytes(step_file.read_bytes()[:40])
     traj = run_rollout(cfg, tmp_path / "c", progress=False)
-    assert traj.manifest["side"]["resumed_after_step"] is None
+    assert traj.manifest["side"]["resumed_after_step"] == 1, "step 0 is intact; step 1 is recomputed from it"
     assert partial.partial_dir(tmp_path / "c").exists() is False
+    assert _hashes(traj) == _hashes(run_rollout(cfg, tmp_path / "whole", progress=False))
+
+
+def _flip_data_bit(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x04  # inside the tensor data, not the header: the file still parses
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_bit_in_a_step_checkpoint_is_recomputed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = compose([f"output_dir={tmp_path}", *BASE])
+    rollout = run_rollout(cfg, tmp_path / "rollout", progress=False)
+    whole = run_recompute(cfg, rollout, tmp_path / "whole", progress=False)
+    _kill_at(monkeypatch, recompute_mod, 3)
+    with pytest.raises(Killed):
+        run_recompute(cfg, rollout, tmp_path / "killed", progress=False)
+    monkeypatch.undo()
+    _flip_data_bit(tmp_path / "killed.partial" / "step_00001.safetensors")
+    resumed = run_recompute(cfg, rollout, tmp_path / "killed", progress=False)
+    assert resumed.manifest["side"]["resumed_after_step"] == 1
+    assert _hashes(resumed) == _hashes(whole)
+    assert compare(rollout, resumed).byte_identical
+
+
+def test_swapped_step_checkpoints_are_recomputed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = compose([f"output_dir={tmp_path}", *BASE])
+    whole = run_rollout(cfg, tmp_path / "whole", progress=False)
+    _kill_at(monkeypatch, rollout_mod, 3)
+    with pytest.raises(Killed):
+        run_rollout(cfg, tmp_path / "killed", progress=False)
+    monkeypatch.undo()
+    d = tmp_path / "killed.partial"
+    one, two = d / "step_00001.safetensors", d / "step_00002.safetensors"
+    a, b = one.read_bytes(), two.read_bytes()
+    one.write_bytes(b)
+    two.write_bytes(a)
+    resumed = run_rollout(cfg, tmp_path / "killed", progress=False)
+    assert resumed.manifest["side"]["resumed_after_step"] == 1
+    assert _hashes(resumed) == _hashes(whole)
+
+
+def _checkpoint_meta_bytes(d: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in d.iterdir() if not p.name.endswith(".safetensors")}
+
+
+def test_step_checkpoint_metadata_grows_linearly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """state.json is not rewritten with every prior step's data: per-step records are appended once."""
+    cfg = compose([f"output_dir={tmp_path}", *BASE, "sampler.num_steps=5"])
+    rollout = run_rollout(cfg, tmp_path / "rollout", progress=False)
+    sizes = {}
+    for k in (1, 4):
+        _kill_at(monkeypatch, recompute_mod, k)
+        with pytest.raises(Killed):
+            run_recompute(cfg, rollout, tmp_path / f"k{k}", progress=False)
+        monkeypatch.undo()
+        sizes[k] = _checkpoint_meta_bytes(tmp_path / f"k{k}.partial")
+    assert sizes[1]["state.json"] == sizes[4]["state.json"], sizes
+    assert sum(sizes[4].values()) <= 4 * sum(sizes[1].values()), sizes
