@@ -64,8 +64,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     from ..trajectories.pipeline import run_all
     from .wandb_log import log_run
 
+    from ..pipelines.chain import finish_images, pipeline_folder, prepare_prompts
+
     cfg = _compose(args)
+    cfg, timings = prepare_prompts(cfg)  # prompts.text → embeddings with the pipeline folder's text encoder
     result = run_all(cfg, progress=not args.quiet and cfg.progress)
+    if cfg.rollout.save_tensors and (timings or pipeline_folder(cfg.model.checkpoint)):
+        images = finish_images(cfg, timings)  # final latents → PNGs (VAE) + report section
+        print(f"images: {images['contact_sheet']} ({images['mode']})")
     log_run(cfg, result)
     print(result.summary)
     print(f"report: {Path(cfg.output_dir) / 'report' / 'report.md'}")

@@ -51,6 +51,8 @@ class PromptsConfig:
 
     num_prompts: int = 4
     embeddings: Optional[str] = None  # safetensors with prompt_embeds (N, L, C) and prompt_mask (N, L); None → synthetic
+    text: Optional[list] = None  # prompt strings: `run` encodes them with model.checkpoint's text encoder (a pipeline folder)
+    negative: str = " "  # negative prompt encoded with prompts.text
     min_tokens: int = 4  # synthetic prompts: valid lengths drawn in [min_tokens, max_tokens]
     max_tokens: int = 12
     negative_tokens: int = 3  # synthetic negative prompt length
