@@ -122,6 +122,27 @@ def cmd_recompute(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    """Flow-GRPO LoRA training; exit 1 when ``train.recompute_old_logp`` finds the training logp off the rollout's bytes."""
+    from ..training import run_training
+    from ..training.loop import OldLogpMismatch
+
+    cfg = _compose(args)
+    try:
+        result = run_training(cfg, progress=not args.quiet and cfg.progress)
+    except OldLogpMismatch as exc:
+        print(f"mmdit-strict train: {exc}", file=sys.stderr)
+        return EXIT_DRIFT
+    last = result.metrics[-1] if result.metrics else {}
+    if last:
+        print(f"train: {result.epochs} epochs; last epoch reward {last['reward_mean']:+.4f} (first {result.metrics[0]['reward_mean']:+.4f}); "
+              f"first-update ratios exactly 1.0: {last['first_update_ratio_exact_one_frac']:.0%}")
+    print(f"metrics: {result.out_dir / 'metrics.jsonl'}; checkpoints: {result.out_dir / 'checkpoints'}")
+    for kind, folder in result.export.items():
+        print(f"LoRA ({kind}): {folder}")
+    return EXIT_OK
+
+
 def cmd_encode(args: argparse.Namespace) -> int:
     """Prompts → embeddings + masks with a pipeline folder's Qwen2.5-VL text encoder (a ``prompts.embeddings`` file)."""
     import torch
@@ -249,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("rollout", cmd_rollout, "sample trajectories (batched CFG + Flow-GRPO SDE) into OUTPUT_DIR/rollout")
     p = add("recompute", cmd_recompute, "training-side recomputation of a rollout into OUTPUT_DIR/recompute")
     p.add_argument("--rollout", default=None, help="rollout artifact folder (default: OUTPUT_DIR/rollout)")
+    add("train", cmd_train, "Flow-GRPO LoRA training (experiment=grpo_tiny on the CPU); resume=true continues a killed run")
     add("sample", cmd_sample, "sample the configured model and print per-step hashes (a rollout)")
     p = add("compare", cmd_compare, "compare two trajectory artifacts; exit 0 when byte-identical, 1 on drift", overrides=False)
     p.add_argument("a", help="first artifact folder (e.g. runs/default/rollout)")
