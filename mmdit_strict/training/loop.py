@@ -37,6 +37,7 @@ from ..config.compose import save_resolved
 from ..kernels.grad_sink import collect_sample_grads
 from ..kernels.runtime import Runtime
 from ..sampling import sigma_table
+from ..trajectories.outdir import claim_output_dir
 from ..trajectories.setup import DTYPES, build_side_model, latent_grid, make_prompts
 from . import checkpoint as ckpt
 from .advantages import StatTracker
@@ -409,10 +410,12 @@ class Trainer:
 def run_training(cfg: DictConfig, progress: bool = True, on_update: UpdateHook | None = None) -> TrainResult:
     """Train (or resume) the run configured by ``cfg`` in ``cfg.output_dir``.
 
-    ``train.cpu_threads`` (when set) applies ``torch.set_num_threads`` to the whole process.
+    The folder is claimed and locked like every run folder (a new or empty folder, or one an earlier
+    run marked); ``train.cpu_threads`` (when set) applies ``torch.set_num_threads`` to the whole process.
     """
     if cfg.train.cpu_threads is not None:
         if int(cfg.train.cpu_threads) < 1:
             raise ValueError(f"train.cpu_threads must be >= 1, got {cfg.train.cpu_threads}")
         torch.set_num_threads(int(cfg.train.cpu_threads))
-    return Trainer(cfg, progress=progress, on_update=on_update).run()
+    with claim_output_dir(cfg.output_dir):  # a run folder (or a new one), locked against a second run
+        return Trainer(cfg, progress=progress, on_update=on_update).run()
