@@ -509,7 +509,7 @@ def render(report: dict) -> str:
     e = report["env"]
     lines = ["# Strict row operators — GPU qualification report", "",
              f"GPU {e.get('gpu')} · driver {e.get('driver')} · torch {e.get('torch')} · Triton {e.get('triton')} · "
-             f"CUDA {e.get('cuda')} · commit `{e.get('commit')}` · {e.get('date_utc')}", ""]
+             f"CUDA {e.get('cuda')} · commit `{e.get('commit')}` · {e.get('date_utc')} · QK layout {e.get('qk_layout', 'pairs')}", ""]
     acc = report.get("accuracy", [])
     if acc:
         n = sum(a["pass"] for a in acc)
@@ -574,7 +574,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma list of speed, accuracy, invariance, model (the qwen-image architecture's fallbacks in runtime=auto)")
     ap.add_argument("--ops", default=None, help="comma list of operator names (default: all)")
     ap.add_argument("--budget-s", type=float, default=300.0, help="skip remaining cases past this wall time")
+    ap.add_argument("--qk-layout", default="pairs", choices=("pairs", "contiguous"),
+                    help="how the QK norm / RoPE kernels hold a head (rope.QK_LAYOUTS; pairs is the default)")
     args = ap.parse_args(argv)
+    from mmdit_strict.kernels.triton import rope as R
+
+    with R.qk_layout(args.qk_layout):
+        return _main(args)
+
+
+def _main(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("the row-operator qualification needs a CUDA device")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -584,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     specs = [s for s in _specs() if args.ops is None or s.name in args.ops.split(",")]
     sections = args.sections.split(",")
-    report: dict[str, Any] = {"env": _env(), "accuracy": [], "invariance": [], "speed": [], "errors": []}
+    report: dict[str, Any] = {"env": {**_env(), "qk_layout": args.qk_layout}, "accuracy": [], "invariance": [], "speed": [], "errors": []}
 
     def guarded(what: str, fn: Callable[[], Any]) -> Any:
         if time.time() - t0 > args.budget_s:

@@ -157,13 +157,34 @@ def check_gain_fold(h, d, target, lens):
 
 
 @interp
-def test_accuracy_interpreter():
-    check_accuracy(H, DH, SEQ, CPU_FP32)
+@pytest.mark.parametrize("layout", R.QK_LAYOUTS)
+def test_accuracy_interpreter(layout):
+    with R.qk_layout(layout):
+        check_accuracy(H, DH, SEQ, CPU_FP32)
 
 
 @interp
-def test_fused_equals_unfused_interpreter():
-    check_fused_equals_unfused(H, DH, SEQ, CPU_FP32)
+@pytest.mark.parametrize("layout", R.QK_LAYOUTS)
+def test_fused_equals_unfused_interpreter(layout):
+    with R.qk_layout(layout):
+        check_fused_equals_unfused(H, DH, SEQ, CPU_FP32)
+
+
+@interp
+def test_layout_is_kept_by_the_backward_interpreter():
+    """An autograd node runs its backward in the layout its forward ran with, whatever is active then."""
+    x = randn(9, H, DH, gen=generator(20)).requires_grad_(True)
+    gain = _gain(DH, generator(21))
+    gy = randn(9, H, DH, gen=generator(22))
+    with R.qk_layout("contiguous"):
+        y = R.qk_rmsnorm(x, gain, seqlens=(9,), eps=EPS)
+        (want,) = torch.autograd.grad(y, x, gy)
+        y = R.qk_rmsnorm(x, gain, seqlens=(9,), eps=EPS)
+    (got,) = torch.autograd.grad(y, x, gy)  # backward outside the block
+    assert_bytes_equal(got, want, "contiguous-layout dx computed outside the layout block")
+    with pytest.raises(ValueError, match="qk layout"):
+        with R.qk_layout("rows"):
+            pass
 
 
 @interp
@@ -172,13 +193,17 @@ def test_batch_invariance_interpreter():
 
 
 @interp
-def test_token_sweep_interpreter():
-    check_sweep(H, DH, CPU_FP32, (1, 7, 15, 16, 17, 33))
+@pytest.mark.parametrize("layout", R.QK_LAYOUTS)
+def test_token_sweep_interpreter(layout):
+    with R.qk_layout(layout):
+        check_sweep(H, DH, CPU_FP32, (1, 7, 15, 16, 17, 33))
 
 
 @interp
-def test_gain_grad_fold_interpreter():
-    check_gain_fold(H, DH, CPU_FP32, (7, 1, 20, 0, 16))
+@pytest.mark.parametrize("layout", R.QK_LAYOUTS)
+def test_gain_grad_fold_interpreter(layout):
+    with R.qk_layout(layout):
+        check_gain_fold(H, DH, CPU_FP32, (7, 1, 20, 0, 16))
 
 
 @interp
@@ -245,37 +270,47 @@ def _gpu(target: Target) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
-def test_gpu_accuracy(target):
+@pytest.mark.parametrize("layout", R.QK_LAYOUTS)
+def test_gpu_accuracy(target, layout):
     _gpu(target)
-    check_accuracy(QH, QDH, (300, 0, 77), target)
+    with R.qk_layout(layout):
+        check_accuracy(QH, QDH, (300, 0, 77), target)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
-def test_gpu_fused_equals_unfused(target):
+@pytest.mark.parametrize("layout", R.QK_LAYOUTS)
+def test_gpu_fused_equals_unfused(target, layout):
     _gpu(target)
-    check_fused_equals_unfused(QH, QDH, (4096, 0, 256, 77), target)
+    with R.qk_layout(layout):
+        check_fused_equals_unfused(QH, QDH, (4096, 0, 256, 77), target)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
-def test_gpu_batch_invariance(target):
+@pytest.mark.parametrize("layout", R.QK_LAYOUTS)
+def test_gpu_batch_invariance(target, layout):
     _gpu(target)
-    check_invariance(QH, QDH, target, (2, 3, 8, 64), 1, 40)
+    with R.qk_layout(layout):
+        check_invariance(QH, QDH, target, (2, 3, 8, 64), 1, 40)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
-def test_gpu_token_sweep(target):
+@pytest.mark.parametrize("layout", R.QK_LAYOUTS)
+def test_gpu_token_sweep(target, layout):
     _gpu(target)
-    check_sweep(QH, QDH, target, (1, 7, 15, 16, 17, 100, 1025))
+    with R.qk_layout(layout):
+        check_sweep(QH, QDH, target, (1, 7, 15, 16, 17, 100, 1025))
 
 
 @pytest.mark.gpu
-def test_gpu_fp32_gain_grad_fold():
+@pytest.mark.parametrize("layout", R.QK_LAYOUTS)
+def test_gpu_fp32_gain_grad_fold(layout):
     target = GPU_TARGETS[1]
     _gpu(target)
-    check_gain_fold(QH, QDH, target, (7, 1, 130, 0, 1100))
+    with R.qk_layout(layout):
+        check_gain_fold(QH, QDH, target, (7, 1, 130, 0, 1100))
 
 
 @pytest.mark.gpu

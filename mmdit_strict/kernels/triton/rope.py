@@ -9,13 +9,19 @@ Operators (docs/operators.md):
 * ``qk_rmsnorm_rope(x, gain, cos, sin, *, seqlens, eps)``: both in one pass, **byte-equal to**
   ``multi_axis_rope(qk_rmsnorm(x, gain, ...), cos, sin)`` forward and backward.
 
-Layout: every kernel reads a head as its even and odd lanes, two ``(H, d/2)`` tiles, so the norm,
+Layout (:data:`QK_LAYOUTS`, chosen with :func:`qk_layout`): by default (``"pairs"``, the layout measured
+on the H200) every kernel reads a head as its even and odd lanes, two ``(H, d/2)`` tiles, so the norm,
 the rotation and the gain see the same values in the same registers in the unfused and the fused path.
+The ``"contiguous"`` candidate reads a head as one ``(H, d)`` tile (16-byte vector loads) and fetches
+each lane's rotation partner (lane ``j ^ 1``) with a second load, normalizing it with the same operations
+so it carries the partner lane's exact bytes; its norm sum is one ``tl.sum`` over the d lanes (another
+fixed tree, so its bytes differ from the pair layout's, while fused == unfused holds within it).
 
 Arithmetic (FP32, one IEEE rounding per operation as written; ``enable_fp_fusion=False``):
 
-* forward: ``ss = tl.sum(x_e·x_e + x_o·x_o, axis=d/2)`` (the pair sum is elementwise, the row sum one
-  ``tl.sum`` whose tree is fixed for the compiled kernel and depends on H and d only);
+* forward: ``ss = tl.sum(x_e·x_e + x_o·x_o, axis=d/2)`` (pairs: the pair sum is elementwise, the row sum
+  one ``tl.sum`` whose tree is fixed for the compiled kernel and depends on H and d only; contiguous:
+  ``tl.sum(x·x)`` over the d lanes);
   ``rstd = 1 ⊘ √(ss ⊘ d + eps)`` with ``div_rn``/``sqrt_rn``; ``y = (x·rstd)·gain``; rotation
   ``(y_e·c − y_o·s, y_e·s + y_o·c)``. ``rstd`` (M, H) FP32 is saved for backward.
 * backward: rotation by −θ ``(d_e·c + d_o·s, d_o·c − d_e·s)``; ``g = dy·gain``, ``x̂ = x·rstd``,
@@ -35,8 +41,10 @@ dtype, and are read in FP32.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import sys
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 import triton
@@ -47,6 +55,25 @@ from . import segments as seg
 from .gemm import _DTYPES, _interpreting
 
 MAX_HEAD_WIDTH = 8192  # d (the even/odd tiles hold d/2 lanes)
+
+# How the kernels hold a head: "pairs" (the default, measured: even and odd lanes as two (H, d/2) tiles)
+# or "contiguous" (a candidate: one (H, d) tile, the rotation partner loaded separately). Each layout has
+# its own fixed tree for the norm's sum, and fused == unfused within a layout; select one for a block
+# of code with :func:`qk_layout` (an autograd node keeps the layout its forward ran with).
+QK_LAYOUTS = ("pairs", "contiguous")
+_LAYOUT: contextvars.ContextVar[str] = contextvars.ContextVar("mmdit_qk_layout", default="pairs")
+
+
+@contextlib.contextmanager
+def qk_layout(name: str) -> Iterator[None]:
+    """Run the QK norm / RoPE kernels inside the block with layout ``name`` (one of :data:`QK_LAYOUTS`)."""
+    if name not in QK_LAYOUTS:
+        raise ValueError(f"qk layout must be one of {QK_LAYOUTS}, got {name!r}")
+    token = _LAYOUT.set(name)
+    try:
+        yield
+    finally:
+        _LAYOUT.reset(token)
 
 
 def _opts(elems: int) -> dict:
@@ -191,6 +218,122 @@ def _rope_kernel(
     tl.store(y_ptr + row * stride_y + even + 1, r_o.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+# ---- the "contiguous" layout (a candidate, not the default: see QK_LAYOUTS) ----------------------
+# Each head is one contiguous (H, d) tile; the norm sums x² over the head's d lanes with one tl.sum;
+# a lane's rotation partner (lane j ^ 1) is loaded and normalized with the same operations, so it
+# holds exactly the bytes the partner lane holds. Same math and cast points as the pair layout, a
+# different (fixed) summation tree.
+
+
+@triton.jit
+def _qk_norm_fwd_contig_kernel(
+    x_ptr, gain_ptr, cos_ptr, sin_ptr, y_ptr, rstd_ptr,
+    H, D, d_float, eps, stride_x, stride_y, stride_cs,
+    ROPE: tl.constexpr, STORE_RSTD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One token, heads as contiguous (H, d) rows: rstd = 1 ⊘ √(Σ_d x² ⊘ d + eps), y = (x·rstd)·gain; with
+    ROPE, y and its partner lane rounded to the storage dtype, then even lanes y·c − y'·s, odd y'·s + y·c."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_j = tl.arange(0, BLOCK_D)
+    mask_h = offs_h < H
+    mask_j = offs_j < D
+    mask = mask_h[:, None] & mask_j[None, :]
+    offs = offs_h[:, None] * D + offs_j[None, :]
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(gain_ptr + offs_j, mask=mask_j, other=0.0).to(tl.float32)[None, :]
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(x * x, axis=1), d_float) + eps))
+    y = (x * rstd[:, None]) * g
+    if ROPE:
+        part = offs_j ^ 1
+        xp = tl.load(x_ptr + row * stride_x + offs_h[:, None] * D + part[None, :], mask=mask, other=0.0).to(tl.float32)
+        gp = tl.load(gain_ptr + part, mask=mask_j, other=0.0).to(tl.float32)[None, :]
+        y = y.to(y_ptr.dtype.element_ty).to(tl.float32)  # the unfused pair's cast point
+        yp = ((xp * rstd[:, None]) * gp).to(y_ptr.dtype.element_ty).to(tl.float32)
+        c = tl.load(cos_ptr + row * stride_cs + offs_j // 2, mask=mask_j, other=0.0).to(tl.float32)[None, :]
+        s = tl.load(sin_ptr + row * stride_cs + offs_j // 2, mask=mask_j, other=0.0).to(tl.float32)[None, :]
+        y = tl.where((offs_j % 2 == 0)[None, :], y * c - yp * s, yp * s + y * c)
+    tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    if STORE_RSTD:
+        tl.store(rstd_ptr + row * H + offs_h, rstd, mask=mask_h)
+
+
+@triton.jit
+def _qk_norm_bwd_contig_kernel(
+    x_ptr, gain_ptr, cos_ptr, sin_ptr, dy_ptr, rstd_ptr, table_ptr, dx_ptr, part_ptr,
+    n_chunks, H, D, d_float, stride_x, stride_dy, stride_dx, stride_cs, stride_part,
+    ROPE: tl.constexpr, NEED_GAIN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One chunk of tokens (contiguous layout): with ROPE the gradient is rotated back (even lanes
+    d·c + d'·s, odd d·c − d'·s) and rounded to the storage dtype; then dx = (g − x̂·(Σ g·x̂ ⊘ d))·rstd,
+    part[c] = Σ_tokens (tl.sum over heads of dy·x̂) chained in token order."""
+    c = tl.program_id(0)
+    r0 = tl.load(table_ptr + c)
+    r1 = tl.load(table_ptr + n_chunks + c)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_j = tl.arange(0, BLOCK_D)
+    mask_h = offs_h < H
+    mask_j = offs_j < D
+    mask = mask_h[:, None] & mask_j[None, :]
+    offs = offs_h[:, None] * D + offs_j[None, :]
+    part = offs_h[:, None] * D + (offs_j ^ 1)[None, :]
+    even = (offs_j % 2 == 0)[None, :]
+    g = tl.load(gain_ptr + offs_j, mask=mask_j, other=0.0).to(tl.float32)[None, :]
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    first = r0.to(tl.int64)
+    x = tl.load(x_ptr + first * stride_x + offs, mask=mask, other=0.0)
+    d = tl.load(dy_ptr + first * stride_dy + offs, mask=mask, other=0.0)
+    for i in range(0, r1 - r0):
+        row = first + i
+        nxt = row + 1
+        nmask = (offs_h < tl.where(nxt < r1, H, 0))[:, None] & mask_j[None, :]  # nothing past the chunk
+        x_n = tl.load(x_ptr + nxt * stride_x + offs, mask=nmask, other=0.0)
+        d_n = tl.load(dy_ptr + nxt * stride_dy + offs, mask=nmask, other=0.0)
+        rstd = tl.load(rstd_ptr + row * H + offs_h, mask=mask_h, other=0.0)[:, None]
+        dy = d.to(tl.float32)
+        if ROPE:
+            dp = tl.load(dy_ptr + row * stride_dy + part, mask=mask, other=0.0).to(tl.float32)
+            cs = tl.load(cos_ptr + row * stride_cs + offs_j // 2, mask=mask_j, other=0.0).to(tl.float32)[None, :]
+            sn = tl.load(sin_ptr + row * stride_cs + offs_j // 2, mask=mask_j, other=0.0).to(tl.float32)[None, :]
+            dy = tl.where(even, dy * cs + dp * sn, dy * cs - dp * sn)
+            dy = dy.to(dx_ptr.dtype.element_ty).to(tl.float32)  # the unfused pair's cast point
+        xh = x.to(tl.float32) * rstd
+        gl = dy * g
+        c1 = tl.div_rn(tl.sum(gl * xh, axis=1), d_float)[:, None]
+        tl.store(dx_ptr + row * stride_dx + offs, ((gl - xh * c1) * rstd).to(dx_ptr.dtype.element_ty), mask=mask)
+        if NEED_GAIN:
+            acc = acc + tl.sum(dy * xh, axis=0)
+        x, d = x_n, d_n
+    if NEED_GAIN:
+        tl.store(part_ptr + c.to(tl.int64) * stride_part + offs_j, acc, mask=mask_j)
+
+
+@triton.jit
+def _rope_contig_kernel(
+    x_ptr, cos_ptr, sin_ptr, y_ptr,
+    H, D, stride_x, stride_y, stride_cs,
+    INVERSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One token, contiguous heads: x' = the partner lane; even lanes x·c − x'·s, odd x'·s + x·c;
+    INVERSE: even x·c + x'·s, odd x·c − x'·s (the same products and adds as the pair layout)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_j = tl.arange(0, BLOCK_D)
+    mask_j = offs_j < D
+    mask = (offs_h < H)[:, None] & mask_j[None, :]
+    offs = offs_h[:, None] * D + offs_j[None, :]
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(x_ptr + row * stride_x + offs_h[:, None] * D + (offs_j ^ 1)[None, :], mask=mask, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + row * stride_cs + offs_j // 2, mask=mask_j, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + row * stride_cs + offs_j // 2, mask=mask_j, other=0.0).to(tl.float32)[None, :]
+    even = (offs_j % 2 == 0)[None, :]
+    if INVERSE:
+        y = tl.where(even, x * c + xp * s, x * c - xp * s)
+    else:
+        y = tl.where(even, x * c - xp * s, xp * s + x * c)
+    tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
 # ----------------------------------------------------------------------------------------------
 # Host functions
 # ----------------------------------------------------------------------------------------------
@@ -244,15 +387,26 @@ def check_seqlens(op: str, seqlens: object, rows: int) -> tuple[int, ...]:
     return seq
 
 
+def _contig_blocks(h: int, d: int) -> tuple[int, int]:
+    return max(2, triton.next_power_of_2(h)), max(2, triton.next_power_of_2(d))
+
+
 def qk_norm_fwd(x: torch.Tensor, gain: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, eps: float,
-                store_rstd: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                store_rstd: bool, layout: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x (M, H, d) → (y (M, H, d) x's dtype, rstd (M, H) fp32 | None); rotated when cos/sin are given."""
     m, h, d = x.shape
     y = torch.empty_like(x)
     rstd = torch.empty((m, h), dtype=torch.float32, device=x.device) if store_rstd else None
-    if m:
+    rope = cos is not None
+    if m and (layout or _LAYOUT.get()) == "contiguous":
+        bh, bd = _contig_blocks(h, d)
+        _qk_norm_fwd_contig_kernel[(m,)](
+            x, gain, cos if rope else x, sin if rope else x, y, rstd if store_rstd else y,
+            h, d, float(d), float(eps), h * d, h * d, d // 2 if rope else 0,
+            ROPE=rope, STORE_RSTD=store_rstd, BLOCK_H=bh, BLOCK_D=bd, **_opts(bh * bd),
+        )
+    elif m:
         bh, bp = _blocks(h, d)
-        rope = cos is not None
         _qk_norm_fwd_kernel[(m,)](
             x, gain, cos if rope else x, sin if rope else x, y, rstd if store_rstd else y,
             h, d // 2, float(d), float(eps), h * d, h * d, d // 2 if rope else 0,
@@ -262,15 +416,23 @@ def qk_norm_fwd(x: torch.Tensor, gain: torch.Tensor, cos: torch.Tensor | None, s
 
 
 def qk_norm_bwd(dy: torch.Tensor, x: torch.Tensor, gain: torch.Tensor, rstd: torch.Tensor, cos: torch.Tensor | None,
-                sin: torch.Tensor | None, seqlens: tuple[int, ...], need_gain: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                sin: torch.Tensor | None, seqlens: tuple[int, ...], need_gain: bool,
+                layout: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns (dx (M, H, d), d_gain (d,) | None) in x's dtype."""
     m, h, d = x.shape
     dx = torch.empty_like(x)
     ch = seg.chunks(seqlens, x.device)
     part = torch.empty((ch.n, d), dtype=torch.float32, device=x.device) if need_gain else None
-    if m:
+    rope = cos is not None
+    if m and (layout or _LAYOUT.get()) == "contiguous":
+        bh, bd = _contig_blocks(h, d)
+        _qk_norm_bwd_contig_kernel[(ch.n,)](
+            x, gain, cos if rope else x, sin if rope else x, dy, rstd, ch.table, dx, part if need_gain else dx,
+            ch.n, h, d, float(d), h * d, h * d, h * d, d // 2 if rope else 0, d,
+            ROPE=rope, NEED_GAIN=need_gain, BLOCK_H=bh, BLOCK_D=bd, **_opts(bh * bd),
+        )
+    elif m:
         bh, bp = _blocks(h, d)
-        rope = cos is not None
         _qk_norm_bwd_kernel[(ch.n,)](
             x, gain, cos if rope else x, sin if rope else x, dy, rstd, ch.table, dx, part if need_gain else dx,
             ch.n, h, d // 2, float(d), h * d, h * d, h * d, d // 2 if rope else 0, d,
@@ -280,11 +442,15 @@ def qk_norm_bwd(dy: torch.Tensor, x: torch.Tensor, gain: torch.Tensor, rstd: tor
     return dx, dgain
 
 
-def rope_apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+def rope_apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool, layout: str | None = None) -> torch.Tensor:
     """x (M, H, d) rotated by the tables (by −θ when ``inverse``) → (M, H, d) in x's dtype."""
     m, h, d = x.shape
     y = torch.empty_like(x)
-    if m:
+    if m and (layout or _LAYOUT.get()) == "contiguous":
+        bh, bd = _contig_blocks(h, d)
+        _rope_contig_kernel[(m,)](x, cos, sin, y, h, d, h * d, h * d, d // 2,
+                                  INVERSE=inverse, BLOCK_H=bh, BLOCK_D=bd, **_opts(bh * bd))
+    elif m:
         bh, bp = _blocks(h, d)
         _rope_kernel[(m,)](x, cos, sin, y, h, d // 2, h * d, h * d, d // 2,
                            INVERSE=inverse, BLOCK_H=bh, BLOCK_P=bp, **_opts(bh * bp * 2))
@@ -296,7 +462,8 @@ class QkNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, gain, cos, sin, seqlens, eps):  # type: ignore[override]
-        y, rstd = qk_norm_fwd(x, gain, cos, sin, eps, store_rstd=True)
+        ctx.layout = _LAYOUT.get()
+        y, rstd = qk_norm_fwd(x, gain, cos, sin, eps, store_rstd=True, layout=ctx.layout)
         ctx.save_for_backward(x, gain, rstd, cos, sin)
         ctx.seqlens = seqlens
         return y
@@ -304,7 +471,7 @@ class QkNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
         x, gain, rstd, cos, sin = ctx.saved_tensors
-        dx, dgain = qk_norm_bwd(dy.contiguous(), x, gain, rstd, cos, sin, ctx.seqlens, ctx.needs_input_grad[1])
+        dx, dgain = qk_norm_bwd(dy.contiguous(), x, gain, rstd, cos, sin, ctx.seqlens, ctx.needs_input_grad[1], layout=ctx.layout)
         return dx, dgain, None, None, None, None
 
 
@@ -313,13 +480,14 @@ class RopeFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, cos, sin):  # type: ignore[override]
+        ctx.layout = _LAYOUT.get()
         ctx.save_for_backward(cos, sin)
-        return rope_apply(x, cos, sin, inverse=False)
+        return rope_apply(x, cos, sin, inverse=False, layout=ctx.layout)
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
         cos, sin = ctx.saved_tensors
-        return rope_apply(dy.contiguous(), cos, sin, inverse=True), None, None
+        return rope_apply(dy.contiguous(), cos, sin, inverse=True, layout=ctx.layout), None, None
 
 
 def _wants_grad(*ts: torch.Tensor) -> bool:
@@ -379,7 +547,8 @@ _SOURCE = sys.modules[__name__]
 _DT = frozenset(_DTYPES)
 _CONFIG = {"programs": "one token per forward program; backward chunks of segments.CHUNK_ROWS tokens",
            "tiles": "(pow2(H), pow2(d/2)) even/odd lanes", "warps": "from 2·pow2(H)·pow2(d/2) only", "fp_fusion": False,
-           "chunk_rows": seg.CHUNK_ROWS, "fold_tile": seg.FOLD_TILE}
+           "chunk_rows": seg.CHUNK_ROWS, "fold_tile": seg.FOLD_TILE,
+           "qk_layout": "pairs (the candidate 'contiguous' runs only inside rope.qk_layout('contiguous'))"}
 register(KernelImpl(
     op="qk_rmsnorm", backend="triton", device="cuda", dtypes=_DT, fn=qk_rmsnorm, strict=True,
     fusions={"multi_axis_rope": qk_rmsnorm_rope},
