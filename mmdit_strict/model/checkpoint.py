@@ -4,8 +4,8 @@ Layout: ``config.json`` plus ``diffusion_pytorch_model.safetensors`` or shards l
 ``diffusion_pytorch_model.safetensors.index.json``. Every tensor is checked against the model's own
 state dict: missing, unexpected and mis-shaped tensors are reported by name, from the headers alone.
 Loading is lazy: the model is built on the ``meta`` device and each tensor is read, moved and cast on
-its own, so host memory stays bounded by the largest tensor (a 20 B checkpoint never needs an FP32
-copy in host memory).
+its own, so host memory beyond the loaded model stays bounded by one shard plus one tensor (a 20 B
+checkpoint never needs an FP32 copy in host memory).
 """
 
 from __future__ import annotations
@@ -217,9 +217,11 @@ def load_state_dict_lazily(
     """Read the checkpoint tensor by tensor straight to ``device`` in ``dtype``.
 
     Headers are validated first (:func:`check_headers`); then each tensor is read from its file
-    (safetensors' lazy access), checked finite, moved and cast before the next is read. Host memory
-    beyond the result is bounded by the largest tensor (its file-dtype copy, plus its cast when the
-    target is the CPU); no whole-checkpoint copy in the file dtype or in FP32 is ever built.
+    (safetensors maps the file; a read touches only that tensor's pages), checked finite, moved and
+    cast before the next is read, and each shard is closed before the next is opened. Host memory
+    beyond the result is bounded by one shard's mapped pages plus one tensor in flight; no
+    whole-checkpoint copy, in the file dtype or in FP32, is ever built
+    (``tests/model/test_load_memory.py`` measures it).
     """
     check_headers(model, files)
     state: dict[str, torch.Tensor] = {}

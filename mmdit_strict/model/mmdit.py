@@ -134,8 +134,8 @@ class MMDiT(DiffusersCompatMixin, nn.Module):
         ``transformer/`` subfolder) or a Hugging Face repo id, resolved through huggingface_hub
         (from the local cache when offline). ``torch_dtype`` (diffusers' name; ``dtype`` is an alias,
         FP32 when neither is given) is the execution dtype. Tensors are read one at a time straight to
-        ``device`` and ``torch_dtype`` (host memory bounded by the largest tensor, whatever
-        ``low_cpu_mem_usage`` says).
+        ``device`` and ``torch_dtype`` (host memory beyond the model bounded by one shard plus one
+        tensor, whatever ``low_cpu_mem_usage`` says).
         """
         from .checkpoint import load_pretrained, resolve_dtype
 
