@@ -314,7 +314,7 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
     """parse_args that also takes overrides after flags (``run a=1 --quiet b=2``), as hydra does."""
     args, extra = parser.parse_known_args(argv)
     if extra:
-        stray = [e for e in extra if e.startswith("-") or "=" not in e.lstrip("~")]
+        stray = [e for e in extra if e.startswith("-") or ("=" not in e and not e.startswith("~"))]
         if stray or not hasattr(args, "overrides"):
             parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
         args.overrides = list(args.overrides) + extra

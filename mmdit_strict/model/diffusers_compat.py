@@ -281,6 +281,15 @@ class DiffusersCompatMixin:
         save_file(state, str(out / weight_name), metadata={"format": "pt", LORA_METADATA_KEY: json.dumps(cfg, sort_keys=True, default=str)})
         return out / weight_name
 
+    def set_attention_backend(self, backend: str) -> None:
+        raise ValueError(
+            f"set_attention_backend({backend!r}) is not supported: attention is chosen by the runtime "
+            "(model.set_runtime('off') for PyTorch SDPA, 'strict' for the batch-invariant kernels)"
+        )
+
+    def set_attn_processor(self, processor: Any) -> None:
+        raise ValueError("attention processors are not supported: attention is chosen by the runtime (model.set_runtime)")
+
     def fuse_lora(self, *args: Any, **kwargs: Any) -> None:
         raise ValueError(
             "fuse_lora is not supported: the strict runtime applies LoRA unmerged; for a merged copy use "

@@ -137,8 +137,12 @@ def load_text_components(folder: str | Path, *, torch_dtype: torch.dtype = torch
     for sub in ("tokenizer", "text_encoder"):
         if not (folder / sub).is_dir():
             raise FileNotFoundError(f"{folder} has no {sub}/ folder: pass a Qwen-Image pipeline folder")
+    import transformers
+
     tokenizer = AutoTokenizer.from_pretrained(str(folder / "tokenizer"))
-    encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(folder / "text_encoder"), dtype=torch_dtype)
+    major, minor = (int(v) for v in transformers.__version__.split(".")[:2])
+    dtype_kw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"  # transformers renamed the argument in 4.56
+    encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(folder / "text_encoder"), **{dtype_kw: torch_dtype})
     return tokenizer, encoder.to(device).eval()
 
 

@@ -37,11 +37,17 @@ CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
 
 def tiny_tokenizer() -> Any:
     """A Qwen2 tokenizer over the 256 byte symbols (no merges) plus ``<|endoftext|>`` and the chat tokens."""
+    import json
+    import tempfile
+
     from transformers import Qwen2Tokenizer
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     vocab = {sym: i for i, sym in enumerate(bytes_to_unicode()[b] for b in range(256))}
-    tok = Qwen2Tokenizer(vocab=vocab, merges=[])
+    with tempfile.TemporaryDirectory() as d:  # vocab/merges files: the constructor both transformers 4 and 5 take
+        (Path(d) / "vocab.json").write_text(json.dumps(vocab))
+        (Path(d) / "merges.txt").write_text("#version: 0.2\n")
+        tok = Qwen2Tokenizer(str(Path(d) / "vocab.json"), str(Path(d) / "merges.txt"))
     tok.add_special_tokens({"additional_special_tokens": list(CHAT_TOKENS)})
     return tok
 

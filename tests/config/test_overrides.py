@@ -67,6 +67,9 @@ def test_flags_anywhere(capsys):
                  str(Path(__file__).resolve().parents[2] / "configs"), "model.checkpoint=null"]) == 0
     cfg = yaml.safe_load(capsys.readouterr().out)
     assert cfg["sampler"]["num_steps"] == 3 and cfg["runtime"]["mode"] == "off" and cfg["model"]["checkpoint"] is None
+    assert main(["config", "+extra.a=1", "--quiet", "~extra.a", "--config-dir",
+                 str(Path(__file__).resolve().parents[2] / "configs")]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["extra"] == {}
     with pytest.raises(SystemExit):
         main(["config", "a=1", "--bogus"])
     with pytest.raises(SystemExit):

@@ -129,6 +129,10 @@ def test_attention_kwargs(ours):
         _out(ours, inputs, attention_kwargs={"scale": 0.5})
     with pytest.raises(ValueError, match=r"unsupported attention_kwargs \['ip_adapter_masks'\]"):
         _out(ours, inputs, attention_kwargs={"ip_adapter_masks": None})
+    with pytest.raises(ValueError, match="attention is chosen by the runtime"):
+        ours.set_attention_backend("flash")
+    with pytest.raises(ValueError, match="attention processors are not supported"):
+        ours.set_attn_processor(None)
 
 
 def test_gradient_checkpointing_switches(tiny_ckpt):
