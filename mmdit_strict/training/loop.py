@@ -46,7 +46,7 @@ from .loss import grpo_loss
 from .metrics import MetricLogger, peak_memory_mb, plot_rewards, read_metrics
 from .optim import LoraEMA, build_optimizer
 from .policy import adapters_disabled, evaluate_pairs
-from .rewards import RewardSet, unpack_final
+from .rewards import ImageSource, RewardSet
 from .rollout import EpochSamples, ode_sample, rollout_epoch, side
 
 logger = logging.getLogger(__name__)
@@ -108,6 +108,29 @@ def train_steps_of(seed: int, sample_id: int, sde_steps: list[int], fraction: fl
     return sorted(random.Random(f"steps|{seed}|{sample_id}").sample(list(sde_steps), k))
 
 
+def prompt_texts(cfg: DictConfig, n: int) -> list[str]:
+    """The prompt strings rewards see: ``prompts.text``, the prompt file's recorded texts, else ``"prompt <i>"``."""
+    texts = OmegaConf.select(cfg, "prompts.text")
+    if not texts and cfg.prompts.embeddings:
+        from ..pipelines.encode import read_prompt_metadata
+
+        texts = read_prompt_metadata(cfg.prompts.embeddings).get("prompts")
+    if texts and len(texts) == n:
+        return [str(t) for t in texts]
+    return [f"prompt {i}" for i in range(n)]
+
+
+def image_source(cfg: DictConfig, rewards: RewardSet) -> ImageSource:
+    """The VAE of ``model.checkpoint`` when it is a pipeline folder with one (and a reward wants images), else the preview."""
+    from ..pipelines.chain import pipeline_folder
+    from ..pipelines.vae import load_vae
+
+    folder = pipeline_folder(cfg.model.checkpoint)
+    if folder is None or not any(s.takes == "images" for s in rewards.specs):
+        return ImageSource()
+    return ImageSource(load_vae(folder, device=cfg.model.device, torch_dtype=DTYPES[cfg.model.dtype]))
+
+
 class Trainer:
     """One training run in ``cfg.output_dir`` (see the module docstring)."""
 
@@ -125,7 +148,7 @@ class Trainer:
         self.model.enable_gradient_checkpointing(bool(self.tcfg.grad_checkpointing))
         self.device = self.model.device
         self.prompts = make_prompts(cfg, self.model.config, cfg.model.device)
-        self.prompt_texts = [f"prompt {i}" for i in range(len(self.prompts.embeds))]
+        self.prompt_texts = prompt_texts(cfg, len(self.prompts.embeds))
         self.grid = latent_grid(cfg, self.model.config)
         self.sigmas = sigma_table(int(self.scfg.num_steps), self.grid[0] * self.grid[1])
         self.named = sorted(((n, p) for n, p in self.model.named_parameters() if p.requires_grad), key=lambda t: t[0])
@@ -134,6 +157,7 @@ class Trainer:
         self.ema = LoraEMA(self.named, float(self.tcfg.ema_decay)) if self.tcfg.ema else None
         self.tracker = StatTracker(bool(self.tcfg.per_prompt_stat_tracking), bool(self.tcfg.global_std))
         self.rewards = RewardSet(OmegaConf.to_container(self.tcfg.reward_fn), OmegaConf.to_container(self.tcfg.reward_kwargs))
+        self.images = image_source(cfg, self.rewards)
         self.start_epoch = 0
         self.updates = 0
         self.wandb_id: str | None = None
@@ -204,8 +228,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ phases
     def _rewards(self, final: torch.Tensor, prompt_ids: list[int], meta: list[dict]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        latents = unpack_final(final.detach().to("cpu"), self.grid, self.model.config.patch_size)
-        return self.rewards(latents, [self.prompt_texts[p] for p in prompt_ids], meta)
+        return self.rewards(final.detach(), self.grid, [self.prompt_texts[p] for p in prompt_ids], meta, self.images)
 
     def _pairs(self, samples: EpochSamples) -> list[tuple[int, int]]:
         frac = float(self.tcfg.timestep_fraction)
@@ -389,7 +412,7 @@ class Trainer:
         t2 = time.perf_counter()
         train = self._train(epoch, samples, adv)
         t3 = time.perf_counter()
-        row: dict[str, Any] = {"epoch": epoch, "updates_total": self.updates,
+        row: dict[str, Any] = {"epoch": epoch, "updates_total": self.updates, "images": self.images.kind,
                                "reward_mean": float(total.mean()), "reward_std": float(total.std(unbiased=False))}
         for name, s in parts.items():
             row[f"reward/{name}_mean"] = float(s.mean())
@@ -417,5 +440,8 @@ def run_training(cfg: DictConfig, progress: bool = True, on_update: UpdateHook |
         if int(cfg.train.cpu_threads) < 1:
             raise ValueError(f"train.cpu_threads must be >= 1, got {cfg.train.cpu_threads}")
         torch.set_num_threads(int(cfg.train.cpu_threads))
+    from ..pipelines.chain import prepare_prompts
+
+    cfg, _ = prepare_prompts(cfg)  # prompts.text → embeddings with the pipeline folder's text encoder (else a no-op)
     with claim_output_dir(cfg.output_dir):  # a run folder (or a new one), locked against a second run
         return Trainer(cfg, progress=progress, on_update=on_update).run()

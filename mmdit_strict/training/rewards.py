@@ -3,7 +3,7 @@
 Contract of a reward function: ``fn(inputs, prompts, metadata, **kwargs) -> scores`` where
 
 * ``inputs`` is what the function declares it wants (``@register_reward(name, takes=...)``):
-  ``"images"``: ``(B, H, W, 3)`` uint8 tensor (CPU), or ``"latents"``: ``(B, 16, h, w)`` FP32
+  ``"images"``: ``(B, H, W, 3)`` uint8 tensor (CPU), or ``"latents"``: ``(B, 16, 2h, 2w)`` FP32
   unpacked final latents (CPU; the model's normalised latent space);
 * ``prompts``: ``B`` prompt strings (the prompt text, or ``"prompt <i>"`` for synthetic embeddings);
 * ``metadata``: ``B`` dicts (``prompt_id``, ``sample_id``, ``epoch``, ...);
@@ -12,8 +12,8 @@ Contract of a reward function: ``fn(inputs, prompts, metadata, **kwargs) -> scor
 A plug-in is named ``"package.module:function"`` in ``train.reward_fn``; it receives images unless it
 carries an attribute ``takes = "latents"``.
 
-Images come from :func:`preview_rgb`, a fixed linear latent→RGB projection (the tiny default has no
-VAE), upsampled by the VAE factor 8 with nearest-neighbour so the JPEG sizes are of pixel-sized images.
+Images come from :class:`ImageSource`: the VAE when the checkpoint is a pipeline folder with one,
+otherwise a fixed latent→RGB preview (the tiny default has no VAE).
 """
 
 from __future__ import annotations
@@ -83,38 +83,37 @@ def resolve_reward(name: str) -> RewardSpec:
 # latents → images
 # ----------------------------------------------------------------------------------------------
 
-#: Fixed 16-channel → RGB weights of the preview (rows R, G, B): each colour is a signed mix of
-#: channel groups, chosen so independent unit-variance channels give colours of similar spread.
-_PREVIEW_W = torch.tensor([
-    [0.35, 0.30, 0.25, 0.20, -0.10, -0.05, 0.00, 0.05, 0.10, 0.00, -0.05, 0.05, 0.00, 0.10, 0.00, 0.05],
-    [0.05, -0.05, 0.10, 0.00, 0.35, 0.30, 0.25, 0.20, -0.10, 0.05, 0.00, -0.05, 0.10, 0.00, 0.05, 0.00],
-    [0.00, 0.05, -0.05, 0.10, 0.00, 0.05, -0.10, 0.00, 0.35, 0.30, 0.25, 0.20, 0.05, -0.05, 0.10, 0.05],
-], dtype=torch.float32)
 
+class ImageSource:
+    """Final packed latents → ``(B, H, W, 3)`` uint8 images (CPU tensor).
 
-def unpack_final(x: torch.Tensor, grid: tuple[int, int], patch: int = 2) -> torch.Tensor:
-    """Packed ``(B, h*w, 16*p*p)`` latents → ``(B, 16, h*p, w*p)`` (diffusers' unpack order)."""
-    B, T, C = x.shape
-    h, w = grid
-    if T != h * w or C % (patch * patch):
-        raise ValueError(f"expected packed latents (B, {h * w}, 16·{patch}²), got {tuple(x.shape)}")
-    c = C // (patch * patch)
-    return x.reshape(B, h, w, c, patch, patch).permute(0, 3, 1, 4, 2, 5).reshape(B, c, h * patch, w * patch)
-
-
-def preview_rgb(latents: torch.Tensor, upscale: int = 8) -> torch.Tensor:
-    """``(B, 16, h, w)`` FP32 latents → ``(B, h·upscale, w·upscale, 3)`` uint8 via the fixed projection.
-
-    ``rgb = 255 · (0.5 + 0.5 · tanh(W z))`` per latent pixel, rounded, then nearest-neighbour upsampling.
+    With ``vae`` (the ``AutoencoderKLQwenImage`` of the checkpoint's pipeline folder): diffusers'
+    decode (``pipelines.vae.decode``, 16 pixels per token). Without: the fixed latent→RGB preview
+    (``pipelines.vae.preview_rgb``, one pixel per latent cell) upsampled ``upscale``× with
+    nearest-neighbour, so JPEG sizes are of pixel-sized images (8 = the VAE's factor).
     """
-    if latents.dim() != 4 or latents.shape[1] != _PREVIEW_W.shape[1]:
-        raise ValueError(f"preview_rgb expects (B, 16, h, w) latents, got {tuple(latents.shape)}")
-    z = latents.detach().to("cpu", torch.float32)
-    rgb = torch.einsum("oc,bchw->bhwo", _PREVIEW_W, z)
-    img = torch.round(255.0 * (0.5 + 0.5 * torch.tanh(rgb))).clamp(0, 255).to(torch.uint8)
-    if upscale > 1:
-        img = img.repeat_interleave(upscale, dim=1).repeat_interleave(upscale, dim=2)
-    return img
+
+    def __init__(self, vae: Any | None = None, upscale: int = 8) -> None:
+        self.vae = vae
+        self.upscale = int(upscale)
+        self.kind = "vae" if vae is not None else "preview"
+
+    def __call__(self, packed: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        from ..pipelines.vae import decode, preview_rgb
+
+        if self.vae is not None:
+            return torch.from_numpy(decode(self.vae, packed, grid))
+        img = torch.from_numpy(preview_rgb(packed, grid))
+        if self.upscale > 1:
+            img = img.repeat_interleave(self.upscale, dim=1).repeat_interleave(self.upscale, dim=2)
+        return img
+
+
+def unpack_final(packed: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """Packed ``(B, h·w, 64)`` latents → ``(B, 16, 2h, 2w)`` FP32 on the CPU (diffusers' unpack order)."""
+    from ..pipelines.vae import unpack_latents
+
+    return unpack_latents(packed.detach().to("cpu", torch.float32), grid)[:, :, 0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -184,17 +183,23 @@ class RewardSet:
             if not math.isfinite(w):
                 raise ValueError(f"reward weight for {n!r} must be finite, got {w}")
 
-    def __call__(self, latents: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """``latents``: ``(B, 16, h, w)``. Returns (weighted total ``(B,)`` FP64, per-reward ``(B,)`` FP64)."""
-        B = latents.shape[0]
-        images = None
+    def __call__(self, packed: torch.Tensor, grid: tuple[int, int], prompts: Sequence[str], metadata: Sequence[dict],
+                 images: ImageSource | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``packed``: final latents ``(B, h·w, 64)``; ``images`` decodes them for image rewards (default: the preview).
+
+        Returns (weighted total ``(B,)`` FP64, per-reward ``(B,)`` FP64).
+        """
+        B = packed.shape[0]
+        source = images if images is not None else ImageSource()
+        decoded = latents = None
         parts: dict[str, torch.Tensor] = {}
         for spec in self.specs:
             if spec.takes == "images":
-                images = preview_rgb(latents) if images is None else images
-                arg = images
+                decoded = source(packed, grid) if decoded is None else decoded
+                arg = decoded
             else:
-                arg = latents.detach().to("cpu", torch.float32)
+                latents = unpack_final(packed, grid) if latents is None else latents
+                arg = latents
             out = spec.fn(arg, list(prompts), list(metadata), **self.kwargs.get(spec.name, {}))
             scores = torch.as_tensor(out if not isinstance(out, torch.Tensor) else out.detach().cpu(), dtype=torch.float64).reshape(-1)
             if scores.shape[0] != B:
@@ -208,5 +213,5 @@ class RewardSet:
         return total, parts
 
 
-__all__ = ["register_reward", "resolve_reward", "available_rewards", "RewardSet", "RewardSpec", "preview_rgb",
+__all__ = ["register_reward", "resolve_reward", "available_rewards", "RewardSet", "RewardSpec", "ImageSource",
            "unpack_final", "jpeg_compressibility", "jpeg_incompressibility", "latent_stats"]

@@ -13,3 +13,8 @@ def latent_abs(latents, prompts, metadata, scale: float = 1.0):
 
 
 latent_abs.takes = "latents"
+
+
+def prompt_length(images, prompts, metadata):
+    """The prompt's length in characters (checks that rewards see the prompt texts)."""
+    return [float(len(p)) for p in prompts]

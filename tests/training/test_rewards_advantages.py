@@ -7,13 +7,20 @@ import torch
 
 from mmdit_strict.training.advantages import STD_EPS, StatTracker
 from mmdit_strict.training.loss import grpo_loss
-from mmdit_strict.training.rewards import RewardSet, available_rewards, preview_rgb, unpack_final
+from mmdit_strict.sampling import pack_latents
+from mmdit_strict.training.rewards import ImageSource, RewardSet, available_rewards, unpack_final
 from mmdit_strict.training.rollout import epoch_prompts, plan_epoch, window_start
 from mmdit_strict.config.training import SampleConfig
 
 
 def _latents(B: int = 3, seed: int = 0) -> torch.Tensor:
     return torch.randn(B, 16, 8, 8, generator=torch.Generator().manual_seed(seed))
+
+
+def _call(rs: RewardSet, z: torch.Tensor, prompts=None, meta=None):
+    """Rewards of unpacked ``(B, 16, H, W)`` latents (packed as the model produces them)."""
+    B = z.shape[0]
+    return rs(pack_latents(z), (z.shape[2] // 2, z.shape[3] // 2), prompts or ["p"] * B, meta or [{}] * B)
 
 
 def test_builtins_are_registered() -> None:
@@ -24,20 +31,20 @@ def test_jpeg_rewards_prefer_flat_images() -> None:
     z = _latents(2)
     z[0] = 0.0  # a flat image compresses far better than noise
     rs = RewardSet({"jpeg_compressibility": 1.0, "jpeg_incompressibility": 0.5})
-    total, parts = rs(z, ["a", "b"], [{}, {}])
+    total, parts = _call(rs, z)
     c, i = parts["jpeg_compressibility"], parts["jpeg_incompressibility"]
     assert c[0] > c[1] and i[1] > i[0]
     assert torch.equal(c, -i)
     assert torch.equal(total, c + 0.5 * i)
-    img = preview_rgb(z)
-    assert img.shape == (2, 64, 64, 3) and img.dtype == torch.uint8
-    assert torch.equal(img[0], torch.full_like(img[0], 128))  # tanh(0) → mid grey
+    img = ImageSource()(pack_latents(z), (4, 4))
+    assert img.shape == (2, 64, 64, 3) and img.dtype == torch.uint8  # one pixel per latent cell, ×8
+    assert (img[0] == img[0, 0, 0]).all()  # a flat latent gives a flat image
 
 
 def test_latent_stats_and_kwargs() -> None:
     z = torch.zeros(2, 16, 4, 4)
     z[1] += 0.5
-    _, parts = RewardSet({"latent_stats": 1.0}, {"latent_stats": {"mean": 0.5}})(z, ["a", "b"], [{}, {}])
+    _, parts = _call(RewardSet({"latent_stats": 1.0}, {"latent_stats": {"mean": 0.5}}), z)
     assert parts["latent_stats"].tolist() == [-0.5, 0.0]
 
 
@@ -45,7 +52,7 @@ def test_plugins_and_zero_weights() -> None:
     z = _latents(2, seed=1)
     rs = RewardSet({"tests.training.plugin_reward:brightness": 2.0, "tests.training.plugin_reward:latent_abs": 1.0,
                     "latent_stats": 0.0}, {"tests.training.plugin_reward:latent_abs": {"scale": 3.0}})
-    total, parts = rs(z, ["a", "b"], [{}, {}])
+    total, parts = _call(rs, z)
     assert set(parts) == {"tests.training.plugin_reward:brightness", "tests.training.plugin_reward:latent_abs"}
     want_abs = 3.0 * z.abs().flatten(1).mean(dim=1).double()
     assert torch.allclose(parts["tests.training.plugin_reward:latent_abs"], want_abs)
@@ -75,14 +82,12 @@ def test_reward_output_is_checked() -> None:
     R._REGISTRY["_test_bad"] = R.RewardSpec("_test_bad", bad, "latents")
     try:
         with pytest.raises(ValueError, match="NaN or Inf"):
-            RewardSet({"_test_bad": 1.0})(_latents(2), ["a", "b"], [{}, {}])
+            _call(RewardSet({"_test_bad": 1.0}), _latents(2))
     finally:
         del R._REGISTRY["_test_bad"]
 
 
 def test_unpack_matches_pack_layout() -> None:
-    from mmdit_strict.sampling import pack_latents
-
     z = _latents(2)
     packed = pack_latents(z)
     assert torch.equal(unpack_final(packed, (4, 4)), z)
