@@ -45,7 +45,7 @@ def mmdit_from_diffusers(transformer: torch.nn.Module, runtime: str | Runtime = 
 
 
 def route_lora_methods(pipe: Any, model: MMDiT) -> None:
-    """Point the pipeline's adapter methods at ``model``.
+    """Point the pipeline's adapter methods (and ``save_pretrained``, :func:`route_save`) at ``model``.
 
     diffusers' pipeline-level ``set_adapters`` / ``disable_lora`` / ``enable_lora`` /
     ``delete_adapters`` only act on components that subclass its ``ModelMixin`` and silently skip
@@ -63,6 +63,43 @@ def route_lora_methods(pipe: Any, model: MMDiT) -> None:
     pipe.fuse_lora = model.fuse_lora
     pipe.get_list_adapters = lambda: {"transformer": model.adapter_names()}
     pipe.get_active_adapters = lambda: model.active_adapters
+    route_save(pipe)
+
+
+def route_save(pipe: Any) -> None:
+    """Make ``pipe.save_pretrained`` write the ``MMDiT`` transformer too.
+
+    diffusers saves only components of its own model classes: it would log that the transformer
+    "cannot be saved", record it as ``(None, None)`` in ``model_index.json`` and leave it out, so the
+    folder would not load back. The wrapper lets diffusers save the rest, then writes the transformer
+    in diffusers' format (``MMDiT.save_pretrained``) and records it as ``QwenImageTransformer2DModel``,
+    so ``QwenImagePipeline.from_pretrained`` (or :func:`load_pipeline`) reads the folder back.
+    """
+    import json
+    import logging
+
+    original = pipe.save_pretrained
+    entry = ["diffusers", "QwenImageTransformer2DModel"]
+
+    def save_pretrained(save_directory: str | Path, *args: Any, **kwargs: Any) -> None:
+        model = pipe.transformer
+        if not isinstance(model, MMDiT):
+            return original(save_directory, *args, **kwargs)
+        log = logging.getLogger("diffusers.pipelines.pipeline_utils")
+        level = log.level
+        log.setLevel(logging.ERROR)  # the "cannot be saved" warning is answered below
+        try:
+            original(save_directory, *args, **kwargs)
+        finally:
+            log.setLevel(level)
+            pipe.register_to_config(transformer=tuple(entry))
+        model.save_pretrained(Path(save_directory) / "transformer")
+        index = Path(save_directory) / "model_index.json"
+        data = json.loads(index.read_text())
+        data["transformer"] = entry
+        index.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+    pipe.save_pretrained = save_pretrained
 
 
 def use_mmdit(pipe: Any, runtime: str | Runtime = "strict") -> MMDiT:

@@ -89,3 +89,23 @@ def test_mmdit_from_diffusers_refuses_lora_and_other_models(tiny_pipe):
     tiny_pipe.transformer.add_adapter(LoraConfig(r=2, target_modules=["to_q"]), adapter_name="y")
     with pytest.raises(ValueError, match="carries LoRA layers"):
         mmdit_from_diffusers(tiny_pipe.transformer)
+
+
+def test_pipeline_save_pretrained_keeps_the_transformer(tiny_pipeline_dir, tmp_path):
+    """pipe.save_pretrained with MMDiT inside writes a folder that loads back (ours: same bytes; diffusers: in tolerance)."""
+    import json
+
+    from diffusers import QwenImagePipeline
+
+    pipe = load_pipeline(tiny_pipeline_dir, runtime="strict")
+    pipe.set_progress_bar_config(disable=True)
+    before = _call(pipe, "latent", height=32, width=32)
+    pipe.save_pretrained(str(tmp_path / "saved"))
+    assert json.loads((tmp_path / "saved" / "model_index.json").read_text())["transformer"] == [
+        "diffusers", "QwenImageTransformer2DModel"]
+    again = load_pipeline(tmp_path / "saved", runtime="strict")
+    again.set_progress_bar_config(disable=True)
+    assert torch.equal(_call(again, "latent", height=32, width=32), before), "reloaded MMDiT pipeline changed bytes"
+    theirs = QwenImagePipeline.from_pretrained(str(tmp_path / "saved"))
+    theirs.set_progress_bar_config(disable=True)
+    _check("dropin_latents_vs_diffusers", _call(theirs, "latent", height=32, width=32), before, "saved folder in diffusers")
