@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from ..kernels.keepalive import retaining
 from ..kernels.trace import OperatorTrace, active_trace, capture_trace
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ class _Captured:
     sigma: torch.Tensor
     out: torch.Tensor
     trace: OperatorTrace
+    tables: list  # cached device tables the graph reads (kept alive while the graph lives)
 
 
 class GraphCache:
@@ -80,9 +82,9 @@ class GraphCache:
                 forward(static)  # warm-up: compiles kernels and fills every per-layout cache
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with capture_trace() as trace, torch.cuda.graph(graph):
+            with retaining() as tables, capture_trace() as trace, torch.cuda.graph(graph):
                 out = forward(static)
-            cap = _Captured(graph, static.hidden_states, static.encoder_hidden_states, static.sigma, out, trace)
+            cap = _Captured(graph, static.hidden_states, static.encoder_hidden_states, static.sigma, out, trace, tables)
             self._graphs[key] = cap
             self.captures += 1
             while len(self._graphs) > self.max_graphs:

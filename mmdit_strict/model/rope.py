@@ -14,6 +14,8 @@ from typing import Sequence
 
 import torch
 
+from ..kernels.keepalive import retain
+
 ImgShape = tuple[int, int, int]
 
 
@@ -86,7 +88,7 @@ def packed_rope_tables(
     treat them as read-only.
     """
     key_shapes = tuple(tuple((int(f), int(h), int(w)) for f, h, w in s) for s in img_shapes)
-    return _packed_tables(key_shapes, tuple(int(n) for n in txt_lens), tuple(int(a) for a in axes_dims), float(theta), str(torch.device(device)))
+    return retain(_packed_tables(key_shapes, tuple(int(n) for n in txt_lens), tuple(int(a) for a in axes_dims), float(theta), str(torch.device(device))))
 
 
 def normalize_img_shapes(img_shapes: object, batch: int, tokens: int) -> list[list[ImgShape]]:

@@ -18,6 +18,18 @@ def _on(inp: dict, device: str, dtype: torch.dtype) -> dict:
                 else v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in inp.items()}
 
 
+def test_keepalive_collects_only_inside_retaining() -> None:
+    from mmdit_strict.kernels.keepalive import retain, retaining
+    from mmdit_strict.model.rope import packed_rope_tables
+
+    assert retain("x") == "x"
+    with retaining() as held:
+        tables = packed_rope_tables([[(1, 2, 3)]], [4], (4, 6, 6), 10000.0, "cpu")
+    assert len(held) == 1 and held[0] is tables
+    packed_rope_tables([[(1, 2, 3)]], [4], (4, 6, 6), 10000.0, "cpu")
+    assert len(held) == 1
+
+
 def test_graphs_are_bypassed_on_the_cpu_and_with_autograd() -> None:
     arch = preset("tiny")
     model = build_model(arch, seed=0, runtime="strict").enable_cuda_graphs()
@@ -50,6 +62,16 @@ def test_graph_replay_equals_eager_strict_forward_bytes() -> None:
     for a, b in zip(eager, graphed):
         assert torch.equal(a, b)
     assert torch.equal(eager[0], again)
+    # every per-layout table cache dropped: the graphs keep what they read alive and still replay the same bytes
+    from mmdit_strict.kernels.triton import attention, gemm, segments
+    from mmdit_strict.model import rope
+
+    gemm._STARTS.clear(), segments.TABLES.clear(), attention._TABLES.clear(), rope._packed_tables.cache_clear()
+    torch.cuda.empty_cache()
+    scribble = [torch.full((1 << 20,), -7, dtype=torch.int32, device="cuda") for _ in range(16)]
+    with torch.no_grad():
+        assert torch.equal(eager[1], model(**layouts[1]).sample)
+    del scribble
     assert not trace.fallbacks()
     calls = {r.op: r.calls for r in trace.records.values()}
     # 4 per block (img/txt × attention/MLP) per forward, 4 forwards: capture-time calls count once per call

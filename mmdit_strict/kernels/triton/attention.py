@@ -53,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..keepalive import retain
 from ..registry import KernelImpl, register
 from .gemm import _DTYPES, _interpreting
 
@@ -467,7 +468,7 @@ def _tile_table(tseq: tuple[int, ...], iseq: tuple[int, ...], block: int, device
     key = (tseq, iseq, block, str(device))
     hit = _TABLES.get(key)
     if hit is not None:
-        return hit
+        return retain(hit)
     mt = sum(tseq)
     rows: list[list[int]] = []
     ts = is_ = 0
@@ -484,7 +485,7 @@ def _tile_table(tseq: tuple[int, ...], iseq: tuple[int, ...], block: int, device
     if len(_TABLES) > 1024:
         _TABLES.clear()
     _TABLES[key] = (table, len(rows))
-    return _TABLES[key]
+    return retain(_TABLES[key])
 
 
 _ALLOCATOR_SET = False

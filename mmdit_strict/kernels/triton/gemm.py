@@ -50,6 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..keepalive import retain
 from ..registry import KernelImpl, register
 from . import configs as _configs
 
@@ -518,7 +519,7 @@ def _starts(seqlens: tuple[int, ...], device: torch.device) -> torch.Tensor:
         if len(_STARTS) > 4096:
             _STARTS.clear()
         _STARTS[key] = t
-    return t
+    return retain(t)
 
 
 def _check_tensor(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..keepalive import retain
+
 CHUNK_ROWS = 16  # frozen: rows per level-1 partial of every backward row reduction (changing it changes bytes)
 FOLD_TILE = 64  # frozen: chunk partials per level-2 tile
 _FOLD_BLOCK_N = 64
@@ -63,7 +65,7 @@ class ChunkTables:
         key = (seqlens, str(device), rows)
         hit = self._entries.get(key)
         if hit is not None:
-            return hit
+            return retain(hit)
         firsts, ends, samples, first_chunk = [], [], [], [0]
         start = 0
         for s, n in enumerate(seqlens):
@@ -80,7 +82,7 @@ class ChunkTables:
             if len(self._entries) >= self._max:
                 self._entries.clear()
             self._entries[key] = entry
-        return entry
+        return retain(entry)
 
     def clear(self) -> None:
         with self._lock:
@@ -148,7 +150,7 @@ def _all_samples(samples: int, device: torch.device) -> torch.Tensor:
     if t is None:
         t = torch.tensor([0, samples], dtype=torch.int32).to(device)
         _SAMPLE_SEGS[key] = t
-    return t
+    return retain(t)
 
 
 def per_sample_sums(part: torch.Tensor, ch: Chunks, dtype: torch.dtype, interpreting: bool) -> torch.Tensor:
