@@ -244,13 +244,21 @@ def load_state_dict_lazily(
     return state
 
 
-def resolve_dtype(torch_dtype: torch.dtype | str | None, dtype: torch.dtype | str | None) -> torch.dtype:
+def resolve_dtype(
+    torch_dtype: torch.dtype | str | None, dtype: torch.dtype | str | None, *, allow_auto: bool = False
+) -> torch.dtype | str:
     """The execution dtype from diffusers' ``torch_dtype=`` and our ``dtype=`` alias (FP32 when neither).
 
-    Strings name torch dtypes (``"bfloat16"``, ``"torch.float32"``). Both given and different: ValueError.
+    Strings name torch dtypes (``"bfloat16"``, ``"torch.float32"``); ``"auto"`` (when ``allow_auto``)
+    is returned as is and means the checkpoint's stored dtype (:func:`stored_dtype`). Both given and
+    different: ValueError.
     """
-    def parse(v: torch.dtype | str | None, name: str) -> torch.dtype | None:
+    def parse(v: torch.dtype | str | None, name: str) -> torch.dtype | str | None:
         if v is None or isinstance(v, torch.dtype):
+            return v
+        if v == "auto":
+            if not allow_auto:
+                raise ValueError(f"{name}='auto' needs a checkpoint to read the dtype from (use from_pretrained)")
             return v
         if isinstance(v, str):
             attr = getattr(torch, v.removeprefix("torch."), None)
@@ -262,9 +270,32 @@ def resolve_dtype(torch_dtype: torch.dtype | str | None, dtype: torch.dtype | st
     if a is not None and b is not None and a != b:
         raise ValueError(f"torch_dtype={a} and dtype={b} disagree; dtype is an alias of torch_dtype, pass one")
     out = a or b or torch.float32
-    if out not in (torch.float32, torch.bfloat16):
+    if out != "auto" and out not in (torch.float32, torch.bfloat16):
         raise ValueError(f"execution dtype must be torch.float32 or torch.bfloat16, got {out}")
     return out
+
+
+_STORED = {"F32": torch.float32, "BF16": torch.bfloat16}
+
+
+def stored_dtype(files: Iterable[Path]) -> torch.dtype:
+    """The dtype most of the checkpoint's tensors are stored in (``torch_dtype="auto"``); FP32 or BF16 only."""
+    from collections import Counter
+
+    counts: Counter[str] = Counter()
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as fh:
+                counts.update(fh.get_slice(k).get_dtype() for k in fh.keys())
+        except SafetensorError as exc:
+            raise CheckpointError(f"{f} is corrupt or truncated: {exc}") from exc
+    if not counts:
+        raise CheckpointError("the checkpoint holds no tensors")
+    name = counts.most_common(1)[0][0]
+    if name not in _STORED:
+        raise ValueError(f"torch_dtype='auto': the checkpoint is stored in {name}, not an execution dtype; "
+                         "pass torch_dtype=torch.bfloat16 or torch.float32")
+    return _STORED[name]
 
 
 def load_pretrained(
@@ -272,15 +303,17 @@ def load_pretrained(
     path_or_repo_id: str | Path,
     *,
     runtime: str | Runtime,
-    dtype: torch.dtype,
+    dtype: torch.dtype | str,
     device: str | torch.device,
     subfolder: str | None,
     revision: str | None,
     local_files_only: bool | None,
 ) -> "MMDiT":
-    if dtype not in (torch.float32, torch.bfloat16):
+    if dtype != "auto" and dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"execution dtype must be torch.float32 or torch.bfloat16, got {dtype}")
     folder = resolve_checkpoint_dir(path_or_repo_id, subfolder, revision, local_files_only)
+    if dtype == "auto":
+        dtype = stored_dtype(_weight_files(folder))
     try:
         raw_cfg = json.loads((folder / CONFIG_NAME).read_text())
     except json.JSONDecodeError as exc:
@@ -288,7 +321,7 @@ def load_pretrained(
     arch = ArchConfig.from_diffusers_config(raw_cfg)
     with torch.device("meta"):
         model = cls(arch, runtime=runtime)
-    state = load_state_dict_lazily(model, _weight_files(folder), torch.device(device), dtype)
+    state = load_state_dict_lazily(model, _weight_files(folder), torch.device(device), dtype)  # type: ignore[arg-type]
     model.load_state_dict(state, strict=True, assign=True)
     model.checkpoint_path = str(folder)  # type: ignore[attr-defined]
     return model.eval()

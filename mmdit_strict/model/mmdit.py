@@ -133,14 +133,14 @@ class MMDiT(DiffusersCompatMixin, nn.Module):
         ``path_or_repo_id`` is a local folder (the transformer folder or a pipeline folder with a
         ``transformer/`` subfolder) or a Hugging Face repo id, resolved through huggingface_hub
         (from the local cache when offline). ``torch_dtype`` (diffusers' name; ``dtype`` is an alias,
-        FP32 when neither is given) is the execution dtype. Tensors are read one at a time straight to
+        FP32 when neither is given; ``"auto"``: the checkpoint's stored dtype) is the execution dtype. Tensors are read one at a time straight to
         ``device`` and ``torch_dtype`` (host memory beyond the model bounded by one shard plus one
         tensor, whatever ``low_cpu_mem_usage`` says).
         """
         from .checkpoint import load_pretrained, resolve_dtype
 
         return load_pretrained(
-            cls, path_or_repo_id, runtime=runtime, dtype=resolve_dtype(torch_dtype, dtype), device=device,
+            cls, path_or_repo_id, runtime=runtime, dtype=resolve_dtype(torch_dtype, dtype, allow_auto=True), device=device,
             subfolder=subfolder, revision=revision, local_files_only=local_files_only,
         )
 

@@ -94,6 +94,15 @@ def test_torch_dtype_and_alias(tiny_ckpt):
         MMDiT.from_pretrained(path, torch_dtype=torch.float16)
     with pytest.raises(ValueError, match="not a torch dtype"):
         MMDiT.from_pretrained(path, torch_dtype="fp99")
+    assert MMDiT.from_pretrained(path, torch_dtype="auto").dtype == torch.float32  # stored in FP32
+    with pytest.raises(ValueError, match="'auto' needs a checkpoint"):
+        MMDiT.from_config(path, torch_dtype="auto")
+
+
+def test_torch_dtype_auto_reads_the_stored_dtype(tiny_ckpt, tmp_path):
+    MMDiT.from_pretrained(tiny_ckpt[0], torch_dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    model = MMDiT.from_pretrained(tmp_path / "bf16", torch_dtype="auto")
+    assert model.dtype == torch.bfloat16
 
 
 def test_from_config_forms(tiny_ckpt):
