@@ -86,8 +86,8 @@ def _replay(traj: Trajectory, ref: Trajectory, step: int, position: int) -> dict
         if val != traj.manifest[key]:
             raise TrajectoryError(
                 f"cannot localize: the {traj.manifest['kind']} side's {key} is {str(traj.manifest[key])[:12]}… but "
-                f"its configuration now builds {str(val)[:12]}… (the weights at model.checkpoint="
-                f"{cfg.model.checkpoint} changed since the run); re-run the job"
+                f"its configuration now builds {str(val)[:12]}… (model.checkpoint={cfg.model.checkpoint} "
+                "changed since the run); re-run the job"
             )
     side = traj.manifest["side"]
     prompts = recorded_prompts(ref, model.dtype, cfg.model.device)

@@ -53,8 +53,10 @@ def audit_summary(model: MMDiT) -> dict[str, Any] | None:
 
 
 def model_hashes(model: MMDiT) -> dict[str, str | None]:
+    """What identifies a side's policy by content: architecture fingerprint, base weights, LoRA (None without one)."""
     lora = lora_state(model)
-    return {"weights_sha256": state_dict_hash(base_state(model)), "lora_sha256": state_dict_hash(lora) if lora else None}
+    return {"fingerprint": fingerprint(model.config), "weights_sha256": state_dict_hash(base_state(model)),
+            "lora_sha256": state_dict_hash(lora) if lora else None}
 
 
 def build_trajectory(

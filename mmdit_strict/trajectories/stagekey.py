@@ -5,6 +5,7 @@ the key of the current inputs, part by part:
 
     config          sha256 of the settings the stage reads (run-level keys such as output_dir,
                     resume, progress, wandb and compare are left out)
+    fingerprint     the architecture (the checkpoint's config.json or the preset)
     weights_sha256  the base weights as loaded: the checkpoint's contents, not its path
     lora_sha256     the LoRA adapter's tensors ("none" without an adapter)
     prompts_sha256  the prompt embeddings and the negative prompt
@@ -29,6 +30,7 @@ RUN_LEVEL = ("output_dir", "resume", "progress", "wandb", "compare", "_choices_"
 
 _MEANING = {
     "config": "the settings the stage reads differ",
+    "fingerprint": "the model architecture differs",
     "weights_sha256": "the model weights differ (checkpoint contents or model settings)",
     "lora_sha256": "the LoRA adapter differs",
     "prompts_sha256": "the prompt embeddings differ",
@@ -54,9 +56,10 @@ def _version() -> str:
 
 
 def rollout_key(cfg: DictConfig, model_hashes: dict[str, str | None], prompt_hashes: dict[str, Any]) -> dict[str, str]:
-    """The rollout stage's key: its settings (not the recompute side's), weights, LoRA, prompts, version."""
+    """The rollout stage's key: its settings (not the recompute side's), architecture, weights, LoRA, prompts, version."""
     return {
         "config": config_sha256(cfg, ignore=("recompute",)),
+        "fingerprint": str(model_hashes["fingerprint"]),
         "weights_sha256": str(model_hashes["weights_sha256"]),
         "lora_sha256": str(model_hashes["lora_sha256"] or "none"),
         "prompts_sha256": _sha256_json(prompt_hashes),
@@ -65,9 +68,10 @@ def rollout_key(cfg: DictConfig, model_hashes: dict[str, str | None], prompt_has
 
 
 def recompute_key(cfg: DictConfig, model_hashes: dict[str, str | None], rollout: Trajectory) -> dict[str, str]:
-    """The recompute stage's key: its settings, weights, LoRA, the replayed prompts and rollout file, version."""
+    """The recompute stage's key: its settings, architecture, weights, LoRA, the replayed prompts and rollout file, version."""
     return {
         "config": config_sha256(cfg),
+        "fingerprint": str(model_hashes["fingerprint"]),
         "weights_sha256": str(model_hashes["weights_sha256"]),
         "lora_sha256": str(model_hashes["lora_sha256"] or "none"),
         "prompts_sha256": _sha256_json(rollout.manifest["prompt_hashes"]),
