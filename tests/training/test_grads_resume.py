@@ -48,30 +48,43 @@ class _Killed(Exception):
     pass
 
 
+COMMON = [*SMALL, "train.num_epochs=4", "train.save_freq=1", "train.micro_batch=2", "train.gradient_accumulation_steps=2",
+          "train.ema=true", "train.eval_freq=2", "train.lr_warmup_steps=3"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("full")
+    return out, run_training(compose([f"output_dir={out}", *COMMON]), progress=False)
+
+
+# (epoch, update) where the run dies: before the first checkpoint, mid-epoch, on an epoch's first update
+# (3 updates per epoch: 12 pairs, 4 per update)
 @pytest.mark.slow
-def test_kill_and_resume_gives_the_same_lora_bytes(tmp_path) -> None:
-    common = [*SMALL, "train.num_epochs=4", "train.save_freq=1", "train.micro_batch=2", "train.gradient_accumulation_steps=2",
-              "train.ema=true", "train.eval_freq=2", "train.lr_warmup_steps=3"]
-    full = run_training(compose([f"output_dir={tmp_path / 'full'}", *common]), progress=False)
+@pytest.mark.parametrize("kill_at", [(0, 1), (2, 1), (3, 0)])
+def test_kill_and_resume_gives_the_same_lora_bytes(tmp_path, uninterrupted, kill_at) -> None:
+    full_dir, full = uninterrupted
 
     def kill(epoch: int, inner: int, update: int) -> None:
-        if (epoch, update) == (2, 1):  # mid-epoch: epoch 2's first updates are lost and redone
+        if (epoch, update) == kill_at:
             raise _Killed
 
     out = tmp_path / "killed"
     with pytest.raises(_Killed):
-        run_training(compose([f"output_dir={out}", *common]), progress=False, on_update=kill)
-    assert latest_checkpoint(out / "checkpoints").name == "epoch_000001"
-    resumed = run_training(compose([f"output_dir={out}", *common, "resume=true"]), progress=False)
+        run_training(compose([f"output_dir={out}", *COMMON]), progress=False, on_update=kill)
+    last = latest_checkpoint(out / "checkpoints") if (out / "checkpoints").exists() else None
+    assert (last.name if last else None) == (f"epoch_{kill_at[0] - 1:06d}" if kill_at[0] else None)
+    resumed = run_training(compose([f"output_dir={out}", *COMMON, "resume=true"]), progress=False)
     for name, t in full.lora.items():
         assert_bytes_equal(resumed.lora[name], t, f"LoRA {name}")
-    a = load_checkpoint(latest_checkpoint(tmp_path / "full" / "checkpoints"))
+    a = load_checkpoint(latest_checkpoint(full_dir / "checkpoints"))
     b = load_checkpoint(latest_checkpoint(out / "checkpoints"))
     for name in a["ema"]:
         assert_bytes_equal(b["ema"][name], a["ema"][name], f"EMA {name}")
     for i, st in a["optimizer"]["optimizer"]["state"].items():
         for key in ("exp_avg", "exp_avg_sq"):
             assert_bytes_equal(b["optimizer"]["optimizer"]["state"][i][key], st[key], f"AdamW {key} of param {i}")
+    assert a["optimizer"]["scheduler"] == b["optimizer"]["scheduler"]
     assert a["state"]["stat_tracker"] == b["state"]["stat_tracker"]
     # the metrics file describes one uninterrupted history
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time") and k != "peak_memory_mb"} for r in rows]
