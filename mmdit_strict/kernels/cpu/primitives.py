@@ -22,6 +22,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..keepalive import retain
+
 TILE_M = 32  # rows per GEMM tile; frozen (changing it changes bytes)
 VEC_PAD = 64  # last-dim padding for elementwise transcendentals
 ELEMWISE_BLOCK = 32768  # elements per elementwise call (one ATen chunk, no thread split)
@@ -121,9 +123,13 @@ def gelu_tanh_bwd(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=256)
-def row_sample_index(seqlens: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """(M,) sample index of every packed row."""
+def _row_sample_index(seqlens: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(len(seqlens), device=device), torch.tensor(seqlens, device=device))
+
+
+def row_sample_index(seqlens: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """(M,) sample index of every packed row; cached per (seqlens, device), so built once per layout."""
+    return retain(_row_sample_index(seqlens, device))
 
 
 class BroadcastRows(torch.autograd.Function):
