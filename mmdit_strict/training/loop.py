@@ -142,6 +142,7 @@ class Trainer:
         self.out = Path(cfg.output_dir)
         self.seed = int(cfg.seed)
         self._check_config()
+        self.rewards = RewardSet(OmegaConf.to_container(self.tcfg.reward_fn), OmegaConf.to_container(self.tcfg.reward_kwargs))
         self.rollout_rt = _side_runtime(self.scfg.runtime, cfg.runtime.mode)
         self.train_rt = _side_runtime(self.tcfg.runtime, cfg.runtime.mode)
         self.model = build_side_model(cfg, self.rollout_rt)
@@ -156,11 +157,11 @@ class Trainer:
         self.optimizer, self.scheduler = build_optimizer(self.params, self.tcfg)
         self.ema = LoraEMA(self.named, float(self.tcfg.ema_decay)) if self.tcfg.ema else None
         self.tracker = StatTracker(bool(self.tcfg.per_prompt_stat_tracking), bool(self.tcfg.global_std))
-        self.rewards = RewardSet(OmegaConf.to_container(self.tcfg.reward_fn), OmegaConf.to_container(self.tcfg.reward_kwargs))
         self.images = image_source(cfg, self.rewards)
         self.start_epoch = 0
         self.updates = 0
         self.wandb_id: str | None = None
+        self._warned_fold = False
         self.ckpt_root = self.out / "checkpoints"
         self._maybe_resume()
 
@@ -330,7 +331,10 @@ class Trainer:
                 continue
             f = sink.fold(p)
             if f is None:
-                logger.debug("train: %s has no per-sample partials; keeping autograd's gradient", n)
+                if self.train_rt is not Runtime.OFF and not self._warned_fold:
+                    logger.warning("train: %s got no per-sample gradient partials from the %s backward; LoRA gradients are "
+                                   "autograd's sums, which depend on the micro-batch split (grad_fold=autograd)", n, self.train_rt.value)
+                    self._warned_fold = True
                 return "autograd"
             folded[n] = f
         for n, p in self.named:
