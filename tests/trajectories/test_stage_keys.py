@@ -193,3 +193,12 @@ def test_fault_naming_no_operator_is_refused_before_any_work(tmp_path: Path, fau
     err = capsys.readouterr().err
     assert message in err and "inject_fault" in err
     assert not (out / "rollout").exists() and not (out / "rollout.partial").exists()
+
+
+def test_pad_to_shorter_than_an_embedded_prompt_is_refused_before_the_rollout(tmp_path: Path,
+                                                                              capsys: pytest.CaptureFixture) -> None:
+    emb, out = tmp_path / "emb.safetensors", tmp_path / "run"
+    _write_embeddings(emb, 0)  # prompts of 3 and 4 tokens, negative of 3
+    assert main(["run", "--quiet", f"output_dir={out}", *SMALL, f"prompts.embeddings={emb}", "recompute.pad_to=3"]) == 2
+    assert "recompute.pad_to=3 is shorter than the longest prompt (4 tokens)" in capsys.readouterr().err
+    assert not (out / "rollout").exists() and not (out / "rollout.partial").exists()
