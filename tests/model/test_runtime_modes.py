@@ -191,7 +191,8 @@ def test_bad_forward_inputs(fp32_model, runtime):
     check_bad_inputs(lambda **k: fp32_model(**k), [
         BadCase("2-d hidden_states", (), kw(hidden_states=hs[0]), "hidden_states must be a (B, image_tokens, 64)"),
         BadCase("channels", (), kw(hidden_states=hs[..., :60]), "64 channels"),
-        BadCase("ehs batch", (), kw(encoder_hidden_states=ehs[:1]), "encoder_hidden_states of shape (2, L, 48)"),
+        # a batch of 1 is broadcast (diffusers' single negative prompt); any other mismatch is refused
+        BadCase("ehs batch", (), kw(encoder_hidden_states=torch.cat([ehs, ehs[:1]])), "encoder_hidden_states of shape (2, L, 48)"),
         BadCase("ehs width", (), kw(encoder_hidden_states=ehs[..., :40]), "(2, L, 48)"),
         BadCase("dtype mismatch", (), kw(hidden_states=hs.double()), "dtype torch.float64"),
         BadCase("bf16 text", (), kw(encoder_hidden_states=ehs.bfloat16()), "cast the input"),
