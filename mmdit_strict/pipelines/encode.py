@@ -148,8 +148,9 @@ def load_text_components(folder: str | Path, *, torch_dtype: torch.dtype = torch
 
 def write_prompt_file(path: str | Path, enc: EncodedPrompts, *, pipeline_folder: str | Path, batch_size: int,
                       max_sequence_length: int = MAX_SEQUENCE_LENGTH) -> Path:
-    """Write ``enc`` (layout in the module docstring) atomically; the header names what made it."""
-    from safetensors.torch import save_file
+    """Write ``enc`` (layout in the module docstring) atomically and byte-stably (same inputs, same
+    bytes); the header names what made it."""
+    from ..trajectories.artifact import save_safetensors  # byte-stable header (sorted keys)
 
     if enc.negative_embeds is None:
         raise ValueError("the prompt file needs a negative prompt (rollout's CFG uses it); pass negative_prompt=' '")
@@ -177,7 +178,7 @@ def write_prompt_file(path: str | Path, enc: EncodedPrompts, *, pipeline_folder:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file(tensors, str(tmp), metadata=meta)
+    save_safetensors(tensors, tmp, metadata=meta)  # same prompts and encoder → same file bytes
     os.replace(tmp, path)
     return path
 

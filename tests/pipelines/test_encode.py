@@ -56,6 +56,8 @@ def test_prompt_file_header_and_rollout_reads_it(tiny_pipeline_dir, text_parts, 
     tok, enc = text_parts
     encoded = encode_prompts(tok, enc, PROMPTS[:2], negative_prompt=" ")
     path = write_prompt_file(tmp_path / "p.safetensors", encoded, pipeline_folder=tiny_pipeline_dir, batch_size=1)
+    again = write_prompt_file(tmp_path / "q.safetensors", encoded, pipeline_folder=tiny_pipeline_dir, batch_size=1)
+    assert path.read_bytes() == again.read_bytes(), "two writes of the same prompts differ in bytes"
     meta = read_prompt_metadata(path)
     assert meta["format"] == FILE_FORMAT and meta["prompts"] == PROMPTS[:2] and meta["negative_prompt"] == " "
     assert meta["template_sha256"] == template_sha256() and meta["drop_tokens"] == "34"
