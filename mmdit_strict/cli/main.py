@@ -188,6 +188,9 @@ def cmd_report(args: argparse.Namespace) -> int:
         rollout, recompute = read(run_dir / "rollout"), read(run_dir / "recompute")
         cfg = OmegaConf.create(recompute.manifest["config"])
         result = compare_stage(cfg, rollout, recompute, run_dir)
+        from ..pipelines.chain import restore_images_section
+
+        restore_images_section(run_dir)  # decoded images and part timings of a full-chain run
     print(result.summary)
     print((run_dir / "report" / "report.md").read_text() if args.print else f"report: {run_dir / 'report' / 'report.md'}")
     return EXIT_OK if result.byte_identical else EXIT_DRIFT

@@ -95,11 +95,22 @@ def finish_images(cfg: DictConfig, timings: dict[str, Any]) -> dict[str, Any]:
         times = {**timings, "rollout_seconds": rollout_s, "recompute_seconds": recompute_s,
                  "vae_seconds" if info["mode"] == "vae" else "preview_seconds": info["decode_seconds"]}
         (out / "images" / "timings.json").write_text(json.dumps(times, indent=2))
-        report = out / "report" / "report.md"
-        if report.parent.is_dir():
-            shutil.copyfile(info["contact_sheet"], report.parent / "contact_sheet.png")
-            _write_section(report, _section(info, times))
+        restore_images_section(out)
     return {**info, "timings": times}
+
+
+def restore_images_section(run_dir: str | Path) -> bool:
+    """(Re)write the report's images section from ``images/decode.json`` and ``images/timings.json``
+    (after ``mmdit-strict report`` rebuilt the report). False when the run has no decoded images."""
+    run_dir = Path(run_dir)
+    info_path, times_path = run_dir / "images" / "decode.json", run_dir / "images" / "timings.json"
+    report = run_dir / "report" / "report.md"
+    if not (info_path.is_file() and times_path.is_file() and report.is_file()):
+        return False
+    info, times = json.loads(info_path.read_text()), json.loads(times_path.read_text())
+    shutil.copyfile(run_dir / "images" / "contact_sheet.png", report.parent / "contact_sheet.png")
+    _write_section(report, _section(info, times))
+    return True
 
 
 def _section(info: dict[str, Any], times: dict[str, Any]) -> str:

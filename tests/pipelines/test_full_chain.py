@@ -32,6 +32,8 @@ def test_run_with_a_pipeline_folder(tiny_pipeline_dir, tmp_path, capsys):
     report = (out / "report" / "report.md").read_text()
     assert report.count("## Images") == 1 and "![contact sheet](contact_sheet.png)" in report
     assert (out / "report" / "contact_sheet.png").is_file()
+    assert main(["report", str(out)]) == 0  # the rebuilt report keeps the images section
+    assert (out / "report" / "report.md").read_text().count("## Images") == 1
     # the preview path on the same rollout (no VAE): fixed, one pixel per latent cell
     prev = decode_rollout(out / "rollout", tmp_path / "preview", None)
     assert prev["mode"] == "preview" and prev["image_shape"] == [4, 6, 3]
