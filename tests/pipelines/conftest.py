@@ -9,6 +9,8 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_pipeline_dir(tmp_path_factory):
+    pytest.importorskip("diffusers")
+    pytest.importorskip("transformers")
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
