@@ -15,8 +15,8 @@ SMALL = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():  # module scope: active before the modules' own (module-scoped) training fixtures
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
