@@ -20,12 +20,13 @@ class _Recording(Trainer):
         return super()._step()
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_lora_grads_identical_for_micro_batches_1_2_4(tmp_path, checkpointing: bool) -> None:
+@pytest.mark.parametrize("checkpointing, cfg_layout", [(False, "sequential"), (True, "batched")])
+def test_lora_grads_identical_for_micro_batches_1_2_4(tmp_path, checkpointing: bool, cfg_layout: str) -> None:
     runs = {}
     for mb, gas in ((1, 4), (2, 2), (4, 1)):  # 4 pairs per update in every layout → 3 updates over 12 pairs
         cfg = compose([f"output_dir={tmp_path / str(mb)}", *SMALL, "lora.init=random", f"train.micro_batch={mb}",
-                       f"train.gradient_accumulation_steps={gas}", f"train.grad_checkpointing={str(checkpointing).lower()}"])
+                       f"train.gradient_accumulation_steps={gas}", f"train.grad_checkpointing={str(checkpointing).lower()}",
+                       f"train.cfg_layout={cfg_layout}"])
         tr = _Recording(cfg, progress=False)
         tr.grads = []
         row = tr.train_epoch(0)
