@@ -57,7 +57,7 @@ def test_sample_alone_equals_batched_with_padding(model) -> None:
         for b in range(3):
             alone = model(**_sample(batch, b)).sample
             assert torch.equal(alone[0], together[b]), f"sample {b}"
-    assert not trace.fallbacks()
+    assert not trace.fallbacks
 
 
 def test_fused_qk_norm_rope_equals_unfused_pair(model) -> None:

@@ -72,7 +72,7 @@ def test_graph_replay_equals_eager_strict_forward_bytes() -> None:
     with torch.no_grad():
         assert torch.equal(eager[1], model(**layouts[1]).sample)
     del scribble
-    assert not trace.fallbacks()
+    assert not trace.fallbacks
     calls = {r.op: r.calls for r in trace.records.values()}
     # 4 per block (img/txt × attention/MLP) per forward, 4 forwards: capture-time calls count once per call
     assert calls["adaln_gate_residual"] == 4 * arch.num_layers * 4
