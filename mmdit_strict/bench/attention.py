@@ -34,14 +34,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import time
 import traceback
 from pathlib import Path
 from typing import Sequence
 
 import torch
+
+from .environment import gpu_environment
 import torch.nn.functional as F
 
 HEADS, HEAD_DIM = 24, 128
@@ -71,25 +71,7 @@ DEVICE = "cuda"
 
 
 def _env() -> dict:
-    import triton
-
-    commit = os.environ.get("MMDIT_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip() or None
-        except Exception:
-            commit = None
-    try:
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, timeout=20).stdout.strip()
-    except Exception:
-        driver = None
-    return {
-        "gpu": torch.cuda.get_device_name(0), "driver": driver, "torch": torch.__version__,
-        "triton": triton.__version__, "cuda": torch.version.cuda, "commit": commit or "unknown (no git, MMDIT_COMMIT unset)",
-        "tf32": {"matmul": torch.backends.cuda.matmul.allow_tf32, "cudnn": torch.backends.cudnn.allow_tf32},
-        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
+    return gpu_environment()
 
 
 # ----------------------------------------------------------------------------------------- samples

@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..model.inputs import random_inputs
+from .environment import commit as measured_commit
 
 # name → (batch, latent grid (h, w) in tokens, valid text tokens per sample, padded text length)
 SHAPES: dict[str, tuple[int, tuple[int, int], tuple[int, ...], int]] = {
@@ -44,13 +45,7 @@ def _env() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    commit = os.environ.get("MMDIT_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                                    cwd=Path(__file__).resolve().parent).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            commit = "unknown"
+    commit = measured_commit()
     try:
         # the bench's own outputs under experiments/ do not make the measured code dirty
         dirty = bool(subprocess.run(["git", "status", "--porcelain", "--", ".", ":!experiments"], capture_output=True,

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -34,6 +32,7 @@ import torch
 from ..config.arch import ArchConfig, preset
 from ..kernels.runtime import Runtime
 from ..model.inputs import random_inputs
+from .environment import gpu_environment
 
 PEAK_TFLOPS = 790.0  # BF16 dense matrix rate measured on the H200 (docs/design.md, anchors)
 LORA_TARGETS = (
@@ -219,23 +218,7 @@ def run(args: argparse.Namespace, on_case: Callable[[dict[str, Any]], None] | No
 
 
 def environment() -> dict[str, Any]:
-    import triton
-
-    commit = os.environ.get("MMDIT_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                                    cwd=Path(__file__).resolve().parent).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            commit = "unknown"
-    driver = "unknown"
-    try:
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return {"gpu": torch.cuda.get_device_name(), "driver": driver, "torch": torch.__version__,
-            "triton": triton.__version__, "commit": commit}
+    return gpu_environment()
 
 
 def render(report: dict[str, Any]) -> str:

@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from .environment import gpu_environment
 
 from mmdit_strict.tolerances import Tolerance, tolerance
 
@@ -483,22 +483,7 @@ def model_trace_case(layers: int = 2, grid: tuple[int, int] = (32, 32), txt_lens
 
 
 def _env() -> dict:
-    import triton
-
-    commit = os.environ.get("MMDIT_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip() or None
-        except Exception:  # noqa: BLE001
-            commit = None
-    try:
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, timeout=20).stdout.strip()
-    except Exception:  # noqa: BLE001
-        driver = None
-    return {"gpu": torch.cuda.get_device_name(0), "driver": driver, "torch": torch.__version__, "triton": triton.__version__,
-            "cuda": torch.version.cuda, "commit": commit or "unknown (no git, MMDIT_COMMIT unset)",
-            "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return gpu_environment()
 
 
 def _f(v, spec=".3e"):

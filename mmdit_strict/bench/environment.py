@@ -1,0 +1,41 @@
+"""What a benchmark report records about where it ran: commit, GPU, driver and library versions."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def commit() -> str:
+    """The measured commit: ``MMDIT_COMMIT`` when set (device machines may carry a stale ``.git``), else git's HEAD."""
+    env = os.environ.get("MMDIT_COMMIT")
+    if env:
+        return env
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    return out or "unknown (no git, MMDIT_COMMIT unset)"
+
+
+def gpu_environment() -> dict[str, Any]:
+    """GPU name, driver, torch / Triton / CUDA versions, TF32 switches, commit and UTC date (CUDA must be present)."""
+    import triton
+
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=20).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        driver = None
+    return {
+        "gpu": torch.cuda.get_device_name(0), "driver": driver, "torch": torch.__version__,
+        "triton": triton.__version__, "cuda": torch.version.cuda, "commit": commit(),
+        "tf32": {"matmul": torch.backends.cuda.matmul.allow_tf32, "cudnn": torch.backends.cudnn.allow_tf32},
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
