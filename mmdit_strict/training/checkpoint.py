@@ -17,7 +17,6 @@ verifies every file against the sha256 recorded in ``state.json`` and raises
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -30,6 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..io import atomic_write_text
+from ..trajectories.hashing import file_sha256
 
 LATEST = "latest"
 STATE = "state.json"
@@ -38,13 +38,6 @@ STATE = "state.json"
 class TrainCheckpointError(ValueError):
     """A training checkpoint is missing, incomplete or corrupt."""
 
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def rng_state() -> dict[str, Any]:
@@ -76,7 +69,7 @@ def save_checkpoint(root: str | Path, epoch: int, lora: dict[str, torch.Tensor],
         if ema is not None:
             save_file({k: v.detach().to("cpu").contiguous() for k, v in ema.items()}, str(tmp / "ema.safetensors"))
         torch.save(optimizer, tmp / "optimizer.pt")
-        files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
+        files = {p.name: file_sha256(p) for p in sorted(tmp.iterdir())}
         (tmp / STATE).write_text(json.dumps({**state, "files": files}, indent=1, sort_keys=True))
         for p in tmp.iterdir():
             with open(p, "rb") as fh:
@@ -114,7 +107,7 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu") -> d
         path = folder / fname
         if not path.exists():
             raise TrainCheckpointError(f"{path} is missing (listed in {STATE})")
-        if _sha256(path) != digest:
+        if file_sha256(path) != digest:
             raise TrainCheckpointError(f"{path} does not match the sha256 recorded in {STATE}: corrupt or modified")
     lora = load_file(str(folder / "lora.safetensors"), device=str(device))
     ema = load_file(str(folder / "ema.safetensors"), device=str(device)) if (folder / "ema.safetensors").exists() else None

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..model import MMDiT
 from ..sampling import sde_step
+from ..trajectories.engine import pad_prompts
 from ..trajectories.setup import Prompts
 from .rollout import EpochSamples
 
@@ -65,16 +66,6 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
             p.requires_grad_(trainable[id(p)])
 
 
-def _pad(rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompts ``(L_i, C)`` → zero-padded ``(B, max L_i, C)`` and the prefix mask ``(B, max L_i)``."""
-    L = max(r.shape[0] for r in rows)
-    out = rows[0].new_zeros(len(rows), L, rows[0].shape[1])
-    mask = torch.zeros(len(rows), L, dtype=torch.long, device=rows[0].device)
-    for i, r in enumerate(rows):
-        out[i, : r.shape[0]] = r
-        mask[i, : r.shape[0]] = 1
-    return out, mask
-
 
 def pair_velocity(
     model: MMDiT, x: torch.Tensor, cond: Sequence[torch.Tensor], neg: torch.Tensor, sigmas: Sequence[float],
@@ -95,7 +86,7 @@ def pair_velocity(
     t1 = torch.tensor([float(s) for s in sigmas], dtype=torch.float32, device=x.device)
 
     def forward(xs: torch.Tensor, prompts: Sequence[torch.Tensor], branches: Sequence[int]) -> torch.Tensor:
-        ehs, mask = _pad(prompts)
+        ehs, mask = pad_prompts(prompts)
         with sample_keys([(k, br) for br in branches for k in keys]):
             return model(xs, ehs, mask, t1.repeat(len(branches)), shapes * len(branches), return_dict=False)[0]
 

@@ -17,7 +17,8 @@ from ..sampling import cfg_combine
 from .hashing import tensor_sha256
 
 
-def _pad(rows: Sequence[torch.Tensor], pad_to: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_prompts(rows: Sequence[torch.Tensor], pad_to: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts ``(L_i, C)`` → zero-padded ``(B, L, C)`` (``L`` = ``pad_to`` or the longest) and the prefix mask ``(B, L)``."""
     L = max(r.shape[0] for r in rows)
     if pad_to is not None:
         if pad_to < L:
@@ -58,7 +59,7 @@ def velocity(
     ids = list(sample_ids) if sample_ids is not None else list(range(B))
 
     def forward(xs: torch.Tensor, prompts: Sequence[torch.Tensor], branches: Sequence[int]) -> torch.Tensor:
-        ehs, mask = _pad(prompts, pad_to)
+        ehs, mask = pad_prompts(prompts, pad_to)
         n = xs.shape[0]
         t = torch.full((n,), sigma, dtype=torch.float32, device=xs.device)
         keys = [(i, br) for br in branches for i in ids]

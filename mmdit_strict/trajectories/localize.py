@@ -25,7 +25,7 @@ from ..kernels.runtime import Runtime, runtime_mode
 from ..model.strict import capture_operators, inject_fault, strict_forward
 from .artifact import Trajectory, TrajectoryError
 from .compare import FirstDrift
-from .engine import _pad
+from .engine import pad_prompts
 from .hashing import ulp_distance
 from .recompute import parse_fault, recorded_prompts
 from .record import model_hashes
@@ -104,7 +104,7 @@ def _replay(traj: Trajectory, ref: Trajectory, step: int, position: int) -> dict
     fault = fault_key if fault_step == step else None
 
     def run(xs: torch.Tensor, rows: list[torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[int]]:
-        ehs, mask = _pad(rows, side.get("pad_to"))
+        ehs, mask = pad_prompts(rows, side.get("pad_to"))
         t = torch.full((xs.shape[0],), sigma, dtype=torch.float32, device=xs.device)
         inputs = model.validate_inputs(xs, ehs, mask, t, [[(1, grid[0], grid[1])]] * xs.shape[0])
         with runtime_mode(runtime), capture_operators() as cap, inject_fault(fault), torch.no_grad():
