@@ -198,9 +198,13 @@ def _resolve_uncached(op: str, dev: str, dname: str, runtime: Runtime) -> tuple[
 
 def dispatch(op: str, device: torch.device | str, dtype: torch.dtype, *args: Any, **kwargs: Any) -> Any:
     """Resolve ``op`` for the active runtime, record it in the active trace, and call it."""
+    return dispatch_in(current_runtime(), op, device, dtype, *args, **kwargs)
+
+
+def dispatch_in(runtime: Runtime, op: str, device: torch.device | str, dtype: torch.dtype, *args: Any, **kwargs: Any) -> Any:
+    """:func:`dispatch` under ``runtime`` whatever mode is active (the production forward passes ``Runtime.OFF``)."""
     from .trace import record
 
-    runtime = current_runtime()
     impl, fell_back = resolve(op, device, dtype, runtime)
     record(op, impl, runtime, device.type if isinstance(device, torch.device) else torch.device(device).type, dtype, fell_back)
     return impl.fn(*args, **kwargs)

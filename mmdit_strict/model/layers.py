@@ -1,32 +1,84 @@
-"""Parameter containers of the Qwen-Image MMDiT with diffusers' module names.
+"""Parameter containers of the Qwen-Image MMDiT with diffusers' module names, and the production forward.
 
 The module tree (and therefore the state-dict keys) is identical to diffusers'
 ``QwenImageTransformer2DModel``, so checkpoints load without renaming and PEFT target names carry
-over. Each module's ``forward`` is the production (runtime ``off``) math in plain PyTorch; the strict
-runtime reads the same parameters and calls registry operators instead (see ``strict.py``).
+over. Each module's ``forward`` is the production (runtime ``off``) forward on padded ``(B, T, D)``
+tensors: glue around registry operators dispatched to the production backend
+(``kernels/production.py``, the one implementation of the production math), so the operator trace
+counts the calls that ran and ``capture_operators`` / ``inject_fault`` see them under the strict
+graph's keys. The strict runtime reads the same parameters and calls the registry operators on packed
+rows instead (see ``strict.py``).
+
+A linear layer that is not a plain ``nn.Linear`` (a PEFT LoRA wrapper, or one carrying hooks) runs
+as its own module, so merged / dropped-out / multi-adapter LoRA and offload hooks keep their
+semantics; the call is still recorded and captured as its operator.
 """
 
 from __future__ import annotations
 
-import math
+import functools
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..config.arch import ArchConfig
+from ..kernels import production as P
+from ..kernels.registry import KernelImpl, dispatch_in
+from ..kernels.runtime import Runtime
+from ..kernels.trace import record
+from .strict import observe_operator
+
+Rope = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def timestep_sinusoid(sigma: torch.Tensor, channels: int, scale: float) -> torch.Tensor:
-    """(B,) sigma → (B, channels) FP32 ``[cos | sin]`` of ``scale·sigma·10000^(-i/half)``."""
-    half = channels // 2
-    exponent = -math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=sigma.device) / half
-    args = scale * (sigma.float()[:, None] * torch.exp(exponent)[None, :])
-    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+    """(B,) sigma → (B, channels) FP32 ``[cos | sin]`` (the production operator's sinusoid)."""
+    return P.timestep_sinusoid(sigma, channels, scale)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs of ``x (B, T, H, d)`` by tables ``(B, T, d/2)``; FP32 math."""
+    return P.multi_axis_rope(x, cos, sin)
+
+
+def production_op(name: str, where: str, ref: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """Call operator ``name``'s production implementation, recorded in the trace and seen by capture/fault."""
+    return observe_operator(name, where, dispatch_in(Runtime.OFF, name, ref.device, ref.dtype, *args, **kwargs))
+
+
+def is_plain_linear(module: nn.Module) -> bool:
+    """A bare ``nn.Linear`` (no PEFT wrapper, no hooks, no patched forward): its weights can go to the operator."""
+    return (
+        type(module) is nn.Linear and not module._forward_hooks and not module._forward_pre_hooks
+        and "forward" not in module.__dict__
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _module_impl(op: str, cls: type, device: str) -> KernelImpl:
+    return KernelImpl(op=op, backend="torch", device=device, dtypes=P._DTYPES, fn=cls.forward, strict=False,
+                      kernel_name=f"module_{cls.__name__}", reduction_order="library-chosen (not batch-invariant)",
+                      accumulator="library")
+
+
+def module_op(name: str, where: str, ref: torch.Tensor, modules: tuple[nn.Module, ...], fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` (glue around non-plain linear ``modules``) as operator ``name``: traced, captured, faultable."""
+    cls = next((type(m) for m in modules if not is_plain_linear(m)), nn.Linear)
+    record(name, _module_impl(name, cls, ref.device.type), Runtime.OFF, ref.device.type, ref.dtype, False)
+    return observe_operator(name, where, fn())
+
+
+def linear_op(name: str, where: str, module: nn.Module, x: torch.Tensor, prologue: str = "none", epilogue: str = "none") -> torch.Tensor:
+    """A GEMM operator on ``module``'s weights (any leading shape of ``x``)."""
+    if is_plain_linear(module):
+        return production_op(name, where, x, x, module.weight, module.bias, seqlens=None, prologue=prologue, epilogue=epilogue)
+    return module_op(name, where, x, (module,), lambda: P.apply_epilogue(module(P.apply_prologue(x, prologue)), epilogue))
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm over the last dim with a learned gain (diffusers ``RMSNorm(dim, eps)``)."""
+    """RMSNorm over the last dim with a learned gain (diffusers ``RMSNorm(dim, eps)``); math: ``production.rms_norm``."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -34,12 +86,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same cast points as diffusers: FP32 statistics, half-precision gain product when the gain is half.
-        var = x.float().pow(2).mean(-1, keepdim=True)
-        y = x * torch.rsqrt(var + self.eps)
-        if self.weight.dtype in (torch.float16, torch.bfloat16):
-            y = y.to(self.weight.dtype)
-        return y * self.weight
+        return P.rms_norm(x, self.weight, self.eps)
 
 
 class TimestepEmbedding(nn.Module):
@@ -62,7 +109,14 @@ class TimeTextEmbed(nn.Module):
         self.timestep_embedder = TimestepEmbedding(cfg.timestep_channels, cfg.hidden_size)
 
     def forward(self, sigma: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return self.timestep_embedder(timestep_sinusoid(sigma, self.channels, self.scale).to(dtype))  # (B, D)
+        """(B,) sigma → (B, D) in ``dtype`` (operator ``timestep_embed_mlp``)."""
+        e = self.timestep_embedder
+        ref = torch.empty(0, dtype=dtype, device=sigma.device)
+        if is_plain_linear(e.linear_1) and is_plain_linear(e.linear_2) and e.linear_1.weight.dtype == dtype:
+            return production_op("timestep_embed_mlp", "embed", ref, sigma, e.linear_1.weight, e.linear_1.bias,
+                                 e.linear_2.weight, e.linear_2.bias, channels=self.channels, scale=self.scale)
+        return module_op("timestep_embed_mlp", "embed", ref, (e.linear_1, e.linear_2),
+                         lambda: e(P.timestep_sinusoid(sigma, self.channels, self.scale).to(dtype)))
 
 
 class GELUProj(nn.Module):
@@ -70,8 +124,8 @@ class GELUProj(nn.Module):
         super().__init__()
         self.proj = nn.Linear(dim, inner)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.gelu(self.proj(x), approximate="tanh")
+    def forward(self, x: torch.Tensor, where: str = "mlp") -> torch.Tensor:
+        return linear_op("mlp_up_gemm_gelu", where, self.proj, x, epilogue="gelu_tanh")
 
 
 class FeedForward(nn.Module):
@@ -81,19 +135,9 @@ class FeedForward(nn.Module):
         super().__init__()
         self.net = nn.ModuleList([GELUProj(dim, inner), nn.Dropout(0.0), nn.Linear(inner, dim)])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.net:
-            x = layer(x)
-        return x
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs of ``x (B, T, H, d)`` by tables ``(B, T, d/2)``; FP32 math."""
-    xf = x.float().unflatten(-1, (-1, 2))
-    xr, xi = xf[..., 0], xf[..., 1]
-    c, s = cos[:, :, None, :], sin[:, :, None, :]
-    out = torch.stack([xr * c - xi * s, xr * s + xi * c], dim=-1).flatten(-2)
-    return out.to(x.dtype)
+    def forward(self, x: torch.Tensor, where: str = "mlp") -> torch.Tensor:
+        h = self.net[1](self.net[0](x, where))
+        return linear_op("mlp_down_gemm", where, self.net[2], h)
 
 
 class JointAttention(nn.Module):
@@ -104,6 +148,7 @@ class JointAttention(nn.Module):
         d = cfg.hidden_size
         self.heads = cfg.num_attention_heads
         self.head_dim = cfg.attention_head_dim
+        self.eps = cfg.eps
         self.to_q, self.to_k, self.to_v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
         self.add_q_proj, self.add_k_proj, self.add_v_proj = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
         self.norm_q = RMSNorm(cfg.attention_head_dim, cfg.eps)
@@ -113,66 +158,80 @@ class JointAttention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(d, d), nn.Dropout(0.0)])
         self.to_add_out = nn.Linear(d, d)
 
-    def forward(
-        self,
-        img: torch.Tensor,  # (B, Ti, D)
-        txt: torch.Tensor,  # (B, Tt, D)
-        txt_mask: torch.Tensor | None,  # (B, Tt) bool
-        rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    def _qkv(self, where: str, h: torch.Tensor, proj: nn.Module, norm: RMSNorm | None,
+             cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        t = linear_op("qkv_bias_gemm", where, proj, h).unflatten(-1, (self.heads, self.head_dim))
+        if norm is None:
+            return t
+        t = production_op("qk_rmsnorm", where, t, t, norm.weight, seqlens=None, eps=self.eps)
+        return production_op("multi_axis_rope", where, t, t, cos, sin)
+
+    def attend(
+        self, img: torch.Tensor, txt: torch.Tensor, txt_lens: list[int] | None, rope: Rope, where: str = "block0",
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Modulated ``img (B, Ti, D)``, ``txt (B, Tt, D)`` → attention outputs ``(img, txt)`` before the
+        output projections. ``txt_lens``: valid text tokens per sample (``None``: no text padding)."""
         img_cos, img_sin, txt_cos, txt_sin = rope
-        split = lambda t: t.unflatten(-1, (self.heads, self.head_dim))  # noqa: E731
-        iq, ik, iv = split(self.to_q(img)), split(self.to_k(img)), split(self.to_v(img))
-        tq, tk, tv = split(self.add_q_proj(txt)), split(self.add_k_proj(txt)), split(self.add_v_proj(txt))
-        iq, ik = apply_rope(self.norm_q(iq), img_cos, img_sin), apply_rope(self.norm_k(ik), img_cos, img_sin)
-        tq, tk = apply_rope(self.norm_added_q(tq), txt_cos, txt_sin), apply_rope(self.norm_added_k(tk), txt_cos, txt_sin)
-        q = torch.cat([tq, iq], dim=1).transpose(1, 2)  # (B, H, T, d)
-        k = torch.cat([tk, ik], dim=1).transpose(1, 2)
-        v = torch.cat([tv, iv], dim=1).transpose(1, 2)
-        mask = None
-        if txt_mask is not None:
-            full = torch.cat([txt_mask, txt_mask.new_ones(img.shape[0], img.shape[1])], dim=1)
-            mask = full[:, None, None, :]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).flatten(2).to(q.dtype)
-        tt = txt.shape[1]
-        return self.to_out[0](out[:, tt:].contiguous()), self.to_add_out(out[:, :tt].contiguous())
+        wi, wt = f"{where}.img", f"{where}.txt"
+        qi = self._qkv(wi + ".q", img, self.to_q, self.norm_q, img_cos, img_sin)
+        ki = self._qkv(wi + ".k", img, self.to_k, self.norm_k, img_cos, img_sin)
+        vi = self._qkv(wi + ".v", img, self.to_v, None, img_cos, img_sin)
+        qt = self._qkv(wt + ".q", txt, self.add_q_proj, self.norm_added_q, txt_cos, txt_sin)
+        kt = self._qkv(wt + ".k", txt, self.add_k_proj, self.norm_added_k, txt_cos, txt_sin)
+        vt = self._qkv(wt + ".v", txt, self.add_v_proj, None, txt_cos, txt_sin)
+        ot, oi = production_op("joint_attention_fused", f"{where}.joint", qi, qt, kt, vt, qi, ki, vi,
+                               txt_seqlens=txt_lens, img_seqlens=None)
+        return oi, ot
+
+    def forward(
+        self, img: torch.Tensor, txt: torch.Tensor, txt_lens: list[int] | None, rope: Rope, where: str = "block0",
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`attend` followed by both output projections → ``(img, txt)``."""
+        oi, ot = self.attend(img, txt, txt_lens, rope, where)
+        return (linear_op("attn_out_bias_gemm", f"{where}.img", self.to_out[0], oi),
+                linear_op("attn_out_bias_gemm", f"{where}.txt", self.to_add_out, ot))
 
 
 class DoubleStreamBlock(nn.Module):
     """One MMDiT block: per-stream AdaLN modulation, joint attention, gated residuals, per-stream MLP."""
 
-    def __init__(self, cfg: ArchConfig) -> None:
+    def __init__(self, cfg: ArchConfig, index: int = 0) -> None:
         super().__init__()
         d = cfg.hidden_size
         self.eps = cfg.eps
+        self.where = f"block{index}"  # operator keys for the trace, capture and fault injection
         self.img_mod = nn.Sequential(nn.SiLU(), nn.Linear(d, 6 * d))
         self.txt_mod = nn.Sequential(nn.SiLU(), nn.Linear(d, 6 * d))
         self.attn = JointAttention(cfg)
         self.img_mlp = FeedForward(d, cfg.mlp_hidden)
         self.txt_mlp = FeedForward(d, cfg.mlp_hidden)
 
-    def _ln(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, (x.shape[-1],), eps=self.eps)
-
     def forward(
         self,
-        img: torch.Tensor,
-        txt: torch.Tensor,
-        txt_mask: torch.Tensor | None,
-        temb: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        img: torch.Tensor,  # (B, Ti, D)
+        txt: torch.Tensor,  # (B, Tt, D)
+        txt_lens: list[int] | None,  # valid text tokens per sample, None when no text is padding
+        temb: torch.Tensor,  # (B, D)
+        rope: Rope,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # (shift, scale, gate) × (attention, MLP), each (B, 1, D)
-        i_sh1, i_sc1, i_g1, i_sh2, i_sc2, i_g2 = self.img_mod(temb)[:, None, :].chunk(6, dim=-1)
-        t_sh1, t_sc1, t_g1, t_sh2, t_sc2, t_g2 = self.txt_mod(temb)[:, None, :].chunk(6, dim=-1)
-        img_attn, txt_attn = self.attn(
-            self._ln(img) * (1 + i_sc1) + i_sh1, self._ln(txt) * (1 + t_sc1) + t_sh1, txt_mask, rope
-        )
-        img = img + i_g1 * img_attn
-        txt = txt + t_g1 * txt_attn
-        img = img + i_g2 * self.img_mlp(self._ln(img) * (1 + i_sc2) + i_sh2)
-        txt = txt + t_g2 * self.txt_mlp(self._ln(txt) * (1 + t_sc2) + t_sh2)
-        return img, txt
+        wi, wt = f"{self.where}.img", f"{self.where}.txt"
+        # (shift, scale, gate) × (attention, MLP), each (B, D)
+        imod = linear_op("adaln_mod_projection", wi, self.img_mod[1], temb, prologue="silu").chunk(6, dim=-1)
+        tmod = linear_op("adaln_mod_projection", wt, self.txt_mod[1], temb, prologue="silu").chunk(6, dim=-1)
+        hi = production_op("adaln_modulation", wi, img, img, imod[0], imod[1], seqlens=None, eps=self.eps)
+        ht = production_op("adaln_modulation", wt, txt, txt, tmod[0], tmod[1], seqlens=None, eps=self.eps)
+        a = self.attn
+        oi, ot = a.attend(hi, ht, txt_lens, rope, self.where)
+        img = production_op("adaln_gate_residual", wi + ".attn", img, img,
+                            linear_op("attn_out_bias_gemm", wi, a.to_out[0], oi), imod[2], seqlens=None)
+        txt = production_op("adaln_gate_residual", wt + ".attn", txt, txt,
+                            linear_op("attn_out_bias_gemm", wt, a.to_add_out, ot), tmod[2], seqlens=None)
+
+        def mlp(where: str, x: torch.Tensor, mods: tuple[torch.Tensor, ...], ff: FeedForward) -> torch.Tensor:
+            h = production_op("adaln_modulation", where + ".mlp", x, x, mods[3], mods[4], seqlens=None, eps=self.eps)
+            return production_op("adaln_gate_residual", where + ".mlp", x, x, ff(h, where), mods[5], seqlens=None)
+
+        return mlp(wi, img, imod, self.img_mlp), mlp(wt, txt, tmod, self.txt_mlp)
 
 
 class AdaNormOut(nn.Module):
@@ -184,5 +243,13 @@ class AdaNormOut(nn.Module):
         self.linear = nn.Linear(cfg.hidden_size, 2 * cfg.hidden_size)
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
-        scale, shift = self.linear(F.silu(temb)).chunk(2, dim=-1)
-        return F.layer_norm(x, (x.shape[-1],), eps=self.eps) * (1 + scale)[:, None, :] + shift[:, None, :]
+        """``x (B, Ti, D)``, ``temb (B, D)`` → ``(B, Ti, D)`` (operator ``final_adaln_out``)."""
+        if is_plain_linear(self.linear):
+            return production_op("final_adaln_out", "norm_out", x, x, temb, self.linear.weight, self.linear.bias,
+                                 seqlens=None, eps=self.eps)
+
+        def run() -> torch.Tensor:
+            scale, shift = self.linear(F.silu(temb)).chunk(2, dim=-1)
+            return P.adaln_modulation(x, shift, scale, seqlens=None, eps=self.eps)
+
+        return module_op("final_adaln_out", "norm_out", x, (self.linear,), run)

@@ -1,7 +1,8 @@
 """The Qwen-Image MMDiT: one parameter tree, two forwards (production and strict).
 
 ``MMDiT.forward`` takes the same arguments as diffusers' ``QwenImageTransformer2DModel.forward``.
-With ``runtime="off"`` it runs plain PyTorch (cuBLAS / MKL GEMMs, SDPA); with ``strict`` / ``auto`` /
+With ``runtime="off"`` it runs the production operators (``kernels/production.py``: cuBLAS / MKL GEMMs,
+SDPA) on padded tensors (``layers.py``); with ``strict`` / ``auto`` /
 ``audit`` it runs the strict graph of registry operators on packed rows (``strict.py``).
 """
 
@@ -19,7 +20,7 @@ from torch import nn
 from ..config.arch import ArchConfig
 from ..kernels.runtime import Runtime, runtime_mode
 from .diffusers_compat import DiffusersCompatMixin, check_attention_kwargs
-from .layers import AdaNormOut, DoubleStreamBlock, RMSNorm, TimeTextEmbed
+from .layers import AdaNormOut, DoubleStreamBlock, RMSNorm, TimeTextEmbed, is_plain_linear, linear_op, module_op, production_op
 from .rope import normalize_img_shapes, rope_tables
 
 logger = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ class MMDiT(DiffusersCompatMixin, nn.Module):
         self.txt_norm = RMSNorm(config.joint_attention_dim, config.eps)
         self.txt_in = nn.Linear(config.joint_attention_dim, d)
         self.time_text_embed = TimeTextEmbed(config)
-        self.transformer_blocks = nn.ModuleList([DoubleStreamBlock(config) for _ in range(config.num_layers)])
+        self.transformer_blocks = nn.ModuleList([DoubleStreamBlock(config, i) for i in range(config.num_layers)])
         self.norm_out = AdaNormOut(config)
         self.proj_out = nn.Linear(d, config.patch_size**2 * config.out_channels)
         self.gradient_checkpointing = False
@@ -296,8 +297,7 @@ class MMDiT(DiffusersCompatMixin, nn.Module):
             raise ValueError("encoder_hidden_states and timestep are required")
         inputs = self.validate_inputs(hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_shapes)
         if self.runtime is Runtime.OFF:
-            out = self.production_forward(inputs)
-            _trace_production(self, out)
+            out = self.production_forward(inputs)  # its operator calls record themselves in the trace
         else:
             from .strict import strict_forward
 
@@ -323,10 +323,15 @@ class MMDiT(DiffusersCompatMixin, nn.Module):
     def _audit(self, inputs: ModelInputs, out: torch.Tensor, blocks: dict[str, torch.Tensor] | None) -> dict[str, Any]:
         """Run the production path beside the strict one and record how far it drifts, per block too.
 
-        Never changes the returned (strict) result.
+        Never changes the returned (strict) result. The side run is kept out of the operator trace (which
+        describes the forward whose result was returned), out of operator capture and fault injection.
         """
+        from ..kernels.trace import capture_trace
+        from .strict import uninstrumented
+
         prod_blocks: dict[str, torch.Tensor] = {}
-        prod = self.production_forward(inputs, capture=prod_blocks)
+        with capture_trace(), uninstrumented():
+            prod = self.production_forward(inputs, capture=prod_blocks)
         rec: dict[str, Any] = {
             "max_abs_drift": float((prod.float() - out.detach().float()).abs().max()),
             "byte_equal": torch.equal(prod, out.detach()),
@@ -341,45 +346,36 @@ class MMDiT(DiffusersCompatMixin, nn.Module):
         return rec
 
     def production_forward(self, inputs: ModelInputs, capture: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        """Plain PyTorch forward on padded ``(B, T, D)`` tensors (runtime ``off``)."""
+        """Production forward (runtime ``off``) on padded ``(B, T, D)`` tensors, as diffusers runs it.
+
+        Every operator is the production implementation (``kernels/production.py``) dispatched through the
+        registry: recorded in the active trace as it runs, captured by ``capture_operators`` (padded
+        tensors, under the strict graph's keys) and open to ``inject_fault``. ``capture`` (audit) receives
+        each block's outputs as packed valid rows.
+        """
         cfg = self.config
         x = inputs.hidden_states
         B, L = inputs.encoder_hidden_states.shape[:2]
-        img = self.img_in(x)  # (B, Ti, D)
-        txt = self.txt_in(self.txt_norm(inputs.encoder_hidden_states))  # (B, L, D)
-        temb = self.time_text_embed(inputs.sigma, img.dtype)  # (B, D)
+        ehs = inputs.encoder_hidden_states
+        txt_lens = None if inputs.txt_mask is None else inputs.txt_lens
+        temb = self.time_text_embed(inputs.sigma, x.dtype)  # (B, D)
+        img = linear_op("latent_proj_gemm", "img_in", self.img_in, x)  # (B, Ti, D)
+        if is_plain_linear(self.txt_in):
+            txt = production_op("txt_in_rmsnorm_linear", "txt_in", ehs, ehs, self.txt_norm.weight, self.txt_in.weight,
+                                self.txt_in.bias, seqlens=None, eps=self.txt_norm.eps)  # (B, L, D)
+        else:
+            txt = module_op("txt_in_rmsnorm_linear", "txt_in", ehs, (self.txt_in,), lambda: self.txt_in(self.txt_norm(ehs)))
         tables = [rope_tables(s, L, cfg.axes_dims_rope, cfg.rope_theta, x.device) for s in inputs.img_shapes]
         rope = tuple(torch.stack([t[i] for t in tables]) for i in range(4))
         for i, block in enumerate(self.transformer_blocks):
             if self.gradient_checkpointing and torch.is_grad_enabled():
-                img, txt = torch.utils.checkpoint.checkpoint(block, img, txt, inputs.txt_mask, temb, rope, use_reentrant=False)
+                img, txt = torch.utils.checkpoint.checkpoint(block, img, txt, txt_lens, temb, rope, use_reentrant=False)
             else:
-                img, txt = block(img, txt, inputs.txt_mask, temb, rope)
+                img, txt = block(img, txt, txt_lens, temb, rope)
             if capture is not None:
                 capture[f"block{i}.img"] = img.detach().reshape(-1, img.shape[-1])
                 capture[f"block{i}.txt"] = torch.cat([txt[b, : inputs.txt_lens[b]] for b in range(B)]).detach()
-        return self.proj_out(self.norm_out(img, temb))
-
-
-# Operator calls one production forward makes (per block and outside the blocks), for the trace.
-_PRODUCTION_CALLS_PER_BLOCK = {
-    "adaln_mod_projection": 2, "adaln_modulation": 4, "qkv_bias_gemm": 6, "qk_rmsnorm": 4, "multi_axis_rope": 4,
-    "joint_attention_fused": 1, "attn_out_bias_gemm": 2, "adaln_gate_residual": 4, "mlp_up_gemm_gelu": 2, "mlp_down_gemm": 2,
-}
-_PRODUCTION_CALLS_OUTSIDE = {"timestep_embed_mlp": 1, "latent_proj_gemm": 2, "txt_in_rmsnorm_linear": 1, "final_adaln_out": 1}
-
-
-def _trace_production(model: MMDiT, out: torch.Tensor) -> None:
-    """Record the production path's operators (plain PyTorch modules) in the active trace."""
-    from ..kernels.registry import resolve
-    from ..kernels.trace import record
-
-    n = model.config.num_layers
-    calls = {**{k: v * n for k, v in _PRODUCTION_CALLS_PER_BLOCK.items()}, **_PRODUCTION_CALLS_OUTSIDE}
-    for op, count in calls.items():
-        impl, _ = resolve(op, out.device, out.dtype, Runtime.OFF)
-        for _ in range(count):
-            record(op, impl, Runtime.OFF, out.device.type, out.dtype, False)
+        return linear_op("latent_proj_gemm", "proj_out", self.proj_out, self.norm_out(img, temb))
 
 
 def _desc(t: Any) -> str:

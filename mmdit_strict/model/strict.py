@@ -53,7 +53,10 @@ def _bump(out: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def capture_operators() -> Iterator[dict[str, torch.Tensor]]:
-    """Record every operator output of strict forwards in the block: ``{"block3.img.mlp_up_gemm_gelu": (M, N)}``."""
+    """Record every operator output of forwards in the block: ``{"block3.img.mlp_up_gemm_gelu": (M, N)}``.
+
+    Strict forwards record packed rows; the production forward (runtime ``off``) records its padded
+    ``(B, T, ...)`` tensors (per-sample vectors ``(B, ...)`` in both), under the same keys."""
     store: dict[str, torch.Tensor] = {}
     token = _CAPTURE.set(store)
     try:
@@ -62,8 +65,24 @@ def capture_operators() -> Iterator[dict[str, torch.Tensor]]:
         _CAPTURE.reset(token)
 
 
+@contextlib.contextmanager
+def uninstrumented() -> Iterator[None]:
+    """Neither capture nor fault injection inside the block (audit's side run of the production forward)."""
+    capture, fault = _CAPTURE.set(None), _FAULT.set(None)
+    try:
+        yield
+    finally:
+        _FAULT.reset(fault)
+        _CAPTURE.reset(capture)
+
+
 def _op(name: str, where: str, ref: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-    out = dispatch(name, ref.device, ref.dtype, *args, **kwargs)
+    return observe_operator(name, where, dispatch(name, ref.device, ref.dtype, *args, **kwargs))
+
+
+def observe_operator(name: str, where: str, out: Any) -> Any:
+    """The capture / fault hook every operator call of a forward passes its output through (strict and
+    production alike): plants the fault named ``{where}.{name}`` and records the output under that key."""
     fault = _FAULT.get()
     if fault is not None and fault == f"{where}.{name}":
         out = tuple(_bump(o) for o in out) if isinstance(out, tuple) else _bump(out)
