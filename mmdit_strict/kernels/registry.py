@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from .runtime import Runtime, current_runtime
+from .trace import record
 
 # docs/design.md §5: the operator inventory. Every registered op must be one of these.
 OPERATORS: tuple[str, ...] = (
@@ -67,6 +68,11 @@ class KernelImpl:
         config: static launch configuration (tile sizes, warps); never depends on batch or tokens.
         reduction_order: the documented reduction tree, one line.
         accumulator: accumulator dtype.
+        split_k: whether a reduction of this implementation may be split into partial sums that are
+            combined in an order set at run time (split-K / split-KV, atomics). ``False``: declared
+            unsplit — every output element is reduced by one chain in a fixed order. ``None``: not
+            declared (a library kernel chooses, e.g. cuBLAS may split K). Strict implementations must
+            declare ``False``; :func:`register` refuses anything else.
     """
 
     op: str
@@ -83,6 +89,7 @@ class KernelImpl:
     # fused kernels this implementation offers with the *next* operator of the graph: {next op: fn(...)}.
     # Each must give the bytes of the unfused pair; the model uses it when both ops resolve to this backend.
     fusions: dict = field(default_factory=dict)
+    split_k: bool | None = None
 
     @property
     def source_hash(self) -> str:
@@ -98,7 +105,7 @@ class KernelImpl:
             "config": dict(self.config),
             "reduction_order": self.reduction_order,
             "accumulator": self.accumulator,
-            "split_k": False if self.strict else None,
+            "split_k": self.split_k,
             "strict": self.strict,
         }
 
@@ -120,6 +127,8 @@ def _source_hash(obj: Any) -> str:
 _REGISTRY: dict[tuple[str, str, str], list[KernelImpl]] = {}
 # resolve() results per (op, device type, dtype name, runtime); cleared whenever an implementation registers
 _RESOLVED: dict[tuple[str, str, str, "Runtime"], tuple[KernelImpl, bool]] = {}
+# dispatch_in()'s per-call lookup keyed on its raw (op, device, dtype, runtime) arguments; cleared with _RESOLVED
+_DISPATCH: dict[tuple, tuple[KernelImpl, bool, str]] = {}
 _LOADED = False
 
 
@@ -127,11 +136,16 @@ def register(impl: KernelImpl) -> KernelImpl:
     """Add an implementation; registering the same (op, backend, device) twice replaces it."""
     if impl.op not in OPERATORS:
         raise ValueError(f"unknown operator {impl.op!r}; the inventory is {OPERATORS}")
+    if impl.strict and impl.split_k is not False:
+        # fail closed: a strict implementation states that no reduction is split (split_k=False)
+        raise ValueError(f"strict implementation {impl.op}/{impl.backend}/{impl.device} must declare split_k=False, "
+                         f"got split_k={impl.split_k!r}")
     for dt in impl.dtypes:
         slot = _REGISTRY.setdefault((impl.op, impl.device, DTYPE_NAMES.get(dt, str(dt))), [])
         slot[:] = [i for i in slot if i.backend != impl.backend]
         slot.append(impl)
     _RESOLVED.clear()
+    _DISPATCH.clear()
     return impl
 
 
@@ -203,8 +217,12 @@ def dispatch(op: str, device: torch.device | str, dtype: torch.dtype, *args: Any
 
 def dispatch_in(runtime: Runtime, op: str, device: torch.device | str, dtype: torch.dtype, *args: Any, **kwargs: Any) -> Any:
     """:func:`dispatch` under ``runtime`` whatever mode is active (the production forward passes ``Runtime.OFF``)."""
-    from .trace import record
-
-    impl, fell_back = resolve(op, device, dtype, runtime)
-    record(op, impl, runtime, device.type if isinstance(device, torch.device) else torch.device(device).type, dtype, fell_back)
+    key = (op, device, dtype, runtime)
+    hit = _DISPATCH.get(key)
+    if hit is None:
+        impl, fell_back = resolve(op, device, dtype, runtime)
+        hit = (impl, fell_back, device.type if isinstance(device, torch.device) else torch.device(device).type)
+        _DISPATCH[key] = hit
+    impl, fell_back, dev = hit
+    record(op, impl, runtime, dev, dtype, fell_back)
     return impl.fn(*args, **kwargs)

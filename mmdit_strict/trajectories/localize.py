@@ -4,8 +4,10 @@ Each side's forward for the drifting sample is replayed with that side's runtime
 composition (rollout batch or recompute micro-batch), CFG layout and padding, through the
 operator graph with every operator output captured. Walking the operators in execution order,
 the first whose rows for the drifting sample differ in bytes is the first drift: operator, block,
-stream, logical row (token within the sample), element, max-abs and ULP distance. A side that ran
-``runtime=off`` is replayed through the same operator graph with the production kernels.
+stream, logical row (token within the sample), element, max-abs and ULP distance. Each side is
+replayed with the forward it ran: a strict / auto side through the strict graph on packed rows, a
+``runtime=off`` side through the production forward on padded tensors (the same operator keys; its
+captures are unpadded to the sample's valid rows before comparing).
 
 Each side is rebuilt from the configuration stored in its own manifest (never from a config file a
 later run may have rewritten), and its weight and LoRA hashes must equal the manifest's: a replay
@@ -108,19 +110,23 @@ def _replay(traj: Trajectory, ref: Trajectory, step: int, position: int) -> dict
         t = torch.full((xs.shape[0],), sigma, dtype=torch.float32, device=xs.device)
         inputs = model.validate_inputs(xs, ehs, mask, t, [[(1, grid[0], grid[1])]] * xs.shape[0])
         with runtime_mode(runtime), capture_operators() as cap, inject_fault(fault), torch.no_grad():
-            strict_forward(model, inputs)
+            if padded:
+                model.production_forward(inputs)  # what model(...) runs under runtime=off
+            else:
+                strict_forward(model, inputs)
         return cap, [r.shape[0] for r in rows]
 
+    padded = runtime is Runtime.OFF
     out: dict[str, dict[str, torch.Tensor]] = {}
     if side["cfg_layout"] == "batched":
         cap, lens = run(torch.cat([x, x]), cond + negs)
-        out["cond"] = _sample_rows(cap, j, T, lens)
-        out["neg"] = _sample_rows(cap, len(batch) + j, T, lens)
+        out["cond"] = _sample_rows(cap, j, T, lens, padded)
+        out["neg"] = _sample_rows(cap, len(batch) + j, T, lens, padded)
     else:
         cap, lens = run(x, cond)
-        out["cond"] = _sample_rows(cap, j, T, lens)
+        out["cond"] = _sample_rows(cap, j, T, lens, padded)
         cap, lens = run(x, negs)
-        out["neg"] = _sample_rows(cap, j, T, lens)
+        out["neg"] = _sample_rows(cap, j, T, lens, padded)
     return out
 
 
@@ -133,16 +139,25 @@ def _stream(key: str) -> str:
     return m.group("stream") if m else "?"
 
 
-def _sample_rows(cap: dict[str, torch.Tensor], pos: int, T: int, txt_lens: list[int]) -> dict[str, torch.Tensor]:
+def _sample_rows(cap: dict[str, torch.Tensor], pos: int, T: int, txt_lens: list[int], padded: bool = False) -> dict[str, torch.Tensor]:
+    """Sample ``pos``'s rows of every captured operator output, one row per token (heads flattened).
+
+    Packed captures (strict graph) hold the samples' rows back to back; padded captures (production
+    forward, ``(B, T, ...)``) hold sample ``pos`` at index ``pos`` with its text padding after
+    ``txt_lens[pos]``, dropped here. Per-sample vectors are one row either way.
+    """
     rows = {}
     for key, t in cap.items():
         if "adaln_mod_projection" in key or "timestep_embed_mlp" in key:
-            rows[key] = t[pos:pos + 1]
+            r = t[pos:pos + 1]
+        elif padded:
+            r = t[pos, :txt_lens[pos]] if _stream(key) in ("txt", "txt_in") else t[pos]
         elif _stream(key) in ("txt", "txt_in"):
             start = sum(txt_lens[:pos])
-            rows[key] = t[start:start + txt_lens[pos]]
+            r = t[start:start + txt_lens[pos]]
         else:
-            rows[key] = t[pos * T:(pos + 1) * T]
+            r = t[pos * T:(pos + 1) * T]
+        rows[key] = r.reshape(r.shape[0], -1)
     return rows
 
 
@@ -199,5 +214,6 @@ def localize(rollout: Trajectory, recompute: Trajectory, first: FirstDrift) -> L
         )
     for name, t in (("rollout", rollout), ("recompute", recompute)):
         if t.manifest["runtime"] == "off":
-            loc.notes.append(f"the {name} side ran runtime=off; it was replayed through the operator graph with production kernels")
+            loc.notes.append(f"the {name} side ran runtime=off; it was replayed with the production forward it ran "
+                             "(padded tensors, production operators), its captures unpadded to the sample's rows")
     return loc

@@ -57,6 +57,21 @@ def test_injected_fault_is_localized(tmp_path: Path) -> None:
     assert result.comparison.curves["v_max_abs"][0] == 0.0
 
 
+@pytest.mark.slow
+def test_fault_on_the_off_path_is_localized_by_replaying_the_production_forward(tmp_path: Path) -> None:
+    """Both sides off with the same batch layout: byte-identical except a planted fault, which the localizer
+    finds by replaying each side's production forward (padded captures, unpadded per sample)."""
+    same_layout = ["runtime=off", "rollout.batch_size=3", "recompute.micro_batch=3", "recompute.shuffle=false",
+                   "recompute.cfg_layout=batched"]
+    result = _run(tmp_path / "off_fault", *same_layout, "recompute.inject_fault=block1.txt.k.qk_rmsnorm@1")
+    first = result.comparison.first
+    assert first is not None and first.step == 1, "steps before the fault stay byte-identical on the off path"
+    o = result.localization.first
+    assert (o.operator, o.block, o.stream, o.branch, o.logical_row, o.element) == ("qk_rmsnorm", 1, "txt", "cond", 0, 0)
+    assert o.key == "block1.txt.k.qk_rmsnorm" and o.rows_differing == 1
+    assert any("replayed with the production forward it ran" in n for n in result.localization.notes)
+
+
 def test_resume_reuses_verified_stages(tmp_path: Path) -> None:
     out = tmp_path / "resume"
     _run(out)
