@@ -309,17 +309,25 @@ def check_repeat_determinism(fn: Callable[[], Output], repeats: int = 3, *, what
 # ------------------------------------------------------------------------------------------- gradients
 
 
+class MissingGradientError(AssertionError):
+    """An input the caller asked a gradient for received none (autograd never reached it)."""
+
+
 def run_with_grads(
     fn: Callable[..., Output],
     inputs: Sequence[Any],
     grad_out: Output,
     wrt: Sequence[int] | None = None,
+    *,
+    allow_missing: bool = False,
     **kwargs: Any,
 ) -> tuple[Output, tuple[torch.Tensor | None, ...]]:
     """Run ``fn(*inputs, **kwargs)`` with fresh leaves for the inputs in ``wrt`` and backpropagate ``grad_out``.
 
     ``wrt`` defaults to every floating tensor input. Returns ``(outputs (detached), grads)`` with one
-    grad entry per input (None for inputs outside ``wrt``).
+    grad entry per input (None for inputs outside ``wrt``). An input in ``wrt`` that receives no
+    gradient raises :class:`MissingGradientError` — a dropped gradient is never read as zeros; with
+    ``allow_missing`` its entry is None instead, for a caller that compares it explicitly.
     """
     idx = _grad_indices(inputs, wrt)
     leaves = [
@@ -339,9 +347,9 @@ def run_with_grads(
         grads = tuple(None for _ in wrt_leaves)
     it = iter(grads)
     full = tuple((next(it) if i in idx else None) for i in range(len(inputs)))
-    full = tuple(
-        (torch.zeros_like(inputs[i]) if (i in idx and g is None) else g) for i, g in enumerate(full)
-    )
+    missing = [i for i in idx if full[i] is None]
+    if missing and not allow_missing:
+        raise MissingGradientError(f"inputs {missing} received no gradient (asked for {idx})")
     detached = tuple(o.detach() if o is not None else None for o in outs)
     return (detached[0] if isinstance(out, torch.Tensor) else detached), full
 
@@ -396,13 +404,14 @@ def check_grad_accuracy(
         gen = generator(seed)
         grad_out = tuple(randn(*o.shape, gen=gen, target=target) for o in _flatten(probe))
         grad_out = grad_out[0] if isinstance(probe, torch.Tensor) else grad_out
-    out, grads = run_with_grads(fn, dev_inputs, grad_out, idx, **kwargs)
+    out, grads = run_with_grads(fn, dev_inputs, grad_out, idx, allow_missing=True, **kwargs)
     ref_inputs = [t.detach().to("cpu", torch.float64) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in dev_inputs]
     ref_gout = tuple(g.detach().to("cpu", torch.float64) for g in _flatten(grad_out))
-    ref_out, ref_grads = run_with_grads(ref_fn, ref_inputs, ref_gout if len(ref_gout) > 1 else ref_gout[0], idx, **kwargs)
+    ref_out, ref_grads = run_with_grads(ref_fn, ref_inputs, ref_gout if len(ref_gout) > 1 else ref_gout[0], idx,
+                                        allow_missing=True, **kwargs)
     peer_out = peer_grads = None
     if peer_fn is not None:
-        peer_out, peer_grads = run_with_grads(peer_fn, dev_inputs, grad_out, idx, **kwargs)
+        peer_out, peer_grads = run_with_grads(peer_fn, dev_inputs, grad_out, idx, allow_missing=True, **kwargs)
     report: dict[str, str] = {}
     failures = []
     for k, (a, e) in enumerate(zip(_flatten(out), _flatten(ref_out))):
@@ -412,6 +421,13 @@ def check_grad_accuracy(
         if not ok:
             failures.append(f"forward output {k}: {msg}")
     for i in idx:
+        if grads[i] is None or ref_grads[i] is None:
+            # explicit: a gradient one side produces and the other drops is a failure, never zeros
+            if grads[i] is not None or ref_grads[i] is not None:
+                side = "the implementation" if grads[i] is None else "the reference"
+                failures.append(f"grad of input {i}: {side} produced no gradient, the other side did")
+            report[f"grad{i}"] = "no gradient on either side"
+            continue
         p = peer_grads[i] if peer_grads is not None else None
         ok, msg = _compare(grads[i], ref_grads[i], tol_grad, p)
         report[f"grad{i}"] = msg
@@ -454,7 +470,10 @@ def check_param_grad_fold(
             outs = fn(batch, leaves)
         pairs = [(o, g) for out, gout in zip(outs, gouts) for o, g in zip(_flatten(out), _flatten(gout))]
         grads = torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True)
-        return tuple(torch.zeros_like(p) if g is None else g for p, g in zip(params, grads))
+        missing = [k for k, g in enumerate(grads) if g is None]
+        if missing:
+            raise MissingGradientError(f"{what}: params {missing} received no gradient from a batch of {len(batch)}")
+        return tuple(grads)
 
     batched = grads_of(items, grad_outs)
     alone = [grads_of([it], [g]) for it, g in zip(items, grad_outs)]

@@ -20,6 +20,6 @@ def register_sampling_op(op: str, fn: Callable[..., Any], kernel_name: str, redu
         return
     for dev in ("cpu", "cuda"):
         register(KernelImpl(
-            op=op, backend="torch_fixed", device=dev, dtypes=frozenset({torch.float32}), fn=fn, strict=True,
+            op=op, backend="torch_fixed", device=dev, dtypes=frozenset({torch.float32}), fn=fn, strict=True, split_k=False,
             kernel_name=kernel_name, source=fn, config=dict(config or {}), reduction_order=reduction_order,
         ))

@@ -458,22 +458,48 @@ def test_joint_attention_parts_accuracy():
                         tol("joint_attention"), target=T, what="joint_attn_av_gemm")
 
 
-def test_joint_attention_fused_equals_unfused_bytes():
-    tseq, iseq = (5, 12), (16, 33)
-    gen = generator(2)
-    qt, kt, vt = (randn(sum(tseq), H, HD, gen=gen) for _ in range(3))
-    qi, ki, vi = (randn(sum(iseq), H, HD, gen=gen) for _ in range(3))
-    ot, oi = cpu_attn.joint_attention_fused(qt, kt, vt, qi, ki, vi, txt_seqlens=tseq, img_seqlens=iseq)
+def _ref_attention_from_parts(q_txt, k_txt, v_txt, q_img, k_img, v_img, *, txt_seqlens, img_seqlens):
+    """FP64 joint attention composed from the reference's parts, sample by sample and head by head:
+    ``ref.linear(q, k) / √d`` → FP64 softmax → ``ref.linear(p, vᵀ)`` (no code shared with the CPU strict op)."""
+    outs_t, outs_i = [], []
     ts = is_ = 0
-    for b, (nt, ni) in enumerate(zip(tseq, iseq)):
-        def own(a, c):
-            return torch.cat([a[ts:ts + nt], c[is_:is_ + ni]]).transpose(0, 1)  # (H, L, d)
-
-        o = cpu_attn.joint_attn_av_gemm(cpu_attn.joint_attn_softmax(cpu_attn.joint_attn_qk_gemm(own(qt, qi), own(kt, ki))), own(vt, vi))
-        o = o.transpose(0, 1).reshape(nt + ni, H * HD)
-        assert_bytes_equal(ot[ts:ts + nt], o[:nt], f"sample {b} text rows: fused vs unfused")
-        assert_bytes_equal(oi[is_:is_ + ni], o[nt:], f"sample {b} image rows: fused vs unfused")
+    for nt, ni in zip(txt_seqlens, img_seqlens):
+        rows = [torch.cat([a[ts:ts + nt], b[is_:is_ + ni]]) for a, b in ((q_txt, q_img), (k_txt, k_img), (v_txt, v_img))]
+        q, k, v = rows
+        o = torch.cat([ref.linear(torch.softmax(ref.linear(q[:, h], k[:, h]) / math.sqrt(q.shape[-1]), dim=-1), v[:, h].T)
+                       for h in range(q.shape[1])], dim=-1)
+        outs_t.append(o[:nt])
+        outs_i.append(o[nt:])
         ts, is_ = ts + nt, is_ + ni
+    return torch.cat(outs_t), torch.cat(outs_i)
+
+
+def test_joint_attention_fused_vs_independent_paths():
+    """The fused CPU strict op against two paths that share none of its code, forward and every input
+    gradient: the FP64 composition of the reference's unfused parts (within ``ops.joint_attention``), and
+    the production path — padded rows, a key mask and PyTorch's SDPA, resolved through the registry for
+    ``runtime=off`` — in FP32 (within ``ops.joint_attention_vs_production``). Lengths include an empty
+    text segment and non-multiples of every tile."""
+    from mmdit_strict.kernels.registry import resolve
+    from mmdit_strict.kernels.runtime import Runtime
+
+    tseq, iseq = (5, 12, 0), (16, 33, 9)
+    gen = generator(2)
+    qkv = [randn(sum(tseq), H, HD, gen=gen, scale=1.5) for _ in range(3)] + [randn(sum(iseq), H, HD, gen=gen, scale=1.5) for _ in range(3)]
+    seq = dict(txt_seqlens=tseq, img_seqlens=iseq)
+    check_grad_accuracy(cpu_attn.joint_attention_fused, _ref_attention_from_parts, qkv, tol("joint_attention"),
+                        target=T, what="joint_attention_fused vs FP64 parts", kwargs=seq)
+    prod, fell_back = resolve("joint_attention_fused", "cpu", torch.float32, Runtime.OFF)
+    assert prod.backend == "torch" and not prod.strict and not fell_back
+    gout = (randn(sum(tseq), H * HD, gen=gen), randn(sum(iseq), H * HD, gen=gen))
+    strict_out, strict_grads = run_with_grads(cpu_attn.joint_attention_fused, qkv, gout, **seq)
+    prod_out, prod_grads = run_with_grads(prod.fn, qkv, gout, **seq)
+    bounds = tol("joint_attention_vs_production")
+    for name, a, b in [("out_txt", strict_out[0], prod_out[0]), ("out_img", strict_out[1], prod_out[1])] + [
+            (f"grad{i}", g, h) for i, (g, h) in enumerate(zip(strict_grads, prod_grads))]:
+        bound = bounds["grad" if name.startswith("grad") else "fwd"]
+        ok, max_abs, _ = bound.check(a, b)
+        assert ok, f"{name}: CPU strict vs production max abs {max_abs:.3e} (rtol {bound.rtol}, atol {bound.atol})"
 
 
 def test_joint_attention_batch_invariance():

@@ -1,8 +1,7 @@
 """Strict joint attention (Triton): FP32 through the interpreter on the CPU (CI), BF16 and FP32 on CUDA.
 
-Mode: without CUDA this module sets ``TRITON_INTERPRET=1`` before the kernel module is imported and
-reloads it if an earlier import compiled it for a GPU (as tests/kernels/test_triton_gemm.py does); the
-interpreter tests run tiny odd shapes (2 heads × 16, tiles of 16 rows, lengths that divide no tile, empty
+Mode: without CUDA, ``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` for the whole session before any
+kernel module is imported; the interpreter tests run tiny odd shapes (2 heads × 16, tiles of 16 rows, lengths that divide no tile, empty
 text segments). With CUDA the ``@pytest.mark.gpu`` tests run 24 heads × 128 in bf16 and fp32 at
 77 + 6889 tokens through ``mmdit_strict.bench.attention`` (``python -m pytest -m gpu
 tests/kernels/test_triton_attention.py``). Tolerances: ``tolerances.yaml`` ``attention.<check>.<dtype>``
@@ -11,16 +10,8 @@ tests/kernels/test_triton_attention.py``). Tolerances: ``tolerances.yaml`` ``att
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import importlib  # noqa: E402
-
-import pytest  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
@@ -28,15 +19,6 @@ from mmdit_strict.kernels.triton import attention as A  # noqa: E402
 from mmdit_strict.kernels.triton import attention_unfused as U  # noqa: E402
 
 INTERPRET = A._interpreting()
-try:  # an earlier import may have compiled the kernels for a GPU; rebuild them for the interpreter
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if INTERPRET and not isinstance(A._attn_fwd_kernel, InterpretedFunction):
-        A = importlib.reload(A)
-    if INTERPRET and not isinstance(U._bmm_kernel, InterpretedFunction):
-        U = importlib.reload(U)
-except ImportError:  # pragma: no cover - layout of triton's internals changed
-    pass
 
 from mmdit_strict.bench import attention as bench  # noqa: E402
 from mmdit_strict.reference import ops as ref_ops  # noqa: E402

@@ -1,8 +1,7 @@
 """Strict GEMM engine (Triton): FP32 through the interpreter on the CPU (CI), FP32 and BF16 on CUDA.
 
-Mode: without CUDA this module sets ``TRITON_INTERPRET=1`` before the kernel module is imported
-(Triton reads it when ``@triton.jit`` is applied) and reloads the kernel module if an earlier import
-compiled it for a GPU; the interpreter tests (tiny odd shapes, FP32) run. With CUDA (and
+Mode: without CUDA, ``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` for the whole session before any
+kernel module is imported; the interpreter tests (tiny odd shapes, FP32) run. With CUDA (and
 ``TRITON_INTERPRET`` unset) the kernels compile for the GPU: the interpreter tests skip and the
 ``@pytest.mark.gpu`` tests run the real layer classes in bf16 and fp32 through ``tests/harness.py``
 (``python -m pytest -m gpu tests/kernels/test_triton_gemm.py``). BF16 never runs under the
@@ -15,29 +14,14 @@ BLOCK_K 16; dW tiles 32×16 over 16-row chunks), so partial tiles in every dimen
 
 from __future__ import annotations
 
-import os
-
-import torch  # noqa: E402
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import importlib  # noqa: E402
-
-import pytest  # noqa: E402
+import pytest
+import torch
 
 triton = pytest.importorskip("triton")
 
 from mmdit_strict.kernels.triton import gemm as G  # noqa: E402
 
 INTERPRET = G._interpreting()
-try:  # an earlier import may have compiled the kernels for a GPU; rebuild them for the interpreter
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if INTERPRET and not isinstance(G._gemm_fwd_kernel, InterpretedFunction):
-        G = importlib.reload(G)
-except ImportError:  # pragma: no cover - layout of triton's internals changed
-    pass
 
 ref_ops = pytest.importorskip(
     "mmdit_strict.reference.ops", reason="the FP64 reference (mmdit_strict.reference.ops.linear) is missing"
@@ -256,16 +240,64 @@ def test_registered_for_cuda_strict_fp32_and_bf16():
             impls = [i for i in registry._REGISTRY.get((op, "cuda", dt), []) if i.backend == "triton"]
             assert len(impls) == 1 and impls[0].strict, f"{op}/{dt} has no strict triton entry"
             ident = impls[0].identity()
-            assert ident["split_k"] is False and ident["config"]["keyed_by"] == "(N, K, dtype)"
+            assert impls[0].split_k is False and ident["split_k"] is False
+            assert ident["config"]["keyed_by"] == "(N, K, dtype)"
 
 
-def test_configs_never_take_m():
-    import inspect
+class _LaunchSpy:
+    """Stands in for a ``@triton.jit`` kernel: records each launch's keyword (constexpr and launch-option)
+    arguments, then launches the real kernel."""
 
+    def __init__(self, name: str, kernel, log: list):
+        self.name, self.kernel, self.log = name, kernel, log
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.log.append((self.name, tuple(sorted(kwargs.items()))))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+_M_SETS = [  # (rows to compare, N, K, prologue, epilogue, LoRA): 4224 = a 1024² image's 4096 tokens + 128 text rows
+    pytest.param((1, 37, 257), N, K, "silu", "gelu_tanh", True, id="m1-37-257-silu-gelu-lora"),
+    pytest.param((1, 4224), 24, 16, "none", "gelu_tanh", False, id="m1-4224-gelu", marks=pytest.mark.slow),
+]
+
+
+@interp
+@pytest.mark.parametrize("ms,n,k,prologue,epilogue,lora", _M_SETS)
+def test_launch_configs_do_not_depend_on_m(ms, n, k, prologue, epilogue, lora, monkeypatch):
+    """The configuration a forward + backward actually launches with is the same at every M: the keys
+    ``configs`` is asked for and every constexpr / launch option of every kernel launch (the grid, which
+    must cover M rows, is the only thing allowed to change). A config chosen from M anywhere on the
+    launch path — in ``configs`` or in the launch code — changes a recorded launch."""
     from mmdit_strict.kernels.triton import configs
 
-    for fn in (configs.fwd_config, configs.dw_config):
-        assert list(inspect.signature(fn).parameters) == ["n", "k", "dtype"]
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(n, k, generator=g).requires_grad_(), torch.randn(n, generator=g).requires_grad_()
+    lo = (torch.randn(R, k, generator=g).requires_grad_(), torch.randn(n, R, generator=g).requires_grad_(), 0.5) if lora else None
+    calls: list = []
+    for name in ("fwd_config", "dw_config"):
+        real = getattr(configs, name)
+        monkeypatch.setattr(configs, name, lambda *a, _r=real, _n=name, **k: calls.append((_n, a, tuple(sorted(k.items())))) or _r(*a, **k))
+    launches: list = []
+    for kname in ("_gemm_fwd_kernel", "_gemm_dw_kernel", "_gemm_db_kernel", "_act_fwd_kernel", "_act_bwd_kernel"):
+        monkeypatch.setattr(G, kname, _LaunchSpy(kname, getattr(G, kname), launches))
+    per_m = {}
+    for m in ms:
+        calls.clear()
+        launches.clear()
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).requires_grad_()
+        y = G.gemm(x, w, b, seqlens=(m,), prologue=prologue, epilogue=epilogue, lora=lo)
+        torch.autograd.grad(y, [x, w, b] + ([lo[0], lo[1]] if lora else []), torch.ones_like(y))
+        assert launches and calls, "no kernel launch or config lookup was observed"
+        per_m[m] = (list(calls), list(launches))
+    first = per_m[ms[0]]
+    for m, seen in per_m.items():
+        assert seen[0] == first[0], f"config lookups at M={m} differ from M={ms[0]}: {seen[0]} vs {first[0]}"
+        assert seen[1] == first[1], f"kernel launches at M={m} differ from M={ms[0]}: " + "; ".join(
+            f"{a} vs {c}" for a, c in zip(seen[1], first[1]) if a != c)
 
 
 @interp

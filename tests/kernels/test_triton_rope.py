@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.triton_rows import INTERPRET, R  # noqa: I001  (sets TRITON_INTERPRET first)
+from tests.kernels.triton_rows import INTERPRET, R  # noqa: I001  (interpreter mode: tests/conftest.py)
 
 from mmdit_strict.kernels import production as P  # noqa: E402
 from mmdit_strict.model.rope import rope_tables  # noqa: E402

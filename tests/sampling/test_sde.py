@@ -71,17 +71,45 @@ def test_sde_batch_invariant_bytes(batch):
             assert torch.equal(a, b[i : i + 1]), f"sample {i} differs alone vs batch of {batch}"
 
 
-@pytest.mark.parametrize("step", [0, 5, N_STEPS - 1])
-def test_recompute_path_reproduces_rollout_logp_bytes(step):
-    s, sp = STEPS[step]
-    v, x, noise = _tensors((4, 33, 64), seed=20 + step)
-    rollout = sde_step(v, x, s, sp, noise=noise, sigma_max=SIGMA_MAX)
-    v_train = v.clone().requires_grad_()
-    recompute = sde_step(v_train, x, s, sp, prev_sample=rollout.x_prev, sigma_max=SIGMA_MAX)
-    assert torch.equal(recompute.logp, rollout.logp)
-    assert torch.equal(recompute.mean, rollout.mean)
-    ratio = torch.exp(recompute.logp - rollout.logp)
-    assert torch.equal(ratio, torch.ones_like(ratio))
+def test_recompute_path_reproduces_rollout_logp_bytes():
+    """The logp the training side recomputes equals, byte for byte, the logp the rollout recorded —
+    from two different producers: the rollout steps a whole batch at one sigma (Python floats) through
+    ``trajectories.rollout.step_latents`` with keyed noise; the recompute evaluates shuffled micro-batches
+    of (sample, step) pairs mixing steps, each pair at its own sigma (``(B,)`` tensors, as training's
+    ``evaluate_pairs`` does), from the recorded ``x_t`` and ``x_{t+1}`` in fresh storage — never from the
+    rollout's own tensors or its noise."""
+    from omegaconf import OmegaConf
+
+    from mmdit_strict.trajectories.rollout import step_latents
+
+    cfg = OmegaConf.create({"seed": 7, "sampler": {"sde": True, "eta": 0.7}})
+    B, T, C = 4, 33, 64
+    ids = [3, 0, 11, 5]
+    sigmas = TABLE
+    x = torch.randn(B, T, C, generator=torch.Generator().manual_seed(21))
+    vs, xs, logps = [], [x], []
+    for step in range(N_STEPS):  # rollout: the whole batch per step; v stands in for the model's velocity
+        v = 1.3 * torch.randn(B, T, C, generator=torch.Generator().manual_seed(100 + step))
+        x, logp = step_latents(cfg, v, x, sigmas, step, ids)
+        vs.append(v)
+        xs.append(x)
+        logps.append(logp)
+    record_x = torch.stack(xs).clone()  # (S + 1, B, T, C), what the artifact stores
+    record_v = torch.stack(vs).clone()
+    pairs = [(n, st) for n in range(B) for st in range(N_STEPS)]
+    order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(5)).tolist()
+    for chunk in (order[i:i + 3] for i in range(0, len(order), 3)):
+        mb = [pairs[i] for i in chunk]
+        steps = [st for _, st in mb]
+        x_t = torch.stack([record_x[st, n] for n, st in mb])
+        x_next = torch.stack([record_x[st + 1, n] for n, st in mb])
+        v = torch.stack([record_v[st, n] for n, st in mb]).requires_grad_()
+        res = sde_step(v, x_t, sigmas[steps].contiguous(), sigmas[[st + 1 for st in steps]].contiguous(),
+                       prev_sample=x_next, eta=0.7, sigma_max=float(sigmas[1]))
+        for j, (n, st) in enumerate(mb):
+            assert torch.equal(res.logp[j], logps[st][n]), f"sample {n} step {st}: recomputed logp differs from the rollout's"
+        ratio = torch.exp(res.logp - torch.stack([logps[st][n] for n, st in mb]))
+        assert torch.equal(ratio, torch.ones_like(ratio))
 
 
 @pytest.mark.parametrize("step", [0, 4, N_STEPS - 1])

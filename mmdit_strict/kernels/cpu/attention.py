@@ -68,5 +68,5 @@ def joint_attention_fused(
 _ORDER = "per sample over its own [text, image] keys: one BMM per sample for QKᵀ and PV; row max/sum over own keys"
 for _op, _fn in (("joint_attn_qk_gemm", joint_attn_qk_gemm), ("joint_attn_softmax", joint_attn_softmax),
                  ("joint_attn_av_gemm", joint_attn_av_gemm), ("joint_attention_fused", joint_attention_fused)):
-    register(KernelImpl(op=_op, backend="cpu_strict", device="cpu", dtypes=_F32, fn=_fn, strict=True,
+    register(KernelImpl(op=_op, backend="cpu_strict", device="cpu", dtypes=_F32, fn=_fn, strict=True, split_k=False,
                         kernel_name=f"cpu_{_op}", reduction_order=_ORDER))

@@ -50,6 +50,6 @@ def multi_axis_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
 
 
 register(KernelImpl(op="timestep_embed_mlp", backend="cpu_strict", device="cpu", dtypes=_F32, fn=timestep_embed_mlp,
-                    strict=True, kernel_name="cpu_timestep_embed_mlp", reduction_order="per-sample rows; GEMMs as cpu_tile_bmm_gemm"))
+                    strict=True, split_k=False, kernel_name="cpu_timestep_embed_mlp", reduction_order="per-sample rows; GEMMs as cpu_tile_bmm_gemm"))
 register(KernelImpl(op="multi_axis_rope", backend="cpu_strict", device="cpu", dtypes=_F32, fn=multi_axis_rope,
-                    strict=True, kernel_name="cpu_multi_axis_rope", reduction_order="none (two products and one add per element)"))
+                    strict=True, split_k=False, kernel_name="cpu_multi_axis_rope", reduction_order="none (two products and one add per element)"))

@@ -157,7 +157,7 @@ def gemm(
 _REDUCTION = "K in one fixed (32,K)@(K,N) BLAS tile per 32 rows; dW/db per-sample (own length), folded in sample order"
 for _op in ("latent_proj_gemm", "qkv_bias_gemm", "attn_out_bias_gemm", "mlp_up_gemm_gelu", "mlp_down_gemm", "adaln_mod_projection"):
     register(KernelImpl(
-        op=_op, backend="cpu_strict", device="cpu", dtypes=frozenset({torch.float32}), fn=gemm, strict=True,
+        op=_op, backend="cpu_strict", device="cpu", dtypes=frozenset({torch.float32}), fn=gemm, strict=True, split_k=False,
         kernel_name="cpu_tile_bmm_gemm", source=StrictGemmFunction, config={"TILE_M": TILE_M},
         reduction_order=_REDUCTION,
     ))

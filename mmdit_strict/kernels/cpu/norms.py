@@ -96,6 +96,6 @@ for _op, _fn in (
     ("txt_in_rmsnorm_linear", txt_in_rmsnorm_linear),
     ("final_adaln_out", final_adaln_out),
 ):
-    register(KernelImpl(op=_op, backend="cpu_strict", device="cpu", dtypes=_F32, fn=_fn, strict=True,
+    register(KernelImpl(op=_op, backend="cpu_strict", device="cpu", dtypes=_F32, fn=_fn, strict=True, split_k=False,
                         kernel_name=f"cpu_{_op}", reduction_order=_ROW))
 

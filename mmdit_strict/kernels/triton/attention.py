@@ -701,7 +701,7 @@ REDUCTION_ORDER = (
 
 register(KernelImpl(
     op="joint_attention_fused", backend="triton", device="cuda", dtypes=frozenset(_DTYPES), fn=joint_attention_fused,
-    strict=True, kernel_name="_attn_fwd_kernel/_bwd_delta_kernel/_attn_bwd_dkdv_kernel/_attn_bwd_dq_kernel",
+    strict=True, split_k=False, kernel_name="_attn_fwd_kernel/_bwd_delta_kernel/_attn_bwd_dkdv_kernel/_attn_bwd_dq_kernel",
     source=sys.modules[__name__],
     config={"table": "mmdit_strict.kernels.triton.attention.CONFIGS", "keyed_by": "(head_dim, dtype)",
             "dot_precision": _DOT_PRECISION, "fp_fusion": False,

@@ -250,7 +250,7 @@ _ORDER = ("one sample per call; products: one program per output tile, inner dim
 for _op, _fn in (("joint_attn_qk_gemm", joint_attn_qk_gemm), ("joint_attn_softmax", joint_attn_softmax),
                  ("joint_attn_av_gemm", joint_attn_av_gemm)):
     register(KernelImpl(
-        op=_op, backend="triton", device="cuda", dtypes=frozenset(_DTYPES), fn=_fn, strict=True,
+        op=_op, backend="triton", device="cuda", dtypes=frozenset(_DTYPES), fn=_fn, strict=True, split_k=False,
         kernel_name={"joint_attn_softmax": "_softmax_fwd_kernel/_softmax_bwd_kernel"}.get(_op, "_bmm_kernel"),
         source=sys.modules[__name__],
         config={"bmm": {str(k).replace("torch.", ""): list(v) for k, v in CONFIGS.items()}, "softmax_block": SOFTMAX_BLOCK,

@@ -58,7 +58,7 @@ def timestep_embed_mlp(
 
 register(KernelImpl(
     op="timestep_embed_mlp", backend="triton", device="cuda", dtypes=frozenset(_DTYPES), fn=timestep_embed_mlp,
-    strict=True, kernel_name="fp64 sinusoid + _gemm_fwd_kernel (silu epilogue) + _gemm_fwd_kernel",
+    strict=True, split_k=False, kernel_name="fp64 sinusoid + _gemm_fwd_kernel (silu epilogue) + _gemm_fwd_kernel",
     source=sys.modules[__name__],
     config={"gemm": "mmdit_strict.kernels.triton.gemm", "sinusoid": "fp64, rounded once"},
     reduction_order="one row per sample; sinusoid elementwise in FP64 rounded once; both linears on the strict GEMM engine",

@@ -904,7 +904,7 @@ _CONFIGS_SHA256 = _hashlib.sha256(_inspect.getsource(_configs).encode()).hexdige
 
 for _op in GEMM_OPS:
     register(KernelImpl(
-        op=_op, backend="triton", device="cuda", dtypes=frozenset(_DTYPES), fn=gemm, strict=True,
+        op=_op, backend="triton", device="cuda", dtypes=frozenset(_DTYPES), fn=gemm, strict=True, split_k=False,
         kernel_name="_gemm_fwd_kernel/_gemm_dw_kernel/_gemm_db_kernel/_act_fwd_kernel/_act_bwd_kernel",
         source=_sys.modules[__name__],
         config={"table": "mmdit_strict.kernels.triton.configs", "keyed_by": "(N, K, dtype)",

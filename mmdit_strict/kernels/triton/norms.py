@@ -455,5 +455,5 @@ for _op, _fn, _kernel, _order in (
      f"RMSNorm row: tl.sum of squares over Ct, div_rn/sqrt_rn, gain gradient {_TREE}, samples folded left in order; "
      "then the strict GEMM engine"),
 ):
-    register(KernelImpl(op=_op, backend="triton", device="cuda", dtypes=_DT, fn=_fn, strict=True, kernel_name=_kernel,
+    register(KernelImpl(op=_op, backend="triton", device="cuda", dtypes=_DT, fn=_fn, strict=True, split_k=False, kernel_name=_kernel,
                         source=_SOURCE, config=dict(_CONFIG), reduction_order=_order, accumulator="fp32"))

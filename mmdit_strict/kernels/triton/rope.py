@@ -550,7 +550,7 @@ _CONFIG = {"programs": "one token per forward program; backward chunks of segmen
            "chunk_rows": seg.CHUNK_ROWS, "fold_tile": seg.FOLD_TILE,
            "qk_layout": "pairs (the candidate 'contiguous' runs only inside rope.qk_layout('contiguous'))"}
 register(KernelImpl(
-    op="qk_rmsnorm", backend="triton", device="cuda", dtypes=_DT, fn=qk_rmsnorm, strict=True,
+    op="qk_rmsnorm", backend="triton", device="cuda", dtypes=_DT, fn=qk_rmsnorm, strict=True, split_k=False,
     fusions={"multi_axis_rope": qk_rmsnorm_rope},
     kernel_name="_qk_norm_fwd_kernel/_qk_norm_bwd_kernel/_segment_fold_kernel", source=_SOURCE, config=dict(_CONFIG),
     reduction_order=(f"per (token, head): tl.sum over d/2 of x_e²+x_o², div_rn/sqrt_rn; d_gain: tl.sum over heads per token, "
@@ -559,7 +559,7 @@ register(KernelImpl(
     accumulator="fp32",
 ))
 register(KernelImpl(
-    op="multi_axis_rope", backend="triton", device="cuda", dtypes=_DT, fn=multi_axis_rope, strict=True,
+    op="multi_axis_rope", backend="triton", device="cuda", dtypes=_DT, fn=multi_axis_rope, strict=True, split_k=False,
     kernel_name="_rope_kernel", source=_SOURCE, config=dict(_CONFIG),
     reduction_order="none (two products and one add per element, FP32, one cast)", accumulator="fp32",
 ))
