@@ -7,7 +7,7 @@ For one model and one set of inputs, the activations after every stage — times
 captured from three forwards on the same weights:
 
 * ``strict``: the strict runtime (registry operators on packed rows);
-* ``production``: runtime ``off`` (plain PyTorch);
+* ``production``: runtime ``off`` (the production operators on padded tensors);
 * ``reference``: :func:`mmdit_strict.reference.model.reference_forward` in FP64.
 
 All captures are packed valid rows (sample-major, text padding dropped), so they line up row by row.
@@ -42,27 +42,16 @@ def _packed_text(t: torch.Tensor, lens: Sequence[int]) -> torch.Tensor:
 
 
 def _production_stages(model: MMDiT, inputs: ModelInputs) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    from ..model.strict import capture_operators
+
     store: dict[str, torch.Tensor] = {}
-    lens = inputs.txt_lens
-
-    def hook(name: str, text: bool = False):
-        def fn(_module, _args, out):
-            out = out.detach()
-            store[name] = _packed_text(out, lens) if text else out.reshape(-1, out.shape[-1])
-        return fn
-
-    handles = [
-        model.time_text_embed.register_forward_hook(hook("temb")),
-        model.img_in.register_forward_hook(hook("img_in")),
-        model.txt_in.register_forward_hook(hook("txt_in", text=True)),
-        model.norm_out.register_forward_hook(hook("norm_out")),
-    ]
-    try:
-        with torch.no_grad():
-            out = model.production_forward(inputs, capture=store)
-    finally:
-        for h in handles:
-            h.remove()
+    with torch.no_grad(), capture_operators() as ops:  # padded (B, T, D) captures of the production operators
+        out = model.production_forward(inputs, capture=store)
+    rows = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
+    store["temb"] = ops["embed.timestep_embed_mlp"]
+    store["img_in"] = rows(ops["img_in.latent_proj_gemm"])
+    store["txt_in"] = _packed_text(ops["txt_in.txt_in_rmsnorm_linear"], inputs.txt_lens)
+    store["norm_out"] = rows(ops["norm_out.final_adaln_out"])
     return store, out.detach()
 
 
