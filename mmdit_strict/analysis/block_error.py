@@ -47,7 +47,9 @@ def _production_stages(model: MMDiT, inputs: ModelInputs) -> tuple[dict[str, tor
     store: dict[str, torch.Tensor] = {}
     with torch.no_grad(), capture_operators() as ops:  # padded (B, T, D) captures of the production operators
         out = model.production_forward(inputs, capture=store)
-    rows = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(-1, t.shape[-1])
+
     store["temb"] = ops["embed.timestep_embed_mlp"]
     store["img_in"] = rows(ops["img_in.latent_proj_gemm"])
     store["txt_in"] = _packed_text(ops["txt_in.txt_in_rmsnorm_linear"], inputs.txt_lens)

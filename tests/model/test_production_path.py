@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 from mmdit_strict import MMDiT
-from mmdit_strict.kernels import Runtime, capture_trace, implementations, register, resolve
+from mmdit_strict.kernels import (
+    Runtime,
+    capture_trace,
+    implementations,
+    register,
+    resolve,
+)
 from mmdit_strict.kernels.registry import KernelImpl
 from mmdit_strict.model.layers import RMSNorm
 from mmdit_strict.model.strict import capture_operators, inject_fault, strict_forward
