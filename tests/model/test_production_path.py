@@ -189,3 +189,29 @@ def test_fault_lands_in_the_production_forward(model):
     before = list(clean).index(key)
     for k in list(clean)[:before]:
         assert_bytes_equal(clean[k], hit[k], f"{k} runs before the fault")
+
+
+def test_non_plain_linear_runs_as_its_module_and_is_still_traced(model):
+    """A linear layer with a hook (or a PEFT wrapper) runs as its own module: the hook fires, the bytes equal
+    the operator path's (both are one F.linear), and the call is recorded and captured as its operator."""
+    inputs = make_inputs(2, (4, 4), [5, 9])
+    model.set_runtime("off")
+    with torch.no_grad(), capture_trace() as plain_trace:
+        plain = model(**inputs).sample
+    seen = []
+    handle = model.img_in.register_forward_hook(lambda _m, _a, out: seen.append(out.shape))
+    try:
+        with torch.no_grad(), capture_trace() as hooked_trace, capture_operators() as cap:
+            hooked = model(**inputs).sample
+    finally:
+        handle.remove()
+    assert seen == [torch.Size([2, 16, model.config.hidden_size])], "the module (and so its hook) must run"
+    assert "img_in.latent_proj_gemm" in cap
+    assert_bytes_equal(hooked, plain, "hooked img_in vs operator img_in")
+
+    def calls(trace):
+        return Counter({r.op: r.calls for r in trace.records.values()})
+
+    assert calls(hooked_trace) == calls(plain_trace)
+    kernels = {r.kernel["kernel"] for r in hooked_trace.records.values() if r.op == "latent_proj_gemm"}
+    assert kernels and kernels <= {"aten_gemm", "module_Linear"}, kernels
