@@ -366,7 +366,7 @@ def _compare(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance, peer:
     if not passed and peer is not None:
         # flash-attention's three-way rule: no worse than twice PyTorch's own same-dtype error, plus atol.
         peer_err = float((peer.detach().cpu().double() - expected.detach().cpu().double()).abs().max())
-        passed = max_abs <= 2 * peer_err + tol.atol
+        passed = max_abs <= 2 * peer_err + tol.resolved(expected).atol
         msg += f", peer max_abs {peer_err:.3e}"
     return passed, msg
 

@@ -11,7 +11,7 @@ cut short still leaves what it measured):
   dW, db (and LoRA dA/dB) per layer shape and dtype. Forward/dX are checked on a row subset with
   the full weight, dW/db on an output-feature subset with every row — both exact subsets of the full
   product. Pass rule: ``tolerances.yaml`` ``gemm.<check>.<dtype>`` applied as
-  ``|kernel − ref| ≤ rtol·|ref| + atol·max|ref|`` elementwise (:func:`gemm_tolerance`). Reported beside
+  ``|kernel − ref| ≤ rtol·|ref| + atol_max·max|ref|`` elementwise (:func:`gemm_tolerance`). Reported beside
   it, informational: the same rule for "torch" (cuBLAS, TF32 off, plus the eager epilogue and autograd)
   and flash-attention's ``max|kernel − ref| ≤ 2·max|torch − ref| + 1e-6·max|ref|``;
 * raw-byte batch invariance: rows of M ∈ {1, …, 8448} (non-multiples of every tile) equal in bytes
@@ -103,12 +103,11 @@ _TOL_CHECK = {"forward": "forward", "dX": "dX", "dW": "dW", "db": "db", "dA": "d
 
 
 def gemm_tolerance(check: str, dtype, ref: torch.Tensor):
-    """The declared tolerance (tolerances.yaml ``gemm.<check>.<dtype>``) as a :class:`Tolerance` whose
-    atol is the declared fraction times max|ref| (the gemm section's comparison form)."""
-    from mmdit_strict.tolerances import Tolerance, tolerance
+    """The declared tolerance (tolerances.yaml ``gemm.<check>.<dtype>``) resolved for ``ref``: its
+    ``atol_max`` (a fraction of max|ref|) turned into the absolute ``atol`` the report records."""
+    from mmdit_strict.tolerances import tolerance
 
-    t = tolerance("gemm", _TOL_CHECK[check], dtype)
-    return Tolerance(rtol=t.rtol, atol=t.atol * float(ref.abs().max()), reason=t.reason)
+    return tolerance("gemm", _TOL_CHECK[check], dtype).resolved(ref)
 
 
 def _judge(name, k_out, t_out, ref, dtype):
@@ -504,7 +503,7 @@ def _md(report) -> str:
     if acc:
         npass = sum(a["pass"] for a in acc)
         lines += [f"## Accuracy vs FP64 CPU reference ({npass}/{len(acc)} pass)", "",
-                  "Rule (tolerances.yaml `gemm.<check>.<dtype>`): `|kernel−ref| ≤ rtol·|ref| + atol·max|ref|` elementwise. "
+                  "Rule (tolerances.yaml `gemm.<check>.<dtype>`): `|kernel−ref| ≤ rtol·|ref| + atol_max·max|ref|` elementwise. "
                   "Informational: torch (cuBLAS TF32-off + eager epilogue, same dtype) under the same rule, and flash-attention's "
                   "`max|kernel−ref| ≤ 2·max|torch−ref| + 1e-6·max|ref|`.", "",
                   "| layer | dtype | seqlens | LoRA r | check | max abs | max\\|ref\\| | kernel max abs / max\\|ref\\| | torch max abs | kernel rel-fro | torch rel-fro | pass | torch pass | ≤2×torch |",

@@ -43,11 +43,9 @@ DEVICE = "cuda"  # a CPU dry run of the accuracy / invariance logic (interpreter
 
 
 def row_tolerance(check: str, dtype: torch.dtype | str, ref: torch.Tensor) -> Tolerance:
-    """``tolerances.yaml`` ``row_ops.<check>.<dtype>`` as a :class:`Tolerance` whose atol is the declared
-    fraction times max|ref| of that tensor (the section's comparison form)."""
-    t = tolerance("row_ops", check, dtype)
-    peak = float(ref.detach().abs().max()) if ref.numel() else 0.0
-    return Tolerance(rtol=t.rtol, atol=t.atol * peak, reason=t.reason)
+    """``tolerances.yaml`` ``row_ops.<check>.<dtype>`` resolved for ``ref``: its ``atol_max`` (a fraction of
+    max|ref| of that tensor) turned into the absolute ``atol`` the report records."""
+    return tolerance("row_ops", check, dtype).resolved(ref)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -499,7 +497,7 @@ def render(report: dict) -> str:
     if acc:
         n = sum(a["pass"] for a in acc)
         lines += [f"## Accuracy vs the FP64 CPU reference ({n}/{len(acc)} pass)", "",
-                  "Rule (tolerances.yaml `row_ops.<op>[_grad].<dtype>`): `|kernel−ref| ≤ rtol·|ref| + atol·max|ref|` per tensor. "
+                  "Rule (tolerances.yaml `row_ops.<op>[_grad].<dtype>`): `|kernel−ref| ≤ rtol·|ref| + atol_max·max|ref|` per tensor. "
                   "`torch` = the production PyTorch op in the same dtype, for comparison.", "",
                   "| op | dtype | rows | tensor | max abs | max\\|ref\\| | rel-fro | torch max abs | pass |", "|---|---|---|---|---|---|---|---|---|"]
         for a in acc:

@@ -5,7 +5,7 @@ kernel module is imported; the interpreter tests run tiny odd shapes (2 heads ×
 text segments). With CUDA the ``@pytest.mark.gpu`` tests run 24 heads × 128 in bf16 and fp32 at
 77 + 6889 tokens through ``mmdit_strict.bench.attention`` (``python -m pytest -m gpu
 tests/kernels/test_triton_attention.py``). Tolerances: ``tolerances.yaml`` ``attention.<check>.<dtype>``
-(atol a fraction of max|ref|, :func:`mmdit_strict.bench.attention.attention_tolerance`).
+(``atol_max``: a fraction of max|ref|, :func:`mmdit_strict.bench.attention.attention_tolerance`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from mmdit_strict.kernels.triton import attention_unfused as U  # noqa: E402
 INTERPRET = A._interpreting()
 
 from mmdit_strict.bench import attention as bench  # noqa: E402
+from mmdit_strict.tolerances import tolerance  # noqa: E402
 from mmdit_strict.reference import ops as ref_ops  # noqa: E402
 from tests.harness import BadCase, assert_bytes_equal, check_bad_inputs  # noqa: E402
 
@@ -215,12 +216,7 @@ def _check_vs_reference(section: str, batch: list[tuple], outs: list[tuple], dty
         for name, got, ref in pairs:
             if ref.numel() == 0:
                 continue
-            t = bench.attention_tolerance(name, dtype, ref) if section == "attention" else None
-            if t is None:
-                from mmdit_strict.tolerances import Tolerance, tolerance
-
-                base = tolerance(section, name, dtype)
-                t = Tolerance(base.rtol, base.atol * float(ref.detach().abs().max()), base.reason)
+            t = tolerance(section, name, dtype)
             ok, max_abs, _ = t.check(got.reshape(ref.shape), ref)
             assert ok, f"{section} {name} (text {nt}, image {ni}): max abs {max_abs:.3e} beyond {t}"
 
@@ -232,8 +228,6 @@ def test_unfused_trio_vs_reference_and_fused() -> None:
     outs = bench.run_batch(_unfused, [b[0] for b in batch], [b[1] for b in batch])
     _check_vs_reference("attention_unfused", batch, outs, torch.float32)
     fused = _run(batch)
-    from mmdit_strict.tolerances import tolerance
-
     tol = tolerance("attention_unfused", "vs_fused", torch.float32)
     for u, f in zip(outs, fused):
         for a, b in zip(u[:2], f[:2]):

@@ -2,7 +2,7 @@
 
 Without CUDA the GEMM engine runs under ``TRITON_INTERPRET=1`` (FP32, tiny widths, CI); with CUDA the
 ``@pytest.mark.gpu`` tests run Qwen-Image's widths (256 → 3072 → 3072) in bf16 and fp32. Tolerances:
-``tolerances.yaml`` ``ops.timestep_embed_mlp[_grad]`` (FP32; the FP32-rounded sinusoid dominates) and,
+``tolerances.yaml`` ``ops.timestep_embed_mlp[_grad]`` (FP32; the sinusoid is FP64 rounded once) and,
 for bf16, the GEMM engine's ``gemm.<check>.bf16`` (the table and the hidden activation are bf16 cast
 points, as the engine's SiLU prologue is).
 """

@@ -5,8 +5,8 @@ kernel module is imported; the interpreter tests (tiny odd shapes, FP32) run. Wi
 ``TRITON_INTERPRET`` unset) the kernels compile for the GPU: the interpreter tests skip and the
 ``@pytest.mark.gpu`` tests run the real layer classes in bf16 and fp32 through ``tests/harness.py``
 (``python -m pytest -m gpu tests/kernels/test_triton_gemm.py``). BF16 never runs under the
-interpreter (its bf16 is wrong). Tolerances: ``tolerances.yaml`` ``gemm.<check>.<dtype>``, whose atol
-is a fraction of max|ref| (``mmdit_strict.bench.gemm.gemm_tolerance``).
+interpreter (its bf16 is wrong). Tolerances: ``tolerances.yaml`` ``gemm.<check>.<dtype>``, whose
+``atol_max`` is a fraction of max|ref| (``mmdit_strict.bench.gemm.gemm_tolerance``).
 
 Shapes are non-multiples of every tile of the small-shape configuration (BLOCK_M 16, BLOCK_N 32,
 BLOCK_K 16; dW tiles 32×16 over 16-row chunks), so partial tiles in every dimension are exercised.
@@ -504,7 +504,7 @@ def test_gpu_token_sweep(target, layer):
 @pytest.mark.parametrize("layer", GPU_LAYERS, ids=_ids(GPU_LAYERS))
 def test_gpu_grad_accuracy(target, layer):
     """Forward and each gradient (dX, dW, db, dA, dB) against the FP64 reference within tolerances.yaml
-    ``gemm.<check>.<dtype>`` (atol as a fraction of that tensor's max|ref|), with cuBLAS + eager
+    ``gemm.<check>.<dtype>`` (``atol_max``: a fraction of that tensor's max|ref|), with cuBLAS + eager
     epilogue kept out of the pass rule (the bench reports the flash-attention "≤ 2× torch error" column)."""
     _gpu(target)
     name, n, k, pro, epi, r = layer

@@ -4,7 +4,7 @@ final_adaln_out, txt_in_rmsnorm_linear.
 Without CUDA the kernels run under ``TRITON_INTERPRET=1`` (FP32, tiny widths, CI); with CUDA the
 ``@pytest.mark.gpu`` tests run Qwen-Image's widths (D = 3072, Ct = 3584) in bf16 and fp32
 (``python -m pytest -m gpu tests/kernels/test_triton_norms.py``). Accuracy bounds: ``tolerances.yaml``
-``row_ops.*`` (atol a fraction of the tensor's max|ref|). Byte claims: tests/harness.py.
+``row_ops.*`` (``atol_max``: a fraction of the tensor's max|ref|). Byte claims: tests/harness.py.
 """
 
 from __future__ import annotations
