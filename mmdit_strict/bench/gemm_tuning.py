@@ -33,8 +33,8 @@ BIG = [("qkv", 9216, 3072), ("attn_out", 3072, 3072), ("mlp_up", 12288, 3072), (
 
 
 # Candidate builders of the same form as configs.py's ``_dw``/``_fwd``, kept here: importing configs.py
-# imports the kernels.triton package (which registers the compiled kernels), and tests/bench imports this
-# module at collection, before the Triton test modules switch TRITON_INTERPRET on.
+# imports the kernels.triton package (which builds and registers the Triton kernels), which listing or
+# rendering tuning candidates does not need.
 def _dw(bn, bk, bm, warps, stages, group=8):
     return {"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_M": bm, "GROUP_N": group, "num_warps": warps, "num_stages": stages}
 
