@@ -123,26 +123,7 @@ def read_state_dict(files: Iterable[Path]) -> dict[str, torch.Tensor]:
 
 def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Raise :class:`CheckpointError` naming every missing, unexpected or mis-shaped tensor."""
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    misshaped = sorted(
-        f"{k}: checkpoint {tuple(state[k].shape)} vs model {expected[k]}"
-        for k in set(expected) & set(state)
-        if tuple(state[k].shape) != expected[k]
-    )
-    bad_dtype = sorted(k for k, v in state.items() if not v.is_floating_point())
-    problems = []
-    if missing:
-        problems.append(f"missing tensors ({len(missing)}): {_clip(missing)}")
-    if unexpected:
-        problems.append(f"unexpected tensors ({len(unexpected)}): {_clip(unexpected)}")
-    if misshaped:
-        problems.append(f"mis-shaped tensors ({len(misshaped)}): {_clip(misshaped)}")
-    if bad_dtype:
-        problems.append(f"non-floating tensors: {_clip(bad_dtype)}")
-    if problems:
-        raise CheckpointError("checkpoint does not match the architecture: " + "; ".join(problems))
+    _require_match(model, {k: tuple(v.shape) for k, v in state.items()}, [k for k, v in state.items() if not v.is_floating_point()])
     nonfinite = sorted(k for k, v in state.items() if not torch.isfinite(v).all())
     if nonfinite:
         raise CheckpointError(f"checkpoint tensors contain NaN/Inf: {_clip(nonfinite)}")
@@ -173,7 +154,6 @@ def check_headers(model: torch.nn.Module, files: Iterable[Path]) -> dict[str, Pa
     Returns the file holding each tensor. Raises :class:`CheckpointError` naming every missing,
     unexpected, mis-shaped or non-floating tensor, a tensor stored twice, or an unreadable file.
     """
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     where: dict[str, Path] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     bad_dtype: list[str] = []
@@ -192,10 +172,17 @@ def check_headers(model: torch.nn.Module, files: Iterable[Path]) -> dict[str, Pa
             raise CheckpointError(f"{f} is corrupt or truncated: {exc}") from exc
         except (OSError, RuntimeError) as exc:
             raise CheckpointError(f"could not read {f}: {exc}") from exc
-    missing = sorted(set(expected) - set(where))
-    unexpected = sorted(set(where) - set(expected))
+    _require_match(model, shapes, bad_dtype)
+    return where
+
+
+def _require_match(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]], non_float: list[str]) -> None:
+    """Raise :class:`CheckpointError` naming every missing, unexpected, mis-shaped or non-floating tensor."""
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    missing = sorted(set(expected) - set(shapes))
+    unexpected = sorted(set(shapes) - set(expected))
     misshaped = sorted(
-        f"{k}: checkpoint {shapes[k]} vs model {expected[k]}" for k in set(expected) & set(where) if shapes[k] != expected[k]
+        f"{k}: checkpoint {shapes[k]} vs model {expected[k]}" for k in set(expected) & set(shapes) if shapes[k] != expected[k]
     )
     problems = []
     if missing:
@@ -204,11 +191,10 @@ def check_headers(model: torch.nn.Module, files: Iterable[Path]) -> dict[str, Pa
         problems.append(f"unexpected tensors ({len(unexpected)}): {_clip(unexpected)}")
     if misshaped:
         problems.append(f"mis-shaped tensors ({len(misshaped)}): {_clip(misshaped)}")
-    if bad_dtype:
-        problems.append(f"non-floating tensors: {_clip(sorted(bad_dtype))}")
+    if non_float:
+        problems.append(f"non-floating tensors: {_clip(sorted(non_float))}")
     if problems:
         raise CheckpointError("checkpoint does not match the architecture: " + "; ".join(problems))
-    return where
 
 
 def load_state_dict_lazily(
