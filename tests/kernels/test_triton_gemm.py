@@ -397,7 +397,6 @@ def test_activation_matches_fp64(act):
 def test_newton_division_is_correctly_rounded():
     """``_div_ge1_f32`` equals IEEE division (numpy's FP32 ``/`` rounds correctly) on d in [1, e⁸⁶]
     (the activations' range), signed zeros included."""
-    import numpy as np
 
     g = torch.Generator().manual_seed(3)
     size = 1 << 16

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pytest
 from PIL import Image
 
 from mmdit_strict.cli.main import main

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from mmdit_strict.config.compose import compose
 from mmdit_strict.training.checkpoint import latest_checkpoint, load_checkpoint
