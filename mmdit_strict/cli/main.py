@@ -246,6 +246,10 @@ def cmd_qualify(args: argparse.Namespace) -> int:
         from ..bench import norms
 
         rc |= int(norms.main(["--out", args.out]) or 0)
+    if section in ("model", "all"):
+        from ..bench import model_qualify
+
+        rc |= int(model_qualify.main(["--out", args.out, "--block-error-layers", "2"]) or 0)
     return rc
 
 
@@ -301,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", action="store_true", help="print a markdown table (with reduction orders)")
     p = add("qualify", cmd_qualify, "GPU qualification report of the strict kernels (JSON + markdown)", overrides=False)
     p.add_argument("--out", default="experiments/local", help="output folder")
-    p.add_argument("--section", default="all", choices=["gemm", "attention", "norms", "all"],
+    p.add_argument("--section", default="all", choices=["gemm", "attention", "norms", "model", "all"],
                    help="which kernels to qualify (default: all)")
     p = add("bench", cmd_bench, "run a benchmark and write its JSON + markdown report", overrides=False)
     p.add_argument("which", choices=["cpu_strict", "gemm", "model", "attention", "norms"],
