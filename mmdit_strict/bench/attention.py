@@ -41,7 +41,7 @@ from typing import Sequence
 
 import torch
 
-from .environment import gpu_environment
+from .environment import environment_line, gpu_environment
 import torch.nn.functional as F
 
 HEADS, HEAD_DIM = 24, 128
@@ -354,8 +354,7 @@ def candidates(A) -> list[dict]:
 def _markdown(rep: dict) -> str:
     env = rep.get("env", {})
     lines = ["# Strict joint attention — H200 qualification", "",
-             f"GPU {env.get('gpu')} · driver {env.get('driver')} · torch {env.get('torch')} · Triton {env.get('triton')} · "
-             f"CUDA {env.get('cuda')} · commit `{env.get('commit')}` · {env.get('date_utc')}", "",
+             environment_line(env), "",
              f"Configuration (bf16, d=128): `{rep.get('config_bf16')}`; fp32: `{rep.get('config_fp32')}`", ""]
     if "speed" in rep:
         lines += ["## Speed (24 heads × 128; SDPA = cuDNN backend for bf16, same run)", "",

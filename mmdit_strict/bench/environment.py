@@ -39,3 +39,11 @@ def gpu_environment() -> dict[str, Any]:
         "tf32": {"matmul": torch.backends.cuda.matmul.allow_tf32, "cudnn": torch.backends.cudnn.allow_tf32},
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+
+
+def environment_line(env: dict[str, Any], *extra: str) -> str:
+    """The one-line header every report prints: GPU, driver, versions, commit, date, then ``extra`` items."""
+    items = [f"GPU {env.get('gpu', '—')}", f"driver {env.get('driver', '—')}", f"torch {env.get('torch', '—')}",
+             f"Triton {env.get('triton', '—')}", f"CUDA {env.get('cuda', '—')}", f"commit `{env.get('commit', '—')}`",
+             str(env.get("date_utc", "—")), *extra]
+    return " · ".join(items)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from .environment import gpu_environment
+from .environment import environment_line, gpu_environment
 import torch.nn.functional as F
 
 LAYERS = [
@@ -497,8 +497,7 @@ def _cfg_str(c: dict) -> str:
 def _md(report) -> str:
     e = report["env"]
     lines = ["# Strict GEMM engine — H200 qualification report", "",
-             f"GPU {e.get('gpu')} · driver {e.get('driver')} · torch {e.get('torch')} · Triton {e.get('triton')} · "
-             f"CUDA {e.get('cuda')} · commit `{e.get('commit')}` · {e.get('date_utc')} · TF32 {e.get('tf32')}", ""]
+             environment_line(e, f"TF32 {e.get('tf32')}"), ""]
     acc = report.get("accuracy", [])
     if acc:
         npass = sum(a["pass"] for a in acc)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from .environment import environment_line
 from .gemm import _bench, _bench_graph, _env, _torch_linear, _weights
 
 BIG = [("qkv", 9216, 3072), ("attn_out", 3072, 3072), ("mlp_up", 12288, 3072), ("mlp_down", 3072, 12288)]
@@ -142,8 +143,7 @@ def host_probe(G, calls: int = 300) -> list[dict]:
 def _md(report: dict) -> str:
     e = report["env"]
     lines = ["# Strict GEMM engine — tuning probes", "",
-             f"GPU {e.get('gpu')} · driver {e.get('driver')} · torch {e.get('torch')} · Triton {e.get('triton')} · "
-             f"commit `{e.get('commit')}` · {e.get('date_utc')}", ""]
+             environment_line(e), ""]
 
     def cfg(c):
         return " ".join(f"{k}={v}" for k, v in c.items() if k not in ("weight_layout", "prologue", "tma"))

@@ -32,7 +32,7 @@ import torch
 from ..config.arch import ArchConfig, preset
 from ..kernels.runtime import Runtime
 from ..model.inputs import random_inputs
-from .environment import gpu_environment
+from .environment import environment_line, gpu_environment
 
 PEAK_TFLOPS = 790.0  # BF16 dense matrix rate measured on the H200 (docs/design.md, anchors)
 LORA_TARGETS = (
@@ -226,7 +226,8 @@ def render(report: dict[str, Any]) -> str:
     lines = [
         f"# Whole-model benchmark: ours vs diffusers eager ({report['arch_layers']} blocks, grid {report['grid']})",
         "",
-        f"GPU {env['gpu']}, driver {env['driver']}, torch {env['torch']}, Triton {env['triton']}, commit `{env['commit']}`. "
+        environment_line(env),
+        "",
         f"Identical BF16 weights (one storage). Times are medians of CUDA-event intervals; MFU against {PEAK_TFLOPS:.0f} TFLOP/s.",
         "",
         "| case | engine | median ms | × diffusers | MFU | peak GiB | syncs | launches |",

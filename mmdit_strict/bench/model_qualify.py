@@ -36,7 +36,7 @@ from ..kernels.trace import capture_trace
 from ..model.init import build_model
 from ..model.inputs import random_inputs
 from ..model.mmdit import MMDiT
-from .environment import commit, gpu_environment
+from .environment import commit, environment_line, gpu_environment
 
 TEXT_LENS = (77, 5, 130, 33, 256, 1, 64, 100)  # valid prompt tokens of the 8 pool samples
 PADS = (1, 7, 64)
@@ -200,9 +200,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def render(report: dict[str, Any]) -> str:
     env = report.get("environment", {})
     lines = [f"# Strict whole-model qualification ({report['preset']}, {report['layers']} blocks, {report['dtype']}, {report['device']})", "",
-             f"GPU {env.get('gpu', '—')}, driver {env.get('driver', '—')}, torch {env.get('torch', '—')}, "
-             f"Triton {env.get('triton', '—')}, commit `{env.get('commit', '—')}`. Grids: "
-             + ", ".join(f"{h}×{w}" for h, w in report["grids"]) + ".", "",
+             environment_line(env, "grids " + ", ".join(f"{h}×{w}" for h, w in report["grids"])), "",
              "| check | equal bytes | compared |", "|---|---|---|"]
     for name, c in report["checks"].items():
         lines.append(f"| {name} | {c['equal']} | {c['compared']} |")

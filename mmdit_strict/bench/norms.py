@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from .environment import gpu_environment
+from .environment import environment_line, gpu_environment
 
 from mmdit_strict.tolerances import Tolerance, tolerance
 
@@ -491,8 +491,7 @@ def _f(v, spec=".3e"):
 def render(report: dict) -> str:
     e = report["env"]
     lines = ["# Strict row operators — GPU qualification report", "",
-             f"GPU {e.get('gpu')} · driver {e.get('driver')} · torch {e.get('torch')} · Triton {e.get('triton')} · "
-             f"CUDA {e.get('cuda')} · commit `{e.get('commit')}` · {e.get('date_utc')} · QK layout {e.get('qk_layout', 'pairs')}", ""]
+             environment_line(e, f"QK layout {e.get('qk_layout', 'pairs')}"), ""]
     acc = report.get("accuracy", [])
     if acc:
         n = sum(a["pass"] for a in acc)
