@@ -247,3 +247,20 @@ def test_save_pretrained_replaces_existing_folder(tiny_ckpt, tmp_path):
     model.save_pretrained(target)
     assert not (target / "stale.safetensors").exists()
     _state_equal(MMDiT.from_pretrained(target), model, "overwritten save")
+
+
+def test_state_dict_hash_is_content_only_and_thread_count_free():
+    from mmdit_strict.model import state_dict_hash
+
+    g = torch.Generator().manual_seed(0)
+    state = {f"blocks.{i}.w": torch.randn(33, 17, generator=g).to(torch.bfloat16) for i in range(6)}
+    state["empty"] = torch.empty(0)
+    base = state_dict_hash(state, workers=1)
+    assert state_dict_hash(dict(reversed(list(state.items()))), workers=4) == base
+    flipped = {k: v.clone() for k, v in state.items()}
+    flipped["blocks.3.w"].view(torch.int16)[5, 7] ^= 1  # one bit of one element
+    assert state_dict_hash(flipped) != base
+    renamed = {("blocks.9.w" if k == "blocks.3.w" else k): v for k, v in state.items()}
+    assert state_dict_hash(renamed) != base
+    retyped = dict(state, **{"blocks.0.w": state["blocks.0.w"].view(torch.float16)})  # same bytes, other dtype
+    assert state_dict_hash(retyped) != base
