@@ -120,8 +120,7 @@ def _attach_lora(module: torch.nn.Module, rank: int, seed: int) -> None:
 
 def run(args: argparse.Namespace, on_case: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Every case for every engine; ``on_case(results so far)`` after each case (partial reports survive a timeout)."""
-    from diffusers import QwenImageTransformer2DModel
-
+    from ..model.diffusers_compat import diffusers_twin
     from ..model.init import build_model
 
     dtype = torch.bfloat16
@@ -131,13 +130,7 @@ def run(args: argparse.Namespace, on_case: Callable[[dict[str, Any]], None] | No
 
         arch = dataclasses.replace(arch, num_layers=args.layers)
     ours = build_model(arch, seed=0, runtime="off", dtype=dtype, device="cuda")
-    dcfg = {k: v for k, v in arch.to_diffusers_config().items() if not k.startswith("_")}
-    with torch.device("meta"):
-        theirs = QwenImageTransformer2DModel(**dcfg)
-    # the RoPE frequency tables are plain attributes (not buffers): rebuild them off the meta device
-    theirs.pos_embed = type(theirs.pos_embed)(theta=10000, axes_dim=list(arch.axes_dims_rope), scale_rope=True)
-    missing, unexpected = theirs.load_state_dict(ours.state_dict(), strict=True, assign=True)
-    theirs = theirs.eval()
+    theirs = diffusers_twin(ours)
     grid = tuple(args.grid)
     ti = grid[0] * grid[1]
     from ..model.graphs import GraphCache
@@ -213,8 +206,7 @@ def run(args: argparse.Namespace, on_case: Callable[[dict[str, Any]], None] | No
         results[case] = row
         if on_case is not None:
             on_case(results)
-    return {"arch_layers": arch.num_layers, "grid": list(grid), "cases": results,
-            "state_dict_check": {"missing": list(missing), "unexpected": list(unexpected)}}
+    return {"arch_layers": arch.num_layers, "grid": list(grid), "cases": results}
 
 
 def environment() -> dict[str, Any]:

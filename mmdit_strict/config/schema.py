@@ -102,6 +102,7 @@ class RecomputeConfig:
 @dataclass
 class CompareConfig:
     localize: bool = True  # re-run the first drifting step with operator capture
+    peer_loop: bool = False  # also time the same sampling with diffusers' transformer (eager, same weights)
 
 
 @dataclass

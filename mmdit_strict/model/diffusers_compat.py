@@ -295,3 +295,37 @@ class DiffusersCompatMixin:
             "fuse_lora is not supported: the strict runtime applies LoRA unmerged; for a merged copy use "
             "peft's merge on a runtime='off' model (layer.merge()) and save it as a new checkpoint"
         )
+
+
+def diffusers_twin(model: torch.nn.Module) -> torch.nn.Module:
+    """diffusers' ``QwenImageTransformer2DModel`` for ``model``'s architecture on the same parameter storage.
+
+    The base weights are assigned, not copied (``load_state_dict(assign=True)``), so the twin costs
+    no memory and always sees the current weights; a PEFT LoRA on ``model`` is injected into the twin
+    with the same config and its weights copied. For side-by-side timing and parity with the peer.
+    """
+    from diffusers import QwenImageTransformer2DModel
+
+    state = model.state_dict()
+    base = {k.replace(".base_layer", ""): v for k, v in state.items() if "lora_" not in k}
+    lora = {k: v for k, v in state.items() if "lora_" in k}
+    dcfg = {k: v for k, v in model.config.to_diffusers_config().items() if not k.startswith("_")}
+    with torch.device("meta"):
+        twin = QwenImageTransformer2DModel(**dcfg)
+    # the RoPE frequency tables are plain attributes, not buffers: rebuild them off the meta device
+    twin.pos_embed = type(twin.pos_embed)(theta=10000, axes_dim=list(model.config.axes_dims_rope), scale_rope=True)
+    twin.load_state_dict(base, strict=True, assign=True)
+    if lora:
+        from peft import inject_adapter_in_model
+
+        for name, config in getattr(model, "peft_config", {}).items():
+            inject_adapter_in_model(config, twin, adapter_name=name)
+        missing = set(lora) - set(twin.state_dict())
+        if missing:
+            raise ValueError(f"diffusers twin has no LoRA slot for {sorted(missing)[:3]}")
+        twin.to(device=next(iter(base.values())).device)
+        with torch.no_grad():
+            params = dict(twin.named_parameters())
+            for k, v in lora.items():
+                params[k].copy_(v)
+    return twin.eval().requires_grad_(False)

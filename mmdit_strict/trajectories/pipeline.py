@@ -10,6 +10,7 @@ the current one; otherwise the stage re-runs and the log says which part changed
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from . import artifact
 from .compare import Comparison, compare
 from .localize import Localization, localize
 from .outdir import claim_output_dir
+from .peer import peer_rollout
 from .recompute import check_fault, run_recompute
 from .record import model_hashes
 from .report import summary_line, write_report
@@ -64,18 +66,32 @@ def _reusable(path: Path, resume: bool, key: dict[str, str], stage: str) -> arti
     return done
 
 
-def rollout_stage(cfg: DictConfig, out: Path, progress: bool) -> tuple[artifact.Trajectory, dict[str, str | None]]:
-    """Checks before any work, then the rollout (reused when its key matches); returns it and the model hashes."""
+def rollout_stage(cfg: DictConfig, out: Path, progress: bool,
+                  phases: dict[str, float] | None = None) -> tuple[artifact.Trajectory, dict[str, str | None], dict[str, Any] | None]:
+    """Checks before any work, then the rollout (reused when its key matches) and, with
+    ``compare.peer_loop``, the peer's timing of the same sampling; returns (rollout, model hashes, peer)."""
+    phases = phases if phases is not None else {}
+    t0 = time.perf_counter()
     model = build_side_model(cfg, side_runtime(cfg, "rollout"))
+    phases["build"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
     hashes = model_hashes(model)
+    phases["hash_weights"] = time.perf_counter() - t0
     prompts = make_prompts(cfg, model.config, cfg.model.device)
     for side in ("rollout", "recompute"):
         check_pad_to(side, cfg[side].pad_to, prompts, float(cfg.sampler.cfg_scale))
     check_fault(cfg.recompute.inject_fault, model.config.num_layers, int(cfg.sampler.num_steps))
+    t0 = time.perf_counter()
     done = _reusable(out / "rollout", bool(cfg.resume), rollout_key(cfg, hashes, prompts.hashes()), "rollout")
-    if done is not None:
-        return done, hashes
-    return run_rollout(cfg, out / "rollout", progress=progress, model=model), hashes
+    if done is None:
+        done = run_rollout(cfg, out / "rollout", progress=progress, model=model, hashes=hashes)
+    phases["rollout"] = time.perf_counter() - t0
+    peer = None
+    if cfg.compare.peer_loop:
+        t0 = time.perf_counter()
+        peer = peer_rollout(cfg, model, prompts, progress=progress)
+        phases["peer_rollout"] = time.perf_counter() - t0
+    return done, hashes, peer
 
 
 def recompute_stage(cfg: DictConfig, rollout: artifact.Trajectory, out: Path, progress: bool,
@@ -87,19 +103,26 @@ def recompute_stage(cfg: DictConfig, rollout: artifact.Trajectory, out: Path, pr
     return run_recompute(cfg, rollout, out / "recompute", progress=progress)
 
 
-def compare_stage(cfg: DictConfig, rollout: artifact.Trajectory, recompute: artifact.Trajectory, out: Path) -> RunResult:
+def compare_stage(cfg: DictConfig, rollout: artifact.Trajectory, recompute: artifact.Trajectory, out: Path,
+                  phases: dict[str, float] | None = None, peer: dict[str, Any] | None = None) -> RunResult:
+    t0 = time.perf_counter()
     comp = compare(rollout, recompute)
     loc = None
     if not comp.byte_identical and cfg.compare.localize and comp.first is not None and comp.first.quantity == "v":
         loc = localize(rollout, recompute, comp.first)
-    report = write_report(out / "report", rollout, recompute, comp, loc)
+    if phases is not None:
+        phases["compare"] = time.perf_counter() - t0
+    report = write_report(out / "report", rollout, recompute, comp, loc, phases=phases, peer=peer)
     return RunResult(comp, loc, report, out)
 
 
 def run_all(cfg: DictConfig, progress: bool = True) -> RunResult:
     """Run the whole job in ``cfg.output_dir`` (claimed and locked while it runs); matching stages are reused."""
+    phases: dict[str, float] = {}
     with claim_output_dir(cfg.output_dir) as out:
         save_resolved(cfg, out)
-        rollout, hashes = rollout_stage(cfg, out, progress)
+        rollout, hashes, peer = rollout_stage(cfg, out, progress, phases)
+        t0 = time.perf_counter()
         recompute = recompute_stage(cfg, rollout, out, progress, hashes)
-        return compare_stage(cfg, rollout, recompute, out)
+        phases["recompute"] = time.perf_counter() - t0
+        return compare_stage(cfg, rollout, recompute, out, phases, peer)

@@ -112,9 +112,30 @@ def summary_line(comp: Comparison, loc: Localization | None = None) -> str:
 PLOTS = ("drift_per_step.png", "drift_per_block.png", "audit_per_block.png")
 
 
+def _peer_summary(peer: dict[str, Any] | None, rollout: Trajectory) -> dict[str, Any] | None:
+    """The peer loop's timing against the rollout's, and how far its final latents are from ours."""
+    if peer is None:
+        return None
+    out = {k: v for k, v in peer.items() if k != "x_final"}
+    ours = rollout.manifest["wall_seconds"]
+    out["rollout_wall_seconds"] = ours
+    out["rollout_vs_peer"] = ours / peer["wall_seconds"] if peer["wall_seconds"] else None
+    steps = rollout.manifest["side"].get("step_seconds") or []
+    if len(steps) > 1 and len(peer["step_seconds"]) > 1:  # step 0 holds the one-off JIT compile / graph capture
+        out["later_steps_vs_peer"] = sum(steps[1:]) / sum(peer["step_seconds"][1:])
+    if rollout.has_tensors() and "x_final" in peer:
+        ref = rollout.tensors["x"][-1].float()
+        out["x_final_max_abs_vs_ours"] = float((peer["x_final"] - ref).abs().max())
+    return out
+
+
 def write_report(out_dir: str | Path, rollout: Trajectory, recompute: Trajectory, comp: Comparison,
-                 loc: Localization | None = None) -> dict[str, Any]:
-    """Write ``report.md``, ``report.json`` and plots into ``out_dir``; return the JSON payload."""
+                 loc: Localization | None = None, *, phases: dict[str, float] | None = None,
+                 peer: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write ``report.md``, ``report.json`` and plots into ``out_dir``; return the JSON payload.
+
+    ``phases``: wall seconds per phase of the run (build, hash_weights, rollout, peer_rollout,
+    recompute, compare); ``peer``: :func:`~mmdit_strict.trajectories.peer.peer_rollout`'s result."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for name in PLOTS:  # a plot this comparison does not draw must not survive from an earlier one
@@ -140,6 +161,8 @@ def write_report(out_dir: str | Path, rollout: Trajectory, recompute: Trajectory
         },
         "plots": plots,
         "sigma_table": ra["sigma_table"],
+        "phases": {k: round(v, 3) for k, v in (phases or {}).items()},
+        "peer": _peer_summary(peer, rollout),
     }
     atomic_write_text(out / "report.json", json.dumps(payload, indent=2, default=str))
     atomic_write_text(out / "report.md", render_markdown(payload, comp))
@@ -162,7 +185,23 @@ def render_markdown(p: dict[str, Any], comp: Comparison) -> str:
         def audit(a: Any) -> str:
             return f"max {a['max_abs_drift']:.3e} over {a['forwards']} forwards" if a else "—"
         lines.append(f"| audit: production vs strict | {audit(ra.get('audit'))} | {audit(rb.get('audit'))} |")
+    steps = ra["side"].get("step_seconds") or []
+    if len(steps) > 1:
+        lines.append(f"| rollout step 0 (JIT compile, graph capture) / later steps mean | {steps[0]:.3f} s / "
+                     f"{sum(steps[1:]) / (len(steps) - 1):.3f} s | |")
     lines.append("")
+    if p.get("phases"):
+        lines += ["| phase | " + " | ".join(p["phases"]) + " |", "|---" * (len(p["phases"]) + 1) + "|",
+                  "| wall s | " + " | ".join(f"{v:.2f}" for v in p["phases"].values()) + " |", ""]
+    peer = p.get("peer")
+    if peer:
+        lines.append(f"Peer: {peer['engine']}, {peer['cfg']}, batch {peer['batch_size']}: the same sampling in "
+                     f"{peer['wall_seconds']:.3f} s; our rollout {peer['rollout_wall_seconds']:.3f} s = "
+                     f"**{peer['rollout_vs_peer']:.2f}× the peer**"
+                     + (f" (steps after the first: {peer['later_steps_vs_peer']:.2f}×)" if peer.get("later_steps_vs_peer") else "")
+                     + (f"; final latents max-abs vs ours {peer['x_final_max_abs_vs_ours']:.3e}" if "x_final_max_abs_vs_ours" in peer else "")
+                     + ".")
+        lines.append("")
     c = p["comparison"]
     lines.append(f"Compared {c['steps']} steps × {c['samples']} samples. (step, sample) pairs whose hash differs: "
                  f"v {c['differing']['v']}, x {c['differing']['x']}, logp {c['differing']['logp']}.")

@@ -38,11 +38,12 @@ def step_latents(cfg: DictConfig, v: torch.Tensor, x: torch.Tensor, sigmas: torc
     return res.x_prev, sde_step(v, x, sigma, sigma_prev, prev_sample=prev_sample, **kw).logp
 
 
-def run_rollout(cfg: DictConfig, out_dir: str | Path, progress: bool = True, model: MMDiT | None = None) -> artifact.Trajectory:
+def run_rollout(cfg: DictConfig, out_dir: str | Path, progress: bool = True, model: MMDiT | None = None,
+                hashes: dict[str, str | None] | None = None) -> artifact.Trajectory:
     """Sample every prompt for ``sampler.num_steps`` steps and write the artifact to ``out_dir``.
 
     ``model`` is the rollout side's model when the caller already built it (``build_side_model``
-    with the rollout runtime). A step checkpoint in ``<out_dir>.partial`` is resumed only under the
+    with the rollout runtime), and ``hashes`` its :func:`model_hashes` when already computed. A step checkpoint in ``<out_dir>.partial`` is resumed only under the
     same stage key (settings, weights, LoRA, prompts, version) and only as far as its step files verify.
     """
     t0 = time.perf_counter()
@@ -51,7 +52,7 @@ def run_rollout(cfg: DictConfig, out_dir: str | Path, progress: bool = True, mod
         model = build_side_model(cfg, runtime)
     elif model.runtime is not runtime:
         raise ValueError(f"run_rollout got a model in runtime {model.runtime.value}, the rollout side runs {runtime.value}")
-    hashes = model_hashes(model)
+    hashes = hashes if hashes is not None else model_hashes(model)
     arch = model.config
     device = cfg.model.device
     prompts = make_prompts(cfg, arch, device)
@@ -75,10 +76,12 @@ def run_rollout(cfg: DictConfig, out_dir: str | Path, progress: bool = True, mod
     if resumed:
         logger.info("rollout: resuming after step %d of %d", start, S)
         x = rec.x[start].to(device)
+    step_seconds: list[float] = []
     bar = tqdm(total=S * len(batches), initial=start * len(batches), desc=f"rollout [{runtime.value}]",
                disable=not progress, leave=False)
     with capture_trace(resumed.trace if resumed else None) as trace, runtime_mode(runtime), torch.no_grad():
         for step in range(start, S):
+            t_step = time.perf_counter()
             x_next = torch.empty_like(x)
             for batch in batches:
                 xb = x[batch]
@@ -92,9 +95,10 @@ def run_rollout(cfg: DictConfig, out_dir: str | Path, progress: bool = True, mod
                 bar.update(1)
             x = x_next
             partial.save_step(out_dir, rec, step, trace, wall_before + time.perf_counter() - t0)
+            step_seconds.append(round(time.perf_counter() - t_step, 4))  # save_step read the step back: synced
     bar.close()
     side = {"batch_size": bs, "cfg_layout": cfg.rollout.cfg_layout, "pad_to": cfg.rollout.pad_to, "autograd": False,
-            "resumed_after_step": start or None}
+            "resumed_after_step": start or None, "step_seconds": step_seconds}
     traj = build_trajectory("rollout", cfg, model, runtime, prompts, sigmas, ids, grid, rec, trace,
                             wall_before + time.perf_counter() - t0, side, bool(cfg.rollout.save_tensors),
                             hashes=hashes, stage_key=key)

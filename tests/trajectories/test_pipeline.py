@@ -133,3 +133,30 @@ def test_stage_with_a_broken_manifest_is_rerun(tmp_path: Path) -> None:
     (out / "rollout" / "manifest.json").write_text(json.dumps(m))
     assert _run(out).byte_identical
     assert "config" in json.loads((out / "rollout" / "manifest.json").read_text())
+
+
+def test_peer_loop_times_diffusers_on_the_same_sampling(tmp_path: Path) -> None:
+    """compare.peer_loop runs diffusers' transformer over the same batches, noise and schedule; the report
+    gives both wall times and the peer's final latents match ours within the declared tolerance."""
+    import torch
+
+    from mmdit_strict.tolerances import tolerance
+    from mmdit_strict.trajectories import artifact
+    from mmdit_strict.trajectories.peer import peer_rollout
+    from mmdit_strict.trajectories.setup import build_side_model, make_prompts, side_runtime
+
+    result = _run(tmp_path / "peer", "compare.peer_loop=true")
+    assert result.byte_identical
+    peer = result.report["peer"]
+    assert peer["wall_seconds"] > 0 and len(peer["step_seconds"]) == 3
+    assert peer["rollout_vs_peer"] == pytest.approx(peer["rollout_wall_seconds"] / peer["wall_seconds"])
+    assert set(result.report["phases"]) == {"build", "hash_weights", "rollout", "peer_rollout", "recompute", "compare"}
+    assert "× the peer" in (tmp_path / "peer" / "report" / "report.md").read_text()
+
+    cfg = compose([f"output_dir={tmp_path / 'peer'}", *SMALL])
+    model = build_side_model(cfg, side_runtime(cfg, "rollout"))
+    x_peer = peer_rollout(cfg, model, make_prompts(cfg, model.config, "cpu"), progress=False)["x_final"]
+    ours = artifact.read(tmp_path / "peer" / "rollout").tensors["x"][-1]
+    ok, worst, _ = tolerance("trajectories", "peer_final_latents_vs_ours", torch.float32).check(x_peer, ours)
+    assert ok, f"peer final latents differ from ours by {worst:.3e}"
+    assert not torch.equal(x_peer, ours)  # a different engine: close, not the same bytes
