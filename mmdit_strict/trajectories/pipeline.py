@@ -9,12 +9,14 @@ the current one; otherwise the stage re-runs and the log says which part changed
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig
 
 from ..config.compose import save_resolved
@@ -122,6 +124,9 @@ def run_all(cfg: DictConfig, progress: bool = True) -> RunResult:
     with claim_output_dir(cfg.output_dir) as out:
         save_resolved(cfg, out)
         rollout, hashes, peer = rollout_stage(cfg, out, progress, phases)
+        gc.collect()  # the rollout model (graphs, prepacked weights) may sit in reference cycles: free it first
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         t0 = time.perf_counter()
         recompute = recompute_stage(cfg, rollout, out, progress, hashes)
         phases["recompute"] = time.perf_counter() - t0
