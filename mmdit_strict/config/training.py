@@ -43,6 +43,13 @@ class TrainConfig:
     cfg: bool = True  # CFG in training (same scale as the rollout); False trains the conditional branch alone
     cfg_layout: str = "sequential"  # batched | sequential
     grad_checkpointing: bool = True
+    # LoRA gradients are folded per (pair, branch) in sorted key order either way (same bytes):
+    # streamed adds each partial as soon as every smaller key is in (memory: an accumulator per tensor plus
+    # out-of-order partials); stored keeps one FP32 partial per tensor and key until the update
+    grad_sink: str = "streamed"
+    # True: each update's pairs (the shuffled set) are cut into micro-batches in gradient-key order, so the
+    # streamed fold buffers at most one micro-batch's keys; same update sets, same gradient bytes
+    sort_update_pairs: bool = False
     runtime: Optional[str] = None  # None → runtime.mode; "off" shows how far the production path drifts
     recompute_old_logp: bool = False  # debug: recompute the old logp before training and require equal bytes
     clip_range: float = 1.0e-4
@@ -74,6 +81,7 @@ TRAIN_CHOICES: dict[str, tuple[Any, ...]] = {
     "sample.cfg_layout": ("batched", "sequential"),
     "sample.runtime": (None, "strict", "audit", "auto", "off"),
     "train.cfg_layout": ("batched", "sequential"),
+    "train.grad_sink": ("streamed", "stored"),
     "train.runtime": (None, "strict", "audit", "auto", "off"),
 }
 

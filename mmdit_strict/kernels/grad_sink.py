@@ -2,53 +2,253 @@
 
 Autograd adds a parameter's gradient contributions in the order the backward passes run, so the
 bytes of a LoRA gradient depend on how a batch was split into micro-batches. Inside a
-:func:`collect_sample_grads` block, the strict GEMM backward also hands each sample's partial
-``dZ_sᵀ X_s`` to a :class:`SampleGradSink`, keyed by the sample key the caller declared with
-:func:`sample_keys` (for example ``(sample_id, cfg_branch)``). :meth:`SampleGradSink.fold` adds the
-partials in sorted key order, so the result is the same bytes whatever the micro-batch split,
-sample order or CFG layout (docs/design.md §3.6).
+:func:`collect_sample_grads` block, the strict GEMM backward (CPU and Triton) also hands each
+sample's FP32 partial ``dZ_sᵀ X_s`` to a :class:`SampleGradSink`, keyed by the sample key the caller
+declared with :func:`sample_keys` (for example ``((sample_id, step), cfg_branch)``). The fold adds the
+partials in sorted key order — ``acc = P_k0; acc = acc + P_k1; ...`` in FP32 — so the result is the
+same bytes whatever the micro-batch split, sample order or CFG layout (docs/design.md §3, "Gradient
+sink").
+
+Two ways to hold the partials, one result:
+
+* **stored** (``SampleGradSink()``): every (parameter, key) partial is kept until :meth:`fold`.
+  Memory: one FP32 copy of every trained tensor per key. A key may deposit into a parameter more
+  than once (a layer applied twice); its deposits are summed in arrival order first.
+* **streamed** (``SampleGradSink(keys)``): the caller declares up front every key that will deposit
+  (e.g. all (pair, branch) keys of one optimizer update). Each parameter keeps a running FP32
+  accumulator and a frontier in the sorted key list; a partial whose key is at the frontier is added
+  at once, later keys wait in a buffer until every smaller key has been added (or declared
+  finished with :meth:`done` without a deposit for that parameter). Memory: the accumulator plus the
+  buffered out-of-order partials; :func:`pending_bound` says how many a given execution order can
+  buffer at most. It takes one partial per (parameter, key) and raises on a second one (a summed
+  duplicate could not be placed in the fold without depending on timing).
+
+Both give the same bytes: the streamed fold performs the stored fold's additions, in its order.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Hashable, Iterator, Sequence
+import itertools
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 _KEYS: contextvars.ContextVar[tuple[Hashable, ...] | None] = contextvars.ContextVar("mmdit_sample_keys", default=None)
-_SINK: contextvars.ContextVar["SampleGradSink | None"] = contextvars.ContextVar("mmdit_grad_sink", default=None)
+_SINK: contextvars.ContextVar[SampleGradSink | None] = contextvars.ContextVar("mmdit_grad_sink", default=None)
+
+
+@dataclass
+class _Stream:
+    """One parameter's streamed fold: accumulator, frontier index into the sorted keys, buffered partials."""
+
+    acc: torch.Tensor | None = None
+    next: int = 0
+    pending: dict[int, torch.Tensor] = field(default_factory=dict)  # rank in the sorted keys → owned partial
+    seen: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class SinkStats:
+    """What a sink held at its fullest.
+
+    Attributes:
+        peak_pending: the most partials buffered at once, all parameters together (streamed; stored:
+            the partials kept, which only grows).
+        peak_pending_per_param: the most partials one parameter buffered at once.
+        peak_pending_bytes: bytes of the buffered partials at their fullest (accumulators not counted).
+        deposits: partials received.
+    """
+
+    peak_pending: int
+    peak_pending_per_param: int
+    peak_pending_bytes: int
+    deposits: int
 
 
 class SampleGradSink:
-    """Per-(parameter, sample key) gradient partials and their ordered fold."""
+    """Per-(parameter, sample key) gradient partials and their fold in sorted key order.
 
-    def __init__(self) -> None:
-        self._parts: dict[int, dict[Hashable, torch.Tensor]] = {}
+    Args:
+        keys: ``None`` for the stored fold; else every sample key that will deposit into this sink
+            (distinct, mutually comparable), for the streamed fold. A deposit under another key raises.
+    """
+
+    def __init__(self, keys: Sequence[Hashable] | None = None) -> None:
         self._params: dict[int, torch.Tensor] = {}
+        self._parts: dict[int, dict[Hashable, torch.Tensor]] = {}
+        self._done: set[Hashable] = set()
+        self._rank: dict[Hashable, int] | None = None
+        self._order: list[Hashable] = []
+        self._streams: dict[int, _Stream] = {}
+        self._finished: set[int] = set()
+        self._pending = self._pending_bytes = 0
+        self._peak = self._peak_one = self._peak_bytes = self._deposits = 0
+        if keys is not None:
+            order = sorted(keys)
+            if len(set(order)) != len(order):
+                dup = next(a for a, b in itertools.pairwise(order) if a == b)
+                raise ValueError(f"SampleGradSink keys must be distinct; {dup!r} appears more than once")
+            self._rank = {k: i for i, k in enumerate(order)}
+            self._order = order
+
+    @property
+    def streamed(self) -> bool:
+        """True when the keys were declared up front (bounded-memory fold)."""
+        return self._rank is not None
+
+    @property
+    def stats(self) -> SinkStats:
+        return SinkStats(self._peak, self._peak_one, self._peak_bytes, self._deposits)
 
     def add(self, param: torch.Tensor, keys: Sequence[Hashable], partials: Sequence[torch.Tensor]) -> None:
+        """Take ``partials[i]`` (the gradient of ``param`` from sample ``keys[i]`` alone) into the fold.
+
+        The sink never keeps a reference to a caller's tensor: a partial it must hold is copied.
+        """
         if len(keys) != len(partials):
             raise ValueError(f"{len(keys)} sample keys for {len(partials)} gradient partials")
-        slot = self._parts.setdefault(id(param), {})
+        late = [k for k in keys if k in self._done]
+        if late:
+            raise ValueError(f"gradient partial for sample key {late[0]!r} after the sink was told it is done")
         self._params[id(param)] = param
+        self._deposits += len(keys)
+        if self._rank is None:
+            slot = self._parts.setdefault(id(param), {})
+            for k, p in zip(keys, partials):
+                # a key may contribute more than once (e.g. a layer used twice); add in arrival order for that key
+                if k in slot:
+                    slot[k] = slot[k] + p.detach()
+                else:
+                    slot[k] = p.detach().clone()
+                    self._pending += 1
+                    self._pending_bytes += p.numel() * p.element_size()
+            self._note(len(slot))
+            return
+        if id(param) in self._finished:
+            raise ValueError("gradient partial for a parameter whose streamed fold was already taken")
+        st = self._streams.setdefault(id(param), _Stream())
+        fresh: dict[int, torch.Tensor] = {}
         for k, p in zip(keys, partials):
-            # a key may contribute more than once (e.g. a layer used twice); add in arrival order for that key
-            slot[k] = p.detach().clone() if k not in slot else slot[k] + p.detach()
+            r = self._rank.get(k)
+            if r is None:
+                raise ValueError(f"sample key {k!r} was not declared to this streamed SampleGradSink")
+            if r in st.seen:
+                raise ValueError(
+                    f"a second gradient partial for sample key {k!r} of one parameter: the streamed fold takes one "
+                    "partial per (parameter, key); use the stored fold (SampleGradSink() without keys) when a layer "
+                    "runs more than once per sample")
+            st.seen.add(r)
+            fresh[r] = p.detach()
+        self._advance(st, fresh, finish=False)
+        self._note(len(st.pending))
+
+    def done(self, keys: Sequence[Hashable]) -> None:
+        """Declare that ``keys`` will deposit no more partials (their micro-batch's backward has run).
+
+        A later deposit under one of them raises. In the streamed fold this also lets every
+        parameter's fold move past those keys where they deposited nothing into it.
+        """
+        if self._rank is not None:
+            unknown = [k for k in keys if k not in self._rank]
+            if unknown:
+                raise ValueError(f"sample key {unknown[0]!r} was not declared to this streamed SampleGradSink")
+        self._done.update(keys)
+        if self._rank is not None:
+            for pid, st in self._streams.items():
+                if pid not in self._finished:
+                    self._advance(st, {}, finish=False)
 
     def params(self) -> list[torch.Tensor]:
         return list(self._params.values())
 
     def fold(self, param: torch.Tensor) -> torch.Tensor | None:
-        """Left fold of ``param``'s partials in sorted sample-key order (FP32), or None if it got none."""
-        slot = self._parts.get(id(param))
-        if not slot:
+        """Left fold of ``param``'s partials in sorted sample-key order (FP32), or None if it got none.
+
+        Stored: a new tensor each call. Streamed: the first call adds what is still buffered (every
+        key counts as done for this parameter from then on) and returns the sink's accumulator;
+        later calls return the same tensor.
+        """
+        if self._rank is None:
+            slot = self._parts.get(id(param))
+            if not slot:
+                return None
+            acc = None
+            for k in sorted(slot):
+                acc = slot[k].clone() if acc is None else acc + slot[k]
+            return acc
+        st = self._streams.get(id(param))
+        if st is None:
             return None
-        acc = None
-        for k in sorted(slot):
-            acc = slot[k].clone() if acc is None else acc + slot[k]
-        return acc
+        if id(param) not in self._finished:
+            self._advance(st, {}, finish=True)
+            self._finished.add(id(param))
+        return st.acc
+
+    # ------------------------------------------------------------------ streamed fold internals
+    def _advance(self, st: _Stream, fresh: dict[int, torch.Tensor], finish: bool) -> None:
+        """Add every partial at the frontier, moving past keys that are done without a deposit here;
+        buffer (copy) what is still out of order."""
+        while st.next < len(self._order):
+            r = st.next
+            if r in fresh or r in st.pending:
+                part = fresh.pop(r) if r in fresh else self._unbuffer(st, r)
+                if st.acc is None:
+                    st.acc = part.clone()
+                else:
+                    st.acc.add_(part)  # elementwise acc + part, the stored fold's addition
+            elif not (finish or self._order[r] in self._done):
+                break
+            st.next += 1
+        for r, p in fresh.items():
+            st.pending[r] = p.clone()
+            self._pending += 1
+            self._pending_bytes += p.numel() * p.element_size()
+
+    def _unbuffer(self, st: _Stream, r: int) -> torch.Tensor:
+        p = st.pending.pop(r)
+        self._pending -= 1
+        self._pending_bytes -= p.numel() * p.element_size()
+        return p
+
+    def _note(self, per_param: int) -> None:
+        self._peak = max(self._peak, self._pending)
+        self._peak_one = max(self._peak_one, per_param)
+        self._peak_bytes = max(self._peak_bytes, self._pending_bytes)
+
+
+def pending_bound(batches: Sequence[Sequence[Hashable]]) -> int:
+    """The most partials one parameter's streamed fold can buffer when ``batches`` run in this order.
+
+    Each batch's keys arrive during its backward and are marked done after it. Before batch ``j``,
+    every key of batches ``0..j-1`` is in, so the frontier stands at ``f``, the smallest key not among
+    them; while batch ``j`` runs, only keys of batches ``0..j`` above ``f`` can wait. The bound is the
+    largest such count; it is ``len(batch) - 1`` at most when each batch holds consecutive keys of the
+    sorted order and the batches run in order.
+    """
+    every = sorted(k for b in batches for k in b)
+    seen: set[Hashable] = set()
+    frontier = 0
+    worst = 0
+    for b in batches:
+        f = every[frontier] if frontier < len(every) else None
+        seen.update(b)
+        if f is not None:
+            worst = max(worst, sum(1 for k in seen if k > f))
+        while frontier < len(every) and every[frontier] in seen:
+            frontier += 1
+    return worst
+
+
+def execution_order(batches: Sequence[Sequence[Hashable]]) -> list[int]:
+    """Indices of ``batches`` by their smallest key: each batch run next holds the frontier key.
+
+    The composition of the batches is left as it is; only the order they run in changes, which does
+    not change a sink's fold but lowers what a streamed fold buffers (:func:`pending_bound`).
+    """
+    return sorted(range(len(batches)), key=lambda i: min(batches[i]))
 
 
 @contextlib.contextmanager

@@ -8,11 +8,15 @@ Per epoch ``e``:
 3. **train** (``train.runtime``), ``num_inner_epochs`` times: the (sample, train step) pairs, shuffled
    with a key of (seed, epoch, inner epoch), are cut into optimizer updates of
    ``micro_batch × gradient_accumulation_steps`` pairs, each update into micro-batches of
-   ``micro_batch`` pairs. The **old logp is the rollout's recorded logp**: with strict rollout ==
-   strict training the first update's ratios are exactly 1.0. LoRA gradients are folded through the
-   grad sink in global (sample, step, branch) order, so they are the same bytes for every micro-batch
-   split; a backend that deposits no per-sample partials (``runtime=off``) falls back to autograd's
-   sum and the epoch row says so (``grad_fold``).
+   ``micro_batch`` pairs (in gradient-key order first with ``train.sort_update_pairs``). The **old
+   logp is the rollout's recorded logp**: with strict rollout == strict training the first update's
+   ratios are exactly 1.0. LoRA gradients are folded through the grad sink in global
+   (sample, step, branch) order, so they are the same bytes for every micro-batch split; a backend
+   that deposits no per-sample partials (``runtime=off``) falls back to autograd's sum and the epoch
+   row says so (``grad_fold``). With ``train.grad_sink=streamed`` the sink is told the update's keys
+   up front and folds each partial as soon as its predecessors are in; the micro-batches run in order
+   of their smallest key (their composition unchanged), which bounds what it buffers
+   (``grad_sink_*`` in the epoch row).
 4. **checkpoint** every ``save_freq`` epochs; **eval** every ``eval_freq`` epochs with the ODE sampler.
 
 Every random choice is keyed (see :mod:`.rollout`), so ``resume=true`` after a kill redoes the
@@ -25,16 +29,22 @@ import logging
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from ..config.compose import save_resolved
-from ..kernels.grad_sink import collect_sample_grads
+from ..kernels.grad_sink import (
+    SampleGradSink,
+    collect_sample_grads,
+    execution_order,
+    pending_bound,
+)
 from ..kernels.runtime import Runtime
 from ..sampling import sigma_table
 from ..trajectories.outdir import claim_output_dir
@@ -45,7 +55,7 @@ from .export import export_lora
 from .loss import grpo_loss
 from .metrics import MetricLogger, peak_memory_mb, plot_rewards, read_metrics
 from .optim import LoraEMA, build_optimizer
-from .policy import adapters_disabled, evaluate_pairs
+from .policy import adapters_disabled, evaluate_pairs, grad_keys, pair_key
 from .rewards import ImageSource, RewardSet
 from .rollout import EpochSamples, ode_sample, rollout_epoch, side
 
@@ -56,7 +66,7 @@ EVAL_ID_BASE = 1 << 40
 
 #: Config keys that may change between a run and its resume (everything else must match).
 RESUME_FREE = ("resume", "progress", "wandb", "output_dir", "_choices_", "train.num_epochs", "train.eval_freq",
-               "train.save_freq", "train.export", "train.recompute_old_logp", "train.cpu_threads")
+               "train.save_freq", "train.export", "train.recompute_old_logp", "train.cpu_threads", "train.grad_sink")
 
 UpdateHook = Callable[[int, int, int], None]
 
@@ -256,17 +266,26 @@ class Trainer:
                         f"{float(got[bad[0]])!r} != rollout logp {float(want[bad[0]])!r} ({len(bad)} of {len(chunk)} pairs differ "
                         f"in this micro-batch; training runtime {self.train_rt.value}, rollout runtime {self.rollout_rt.value})")
 
+    def _update_batches(self, samples: EpochSamples, chunk: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+        """One update's pairs cut into micro-batches (by gradient key first with ``train.sort_update_pairs``)."""
+        mb = int(self.tcfg.micro_batch)
+        if self.tcfg.sort_update_pairs:
+            chunk = sorted(chunk, key=lambda p: pair_key(samples, p))
+        return [chunk[m0:m0 + mb] for m0 in range(0, len(chunk), mb)]
+
     def _train(self, epoch: int, samples: EpochSamples, adv: torch.Tensor) -> dict[str, Any]:
         t = self.tcfg
         pairs = self._pairs(samples)
         if t.recompute_old_logp:
             self._check_old_logp(samples, pairs)
-        mb, per_update = int(t.micro_batch), int(t.micro_batch) * int(t.gradient_accumulation_steps)
+        per_update = int(t.micro_batch) * int(t.gradient_accumulation_steps)
+        scale = float(self.scfg.guidance_scale) if t.cfg else 1.0
         adv_dev = adv.to(device=self.device, dtype=torch.float32)
         ratios, clipped, approx, policy, kl, norms, folds = [], [], [], [], [], [], set()
         first_ratios: torch.Tensor | None = None
         first_dlogp = torch.zeros(1)
         t_opt = 0.0
+        sink_mb, sink_peak, sink_bound = 0.0, 0, 0
         n_updates = sum(math.ceil(len(pairs) / per_update) for _ in range(int(t.num_inner_epochs)))
         bar = tqdm(total=n_updates, desc=f"epoch {epoch} train [{self.train_rt.value}]", disable=not self.progress, leave=False)
         for inner in range(int(t.num_inner_epochs)):
@@ -276,10 +295,16 @@ class Trainer:
             for u, u0 in enumerate(range(0, len(order), per_update)):
                 chunk = order[u0:u0 + per_update]
                 weight = 1.0 / len(chunk)
+                batches = self._update_batches(samples, chunk)
+                keys = [grad_keys(samples, b, scale) for b in batches]
+                run = execution_order(keys)
+                streamed = t.grad_sink == "streamed"
+                sink = SampleGradSink([k for ks in keys for k in ks]) if streamed else SampleGradSink()
+                sink_bound = max(sink_bound, pending_bound([keys[j] for j in run]) if streamed else sum(map(len, keys)))
                 update_ratios, update_dlogp = [], []
-                with collect_sample_grads() as sink, side(self.model, self.train_rt):
-                    for m0 in range(0, len(chunk), mb):
-                        part = chunk[m0:m0 + mb]
+                with collect_sample_grads(sink), side(self.model, self.train_rt):
+                    for j in run:
+                        part = batches[j]
                         ev = self._eval_pairs(samples, part)
                         ref_mean = None
                         if t.beta > 0:
@@ -290,6 +315,7 @@ class Trainer:
                         pl = grpo_loss(ev.logp, old, a, weight, float(t.clip_range), float(t.adv_clip_max), float(t.beta),
                                        ev.mean, ref_mean, ev.std)
                         pl.loss.backward()
+                        sink.done(keys[j])
                         update_ratios.append(pl.ratio)
                         update_dlogp.append((ev.logp.detach() - old).abs())
                         clipped.append(pl.clipped)
@@ -298,6 +324,10 @@ class Trainer:
                         kl.append(pl.kl)
                 t0 = time.perf_counter()
                 folds.add(self._fold_grads(sink))
+                stats = sink.stats
+                sink_mb = max(sink_mb, stats.peak_pending_bytes / 2**20)
+                sink_peak = max(sink_peak, stats.peak_pending_per_param)
+                del sink
                 norms.append(self._step())
                 t_opt += time.perf_counter() - t0
                 r = torch.cat(update_ratios)
@@ -320,7 +350,9 @@ class Trainer:
             "clipfrac": float(torch.cat(clipped).double().mean()), "approx_kl": float(torch.cat(approx).double().mean()),
             "policy_loss": float(torch.cat(policy).double().mean()), "kl_loss": float(torch.cat(kl).double().mean()),
             "grad_norm": float(sum(norms) / len(norms)), "grad_norm_last": float(norms[-1]),
-            "lr": float(self.scheduler.get_last_lr()[0]), "grad_fold": "+".join(sorted(folds)), "_time_optimizer": t_opt,
+            "lr": float(self.scheduler.get_last_lr()[0]), "grad_fold": "+".join(sorted(folds)),
+            "grad_sink": str(t.grad_sink), "grad_sink_peak_buffer_mb": sink_mb,
+            "grad_sink_peak_per_param": sink_peak, "grad_sink_bound_per_param": sink_bound, "_time_optimizer": t_opt,
         }
 
     def _fold_grads(self, sink) -> str:

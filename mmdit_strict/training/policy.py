@@ -14,8 +14,8 @@ The reference policy for the KL term is the same model with the LoRA adapter dis
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -65,6 +65,21 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
         for p in model.parameters():
             p.requires_grad_(trainable[id(p)])
 
+
+
+def cfg_branches(cfg_scale: float) -> tuple[int, ...]:
+    """The CFG branches a training forward runs: ``(0,)`` without CFG (scale 1), else ``(0, 1)`` (0 = conditional, 1 = negative)."""
+    return (0,) if cfg_scale == 1.0 else (0, 1)
+
+
+def pair_key(samples: EpochSamples, pair: tuple[int, int]) -> tuple[int, int]:
+    """``(sample_id, step)`` of a ``(sample index, step)`` pair: the pair part of its gradient sample keys."""
+    return samples.sample_ids[pair[0]], pair[1]
+
+
+def grad_keys(samples: EpochSamples, pairs: Sequence[tuple[int, int]], cfg_scale: float) -> list[tuple[tuple[int, int], int]]:
+    """The grad-sink sample keys ``((sample_id, step), branch)`` that evaluating ``pairs`` deposits under, branch-major."""
+    return [(pair_key(samples, p), br) for br in cfg_branches(cfg_scale) for p in pairs]
 
 
 def pair_velocity(
@@ -119,7 +134,7 @@ def evaluate_pairs(
     steps = [s for _, s in pairs]
     x_t = torch.stack([samples.x[s, n] for n, s in pairs])
     x_next = torch.stack([samples.x[s + 1, n] for n, s in pairs])
-    keys = [(samples.sample_ids[n], s) for n, s in pairs]
+    keys = [pair_key(samples, p) for p in pairs]
     sig = sigmas[steps].contiguous()
     sig_prev = sigmas[[s + 1 for s in steps]].contiguous()
     v = pair_velocity(model, x_t.to(model.dtype), [prompts.embeds[samples.prompt_ids[n]] for n in rows], prompts.negative,

@@ -44,6 +44,33 @@ def test_lora_grads_identical_for_micro_batches_1_2_4(tmp_path, checkpointing: b
             assert_bytes_equal(lora[name], lora1[name], f"micro_batch={mb} LoRA {name} after the epoch")
 
 
+def test_streamed_sink_gives_the_stored_bytes_with_a_bounded_buffer(tmp_path) -> None:
+    """train.grad_sink=streamed (shuffled or key-sorted micro-batches) and =stored: the same gradient bytes;
+    the streamed fold buffers no more than its bound, one micro-batch's keys minus one when sorted."""
+    runs = {}
+    for name, extra in (("stored", ["train.grad_sink=stored"]), ("streamed", ["train.grad_sink=streamed"]),
+                        ("sorted", ["train.grad_sink=streamed", "train.sort_update_pairs=true"])):
+        cfg = compose([f"output_dir={tmp_path / name}", *SMALL, "lora.init=random", "train.micro_batch=2",
+                       "train.gradient_accumulation_steps=3", *extra])
+        tr = _Recording(cfg, progress=False)
+        tr.grads = []
+        row = tr.train_epoch(0)
+        assert row["grad_fold"] == "sink" and row["optimizer_updates"] == 2, row
+        runs[name] = (tr.grads, row)
+    keys_per_update = 6 * 2  # 6 pairs × 2 CFG branches
+    stored, streamed, ordered = runs["stored"][1], runs["streamed"][1], runs["sorted"][1]
+    assert stored["grad_sink_peak_per_param"] == stored["grad_sink_bound_per_param"] == keys_per_update
+    assert streamed["grad_sink_peak_per_param"] <= streamed["grad_sink_bound_per_param"] < keys_per_update
+    assert ordered["grad_sink_bound_per_param"] == 2 * 2 - 1  # one micro-batch (2 pairs × 2 branches) minus one
+    assert ordered["grad_sink_peak_per_param"] <= 3
+    assert ordered["grad_sink_peak_buffer_mb"] < streamed["grad_sink_peak_buffer_mb"] < stored["grad_sink_peak_buffer_mb"]
+    for name in ("streamed", "sorted"):
+        for u, (ga, gb) in enumerate(zip(runs["stored"][0], runs[name][0])):
+            assert sorted(ga) == sorted(gb)
+            for p in ga:
+                assert_bytes_equal(gb[p], ga[p], f"grad_sink {name} update {u} grad {p}")
+
+
 class _Killed(Exception):
     pass
 
