@@ -62,11 +62,12 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from ..trajectories.pipeline import run_all
-    from .wandb_log import log_run
+    from .wandb_log import log_run, require_wandb
 
     from ..pipelines.chain import finish_images, pipeline_folder, prepare_prompts
 
     cfg = _compose(args)
+    require_wandb(cfg.wandb.mode)
     cfg, timings = prepare_prompts(cfg)  # prompts.text → embeddings with the pipeline folder's text encoder
     result = run_all(cfg, progress=not args.quiet and cfg.progress)
     if cfg.rollout.save_tensors and (timings or pipeline_folder(cfg.model.checkpoint)):

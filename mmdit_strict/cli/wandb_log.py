@@ -11,6 +11,17 @@ from omegaconf import DictConfig, OmegaConf
 logger = logging.getLogger(__name__)
 
 
+def require_wandb(mode: str) -> None:
+    """Fail before any work when ``mode`` logs to wandb and the package is missing (not after the run)."""
+    if mode == "disabled":
+        return
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise ValueError(f"wandb.mode={mode} needs the wandb package: pip install wandb, "
+                         "or pass wandb.mode=disabled") from None
+
+
 def log_run(cfg: DictConfig, result: Any) -> None:
     """Log drift curves and the summary to wandb in ``cfg.wandb.mode`` (offline | online | disabled)."""
     if cfg.wandb.mode == "disabled":

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Sequence
@@ -352,14 +353,31 @@ def save_pretrained(model: "MMDiT", directory: str | Path, max_shard_size: int =
     return directory
 
 
+_HOST = threading.local()  # per hashing thread: a pinned staging buffer and a copy stream
+
+
+def _host_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s raw bytes on the host as a flat uint8 tensor (a view of a reused pinned buffer for GPU tensors)."""
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    if flat.device.type == "cpu":
+        return flat
+    n = flat.numel()
+    buf = getattr(_HOST, "buf", None)
+    if buf is None or buf.numel() < n:
+        buf = _HOST.buf = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        _HOST.stream = torch.cuda.Stream(flat.device)
+    _HOST.stream.wait_stream(torch.cuda.current_stream(flat.device))
+    with torch.cuda.stream(_HOST.stream):
+        buf[:n].copy_(flat, non_blocking=True)  # pinned: a DMA copy at link speed, concurrent across threads
+    _HOST.stream.synchronize()
+    return buf[:n]
+
+
 def _tensor_digest(t: torch.Tensor) -> bytes:
-    """sha256 of one tensor's raw bytes, in memory order of its contiguous form (host copy of one tensor)."""
-    t = t.detach().contiguous()
-    if t.device.type != "cpu":
-        t = t.to("cpu")
+    """sha256 of one tensor's raw bytes, in memory order of its contiguous form."""
     h = hashlib.sha256()
     if t.numel():
-        h.update(t.reshape(-1).view(torch.uint8).numpy())  # buffer protocol: no second host copy
+        h.update(_host_bytes(t).numpy())  # buffer protocol: no second host copy
     return h.digest()
 
 

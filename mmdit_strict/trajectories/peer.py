@@ -21,7 +21,7 @@ from ..model import MMDiT
 from ..model.diffusers_compat import diffusers_twin
 from ..sampling import cfg_combine, initial_latents
 from .engine import pad_prompts
-from .rollout import step_latents
+from .rollout import rollout_batches, step_latents
 from .setup import Prompts, latent_grid, schedule
 
 
@@ -33,6 +33,8 @@ def _sync(device: torch.device) -> None:
 def peer_rollout(cfg: DictConfig, model: MMDiT, prompts: Prompts, progress: bool = True) -> dict[str, Any]:
     """Run the rollout's sampling with diffusers' eager transformer; return wall and per-step seconds.
 
+    One untimed forward per batch layout runs first (``warmup_seconds``), as the run's compile phase
+    does for our rollout.
     The returned ``x_final`` (FP32, CPU) is the peer's last latents, for a parity figure against ours.
     """
     arch = model.config
@@ -43,7 +45,7 @@ def peer_rollout(cfg: DictConfig, model: MMDiT, prompts: Prompts, progress: bool
     S = sigmas.shape[0] - 1
     ids = list(range(len(prompts.embeds)))
     bs = int(cfg.rollout.batch_size)
-    batches = [ids[i:i + bs] for i in range(0, len(ids), bs)]
+    batches = rollout_batches(cfg, len(ids))
     x = initial_latents(int(cfg.seed), ids, (grid[0] * grid[1], arch.in_channels), str(device))
     scale = float(cfg.sampler.cfg_scale)
     padded = {tuple(b): (pad_prompts([prompts.embeds[i] for i in b]), pad_prompts([prompts.negative] * len(b)))
@@ -55,6 +57,15 @@ def peer_rollout(cfg: DictConfig, model: MMDiT, prompts: Prompts, progress: bool
         return twin(hidden_states=xb.to(model.dtype), encoder_hidden_states=ehs, encoder_hidden_states_mask=mask,
                     timestep=t, img_shapes=[[(1, grid[0], grid[1])]] * n, return_dict=False)[0].float()
 
+    # like our rollout after its compile phase, the peer is timed after one untimed step per batch layout
+    # (cuDNN / cuBLAS heuristics, allocator warm-up)
+    tw = time.perf_counter()
+    with torch.no_grad():
+        for batch in batches:
+            (cond, cmask), _ = padded[tuple(batch)]
+            forward(x[batch], float(sigmas[0]), cond, cmask)
+    _sync(device)
+    warmup = time.perf_counter() - tw
     step_seconds = []
     bar = tqdm(total=S * len(batches), desc="peer rollout [diffusers eager]", disable=not progress, leave=False)
     _sync(device)
@@ -77,5 +88,5 @@ def peer_rollout(cfg: DictConfig, model: MMDiT, prompts: Prompts, progress: bool
     wall = time.perf_counter() - t0
     bar.close()
     return {"engine": "diffusers QwenImageTransformer2DModel, eager", "cfg": "two forwards per step (as QwenImagePipeline)",
-            "batch_size": bs, "wall_seconds": round(wall, 3), "step_seconds": [round(s, 4) for s in step_seconds],
+            "batch_size": bs, "warmup_seconds": round(warmup, 3), "wall_seconds": round(wall, 3), "step_seconds": [round(s, 4) for s in step_seconds],
             "x_final": x.float().cpu()}

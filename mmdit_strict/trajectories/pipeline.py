@@ -28,7 +28,7 @@ from .peer import peer_rollout
 from .recompute import check_fault, run_recompute
 from .record import model_hashes
 from .report import summary_line, write_report
-from .rollout import run_rollout
+from .rollout import run_rollout, warm_up
 from .setup import build_side_model, check_pad_to, make_prompts, side_runtime
 from .stagekey import describe_mismatch, recompute_key, rollout_key
 
@@ -86,6 +86,8 @@ def rollout_stage(cfg: DictConfig, out: Path, progress: bool,
     t0 = time.perf_counter()
     done = _reusable(out / "rollout", bool(cfg.resume), rollout_key(cfg, hashes, prompts.hashes()), "rollout")
     if done is None:
+        phases["compile"] = warm_up(cfg, model, prompts)
+        t0 = time.perf_counter()
         done = run_rollout(cfg, out / "rollout", progress=progress, model=model, hashes=hashes)
     phases["rollout"] = time.perf_counter() - t0
     peer = None

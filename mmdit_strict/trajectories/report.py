@@ -112,7 +112,7 @@ def summary_line(comp: Comparison, loc: Localization | None = None) -> str:
 PLOTS = ("drift_per_step.png", "drift_per_block.png", "audit_per_block.png")
 
 
-def _peer_summary(peer: dict[str, Any] | None, rollout: Trajectory) -> dict[str, Any] | None:
+def _peer_summary(peer: dict[str, Any] | None, rollout: Trajectory, phases: dict[str, float]) -> dict[str, Any] | None:
     """The peer loop's timing against the rollout's, and how far its final latents are from ours."""
     if peer is None:
         return None
@@ -120,6 +120,8 @@ def _peer_summary(peer: dict[str, Any] | None, rollout: Trajectory) -> dict[str,
     ours = rollout.manifest["wall_seconds"]
     out["rollout_wall_seconds"] = ours
     out["rollout_vs_peer"] = ours / peer["wall_seconds"] if peer["wall_seconds"] else None
+    if "compile" in phases:  # one-off costs included on both sides: our compile phase, the peer's warm-up step
+        out["with_compile_vs_peer"] = (ours + phases["compile"]) / (peer["wall_seconds"] + peer["warmup_seconds"])
     steps = rollout.manifest["side"].get("step_seconds") or []
     if len(steps) > 1 and len(peer["step_seconds"]) > 1:  # step 0 holds the one-off JIT compile / graph capture
         out["later_steps_vs_peer"] = sum(steps[1:]) / sum(peer["step_seconds"][1:])
@@ -162,7 +164,7 @@ def write_report(out_dir: str | Path, rollout: Trajectory, recompute: Trajectory
         "plots": plots,
         "sigma_table": ra["sigma_table"],
         "phases": {k: round(v, 3) for k, v in (phases or {}).items()},
-        "peer": _peer_summary(peer, rollout),
+        "peer": _peer_summary(peer, rollout, phases or {}),
     }
     atomic_write_text(out / "report.json", json.dumps(payload, indent=2, default=str))
     atomic_write_text(out / "report.md", render_markdown(payload, comp))
@@ -199,6 +201,8 @@ def render_markdown(p: dict[str, Any], comp: Comparison) -> str:
                      f"{peer['wall_seconds']:.3f} s; our rollout {peer['rollout_wall_seconds']:.3f} s = "
                      f"**{peer['rollout_vs_peer']:.2f}× the peer**"
                      + (f" (steps after the first: {peer['later_steps_vs_peer']:.2f}×)" if peer.get("later_steps_vs_peer") else "")
+                     + (f"; counting our compile phase and the peer's warm-up step: {peer['with_compile_vs_peer']:.2f}×"
+                        if peer.get("with_compile_vs_peer") else "")
                      + (f"; final latents max-abs vs ours {peer['x_final_max_abs_vs_ours']:.3e}" if "x_final_max_abs_vs_ours" in peer else "")
                      + ".")
         lines.append("")

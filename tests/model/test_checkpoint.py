@@ -264,3 +264,17 @@ def test_state_dict_hash_is_content_only_and_thread_count_free():
     assert state_dict_hash(renamed) != base
     retyped = dict(state, **{"blocks.0.w": state["blocks.0.w"].view(torch.float16)})  # same bytes, other dtype
     assert state_dict_hash(retyped) != base
+
+
+@pytest.mark.gpu
+def test_state_dict_hash_same_on_gpu_and_cpu():
+    """The pinned-buffer device→host path hashes the same bytes as the host path, across threads."""
+    from mmdit_strict.model import state_dict_hash
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator().manual_seed(1)
+    state = {f"w{i}": torch.randn(257 * (i + 1), 129, generator=g).to(torch.bfloat16) for i in range(12)}
+    state["t"] = torch.randn(5, 7, generator=g).t()  # non-contiguous
+    on_gpu = {k: v.cuda() for k, v in state.items()}
+    assert state_dict_hash(on_gpu, workers=4) == state_dict_hash(state, workers=1)
