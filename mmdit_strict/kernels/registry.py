@@ -64,7 +64,7 @@ class KernelImpl:
         fn: the callable; all implementations of one op share a signature.
         strict: qualified for strict mode (batch-invariant, fixed reduction order).
         kernel_name: name of the kernel(s) launched.
-        source: the module whose source is hashed into the kernel identity.
+        source: the module (or tuple of modules) whose source is hashed into the kernel identity.
         config: static launch configuration (tile sizes, warps); never depends on batch or tokens.
         reduction_order: the documented reduction tree, one line.
         accumulator: accumulator dtype.
@@ -116,11 +116,13 @@ _HASH_CACHE: dict[int, str] = {}
 def _source_hash(obj: Any) -> str:
     key = id(obj)
     if key not in _HASH_CACHE:
-        try:
-            src = inspect.getsource(obj)
-        except (OSError, TypeError):
-            src = repr(obj)
-        _HASH_CACHE[key] = hashlib.sha256(src.encode()).hexdigest()[:16]
+        parts = []
+        for part in obj if isinstance(obj, tuple) else (obj,):  # a tuple: the modules of one engine
+            try:
+                parts.append(inspect.getsource(part))
+            except (OSError, TypeError):
+                parts.append(repr(part))
+        _HASH_CACHE[key] = hashlib.sha256("".join(parts).encode()).hexdigest()[:16]
     return _HASH_CACHE[key]
 
 

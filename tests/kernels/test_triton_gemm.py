@@ -20,6 +20,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from mmdit_strict.kernels.triton import gemm as G  # noqa: E402
+from mmdit_strict.kernels.triton.gemm import fpmath, kernels  # noqa: E402
 
 INTERPRET = G._interpreting()
 
@@ -283,7 +284,7 @@ def test_launch_configs_do_not_depend_on_m(ms, n, k, prologue, epilogue, lora, m
         monkeypatch.setattr(configs, name, lambda *a, _r=real, _n=name, **k: calls.append((_n, a, tuple(sorted(k.items())))) or _r(*a, **k))
     launches: list = []
     for kname in ("_gemm_fwd_kernel", "_gemm_dw_kernel", "_gemm_db_kernel", "_act_fwd_kernel", "_act_bwd_kernel"):
-        monkeypatch.setattr(G, kname, _LaunchSpy(kname, getattr(G, kname), launches))
+        monkeypatch.setattr(kernels, kname, _LaunchSpy(kname, getattr(kernels, kname), launches))
     per_m = {}
     for m in ms:
         calls.clear()
@@ -314,12 +315,70 @@ def test_prologue_pass_equals_fused_prologue_bytes(lora, monkeypatch):
     runs = []
     for mode in ("pass", "fused"):
         orig = configs.fwd_config
-        monkeypatch.setattr(configs, "fwd_config", lambda n, k, dtype, _o=orig, _m=mode: dict(_o(n, k, dtype), prologue=_m))
+        monkeypatch.setattr(configs, "fwd_config", lambda n, k, dtype, _o=orig, _m=mode: _o(n, k, dtype).replace(prologue=_m))
         y = G.gemm(x, w, b, seqlens=SEQLENS, prologue="silu", epilogue="gelu_tanh", lora=lo)
         runs.append((y.detach(),) + torch.autograd.grad(y, inputs, dy))
         monkeypatch.setattr(configs, "fwd_config", orig)
     for a, c in zip(*runs):
         assert torch.equal(a, c)
+
+
+def test_activation_codes_agree_between_host_and_kernels():
+    """The host's ``Act`` codes and the kernels' ``tl.constexpr`` mirrors are the same numbers."""
+    from mmdit_strict.kernels.triton.gemm import codes
+
+    for act in codes.Act:
+        assert getattr(codes, f"ACT_{act.name}").value == int(act), act
+    assert set(G.PROLOGUES.values()) | set(G.EPILOGUES.values()) < set(codes.Act)
+
+
+def test_prepacked_copy_is_owned_by_the_weight():
+    """The ``Wᵀ`` copy lives on the weight: reused while the weight is unchanged, rebuilt after an
+    in-place update, dropped on request and freed with the weight (no module-level cache)."""
+    import gc
+    import weakref
+
+    w = torch.randn(N, K)
+    p1 = G.prepacked_weight(w)
+    assert G.prepacked_weight(w) is p1 and torch.equal(p1, w.t()) and p1.is_contiguous()
+    assert G.prepacked_bytes([w, torch.randn(3)]) == N * K * 4
+    w.add_(1.0)  # optimizer-step-like in-place update: a new version
+    p2 = G.prepacked_weight(w)
+    assert p2 is not p1 and torch.equal(p2, w.t())
+    G.drop_prepacked(w)
+    assert G.prepacked_bytes([w]) == 0
+    p3 = weakref.ref(G.prepacked_weight(w))
+    del w
+    gc.collect()
+    assert p3() is None, "the prepacked copy outlived its weight"
+
+
+@interp
+@pytest.mark.parametrize("tma", [False, True], ids=["pointer", "tma"])
+@pytest.mark.parametrize("prologue,epilogue,lora", [("none", "gelu_tanh", True), ("silu", "silu", False)])
+def test_weight_read_in_place_gives_the_prepacked_bytes(tma, prologue, epilogue, lora, monkeypatch):
+    """``weight_layout="nk"`` (W (N, K) as stored: tensor-descriptor boxes transposed before the dot, or
+    strided loads) and ``"kn"`` (the weight's own ``Wᵀ`` copy) feed the same values to the same dots
+    of the same tiles: identical forward bytes, and the in-place read makes no copy."""
+    from mmdit_strict.kernels.triton import configs
+
+    n, k = 44, 52  # 16-byte row strides (the copy engine's rule), still no multiple of any tile
+    g = torch.Generator().manual_seed(31)
+    w, b, x = torch.randn(n, k, generator=g) / k**0.5, torch.randn(n, generator=g), torch.randn(M, k, generator=g)
+    lo = (torch.randn(R, k, generator=g) / k**0.5, torch.randn(n, R, generator=g), 0.5) if lora else None
+    launches: list = []
+    monkeypatch.setattr(kernels, "_gemm_fwd_kernel", _LaunchSpy("fwd", kernels._gemm_fwd_kernel, launches))
+    base = configs.FwdConfig(16, 32, 16, 4, 2, tma=tma)
+    kw = dict(prologue=prologue, epilogue=epilogue, lora=lo)
+    y_kn = G.gemm_fwd(x, w, b, config=base.replace(weight_layout="kn"), **kw)[0]
+    assert G.prepacked_bytes([w]) == n * k * 4
+    G.drop_prepacked(w)
+    y_nk = G.gemm_fwd(x, w, b, config=base.replace(weight_layout="nk"), **kw)[0]
+    assert G.prepacked_bytes([w]) == 0, "the in-place read made a copy of the weight"
+    specs = [dict(k)["CFG"] for _, k in launches]
+    main = [s for s in specs if s.BLOCK_N == 32]  # the layer's product (the LoRA u product is narrower)
+    assert [(s.USE_TMA, s.W_NK) for s in main] == [(tma, False), (tma, tma)]
+    assert torch.equal(y_kn, y_nk)
 
 
 import triton.language as tl  # noqa: E402
@@ -329,7 +388,7 @@ import triton.language as tl  # noqa: E402
 def _act_kernel(z_ptr, out_ptr, size, ACT: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < size
-    tl.store(out_ptr + offs, G._act_f32(tl.load(z_ptr + offs, mask=mask, other=0.0), ACT), mask=mask)
+    tl.store(out_ptr + offs, fpmath._act_f32(tl.load(z_ptr + offs, mask=mask, other=0.0), ACT), mask=mask)
 
 
 @triton.jit
@@ -338,10 +397,10 @@ def _div_kernel(n_ptr, d_ptr, q_ptr, size, BLOCK: tl.constexpr):
     mask = offs < size
     n = tl.load(n_ptr + offs, mask=mask, other=1.0)
     d = tl.load(d_ptr + offs, mask=mask, other=1.0)
-    tl.store(q_ptr + offs, G._div_ge1_f32(n, d), mask=mask)
+    tl.store(q_ptr + offs, fpmath._div_ge1_f32(n, d), mask=mask)
 
 
-_VARIANTS = {  # launch variants that must not move a single byte (configs.py ``_fwd`` keys)
+_VARIANTS = {  # launch variants that must not move a single byte (configs.FwdConfig fields)
     "persistent": dict(persistent=True),
     "split2": dict(epi_split=2),
     "split4+persistent": dict(epi_split=4, persistent=True),
@@ -363,7 +422,7 @@ def test_launch_variants_give_the_same_bytes(variant, prologue, epilogue, lora, 
     inputs = [x, w, b] + ([lo[0], lo[1]] if lora else [])
     runs = []
     for extra in ({}, _VARIANTS[variant]):
-        monkeypatch.setattr(configs, "fwd_config", lambda n, k, dtype, _e=extra: configs._fwd(16, 64, 16, 4, 2, **_e))
+        monkeypatch.setattr(configs, "fwd_config", lambda n, k, dtype, _e=extra: configs.FwdConfig(16, 64, 16, 4, 2, **_e))
         y = G.gemm(x, w, b, seqlens=SEQLENS, prologue=prologue, epilogue=epilogue, lora=lo)
         runs.append((y.detach(),) + torch.autograd.grad(y, inputs, dy))
     for a, c in zip(*runs):
@@ -382,7 +441,7 @@ def test_activation_matches_fp64(act):
     z = torch.cat([torch.randn(size // 2, generator=g) * 3, (torch.rand(size // 2, generator=g) - 0.5) * 240])
     z[:6] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 88.0, -88.0])
     out = torch.empty_like(z)
-    _act_kernel[(size // 1024,)](z, out, size, ACT=G.EPILOGUES[act], BLOCK=1024)
+    _act_kernel[(size // 1024,)](z, out, size, ACT=int(G.EPILOGUES[act]), BLOCK=1024)
     zd = z.double()
     if act == "gelu_tanh":
         ref = 0.5 * zd * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (zd + 0.044715 * zd**3)))

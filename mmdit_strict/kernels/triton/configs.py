@@ -5,17 +5,22 @@ reduction length — and never by ``M`` (tokens or batch rows): the tile shape f
 element's reduction tree, so choosing it from ``M`` would make a row's bytes depend on what it is
 batched with (docs/design.md §3.4).
 
-Three tables:
+Tables (read-only mappings of frozen dataclasses; a benchmark passes the candidates it times as
+the ``config=`` argument of ``gemm_fwd`` / ``gemm_bwd`` / ``gemm_dw`` and never edits them):
 
-* :data:`FWD` — the main kernel ``out(M, N) = p(a)(M, K) @ b(K, N)``, used for the forward product
-  and for ``dX = dZ @ W`` (there ``N`` and ``K`` are the layer's ``K`` and ``N``).
-  ``weight_layout`` says how the forward reads the weight: ``"kn"`` = a prepacked, contiguous
-  ``Wᵀ (K, N)`` copy (made once per weight version, see ``gemm.prepacked_weight``), ``"nk"`` =
-  nn.Linear's stored ``(N, K)`` read through strides. docs/design.md §8 measured K×N at 0.82–0.96× cuBLAS
-  and N×K at 0.64–0.74× for one plain kernel, hence ``"kn"`` for the large layers.
-* :data:`DW` — the weight-gradient kernel ``dW(N, K) = Σ_samples Σ_rows dZᵀ p(x)``: output tile
-  ``(BLOCK_N, BLOCK_K)``, rows consumed ``BLOCK_M`` at a time from each sample's first row.
-* Generic fallbacks by size class of ``(N, K)`` when a shape has no exact entry.
+* :data:`FWD` — :class:`FwdConfig` of the main kernel ``out(M, N) = p(a)(M, K) @ b(K, N)``, used for
+  the forward product and for ``dX = dZ @ W`` (there ``N`` and ``K`` are the layer's ``K`` and ``N``).
+  ``weight_layout`` says how the forward reads the weight: ``"kn"`` = a contiguous ``Wᵀ (K, N)``
+  copy owned by the weight tensor (made once per weight version, see ``gemm.weights``), ``"nk"`` =
+  nn.Linear's stored ``(N, K)`` read in place — with ``tma`` through a tensor descriptor whose
+  ``(BLOCK_N, BLOCK_K)`` boxes are transposed in shared memory before the same ``tl.dot``, so the
+  bytes equal the ``"kn"`` bytes of the same tile (tests/kernels/test_triton_gemm.py checks this);
+  without ``tma`` through strides. docs/design.md §8 measured the strided N×K read at 0.64–0.74×
+  cuBLAS against 0.82–0.96× for K×N, hence ``"kn"`` for the pointer-load classes.
+* :data:`DW` — :class:`DwConfig` of the weight-gradient kernel ``dW(N, K) = Σ_samples Σ_rows dZᵀ p(x)``:
+  output tile ``(BLOCK_N, BLOCK_K)``, rows consumed ``BLOCK_M`` at a time from each sample's first row.
+* Generic fallbacks by size class of ``(N, K)`` when a shape has no exact entry, and the fixed
+  launches of the bias-gradient kernel (:data:`DB`) and the elementwise passes (:data:`ELEMENTWISE`).
 
 Changing any entry changes the bytes the engine produces for that shape class (a new kernel
 identity in the trace); it never changes whether they are batch-invariant.
@@ -23,28 +28,77 @@ identity in the trace); it never changes whether they are batch-invariant.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, replace
+from types import MappingProxyType
+
 import torch
 
 _BF16 = "bf16"
 _FP32 = "fp32"
 
 
-def _fwd(bm, bn, bk, warps, stages, layout="kn", group_m=8, tma=False, prologue="pass", tma_store=False,
-         epi_split=1, persistent=False):
-    """``tma``: load the tiles through Hopper tensor descriptors (same arithmetic; pointer loads where
-    the copy engine cannot serve the operands). ``prologue``: ``"pass"`` = the SiLU prologue as its
-    own elementwise pass, ``"fused"`` = in the main loop (same bytes; see ``gemm.gemm_fwd``).
-    ``tma_store``: the output leaves through a tensor descriptor (with ``tma``). ``epi_split``: the
-    epilogue runs on 1, 2 or 4 column parts of the tile. ``persistent``: one program per SM walks the
-    tiles. None of the last three moves any arithmetic."""
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m,
-            "num_warps": warps, "num_stages": stages, "weight_layout": layout, "tma": tma, "prologue": prologue,
-            "tma_store": tma_store, "epi_split": epi_split, "persistent": persistent}
+@dataclass(frozen=True)
+class FwdConfig:
+    """One configuration of the main kernel. Tile fields fix the reduction tree; the rest moves no
+    arithmetic (same bytes, other speed)."""
+
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int  #: K step of the one accumulator chain per output element
+    num_warps: int
+    num_stages: int
+    weight_layout: str = "kn"  #: forward weight read: "kn" (owned Wᵀ copy) or "nk" (W as stored)
+    GROUP_M: int = 8  #: grouped tile order (L2 reuse)
+    tma: bool = False  #: tiles through Hopper tensor descriptors (pointer loads where the copy engine cannot serve)
+    prologue: str = "pass"  #: SiLU prologue as its own elementwise pass ("pass") or in the main loop ("fused")
+    tma_store: bool = False  #: the output leaves through a tensor descriptor (with tma)
+    epi_split: int = 1  #: the epilogue on 1, 2 or 4 column parts of the tile
+    persistent: bool = False  #: one program per SM walks the tiles
+
+    def replace(self, **changes) -> FwdConfig:
+        """A copy with ``changes`` (e.g. ``cfg.replace(weight_layout="nk")`` for a benchmark candidate)."""
+        return replace(self, **changes)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
 
 
-def _dw(bn, bk, bm, warps, stages, group=8):
-    return {"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_M": bm, "GROUP_N": group,
-            "num_warps": warps, "num_stages": stages}
+@dataclass(frozen=True)
+class DwConfig:
+    """One configuration of the weight-gradient kernel: output tile (BLOCK_N, BLOCK_K), each sample's
+    rows consumed BLOCK_M at a time from its first row (the per-sample tree)."""
+
+    BLOCK_N: int
+    BLOCK_K: int
+    BLOCK_M: int
+    num_warps: int
+    num_stages: int
+    GROUP_N: int = 8
+
+    def replace(self, **changes) -> DwConfig:
+        return replace(self, **changes)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class DbConfig:
+    """The bias-gradient kernel: BLOCK_N features per program, rows summed BLOCK_M at a time."""
+
+    BLOCK_N: int
+    BLOCK_M: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class ElementwiseConfig:
+    """The elementwise passes (prologue, dZ = dY · act'(Z)): BLOCK elements per program."""
+
+    BLOCK: int
+    num_warps: int
 
 
 # Qwen-Image layer shapes (N, K): qkv 9216×3072, attn_out / timestep-2 3072×3072, mlp_up 12288×3072,
@@ -58,26 +112,26 @@ def _dw(bn, bk, bm, warps, stages, group=8):
 # per SM (the next tile's operands load during this tile's epilogue), the epilogue on two column
 # halves leaving through the copy engine, 3 stages (room for the store buffer): the fastest of four
 # candidates in CUDA-graph time for every M = 4224 class without GELU (1–5 % over the plain launch).
-_BIG_BF16 = _fwd(128, 256, 64, 8, 3, tma=True, persistent=True, epi_split=2, tma_store=True)
+_BIG_BF16 = FwdConfig(128, 256, 64, 8, 3, tma=True, persistent=True, epi_split=2, tma_store=True)
 # Rounds 4–5, the tanh-GELU class (mlp_up fwd, mlp_down dX): persistent with the epilogue on two
 # column halves, 4 stages, pointer stores (the TMA store variant was 5 % slower here); with the Newton
 # division (round 4: 255 registers / 18 spilled under div.rn) mlp_up fwd went from 0.581 to 0.547 ms.
-_BIG_GELU_BF16 = _fwd(128, 256, 64, 8, 4, tma=True, persistent=True, epi_split=2)
+_BIG_GELU_BF16 = FwdConfig(128, 256, 64, 8, 4, tma=True, persistent=True, epi_split=2)
 # M = batch rows (1..2048): weight-streaming bound. Run 2's sweep (prologue fused into the main loop):
 # time grew with the number of column tiles (16×32×128 0.32 ms, 16×64×64 0.18, 16×128×64 0.15) — every
 # program re-evaluated SiLU on its whole (16, K) row block; round 2 runs the prologue as its own pass.
 # Round-2 sweep at M = 8 (prologue pass): 16×256×64 w8 s4 0.047 ms vs cuBLAS+SiLU 0.045 ms for 18432×3072.
-_MOD_BF16 = _fwd(16, 256, 64, 8, 4)
+_MOD_BF16 = FwdConfig(16, 256, 64, 8, 4)
 # 6144×3072: every candidate timed 0.081–0.094 ms in the sweep (host launch bound, see NOTES.md);
 # 16×64×128 (96 programs) was the fastest, 0.046 ms in the speed section after it.
-_FINAL_MOD_BF16 = _fwd(16, 64, 128, 4, 4)
+_FINAL_MOD_BF16 = FwdConfig(16, 64, 128, 4, 4)
 # dX of the modulation projections (M = batch rows, N = 3072 outputs, K = 18432/6144): without
 # split-K the parallelism is N / BLOCK_N programs, so narrow tiles.
-_MOD_DX_BF16 = _fwd(16, 32, 128, 4, 6)  # round 2: stages 4 → 6 (0.061 → 0.052 ms at M = 8)
-_THIN_N_BF16 = _fwd(64, 64, 64, 4, 4)         # N = 64 (proj_out fwd, img_in dX): 33 programs at BLOCK_M 128 was too few
-_THIN_K_BF16 = _fwd(128, 128, 64, 8, 3)       # K = 64 (img_in): one K step
+_MOD_DX_BF16 = FwdConfig(16, 32, 128, 4, 6)  # round 2: stages 4 → 6 (0.061 → 0.052 ms at M = 8)
+_THIN_N_BF16 = FwdConfig(64, 64, 64, 4, 4)         # N = 64 (proj_out fwd, img_in dX): 33 programs at BLOCK_M 128 was too few
+_THIN_K_BF16 = FwdConfig(128, 128, 64, 8, 3)       # K = 64 (img_in): one K step
 
-FWD: dict[tuple[int, int, str], dict] = {
+_FWD: dict[tuple[int, int, str], FwdConfig] = {
     (9216, 3072, _BF16): _BIG_BF16,
     (3072, 3072, _BF16): _BIG_BF16,
     (12288, 3072, _BF16): _BIG_GELU_BF16,  # mlp_up fwd (bias + tanh-GELU) and mlp_down dX
@@ -95,40 +149,42 @@ FWD: dict[tuple[int, int, str], dict] = {
 
 # Tuning probe (experiments/gemm/h200_tuning_071631c.md): 64×128×32 w4 s3 was the fastest of eight FP32
 # (IEEE FMA) tiles on attn_out and mlp_up (0.87 / 0.90 of cuBLAS vs 0.85 / 0.87 for 128×128×32 w8 s3).
-_BIG_FP32 = _fwd(64, 128, 32, 4, 3)
-_MOD_FP32 = _fwd(16, 64, 64, 4, 4)
-_MOD_DX_FP32 = _fwd(16, 32, 64, 4, 4)
-_THIN_N_FP32 = _fwd(64, 64, 32, 4, 3)
-for (_n, _k, _d), _cfg in list(FWD.items()):
-    FWD[(_n, _k, _FP32)] = {id(_MOD_BF16): _MOD_FP32, id(_FINAL_MOD_BF16): _MOD_FP32, id(_THIN_N_BF16): _THIN_N_FP32,
-                            id(_MOD_DX_BF16): _MOD_DX_FP32}.get(id(_cfg), _BIG_FP32)
+_BIG_FP32 = FwdConfig(64, 128, 32, 4, 3)
+_MOD_FP32 = FwdConfig(16, 64, 64, 4, 4)
+_MOD_DX_FP32 = FwdConfig(16, 32, 64, 4, 4)
+_THIN_N_FP32 = FwdConfig(64, 64, 32, 4, 3)
+_FP32_OF = {_MOD_BF16: _MOD_FP32, _FINAL_MOD_BF16: _MOD_FP32, _THIN_N_BF16: _THIN_N_FP32, _MOD_DX_BF16: _MOD_DX_FP32}
+_FWD.update({(_n, _k, _FP32): _FP32_OF.get(_cfg, _BIG_FP32) for (_n, _k, _d), _cfg in list(_FWD.items())})
+FWD: Mapping[tuple[int, int, str], FwdConfig] = MappingProxyType(_FWD)
 
-_DW_BF16 = _dw(128, 128, 64, 8, 3)
-_DW_FP32 = _dw(64, 64, 32, 4, 3)
+_DW_BF16 = DwConfig(128, 128, 64, 8, 3)
+_DW_FP32 = DwConfig(64, 64, 32, 4, 3)
 # Tuning probe (h200_tuning_071631c.md), one 4224-row sample: 128×256 output tiles over 64-row chunks,
 # 4 stages, 0.71–0.73 of cuBLAS for the wide layers (0.64–0.66 with the size class); the row chunking
 # (BLOCK_M, the per-sample tree) is unchanged. attn_out's square gradient keeps 128×128, 4 stages.
-_DW_WIDE_BF16 = _dw(128, 256, 64, 8, 4)
-DW: dict[tuple[int, int, str], dict] = {
+_DW_WIDE_BF16 = DwConfig(128, 256, 64, 8, 4)
+DW: Mapping[tuple[int, int, str], DwConfig] = MappingProxyType({
     (9216, 3072, _BF16): _DW_WIDE_BF16,    # qkv
     (12288, 3072, _BF16): _DW_WIDE_BF16,   # mlp_up
     (3072, 12288, _BF16): _DW_WIDE_BF16,   # mlp_down
     (3072, 3584, _BF16): _DW_WIDE_BF16,    # txt_in (not probed; measured by the qualification)
-    (3072, 3072, _BF16): _dw(128, 128, 64, 8, 4),  # attn_out
-}
+    (3072, 3072, _BF16): DwConfig(128, 128, 64, 8, 4),  # attn_out
+})
+DB = DbConfig(BLOCK_N=128, BLOCK_M=32, num_warps=4, num_stages=2)
+ELEMENTWISE = ElementwiseConfig(BLOCK=1024, num_warps=4)
 
 
-def _size_class_fwd(n: int, k: int, dt: str) -> dict:
+def _size_class_fwd(n: int, k: int, dt: str) -> FwdConfig:
     if n <= 256 and k <= 256:  # tiny layers (CI's tiny model, tests): small tiles, many of them
-        return _fwd(16, 32, 16, 4, 2, layout="kn", group_m=4)
+        return FwdConfig(16, 32, 16, 4, 2, GROUP_M=4)
     if dt == _BF16:
-        return _fwd(128, 128, 64, 8, 3)
-    return _fwd(64, 64, 32, 4, 3)
+        return FwdConfig(128, 128, 64, 8, 3)
+    return FwdConfig(64, 64, 32, 4, 3)
 
 
-def _size_class_dw(n: int, k: int, dt: str) -> dict:
+def _size_class_dw(n: int, k: int, dt: str) -> DwConfig:
     if n <= 256 and k <= 256:
-        return _dw(32, 16, 16, 4, 2, group=4)
+        return DwConfig(32, 16, 16, 4, 2, GROUP_N=4)
     return _DW_BF16 if dt == _BF16 else _DW_FP32
 
 
@@ -140,13 +196,13 @@ def dtype_name(dtype: torch.dtype) -> str:
     raise ValueError(f"strict GEMM engine runs fp32 or bf16, got {dtype}")
 
 
-def fwd_config(n: int, k: int, dtype: torch.dtype) -> dict:
+def fwd_config(n: int, k: int, dtype: torch.dtype) -> FwdConfig:
     """Configuration of the main kernel for an ``(M, K) @ (K, N)`` product; never depends on M."""
     dt = dtype_name(dtype)
-    return dict(FWD.get((n, k, dt)) or _size_class_fwd(n, k, dt))
+    return FWD.get((n, k, dt)) or _size_class_fwd(n, k, dt)
 
 
-def dw_config(n: int, k: int, dtype: torch.dtype) -> dict:
+def dw_config(n: int, k: int, dtype: torch.dtype) -> DwConfig:
     """Configuration of the weight-gradient kernel for a ``(N, K)`` gradient; never depends on M."""
     dt = dtype_name(dtype)
-    return dict(DW.get((n, k, dt)) or _size_class_dw(n, k, dt))
+    return DW.get((n, k, dt)) or _size_class_dw(n, k, dt)

@@ -1,0 +1,87 @@
+"""Autograd wrapper and public entry point of the strict GEMM engine, and its registry entries.
+
+``gemm`` checks a call against the contract of docs/operators.md, then runs the forward alone
+(no gradient needed) or through :class:`GemmFunction`, whose backward is :func:`.launch.gemm_bwd`.
+Importing this module registers the engine for the six GEMM-family operators.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import sys
+
+import torch
+
+from ...registry import KernelImpl, register
+from .. import configs as _configs
+from . import codes, cuda_context, fpmath, kernels, launch, weights
+from .launch import _DOT_PRECISION, _DTYPES, check_inputs, gemm_bwd, gemm_fwd
+
+
+class GemmFunction(torch.autograd.Function):
+    """Autograd wrapper: gradients for x, weight, bias and LoRA A/B, each when required."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_a, lora_b, seqlens, prologue, epilogue, lora_scale):
+        lora = (lora_a, lora_b, lora_scale) if lora_a is not None else None
+        y, pre, u, h = gemm_fwd(x, weight, bias, prologue=prologue, epilogue=epilogue, lora=lora, store_pre=True,
+                                return_h=True)
+        ctx.save_for_backward(x, weight, pre, u, lora_a, lora_b, h)
+        ctx.meta = (seqlens, prologue, epilogue, lora_scale)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, pre, u, lora_a, lora_b, h = ctx.saved_tensors
+        seqlens, prologue, epilogue, lora_scale = ctx.meta
+        lora = (lora_a, lora_b, lora_scale) if lora_a is not None else None
+        ni = ctx.needs_input_grad
+        dx, dw, db, da, dlb = gemm_bwd(
+            dy.contiguous(), x, weight, seqlens=seqlens, prologue=prologue, epilogue=epilogue, pre=pre,
+            lora=lora, u=u, needs=(ni[0], ni[1], ni[2], ni[3], ni[4]), h=h)
+        return dx, dw, db, da, dlb, None, None, None, None
+
+
+def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+         seqlens: tuple[int, ...], prologue: str = "none", epilogue: str = "none", lora=None) -> torch.Tensor:
+    """GEMM-family operator (docs/operators.md): ``epilogue(p(x) Wᵀ + b + scale·(p(x) Aᵀ) Bᵀ)``.
+
+    x: (M, K) fp32|bf16 contiguous on CUDA; weight: (N, K); bias: (N,) or None; seqlens: rows per
+    sample (used by the backward reductions); lora: None or (A (r, K), B (N, r), scale).
+    Returns (M, N) in x's dtype. Differentiable in x, weight, bias, A and B.
+    """
+    check_inputs(x, weight, bias, seqlens, prologue, epilogue, lora)
+    la, lb, scale = lora if lora is not None else (None, None, 1.0)
+    tensors = [t for t in (x, weight, bias, la, lb) if t is not None]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return GemmFunction.apply(x, weight, bias, la, lb, seqlens, prologue, epilogue, float(scale))
+    return gemm_fwd(x, weight, bias, prologue=prologue, epilogue=epilogue, lora=lora)[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Registry
+# ----------------------------------------------------------------------------------------------
+
+GEMM_OPS = ("latent_proj_gemm", "qkv_bias_gemm", "attn_out_bias_gemm", "mlp_up_gemm_gelu",
+            "mlp_down_gemm", "adaln_mod_projection")
+
+_REDUCTION_ORDER = (
+    "fwd/dX: each (BLOCK_M, BLOCK_N) tile reduced by one program (persistent programs walk several tiles), "
+    "K in BLOCK_K steps from 0 by tl.dot into one FP32 accumulator chain, "
+    "tiles from (N, K, dtype) only, no split-K; dW/db: per sample over its "
+    "own rows in BLOCK_M chunks from its first row, FP32 partials folded left in sample order"
+)
+# Every module of the engine: a change to any of them is a new kernel identity in the trace.
+_SOURCE = (codes, fpmath, kernels, launch, weights, cuda_context, sys.modules[__name__])
+_CONFIGS_SHA256 = hashlib.sha256(inspect.getsource(_configs).encode()).hexdigest()[:16]
+
+for _op in GEMM_OPS:
+    register(KernelImpl(
+        op=_op, backend="triton", device="cuda", dtypes=frozenset(_DTYPES), fn=gemm, strict=True, split_k=False,
+        kernel_name="_gemm_fwd_kernel/_gemm_dw_kernel/_gemm_db_kernel/_act_fwd_kernel/_act_bwd_kernel",
+        source=_SOURCE,
+        config={"table": "mmdit_strict.kernels.triton.configs", "keyed_by": "(N, K, dtype)",
+                "configs_sha256": _CONFIGS_SHA256, "dot_precision": _DOT_PRECISION, "fp_fusion": False},
+        reduction_order=_REDUCTION_ORDER, accumulator="fp32",
+    ))

@@ -1,0 +1,409 @@
+"""Host side of the strict GEMM engine: input checks, configuration lookup and kernel launches.
+
+Every launch takes its configuration from ``configs`` by ``(N, K, dtype)`` — or, for benchmarks
+timing a candidate, from an explicit ``config=`` argument — never from M. Shapes and dtypes:
+``x (M, K)``, ``weight (N, K)`` as nn.Linear stores it, ``bias (N,)``, LoRA ``A (r, K)``,
+``B (N, r)``; FP32 or BF16, contiguous; CUDA, or CPU under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import triton
+
+from ...keepalive import retain
+from .. import configs as _configs
+from . import kernels as _k
+from .codes import EPILOGUES, PROLOGUES, Act
+from .cuda_context import ensure_cuda_context
+from .weights import prepacked_weight
+
+_DTYPES = (torch.float32, torch.bfloat16)
+_DOT_PRECISION = "ieee"
+_INTERPRETER_PROGRAMS = 3  # persistent programs under the interpreter: several tiles per program
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def _launch_opts(num_warps: int, num_stages: int | None = None) -> dict:
+    if _interpreting():
+        return {}
+    opts = {"num_warps": num_warps, "enable_fp_fusion": False}
+    if num_stages is not None:
+        opts["num_stages"] = num_stages
+    return opts
+
+
+def _pow2_at_least(n: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(max(int(n), 1)))
+
+
+_STARTS: dict[tuple, torch.Tensor] = {}
+
+
+def _starts(seqlens: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Row offsets ``[0, s0, s0+s1, …]`` (int32) of the samples, cached per (seqlens, device)."""
+    key = (seqlens, str(device))
+    t = _STARTS.get(key)
+    if t is None:
+        offs = [0]
+        for n in seqlens:
+            offs.append(offs[-1] + n)
+        t = torch.tensor(offs, dtype=torch.int32, device=device)
+        if len(_STARTS) > 4096:
+            _STARTS.clear()
+        _STARTS[key] = t
+    return retain(t)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_programs(device: torch.device) -> int:
+    """Programs of a persistent launch: one per SM (the tile loop keeps each SM busy)."""
+    if device.type != "cuda":
+        return _INTERPRETER_PROGRAMS
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+# ----------------------------------------------------------------------------------------------
+# Input checks
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_tensor(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"expected {name} to be a tensor, got {type(t).__name__}")
+    if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
+        want = "(" + ", ".join("?" if s is None else str(s) for s in shape) + ")"
+        raise ValueError(f"expected {name} of shape {want}, got {tuple(t.shape)}")
+    if t.dtype != dtype:
+        raise ValueError(f"expected {name} of dtype {dtype} (the execution dtype), got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"expected {name} on {device}, got {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"expected {name} to be contiguous (row-major), got strides {tuple(t.stride())}")
+
+
+def check_inputs(x, weight, bias, seqlens, prologue, epilogue, lora) -> None:
+    """Validate a GEMM-family call (docs/operators.md); raises ValueError with the reason."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"expected x of shape (M, K), got {getattr(x, 'shape', type(x).__name__)}")
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"strict GEMM runs fp32 or bf16, got x of dtype {x.dtype}")
+    if x.device.type != "cuda" and not (_interpreting() and x.device.type == "cpu"):
+        raise ValueError(f"the triton GEMM backend needs CUDA tensors (CPU only under TRITON_INTERPRET=1), got {x.device}")
+    m, k = x.shape
+    _check_tensor("x", x, (m, k), x.dtype, x.device)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"expected weight of shape (N, {k}), got {getattr(weight, 'shape', type(weight).__name__)}")
+    n = weight.shape[0]
+    _check_tensor("weight", weight, (n, k), x.dtype, x.device)
+    if bias is not None:
+        _check_tensor("bias", bias, (n,), x.dtype, x.device)
+    if not isinstance(seqlens, tuple) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seqlens):
+        raise ValueError(f"expected seqlens as a tuple of non-negative Python ints, got {seqlens!r}")
+    if sum(seqlens) != m:
+        raise ValueError(f"seqlens sum to {sum(seqlens)} but x has {m} rows")
+    if prologue not in PROLOGUES:
+        raise ValueError(f"prologue must be one of {tuple(PROLOGUES)}, got {prologue!r}")
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue must be one of {tuple(EPILOGUES)}, got {epilogue!r}")
+    if lora is not None:
+        if not (isinstance(lora, tuple) and len(lora) == 3):
+            raise ValueError("lora must be None or a tuple (A (r, K), B (N, r), scale)")
+        a, b, scale = lora
+        if not isinstance(a, torch.Tensor) or a.dim() != 2:
+            raise ValueError(f"expected lora A of shape (r, {k}), got {getattr(a, 'shape', type(a).__name__)}")
+        r = a.shape[0]
+        if r < 1:
+            raise ValueError("lora rank must be at least 1")
+        _check_tensor("lora A", a, (r, k), x.dtype, x.device)
+        _check_tensor("lora B", b, (n, r), x.dtype, x.device)
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+            raise ValueError(f"lora scale must be a Python float, got {type(scale).__name__}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The main kernel
+# ----------------------------------------------------------------------------------------------
+
+
+class Operand(NamedTuple):
+    """The ``b`` operand of the main kernel, read as ``(K, N)``: ``tensor`` with element (k, n) at
+    ``k·strides[0] + n·strides[1]``. ``nk``: ``tensor`` is an ``(N, K)`` row-major matrix read in
+    place (strides ``(1, K)``); tensor-descriptor loads then take ``(BLOCK_N, BLOCK_K)`` boxes and
+    transpose them before the dot."""
+
+    tensor: torch.Tensor
+    strides: tuple[int, int]
+    nk: bool = False
+
+
+class Lora(NamedTuple):
+    """The LoRA term of a main-kernel launch: ``scale · u @ l`` with ``u (M, R)`` and ``l`` read as
+    ``(R, N)`` through ``l_strides``."""
+
+    u: torch.Tensor
+    l: torch.Tensor
+    l_strides: tuple[int, int]
+    scale: float
+
+
+def _use_tma(cfg: _configs.FwdConfig, a: torch.Tensor, b: Operand, bk: int, bn: int, prologue: int) -> bool:
+    """Tensor-descriptor loads when the shape class asks for them and the copy engine can serve the
+    operands (Hopper or newer, or the interpreter; 16-byte aligned bases and row strides, unit inner
+    stride, no fused prologue). Falls back to pointer loads otherwise; the arithmetic is the same."""
+    if not cfg.tma or prologue:
+        return False
+    if a.device.type == "cuda":
+        if torch.cuda.get_device_capability(a.device)[0] < 9:
+            return False
+    elif not _interpreting():
+        return False
+    es = a.element_size()
+    row_stride = b.strides[1] if b.nk else b.strides[0]
+    inner_ok = b.strides[0] == 1 if b.nk else b.strides[1] == 1
+    return (inner_ok and a.data_ptr() % 16 == 0 and b.tensor.data_ptr() % 16 == 0 and (a.stride(0) * es) % 16 == 0
+            and (row_stride * es) % 16 == 0 and a.stride(1) == 1 and bk * es >= 16 and bn * es >= 16)
+
+
+def _main(a: torch.Tensor, b: Operand, n_out: int, cfg: _configs.FwdConfig, *, prologue: int = Act.NONE,
+          epilogue: int = Act.NONE, bias: torch.Tensor | None = None, lora: Lora | None = None,
+          aux: torch.Tensor | None = None, store_pre: bool = False,
+          on_launch: Callable[[object], None] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch the main kernel: ``out (M, n_out) = epi(p(a) (M, K) @ b (K, n_out) + …)`` with ``cfg``.
+
+    Returns ``(out, pre)`` (``pre`` only with ``store_pre``). ``on_launch`` receives the compiled
+    kernel handle (benchmarks read its registers and spills)."""
+    m, k = a.shape
+    out = torch.empty((m, n_out), dtype=a.dtype, device=a.device)
+    pre = torch.empty((m, n_out), dtype=a.dtype, device=a.device) if store_pre else None
+    if m == 0 or n_out == 0:
+        return out, pre
+    if k == 0:
+        raise ValueError("the strict GEMM engine needs K >= 1")
+    bn = min(cfg.BLOCK_N, _pow2_at_least(n_out))
+    bk = min(cfg.BLOCK_K, _pow2_at_least(k))
+    tiles = triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(n_out, bn)
+    nprog = _num_programs(a.device) if cfg.persistent else 0
+    grid = (min(tiles, nprog) if nprog else tiles,)
+    use_tma = _use_tma(cfg, a, b, bk, bn, prologue)
+    split = cfg.epi_split if bn % (16 * cfg.epi_split) == 0 else 1  # parts narrower than 16 columns: one part
+    tma_store = use_tma and cfg.tma_store and (n_out * out.element_size()) % 16 == 0
+    a_arg, b_arg, out_desc = a, b.tensor, out
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        if a.device.type == "cuda":
+            ensure_cuda_context(a.device)
+        a_arg = TensorDescriptor(a, [m, k], [a.stride(0), 1], [cfg.BLOCK_M, bk])
+        if b.nk:
+            b_arg = TensorDescriptor(b.tensor, [n_out, k], [b.strides[1], 1], [bn, bk])
+        else:
+            b_arg = TensorDescriptor(b.tensor, [k, n_out], [b.strides[0], 1], [bk, bn])
+        if tma_store:
+            out_desc = TensorDescriptor(out, [m, n_out], [out.stride(0), 1], [cfg.BLOCK_M, bn // split])
+    r = lora.u.shape[1] if lora is not None else 0
+    spec = _k.FwdSpec(
+        PROLOGUE=int(prologue), EPILOGUE=int(epilogue), HAS_BIAS=bias is not None, HAS_LORA=lora is not None,
+        STORE_PRE=store_pre, EVEN_K=(k % bk == 0), DOT_PRECISION=_DOT_PRECISION,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, BLOCK_R=min(64, _pow2_at_least(r)), GROUP_M=cfg.GROUP_M,
+        USE_TMA=use_tma, W_NK=use_tma and b.nk, TMA_STORE=tma_store, EPI_SPLIT=split, NUM_PROGRAMS=nprog,
+    )
+    strides = (a.stride(0), b.strides[0], b.strides[1], out.stride(0))
+    if lora is not None:
+        lora_args = (lora.u, lora.u.stride(0), lora.l, lora.l_strides[0], lora.l_strides[1], r, float(lora.scale))
+    else:
+        lora_args = (out, 0, out, 0, 0, 0, 1.0)
+    epi = (bias if bias is not None else out, aux if aux is not None else out, aux.stride(0) if aux is not None else 0,
+           out, pre if pre is not None else out)
+    compiled = _k._gemm_fwd_kernel[grid](a_arg, b_arg, out_desc, strides, lora_args, epi, m, n_out, k, CFG=spec,
+                                         **_launch_opts(cfg.num_warps, cfg.num_stages))
+    if on_launch is not None:
+        on_launch(compiled)
+    return out, pre
+
+
+# ----------------------------------------------------------------------------------------------
+# Gradient reductions and elementwise passes
+# ----------------------------------------------------------------------------------------------
+
+
+def gemm_dw(g: torch.Tensor, x: torch.Tensor, seqlens: tuple[int, ...], *, prologue: str = "none",
+            scale: float = 1.0, accumulate_into: torch.Tensor | None = None,
+            out_dtype: torch.dtype | None = None, config: _configs.DwConfig | None = None) -> torch.Tensor:
+    """Per-sample weight gradient ``Σ_s scale · g[s]ᵀ p(x[s])``, folded in sample order.
+
+    Args:
+        g: (M, N) upstream gradient of the pre-activation, execution dtype.
+        x: (M, K) layer input (pre-prologue), same dtype.
+        seqlens: rows per sample, sum M.
+        accumulate_into: optional (N, K) FP32 buffer holding an earlier fold; the samples are folded
+            onto it (``acc = acc + scale·P_s``) and the buffer is returned updated — micro-batches
+            folded this way in sample order give the same bytes as one call over all samples.
+        out_dtype: dtype of the returned gradient (default g's dtype; FP32 to keep the fold).
+        config: the launch configuration (default ``configs.dw_config(N, K, dtype)``; benchmarks
+            pass candidates here).
+    Returns:
+        (N, K) gradient.
+    """
+    m, n = g.shape
+    k = x.shape[1]
+    if x.shape[0] != m or sum(seqlens) != m or g.dtype != x.dtype or not (g.is_contiguous() and x.is_contiguous()):
+        raise ValueError(f"gemm_dw expects contiguous g (M, N), x (M, K) of one dtype with sum(seqlens) == M; "
+                         f"got g {tuple(g.shape)} {g.dtype}, x {tuple(x.shape)} {x.dtype}, sum(seqlens) {sum(seqlens)}")
+    cfg = config or _configs.dw_config(n, k, g.dtype)
+    bn = min(cfg.BLOCK_N, _pow2_at_least(n))
+    bk = min(cfg.BLOCK_K, _pow2_at_least(k))
+    if accumulate_into is not None:
+        if accumulate_into.shape != (n, k) or accumulate_into.dtype != torch.float32 or not accumulate_into.is_contiguous():
+            raise ValueError(f"accumulate_into must be a contiguous fp32 ({n}, {k}) buffer")
+        out = accumulate_into
+    else:
+        out = torch.empty((n, k), dtype=out_dtype or g.dtype, device=g.device)
+    starts = _starts(tuple(seqlens), g.device)
+    grid = (triton.cdiv(n, bn) * triton.cdiv(k, bk),)
+    spec = _k.DwSpec(PROLOGUE=int(PROLOGUES[prologue]), HAS_INIT=accumulate_into is not None,
+                     DOT_PRECISION=_DOT_PRECISION, BLOCK_N=bn, BLOCK_K=bk, BLOCK_M=cfg.BLOCK_M, GROUP_N=cfg.GROUP_N)
+    _k._gemm_dw_kernel[grid](
+        g, x, starts, out if accumulate_into is not None else g, out,
+        n, k, len(seqlens), g.stride(0), x.stride(0), float(scale), CFG=spec,
+        **_launch_opts(cfg.num_warps, cfg.num_stages),
+    )
+    return out
+
+
+def gemm_db(g: torch.Tensor, seqlens: tuple[int, ...], *, accumulate_into: torch.Tensor | None = None,
+            out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Per-sample bias gradient ``Σ_s Σ_rows g``, folded in sample order. g: (M, N) → (N,)."""
+    m, n = g.shape
+    if sum(seqlens) != m or not g.is_contiguous():
+        raise ValueError(f"gemm_db expects a contiguous g (M, N) with sum(seqlens) == M; got {tuple(g.shape)}, {sum(seqlens)}")
+    if accumulate_into is not None:
+        if accumulate_into.shape != (n,) or accumulate_into.dtype != torch.float32:
+            raise ValueError(f"accumulate_into must be an fp32 ({n},) buffer")
+        out = accumulate_into
+    else:
+        out = torch.empty((n,), dtype=out_dtype or g.dtype, device=g.device)
+    starts = _starts(tuple(seqlens), g.device)
+    cfg = _configs.DB
+    _k._gemm_db_kernel[(triton.cdiv(n, cfg.BLOCK_N),)](
+        g, starts, out if accumulate_into is not None else g, out, n, len(seqlens), g.stride(0),
+        HAS_INIT=accumulate_into is not None, BLOCK_N=cfg.BLOCK_N, BLOCK_M=cfg.BLOCK_M,
+        **_launch_opts(cfg.num_warps, cfg.num_stages),
+    )
+    return out
+
+
+def _elementwise(kernel, src: torch.Tensor, other: torch.Tensor | None, act: Act) -> torch.Tensor:
+    out = torch.empty_like(src)
+    n = src.numel()
+    if n:
+        cfg = _configs.ELEMENTWISE
+        args = (src, other, out, n) if other is not None else (src, out, n)
+        kernel[(triton.cdiv(n, cfg.BLOCK),)](*args, ACT=int(act), BLOCK=cfg.BLOCK, **_launch_opts(cfg.num_warps))
+    return out
+
+
+def act_bwd(dy: torch.Tensor, z: torch.Tensor, epilogue: str) -> torch.Tensor:
+    """dZ = dY · epilogue'(Z), elementwise; dy, z: (M, N) execution dtype."""
+    return _elementwise(_k._act_bwd_kernel, dy, z, EPILOGUES[epilogue])
+
+
+def act_fwd(x: torch.Tensor, act: str) -> torch.Tensor:
+    """h = act(x) elementwise (FP32 math, one cast): the prologue pass. x: contiguous."""
+    return _elementwise(_k._act_fwd_kernel, x, None, EPILOGUES[act])
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward and backward of one layer
+# ----------------------------------------------------------------------------------------------
+
+
+def gemm_fwd(x, weight, bias=None, *, prologue="none", epilogue="none", lora=None, store_pre=False,
+             return_h=False, config: _configs.FwdConfig | None = None,
+             on_launch: Callable[[object], None] | None = None):
+    """Forward product. x: (M, K), weight: (N, K), bias: (N,) — fp32 or bf16, contiguous.
+
+    Returns ``(y (M, N), pre (M, N) or None, u (M, r) or None)``: the output, the pre-activation
+    (stored only when ``store_pre`` and an epilogue is set) and the LoRA intermediate ``p(x) Aᵀ``;
+    with ``return_h`` a fourth item, ``p(x)`` when the prologue ran as its own pass (else None).
+
+    ``config``: the main product's configuration (default ``configs.fwd_config(N, K, dtype)``;
+    benchmarks pass candidates here). Its ``weight_layout`` picks the weight read: ``"kn"`` the
+    weight's own prepacked ``Wᵀ`` (:mod:`.weights`), ``"nk"`` W as stored. ``on_launch`` receives the
+    main kernel's compiled handle.
+
+    The SiLU prologue runs as its own elementwise pass (``prologue="pass"``, the default) or fused
+    into the main loop (``"fused"``); both round ``silu(x)`` once to the execution dtype before the
+    tensor cores, so they give the same bytes — the pass evaluates each element once instead of once
+    per ``BLOCK_N`` column tile.
+    """
+    k = x.shape[1]
+    n = weight.shape[0]
+    pro = PROLOGUES[prologue]
+    cfg = config or _configs.fwd_config(n, k, x.dtype)
+    h = None
+    if pro and cfg.prologue == "pass":
+        h = act_fwd(x, prologue)
+        x, pro = h, Act.NONE
+    if cfg.weight_layout == "kn":
+        b = Operand(prepacked_weight(weight), (n, 1))
+    else:
+        b = Operand(weight, (1, k), nk=True)
+    u = None
+    lo = None
+    if lora is not None:
+        la, lb, scale = lora
+        r = la.shape[0]
+        # u = p(x) Aᵀ: A (r, K) read as (K, r) through strides, the configuration of its own shape
+        u, _ = _main(x, Operand(la, (1, k)), r, _configs.fwd_config(r, k, x.dtype), prologue=pro)
+        lo = Lora(u, lb, (1, r), scale)  # B (N, r) read as (r, N)
+    store = store_pre and epilogue != "none"
+    y, pre = _main(x, b, n, cfg, prologue=pro, epilogue=EPILOGUES[epilogue], bias=bias, lora=lo,
+                   store_pre=store, on_launch=on_launch)
+    return (y, pre, u, h) if return_h else (y, pre, u)
+
+
+def gemm_bwd(dy, x, weight, *, seqlens, prologue="none", epilogue="none", pre=None, lora=None, u=None,
+             needs=(True, True, True, True, True), h=None, dx_config: _configs.FwdConfig | None = None):
+    """Backward of :func:`gemm_fwd`. dy: (M, N). Returns (dx, dW, db, dA, dB); None where not needed.
+
+    ``h``: ``p(x)`` from the forward's prologue pass, if it ran; dW/dA then read it instead of
+    recomputing the prologue per tile (same bytes: the same rounded values enter the same dots).
+    ``dx_config``: the dX product's configuration (default ``configs.fwd_config(K, N, dtype)``)."""
+    need_x, need_w, need_b, need_a, need_lb = needs
+    k = x.shape[1]
+    n = weight.shape[0]
+    dz = act_bwd(dy, pre, epilogue) if epilogue != "none" else dy
+    dx = dw = db = da = dlb = None
+    v = None
+    if lora is not None and (need_x or need_a):
+        r = lora[0].shape[0]
+        v, _ = _main(dz, Operand(lora[1], (r, 1)), r, _configs.fwd_config(r, n, dz.dtype))  # v = dZ B (M, r)
+    if need_x:
+        lo = Lora(v, lora[0], (k, 1), lora[2]) if lora is not None else None  # + s·v A
+        epi, aux = (Act.TIMES_SILU_GRAD, x) if prologue == "silu" else (Act.NONE, None)
+        cfg = dx_config or _configs.fwd_config(k, n, dz.dtype)
+        dx, _ = _main(dz, Operand(weight, (k, 1)), k, cfg, epilogue=epi, aux=aux, lora=lo)  # dX = dZ W (+ s·v A) [· silu'(x)]
+    xw, pw = (h, "none") if h is not None else (x, prologue)
+    if need_w:
+        dw = gemm_dw(dz, xw, seqlens, prologue=pw)
+    if need_b:
+        db = gemm_db(dz, seqlens)
+    if lora is not None:
+        if need_a:
+            da = gemm_dw(v, xw, seqlens, prologue=pw, scale=lora[2])
+        if need_lb:
+            dlb = gemm_dw(dz, u, seqlens, scale=lora[2])
+    return dx, dw, db, da, dlb
