@@ -188,6 +188,38 @@ def test_layout_is_kept_by_the_backward_interpreter():
 
 
 @interp
+def test_contiguous_one_head_interpreter():
+    """One head (the txt_in RMSNorm's shape, scaled down): BLOCK_H = 1 in the contiguous layout."""
+    with R.qk_layout("contiguous"):
+        check_accuracy(1, 14, (4, 0, 9), CPU_FP32)
+        check_fused_equals_unfused(1, 14, (4, 0, 9), CPU_FP32)
+
+
+@interp
+def test_contiguous_misaligned_input_same_bytes_interpreter():
+    """A contiguous view whose storage starts off a 16-byte boundary runs on an aligned copy: same bytes
+    as the aligned tensor, forward, dx and d_gain."""
+    gen = generator(23)
+    m = 11
+    x, gain, gy = randn(m, H, DH, gen=gen), _gain(DH, gen), randn(m, H, DH, gen=gen)
+    cos, sin = _tables(m, DH, gen)
+    buf = torch.empty(x.numel() + 1)
+    shifted = buf[1:].view(m, H, DH)
+    shifted.copy_(x)
+    assert shifted.data_ptr() % 16 and shifted.is_contiguous()
+
+    def fused(a, g):
+        return R.qk_rmsnorm_rope(a, g, cos, sin, seqlens=(m,), eps=EPS)
+
+    with R.qk_layout("contiguous"):
+        want = run_with_grads(fused, [x, gain], gy)
+        got = run_with_grads(fused, [shifted, gain], gy)
+    assert_bytes_equal(got[0], want[0], "misaligned forward")
+    assert_bytes_equal(got[1][0], want[1][0], "misaligned dx")
+    assert_bytes_equal(got[1][1], want[1][1], "misaligned d_gain")
+
+
+@interp
 def test_batch_invariance_interpreter():
     check_invariance(H, DH, CPU_FP32, (2, 3, 8), 1, 12)
 
@@ -311,6 +343,40 @@ def test_gpu_fp32_gain_grad_fold(layout):
     _gpu(target)
     with R.qk_layout(layout):
         check_gain_fold(QH, QDH, target, (7, 1, 130, 0, 1100))
+
+
+def _compiled(fn) -> int:
+    """How many binaries a @triton.jit function holds (over devices)."""
+    return sum(len(cache[0]) for cache in fn.device_caches.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
+def test_gpu_contiguous_one_binary_for_norm_rope_and_fused(target):
+    """In the contiguous layout qk_rmsnorm, multi_axis_rope (both directions) and the fused op run ONE
+    compiled forward kernel and qk_rmsnorm / fused share ONE compiled backward kernel (runtime flags, no
+    specialization on them): one layout, so one summation tree, for the fused and the unfused path.
+    A head shape no other test uses (5 × 40), so every compile counted here is this test's."""
+    _gpu(target)
+    h, d, seq = 5, 40, (33, 1, 16)
+    gen = generator(24)
+    m = sum(seq)
+    x = randn(m, h, d, gen=gen, target=target)
+    gain = _gain(d, gen).to("cuda", target.dtype)
+    cos, sin = (t.cuda() for t in _tables(m, d, gen))
+    gy = randn(m, h, d, gen=gen, target=target)
+    before = _compiled(R._qk_fwd_kernel), _compiled(R._qk_bwd_kernel)
+    with R.qk_layout("contiguous"):
+        out_u, grads_u = run_with_grads(
+            lambda a, g: R.multi_axis_rope(R.qk_rmsnorm(a, g, seqlens=seq, eps=EPS), cos, sin), [x, gain], gy)
+        out_f, grads_f = run_with_grads(lambda a, g: R.qk_rmsnorm_rope(a, g, cos, sin, seqlens=seq, eps=EPS), [x, gain], gy)
+        with torch.no_grad():
+            R.qk_rmsnorm(x, gain, seqlens=seq, eps=EPS)
+            R.qk_rmsnorm_rope(x, gain, cos, sin, seqlens=seq, eps=EPS)
+    after = _compiled(R._qk_fwd_kernel), _compiled(R._qk_bwd_kernel)
+    assert (after[0] - before[0], after[1] - before[1]) == (1, 1), (before, after)
+    assert_bytes_equal(out_f, out_u, f"fused vs unfused forward 5x40 {target.label}")
+    assert_bytes_equal(grads_f, grads_u, f"fused vs unfused dx, d_gain 5x40 {target.label}")
 
 
 @pytest.mark.gpu

@@ -9,22 +9,29 @@ Operators (docs/operators.md):
 * ``qk_rmsnorm_rope(x, gain, cos, sin, *, seqlens, eps)``: both in one pass, **byte-equal to**
   ``multi_axis_rope(qk_rmsnorm(x, gain, ...), cos, sin)`` forward and backward.
 
-Layout (:data:`QK_LAYOUTS`, chosen with :func:`qk_layout`): by default (``"pairs"``, the layout measured
-on the H200) every kernel reads a head as its even and odd lanes, two ``(H, d/2)`` tiles, so the norm,
-the rotation and the gain see the same values in the same registers in the unfused and the fused path.
-The ``"contiguous"`` candidate reads a head as one ``(H, d)`` tile (16-byte vector loads) and fetches
-each lane's rotation partner (lane ``j ^ 1``) with a second load, normalizing it with the same operations
-so it carries the partner lane's exact bytes; its norm sum is one ``tl.sum`` over the d lanes (another
-fixed tree, so its bytes differ from the pair layout's, while fused == unfused holds within it).
+Layout (:data:`QK_LAYOUTS`, chosen with :func:`qk_layout`): ``"pairs"`` reads a head as its even and odd
+lanes, two ``(H, d/2)`` tiles with stride-2 scalar accesses (its own kernels per operator, a ``ROPE``
+compile-time flag on the norm kernels). ``"contiguous"`` reads a token's heads as one ``(H, d)`` tile with
+16-byte vector loads and stores and forms the rotation pairs in registers (``tl.reshape`` to
+``(H, d/2, 2)`` + ``tl.split``, rotated, ``tl.join`` back). It has ONE forward kernel
+(:func:`_qk_fwd_kernel`: norm, rotation by θ or −θ, both) and ONE backward kernel (:func:`_qk_bwd_kernel`:
+the norm's, with or without the rotation back first); the operator is chosen by runtime flags that Triton
+does not specialize on, so ``qk_rmsnorm`` and the fused op run the same compiled binary (one register
+layout, one tree for every ``tl.sum``) and share the arithmetic of the ``@triton.jit`` helpers
+(:func:`_rms_rstd`, :func:`_pair_tables`, :func:`_rotate_pairs`, :func:`_rms_bwd`). Why this matters:
+a ``tl.sum``'s tree is the register layout of its operand, which Triton chooses per compiled kernel; a
+kernel that loads extra data (the rotation tables, a partner lane) can get another layout for the same
+sum, hence other bytes. Inputs whose storage is not 16-byte aligned are copied first (a misaligned
+pointer would compile another binary); RoPE tables are read as FP32 (a bf16 table is widened exactly).
 
 Arithmetic (FP32, one IEEE rounding per operation as written; ``enable_fp_fusion=False``):
 
-* forward: ``ss = tl.sum(x_e·x_e + x_o·x_o, axis=d/2)`` (pairs: the pair sum is elementwise, the row sum
-  one ``tl.sum`` whose tree is fixed for the compiled kernel and depends on H and d only; contiguous:
-  ``tl.sum(x·x)`` over the d lanes);
+* forward: ``ss`` per (token, head) — pairs: ``tl.sum(x_e·x_e + x_o·x_o)`` over the d/2 pairs; contiguous:
+  ``tl.sum(x·x)`` over the d lanes; each a fixed tree for the compiled kernel, depending on H and d only;
   ``rstd = 1 ⊘ √(ss ⊘ d + eps)`` with ``div_rn``/``sqrt_rn``; ``y = (x·rstd)·gain``; rotation
   ``(y_e·c − y_o·s, y_e·s + y_o·c)``. ``rstd`` (M, H) FP32 is saved for backward.
-* backward: rotation by −θ ``(d_e·c + d_o·s, d_o·c − d_e·s)``; ``g = dy·gain``, ``x̂ = x·rstd``,
+* backward: rotation by −θ ``(d_e·c + d_o·s, d_o·c − d_e·s)`` (contiguous: the forward rotation with
+  ``s·(−1)``, the same values); ``g = dy·gain``, ``x̂ = x·rstd``,
   ``dx = (g − x̂·(Σ g·x̂ ⊘ d))·rstd``; ``d_gain = Σ_rows Σ_heads dy·x̂``: per token a ``tl.sum`` over heads,
   tokens chained in the per-sample chunks of :mod:`.segments`, samples folded left in sample order.
 
@@ -56,10 +63,11 @@ from .gemm import _DTYPES, _interpreting
 
 MAX_HEAD_WIDTH = 8192  # d (the even/odd tiles hold d/2 lanes)
 
-# How the kernels hold a head: "pairs" (the default, measured: even and odd lanes as two (H, d/2) tiles)
-# or "contiguous" (a candidate: one (H, d) tile, the rotation partner loaded separately). Each layout has
-# its own fixed tree for the norm's sum, and fused == unfused within a layout; select one for a block
-# of code with :func:`qk_layout` (an autograd node keeps the layout its forward ran with).
+# How the kernels hold a head: "pairs" (even and odd lanes as two (H, d/2) tiles, scalar accesses) or
+# "contiguous" (one (H, d) tile, vector accesses, pairs formed in registers; one binary for the fused and
+# the unfused path). Each layout has its own fixed trees, so switching changes bytes (a versioned change);
+# fused == unfused within a layout. Select one for a block of code with :func:`qk_layout` (an autograd
+# node keeps the layout its forward ran with).
 QK_LAYOUTS = ("pairs", "contiguous")
 _LAYOUT: contextvars.ContextVar[str] = contextvars.ContextVar("mmdit_qk_layout", default="pairs")
 
@@ -218,21 +226,61 @@ def _rope_kernel(
     tl.store(y_ptr + row * stride_y + even + 1, r_o.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-# ---- the "contiguous" layout (a candidate, not the default: see QK_LAYOUTS) ----------------------
-# Each head is one contiguous (H, d) tile; the norm sums x² over the head's d lanes with one tl.sum;
-# a lane's rotation partner (lane j ^ 1) is loaded and normalized with the same operations, so it
-# holds exactly the bytes the partner lane holds. Same math and cast points as the pair layout, a
-# different (fixed) summation tree.
+# ---- the "contiguous" layout ------------------------------------------------------------------
+# A token's heads are one contiguous (BLOCK_H, BLOCK_D) tile, loaded and stored whole (16-byte vector
+# accesses); the rotation pairs are formed in registers (reshape to (.., d/2, 2) + split, then join).
+# One forward kernel serves qk_rmsnorm, multi_axis_rope (and its backward) and the fused op, and one
+# backward kernel serves qk_rmsnorm's and the fused op's backward: what differs between them are RUNTIME
+# flags (``do_not_specialize``: an int flag of value 1 would otherwise become a compile-time constant),
+# so the unfused and the fused call run one compiled binary, hence one layout and one summation tree for
+# every tl.sum. The arithmetic lives in the @triton.jit helpers below, used by both kernels.
 
 
 @triton.jit
-def _qk_norm_fwd_contig_kernel(
+def _rms_rstd(x, d_float, eps):
+    """x (BH, BD) FP32 (zeros past d) → rstd (BH,) = 1 ⊘ √(tl.sum(x·x over the d lanes) ⊘ d + eps)."""
+    return tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(x * x, axis=1), d_float) + eps))
+
+
+@triton.jit
+def _pair_tables(cos_ptr, sin_ptr, row, stride_cs, P, sign, BLOCK_D: tl.constexpr):
+    """The token's (c, s·sign) as (1, BD/2) FP32 rows (0 past P = d/2); sign −1.0 rotates by −θ (exact)."""
+    offs_p = tl.arange(0, BLOCK_D // 2)
+    mask_p = offs_p < P
+    c = tl.load(cos_ptr + row * stride_cs + offs_p, mask=mask_p, other=0.0)
+    s = tl.load(sin_ptr + row * stride_cs + offs_p, mask=mask_p, other=0.0) * sign
+    return c[None, :], s[None, :]
+
+
+@triton.jit
+def _rotate_pairs(t, c, s, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Interleaved pairs (t[2i], t[2i+1]) of the (BH, BD) FP32 tile → (t_e·c − t_o·s, t_e·s + t_o·c)."""
+    e, o = tl.split(tl.reshape(t, (BLOCK_H, BLOCK_D // 2, 2)))
+    r_e = e * c - o * s
+    r_o = e * s + o * c
+    return tl.reshape(tl.join(r_e, r_o), (BLOCK_H, BLOCK_D))
+
+
+@triton.jit
+def _rms_bwd(x, dy, rstd, g, d_float):
+    """x, dy (BH, BD) FP32, rstd (BH,), g (1, BD) → (dx, dy·x̂): x̂ = x·rstd, gl = dy·g,
+    dx = (gl − x̂·(tl.sum(gl·x̂ over d) ⊘ d))·rstd."""
+    xh = x * rstd[:, None]
+    gl = dy * g
+    c1 = tl.div_rn(tl.sum(gl * xh, axis=1), d_float)[:, None]
+    return (gl - xh * c1) * rstd[:, None], dy * xh
+
+
+@triton.jit(do_not_specialize=["norm", "rope", "store_rstd"])
+def _qk_fwd_kernel(
     x_ptr, gain_ptr, cos_ptr, sin_ptr, y_ptr, rstd_ptr,
-    H, D, d_float, eps, stride_x, stride_y, stride_cs,
-    ROPE: tl.constexpr, STORE_RSTD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    H, D, d_float, eps, sign, stride_x, stride_y, stride_cs,
+    norm, rope, store_rstd,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """One token, heads as contiguous (H, d) rows: rstd = 1 ⊘ √(Σ_d x² ⊘ d + eps), y = (x·rstd)·gain; with
-    ROPE, y and its partner lane rounded to the storage dtype, then even lanes y·c − y'·s, odd y'·s + y·c."""
+    """One token, its heads one (H, d) tile. norm: rstd per head, y = (x·rstd)·gain (with rope: y rounded
+    to the storage dtype, the unfused pair's cast point); rope: pairs rotated by θ (sign 1.0) or −θ
+    (sign −1.0); store_rstd: rstd (FP32) saved. One cast at the store."""
     row = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_j = tl.arange(0, BLOCK_D)
@@ -240,33 +288,32 @@ def _qk_norm_fwd_contig_kernel(
     mask_j = offs_j < D
     mask = mask_h[:, None] & mask_j[None, :]
     offs = offs_h[:, None] * D + offs_j[None, :]
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(gain_ptr + offs_j, mask=mask_j, other=0.0).to(tl.float32)[None, :]
-    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(x * x, axis=1), d_float) + eps))
-    y = (x * rstd[:, None]) * g
-    if ROPE:
-        part = offs_j ^ 1
-        xp = tl.load(x_ptr + row * stride_x + offs_h[:, None] * D + part[None, :], mask=mask, other=0.0).to(tl.float32)
-        gp = tl.load(gain_ptr + part, mask=mask_j, other=0.0).to(tl.float32)[None, :]
-        y = y.to(y_ptr.dtype.element_ty).to(tl.float32)  # the unfused pair's cast point
-        yp = ((xp * rstd[:, None]) * gp).to(y_ptr.dtype.element_ty).to(tl.float32)
-        c = tl.load(cos_ptr + row * stride_cs + offs_j // 2, mask=mask_j, other=0.0).to(tl.float32)[None, :]
-        s = tl.load(sin_ptr + row * stride_cs + offs_j // 2, mask=mask_j, other=0.0).to(tl.float32)[None, :]
-        y = tl.where((offs_j % 2 == 0)[None, :], y * c - yp * s, yp * s + y * c)
+    y = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if norm:
+        g = tl.load(gain_ptr + offs_j, mask=mask_j, other=0.0).to(tl.float32)[None, :]
+        rstd = _rms_rstd(y, d_float, eps)
+        y = (y * rstd[:, None]) * g
+        if store_rstd:
+            tl.store(rstd_ptr + row * H + offs_h, rstd, mask=mask_h)
+        if rope:
+            y = y.to(y_ptr.dtype.element_ty).to(tl.float32)  # the unfused pair's cast point
+    if rope:
+        c, s = _pair_tables(cos_ptr, sin_ptr, row, stride_cs, D // 2, sign, BLOCK_D)
+        y = _rotate_pairs(y, c, s, BLOCK_H, BLOCK_D)
     tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
-    if STORE_RSTD:
-        tl.store(rstd_ptr + row * H + offs_h, rstd, mask=mask_h)
 
 
-@triton.jit
-def _qk_norm_bwd_contig_kernel(
+@triton.jit(do_not_specialize=["n_chunks", "rope", "need_gain"])
+def _qk_bwd_kernel(
     x_ptr, gain_ptr, cos_ptr, sin_ptr, dy_ptr, rstd_ptr, table_ptr, dx_ptr, part_ptr,
     n_chunks, H, D, d_float, stride_x, stride_dy, stride_dx, stride_cs, stride_part,
-    ROPE: tl.constexpr, NEED_GAIN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    rope, need_gain,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """One chunk of tokens (contiguous layout): with ROPE the gradient is rotated back (even lanes
-    d·c + d'·s, odd d·c − d'·s) and rounded to the storage dtype; then dx = (g − x̂·(Σ g·x̂ ⊘ d))·rstd,
-    part[c] = Σ_tokens (tl.sum over heads of dy·x̂) chained in token order."""
+    """One chunk of tokens of one sample, tokens in order (the next three tokens' x and dy in flight).
+    rope: dy rotated by −θ and rounded to the storage dtype (the unfused pair's cast point); then
+    dx = (g − x̂·(Σ g·x̂ ⊘ d))·rstd per (token, head); need_gain: part[c] = Σ_tokens (tl.sum over heads of
+    dy·x̂), chained in token order from acc = 0."""
     c = tl.program_id(0)
     r0 = tl.load(table_ptr + c)
     r1 = tl.load(table_ptr + n_chunks + c)
@@ -276,62 +323,36 @@ def _qk_norm_bwd_contig_kernel(
     mask_j = offs_j < D
     mask = mask_h[:, None] & mask_j[None, :]
     offs = offs_h[:, None] * D + offs_j[None, :]
-    part = offs_h[:, None] * D + (offs_j ^ 1)[None, :]
-    even = (offs_j % 2 == 0)[None, :]
     g = tl.load(gain_ptr + offs_j, mask=mask_j, other=0.0).to(tl.float32)[None, :]
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     first = r0.to(tl.int64)
-    x = tl.load(x_ptr + first * stride_x + offs, mask=mask, other=0.0)
-    d = tl.load(dy_ptr + first * stride_dy + offs, mask=mask, other=0.0)
-    for i in range(0, r1 - r0):
+    n = r1 - r0
+    x0 = tl.load(x_ptr + first * stride_x + offs, mask=mask, other=0.0)
+    d0 = tl.load(dy_ptr + first * stride_dy + offs, mask=mask, other=0.0)
+    m1 = (offs_h < tl.where(n > 1, H, 0))[:, None] & mask_j[None, :]  # nothing past the chunk
+    x1 = tl.load(x_ptr + (first + 1) * stride_x + offs, mask=m1, other=0.0)
+    d1 = tl.load(dy_ptr + (first + 1) * stride_dy + offs, mask=m1, other=0.0)
+    m2 = (offs_h < tl.where(n > 2, H, 0))[:, None] & mask_j[None, :]
+    x2 = tl.load(x_ptr + (first + 2) * stride_x + offs, mask=m2, other=0.0)
+    d2 = tl.load(dy_ptr + (first + 2) * stride_dy + offs, mask=m2, other=0.0)
+    for i in range(n):
         row = first + i
-        nxt = row + 1
-        nmask = (offs_h < tl.where(nxt < r1, H, 0))[:, None] & mask_j[None, :]  # nothing past the chunk
-        x_n = tl.load(x_ptr + nxt * stride_x + offs, mask=nmask, other=0.0)
-        d_n = tl.load(dy_ptr + nxt * stride_dy + offs, mask=nmask, other=0.0)
-        rstd = tl.load(rstd_ptr + row * H + offs_h, mask=mask_h, other=0.0)[:, None]
-        dy = d.to(tl.float32)
-        if ROPE:
-            dp = tl.load(dy_ptr + row * stride_dy + part, mask=mask, other=0.0).to(tl.float32)
-            cs = tl.load(cos_ptr + row * stride_cs + offs_j // 2, mask=mask_j, other=0.0).to(tl.float32)[None, :]
-            sn = tl.load(sin_ptr + row * stride_cs + offs_j // 2, mask=mask_j, other=0.0).to(tl.float32)[None, :]
-            dy = tl.where(even, dy * cs + dp * sn, dy * cs - dp * sn)
+        m3 = (offs_h < tl.where(i + 3 < n, H, 0))[:, None] & mask_j[None, :]
+        x3 = tl.load(x_ptr + (row + 3) * stride_x + offs, mask=m3, other=0.0)
+        d3 = tl.load(dy_ptr + (row + 3) * stride_dy + offs, mask=m3, other=0.0)
+        rstd = tl.load(rstd_ptr + row * H + offs_h, mask=mask_h, other=0.0)
+        dy = d0.to(tl.float32)
+        if rope:
+            cs, sn = _pair_tables(cos_ptr, sin_ptr, row, stride_cs, D // 2, -1.0, BLOCK_D)
+            dy = _rotate_pairs(dy, cs, sn, BLOCK_H, BLOCK_D)
             dy = dy.to(dx_ptr.dtype.element_ty).to(tl.float32)  # the unfused pair's cast point
-        xh = x.to(tl.float32) * rstd
-        gl = dy * g
-        c1 = tl.div_rn(tl.sum(gl * xh, axis=1), d_float)[:, None]
-        tl.store(dx_ptr + row * stride_dx + offs, ((gl - xh * c1) * rstd).to(dx_ptr.dtype.element_ty), mask=mask)
-        if NEED_GAIN:
-            acc = acc + tl.sum(dy * xh, axis=0)
-        x, d = x_n, d_n
-    if NEED_GAIN:
+        dx, term = _rms_bwd(x0.to(tl.float32), dy, rstd, g, d_float)
+        tl.store(dx_ptr + row * stride_dx + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if need_gain:
+            acc = acc + tl.sum(term, axis=0)
+        x0, d0, x1, d1, x2, d2 = x1, d1, x2, d2, x3, d3
+    if need_gain:
         tl.store(part_ptr + c.to(tl.int64) * stride_part + offs_j, acc, mask=mask_j)
-
-
-@triton.jit
-def _rope_contig_kernel(
-    x_ptr, cos_ptr, sin_ptr, y_ptr,
-    H, D, stride_x, stride_y, stride_cs,
-    INVERSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """One token, contiguous heads: x' = the partner lane; even lanes x·c − x'·s, odd x'·s + x·c;
-    INVERSE: even x·c + x'·s, odd x·c − x'·s (the same products and adds as the pair layout)."""
-    row = tl.program_id(0).to(tl.int64)
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_j = tl.arange(0, BLOCK_D)
-    mask_j = offs_j < D
-    mask = (offs_h < H)[:, None] & mask_j[None, :]
-    offs = offs_h[:, None] * D + offs_j[None, :]
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(x_ptr + row * stride_x + offs_h[:, None] * D + (offs_j ^ 1)[None, :], mask=mask, other=0.0).to(tl.float32)
-    c = tl.load(cos_ptr + row * stride_cs + offs_j // 2, mask=mask_j, other=0.0).to(tl.float32)[None, :]
-    s = tl.load(sin_ptr + row * stride_cs + offs_j // 2, mask=mask_j, other=0.0).to(tl.float32)[None, :]
-    even = (offs_j % 2 == 0)[None, :]
-    if INVERSE:
-        y = tl.where(even, x * c + xp * s, x * c - xp * s)
-    else:
-        y = tl.where(even, x * c - xp * s, xp * s + x * c)
-    tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -388,30 +409,57 @@ def check_seqlens(op: str, seqlens: object, rows: int) -> tuple[int, ...]:
 
 
 def _contig_blocks(h: int, d: int) -> tuple[int, int]:
-    return max(2, triton.next_power_of_2(h)), max(2, triton.next_power_of_2(d))
+    return triton.next_power_of_2(h), max(2, triton.next_power_of_2(d))
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its storage starts on a 16-byte boundary, else an aligned copy: Triton compiles a
+    separate binary for a misaligned pointer, and one binary per call pattern is what keeps the trees fixed."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    """A RoPE table as aligned FP32 (exact from bf16): the kernels' table pointers are always FP32, so the
+    norm alone and the fused op compile to the same binary."""
+    return _aligned(t if t.dtype == torch.float32 else t.float())
+
+
+def _contig_fwd(x: torch.Tensor, gain: torch.Tensor | None, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                eps: float, rstd: torch.Tensor | None, sign: float) -> torch.Tensor:
+    """One launch of :func:`_qk_fwd_kernel` (flags from which of gain / cos / rstd are given)."""
+    m, h, d = x.shape
+    x = _aligned(x)
+    y = torch.empty_like(x)
+    norm, rope = gain is not None, cos is not None
+    dummy = torch.empty(1, dtype=torch.float32, device=x.device)
+    bh, bd = _contig_blocks(h, d)
+    _qk_fwd_kernel[(m,)](
+        x, _aligned(gain) if norm else x, _f32(cos) if rope else dummy, _f32(sin) if rope else dummy, y,
+        rstd if rstd is not None else dummy,
+        h, d, float(d), float(eps), float(sign), h * d, h * d, d // 2,
+        int(norm), int(rope), int(rstd is not None),
+        BLOCK_H=bh, BLOCK_D=bd, **_opts(bh * bd),
+    )
+    return y
 
 
 def qk_norm_fwd(x: torch.Tensor, gain: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, eps: float,
                 store_rstd: bool, layout: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x (M, H, d) → (y (M, H, d) x's dtype, rstd (M, H) fp32 | None); rotated when cos/sin are given."""
     m, h, d = x.shape
-    y = torch.empty_like(x)
     rstd = torch.empty((m, h), dtype=torch.float32, device=x.device) if store_rstd else None
     rope = cos is not None
-    if m and (layout or _LAYOUT.get()) == "contiguous":
-        bh, bd = _contig_blocks(h, d)
-        _qk_norm_fwd_contig_kernel[(m,)](
-            x, gain, cos if rope else x, sin if rope else x, y, rstd if store_rstd else y,
-            h, d, float(d), float(eps), h * d, h * d, d // 2 if rope else 0,
-            ROPE=rope, STORE_RSTD=store_rstd, BLOCK_H=bh, BLOCK_D=bd, **_opts(bh * bd),
-        )
-    elif m:
-        bh, bp = _blocks(h, d)
-        _qk_norm_fwd_kernel[(m,)](
-            x, gain, cos if rope else x, sin if rope else x, y, rstd if store_rstd else y,
-            h, d // 2, float(d), float(eps), h * d, h * d, d // 2 if rope else 0,
-            ROPE=rope, STORE_RSTD=store_rstd, BLOCK_H=bh, BLOCK_P=bp, **_opts(bh * bp * 2),
-        )
+    if not m:
+        return torch.empty_like(x), rstd
+    if (layout or _LAYOUT.get()) == "contiguous":
+        return _contig_fwd(x, gain, cos, sin, eps, rstd, 1.0), rstd
+    y = torch.empty_like(x)
+    bh, bp = _blocks(h, d)
+    _qk_norm_fwd_kernel[(m,)](
+        x, gain, cos if rope else x, sin if rope else x, y, rstd if store_rstd else y,
+        h, d // 2, float(d), float(eps), h * d, h * d, d // 2 if rope else 0,
+        ROPE=rope, STORE_RSTD=store_rstd, BLOCK_H=bh, BLOCK_P=bp, **_opts(bh * bp * 2),
+    )
     return y, rstd
 
 
@@ -426,10 +474,13 @@ def qk_norm_bwd(dy: torch.Tensor, x: torch.Tensor, gain: torch.Tensor, rstd: tor
     rope = cos is not None
     if m and (layout or _LAYOUT.get()) == "contiguous":
         bh, bd = _contig_blocks(h, d)
-        _qk_norm_bwd_contig_kernel[(ch.n,)](
-            x, gain, cos if rope else x, sin if rope else x, dy, rstd, ch.table, dx, part if need_gain else dx,
-            ch.n, h, d, float(d), h * d, h * d, h * d, d // 2 if rope else 0, d,
-            ROPE=rope, NEED_GAIN=need_gain, BLOCK_H=bh, BLOCK_D=bd, **_opts(bh * bd),
+        dummy = torch.empty(1, dtype=torch.float32, device=x.device)
+        _qk_bwd_kernel[(ch.n,)](
+            _aligned(x), _aligned(gain), _f32(cos) if rope else dummy, _f32(sin) if rope else dummy, _aligned(dy), rstd, ch.table,
+            dx, part if need_gain else dummy,
+            ch.n, h, d, float(d), h * d, h * d, h * d, d // 2, d,
+            int(rope), int(need_gain),
+            BLOCK_H=bh, BLOCK_D=bd, **_opts(bh * bd),
         )
     elif m:
         bh, bp = _blocks(h, d)
@@ -445,15 +496,14 @@ def qk_norm_bwd(dy: torch.Tensor, x: torch.Tensor, gain: torch.Tensor, rstd: tor
 def rope_apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool, layout: str | None = None) -> torch.Tensor:
     """x (M, H, d) rotated by the tables (by −θ when ``inverse``) → (M, H, d) in x's dtype."""
     m, h, d = x.shape
+    if not m:
+        return torch.empty_like(x)
+    if (layout or _LAYOUT.get()) == "contiguous":
+        return _contig_fwd(x, None, cos, sin, 0.0, None, -1.0 if inverse else 1.0)
     y = torch.empty_like(x)
-    if m and (layout or _LAYOUT.get()) == "contiguous":
-        bh, bd = _contig_blocks(h, d)
-        _rope_contig_kernel[(m,)](x, cos, sin, y, h, d, h * d, h * d, d // 2,
-                                  INVERSE=inverse, BLOCK_H=bh, BLOCK_D=bd, **_opts(bh * bd))
-    elif m:
-        bh, bp = _blocks(h, d)
-        _rope_kernel[(m,)](x, cos, sin, y, h, d // 2, h * d, h * d, d // 2,
-                           INVERSE=inverse, BLOCK_H=bh, BLOCK_P=bp, **_opts(bh * bp * 2))
+    bh, bp = _blocks(h, d)
+    _rope_kernel[(m,)](x, cos, sin, y, h, d // 2, h * d, h * d, d // 2,
+                       INVERSE=inverse, BLOCK_H=bh, BLOCK_P=bp, **_opts(bh * bp * 2))
     return y
 
 
