@@ -1,8 +1,8 @@
 """The training bars on the GPU at Qwen-Image widths (1 block, BF16, strict runtime).
 
-Not yet run on a GPU: the LoRA-gradient bar needs the Triton GEMM backward to deposit per-sample
-partials into the grad sink (until then the loop falls back to autograd's sum, ``grad_fold ==
-"autograd"``, and that test fails by design).
+The Triton GEMM backward deposits per-sample partials into the grad sink, so the loop folds LoRA
+gradients in sample-key order (``grad_fold == "sink"``) with the default streamed sink; the
+kernel-level form of the claim is ``tests/kernels/test_triton_gemm_sink.py``.
 """
 
 from __future__ import annotations

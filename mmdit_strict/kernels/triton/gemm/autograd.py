@@ -2,6 +2,8 @@
 
 ``gemm`` checks a call against the contract of docs/operators.md, then runs the forward alone
 (no gradient needed) or through :class:`GemmFunction`, whose backward is :func:`.launch.gemm_bwd`.
+When a grad sink and sample keys are active at the forward (:mod:`mmdit_strict.kernels.grad_sink`),
+the backward also hands the sink each sample's FP32 partial of every parameter gradient it computes.
 Importing this module registers the engine for the six GEMM-family operators.
 """
 
@@ -13,6 +15,7 @@ import sys
 
 import torch
 
+from ...grad_sink import active as active_grad_sink
 from ...registry import KernelImpl, register
 from .. import configs as _configs
 from . import codes, cuda_context, fpmath, kernels, launch, weights
@@ -29,6 +32,11 @@ class GemmFunction(torch.autograd.Function):
                                 return_h=True)
         ctx.save_for_backward(x, weight, pre, u, lora_a, lora_b, h)
         ctx.meta = (seqlens, prologue, epilogue, lora_scale)
+        sink, keys = active_grad_sink()
+        if sink is not None and keys is not None and len(keys) != len(seqlens):
+            raise ValueError(f"sample_keys declares {len(keys)} samples but this GEMM sees {len(seqlens)}")
+        # the parameter tensors themselves (the sink keys partials by parameter identity), indexed as gemm_bwd's deposit
+        ctx.sink = (sink, keys, (None, weight, bias, lora_a, lora_b)) if sink is not None and keys is not None else None
         return y
 
     @staticmethod
@@ -37,9 +45,16 @@ class GemmFunction(torch.autograd.Function):
         seqlens, prologue, epilogue, lora_scale = ctx.meta
         lora = (lora_a, lora_b, lora_scale) if lora_a is not None else None
         ni = ctx.needs_input_grad
+        deposit = None
+        if ctx.sink is not None:  # a grad sink was active at the forward: hand it each sample's partials
+            sink, keys, params = ctx.sink
+
+            def deposit(i: int, partials: list[torch.Tensor]) -> None:
+                sink.add(params[i], keys, partials)
+
         dx, dw, db, da, dlb = gemm_bwd(
             dy.contiguous(), x, weight, seqlens=seqlens, prologue=prologue, epilogue=epilogue, pre=pre,
-            lora=lora, u=u, needs=(ni[0], ni[1], ni[2], ni[3], ni[4]), h=h)
+            lora=lora, u=u, needs=(ni[0], ni[1], ni[2], ni[3], ni[4]), h=h, deposit=deposit)
         return dx, dw, db, da, dlb, None, None, None, None
 
 

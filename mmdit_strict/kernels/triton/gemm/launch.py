@@ -305,6 +305,79 @@ def gemm_db(g: torch.Tensor, seqlens: tuple[int, ...], *, accumulate_into: torch
     return out
 
 
+_SAMPLE_SPANS: dict[tuple, torch.Tensor] = {}
+
+
+def _sample_spans(seqlens: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """(S, 4) int32, row s = ``(start_s, end_s, 0, 0)``: each sample's own ``starts`` pair at a 16-byte
+    aligned address, so every one-sample launch binds the same compiled kernel. Cached per (seqlens, device)."""
+    key = (seqlens, str(device))
+    t = _SAMPLE_SPANS.get(key)
+    if t is None:
+        rows, start = [], 0
+        for n in seqlens:
+            rows.append((start, start + n, 0, 0))
+            start += n
+        t = torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(seqlens), 4)
+        if len(_SAMPLE_SPANS) > 4096:
+            _SAMPLE_SPANS.clear()
+        _SAMPLE_SPANS[key] = t
+    return retain(t)
+
+
+def gemm_dw_samples(g: torch.Tensor, x: torch.Tensor, seqlens: tuple[int, ...], *, prologue: str = "none",
+                    scale: float = 1.0) -> list[torch.Tensor]:
+    """Each sample's own weight-gradient partial ``scale · g[s]ᵀ p(x[s])``: S tensors (N, K) FP32.
+
+    One ``_gemm_dw_kernel`` launch per sample over that sample's rows of the whole ``g`` / ``x`` (its
+    row span passed as data, so one compiled kernel serves every sample and batch layout), with the
+    configuration :func:`gemm_dw` uses: the same dot chain from the sample's first row, stored as
+    ``0 + scale·part`` in FP32 — exactly the term :func:`gemm_dw`'s fold adds for that sample. The
+    grad sink folds these in global sample-key order across micro-batches. Shapes and checks as
+    :func:`gemm_dw`.
+    """
+    m, n = g.shape
+    k = x.shape[1]
+    if x.shape[0] != m or sum(seqlens) != m or g.dtype != x.dtype or not (g.is_contiguous() and x.is_contiguous()):
+        raise ValueError(f"gemm_dw_samples expects contiguous g (M, N), x (M, K) of one dtype with sum(seqlens) == M; "
+                         f"got g {tuple(g.shape)} {g.dtype}, x {tuple(x.shape)} {x.dtype}, sum(seqlens) {sum(seqlens)}")
+    cfg = _configs.dw_config(n, k, g.dtype)
+    bn = min(cfg.BLOCK_N, _pow2_at_least(n))
+    bk = min(cfg.BLOCK_K, _pow2_at_least(k))
+    spans = _sample_spans(tuple(seqlens), g.device)
+    grid = (triton.cdiv(n, bn) * triton.cdiv(k, bk),)
+    spec = _k.DwSpec(PROLOGUE=int(PROLOGUES[prologue]), HAS_INIT=False, DOT_PRECISION=_DOT_PRECISION,
+                     BLOCK_N=bn, BLOCK_K=bk, BLOCK_M=cfg.BLOCK_M, GROUP_N=cfg.GROUP_N)
+    parts = []
+    for s in range(len(seqlens)):
+        out = torch.empty((n, k), dtype=torch.float32, device=g.device)
+        _k._gemm_dw_kernel[grid](
+            g, x, spans[s], g, out, n, k, 1, g.stride(0), x.stride(0), float(scale), CFG=spec,
+            **_launch_opts(cfg.num_warps, cfg.num_stages),
+        )
+        parts.append(out)
+    return parts
+
+
+def gemm_db_samples(g: torch.Tensor, seqlens: tuple[int, ...]) -> list[torch.Tensor]:
+    """Each sample's own bias-gradient partial ``Σ_rows g[s]``: S tensors (N,) FP32, the terms
+    :func:`gemm_db` folds (one launch per sample, as :func:`gemm_dw_samples`)."""
+    m, n = g.shape
+    if sum(seqlens) != m or not g.is_contiguous():
+        raise ValueError(f"gemm_db_samples expects a contiguous g (M, N) with sum(seqlens) == M; got {tuple(g.shape)}, {sum(seqlens)}")
+    spans = _sample_spans(tuple(seqlens), g.device)
+    cfg = _configs.DB
+    parts = []
+    for s in range(len(seqlens)):
+        out = torch.empty((n,), dtype=torch.float32, device=g.device)
+        _k._gemm_db_kernel[(triton.cdiv(n, cfg.BLOCK_N),)](
+            g, spans[s], g, out, n, 1, g.stride(0), HAS_INIT=False, BLOCK_N=cfg.BLOCK_N, BLOCK_M=cfg.BLOCK_M,
+            **_launch_opts(cfg.num_warps, cfg.num_stages),
+        )
+        parts.append(out)
+    return parts
+
+
 def _elementwise(kernel, src: torch.Tensor, other: torch.Tensor | None, act: Act) -> torch.Tensor:
     out = torch.empty_like(src)
     n = src.numel()
@@ -376,12 +449,16 @@ def gemm_fwd(x, weight, bias=None, *, prologue="none", epilogue="none", lora=Non
 
 
 def gemm_bwd(dy, x, weight, *, seqlens, prologue="none", epilogue="none", pre=None, lora=None, u=None,
-             needs=(True, True, True, True, True), h=None, dx_config: _configs.FwdConfig | None = None):
+             needs=(True, True, True, True, True), h=None, dx_config: _configs.FwdConfig | None = None,
+             deposit: Callable[[int, list[torch.Tensor]], None] | None = None):
     """Backward of :func:`gemm_fwd`. dy: (M, N). Returns (dx, dW, db, dA, dB); None where not needed.
 
     ``h``: ``p(x)`` from the forward's prologue pass, if it ran; dW/dA then read it instead of
     recomputing the prologue per tile (same bytes: the same rounded values enter the same dots).
-    ``dx_config``: the dX product's configuration (default ``configs.fwd_config(K, N, dtype)``)."""
+    ``dx_config``: the dX product's configuration (default ``configs.fwd_config(K, N, dtype)``).
+    ``deposit``: called as ``deposit(i, partials)`` for each parameter gradient computed (i = 1 W,
+    2 b, 3 A, 4 B) with that gradient's per-sample FP32 partials (:func:`gemm_dw_samples`,
+    :func:`gemm_db_samples`), for the grad sink; the returned gradients are unchanged."""
     need_x, need_w, need_b, need_a, need_lb = needs
     k = x.shape[1]
     n = weight.shape[0]
@@ -399,11 +476,19 @@ def gemm_bwd(dy, x, weight, *, seqlens, prologue="none", epilogue="none", pre=No
     xw, pw = (h, "none") if h is not None else (x, prologue)
     if need_w:
         dw = gemm_dw(dz, xw, seqlens, prologue=pw)
+        if deposit is not None:
+            deposit(1, gemm_dw_samples(dz, xw, seqlens, prologue=pw))
     if need_b:
         db = gemm_db(dz, seqlens)
+        if deposit is not None:
+            deposit(2, gemm_db_samples(dz, seqlens))
     if lora is not None:
         if need_a:
             da = gemm_dw(v, xw, seqlens, prologue=pw, scale=lora[2])
+            if deposit is not None:
+                deposit(3, gemm_dw_samples(v, xw, seqlens, prologue=pw, scale=lora[2]))
         if need_lb:
             dlb = gemm_dw(dz, u, seqlens, scale=lora[2])
+            if deposit is not None:
+                deposit(4, gemm_dw_samples(dz, u, seqlens, scale=lora[2]))
     return dx, dw, db, da, dlb
