@@ -1,7 +1,7 @@
 """Benchmark and qualification of the strict GEMM engine on a CUDA GPU.
 
-    python -m mmdit_strict.bench.gemm --out DIR [--sweep big|small|round2|round3|round5|none]
-        [--sections speed,invariance,accuracy] [--layers qkv,mlp_up,...] [--budget-s S]
+    python -m mmdit_strict.bench.gemm --out DIR [--sections speed,invariance,accuracy,layouts]
+        [--layers qkv,mlp_up,...] [--dtypes bf16,fp32] [--budget-s S]
 
 Writes ``DIR/gemm_report.json`` and ``DIR/gemm_report.md`` (rewritten after every section, so a run
 cut short still leaves what it measured):
@@ -19,9 +19,14 @@ cut short still leaves what it measured):
   offset), for the forward and dX; and dW/db bytes equal across micro-batch splits;
 * speed at M = 4224 (modulation at M = 1 and 8) with ``triton.testing.do_bench`` quantiles against
   cuBLAS: forward (``F.linear`` + eager epilogue), dX (``torch.mm``), dW (``torch.mm``);
-* a configuration sweep for the large shapes (informational: configs stay keyed by (N, K, dtype)).
+* weight layouts (``layouts``, not part of ``qualify``): the forward with the weight's own ``Wᵀ`` copy
+  (``"kn"``) against nn.Linear's ``(N, K)`` read in place (``"nk"``) under each class's configuration
+  otherwise unchanged, beside cuBLAS, with the two outputs compared in bytes.
 
-Imports only the GEMM engine and the reference (not ``mmdit_strict``'s top level).
+Every launch uses ``configs`` as committed or a configuration passed explicitly (``config=``); the
+tables are never edited. Configuration sweeps and tuning probes live outside the package, in the
+repository's ``benchmarks/`` folder. Imports only the GEMM engine and the reference (not
+``mmdit_strict``'s top level).
 """
 
 from __future__ import annotations
@@ -273,7 +278,7 @@ def speed_case(G, name, n, k, bias, prologue, epilogue, dtype, m):
                      "speed_vs_cublas_graph": (g_r / g_o) if g_o and g_r else None})
 
     with torch.no_grad():
-        G.prepacked_weight(w)  # load-time prepack, outside the timing
+        G.gemm_fwd(x, w, b, prologue=prologue, epilogue=epilogue)  # compile; a "kn" class packs Wᵀ here, untimed
         row("fwd", lambda: G.gemm_fwd(x, w, b, prologue=prologue, epilogue=epilogue),
             lambda: _torch_linear(x, w, b, prologue, epilogue))
         row("dX", lambda: G.gemm_bwd(dz, x, w, seqlens=(m,), prologue=prologue, needs=(True, False, False, False, False)),
@@ -283,206 +288,41 @@ def speed_case(G, name, n, k, bias, prologue, epilogue, dtype, m):
     return rows
 
 
-SWEEP = [
-    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, weight_layout="kn"),
-    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, weight_layout="kn"),
-    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, weight_layout="nk"),
-    dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, weight_layout="kn"),
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4, weight_layout="kn"),
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, weight_layout="kn"),
-]
+LAYOUT_LAYERS = ("qkv", "attn_out", "mlp_up", "mlp_down", "txt_in", "img_in", "proj_out")  # the M = 4224 forwards
 
 
-SWEEP_SMALL = [  # weight-streaming classes (modulation fwd/dX at M = 8, N = 64 at M = 4224)
-    dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4, weight_layout="kn"),
-    dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4, weight_layout="kn"),
-    dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3, weight_layout="kn"),
-    dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4, weight_layout="kn"),
-    dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4, weight_layout="nk"),
-    dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4, weight_layout="kn"),
-]
+def layout_case(G, C, name, n, k, bias, prologue, epilogue, dtype, m=4224):
+    """The forward under the class's configuration with ``weight_layout`` "kn" (the weight's own Wᵀ
+    copy, packed before timing) and "nk" (W read in place), beside cuBLAS; both outputs compared in bytes."""
+    w, b, _ = _weights(n, k, dtype, bias, gen_seed=5)
+    x = torch.randn(m, k, generator=torch.Generator(device=DEVICE).manual_seed(6), device=DEVICE).to(dtype)
+    base = C.fwd_config(n, k, dtype)
+    row = {"layer": name, "M": m, "N": n, "K": k, "dtype": str(dtype).replace("torch.", ""), "config": base.as_dict(),
+           "weight_copy_bytes": n * k * w.element_size()}
+    outs = {}
+    with torch.no_grad():
+        for layout in ("kn", "nk"):
+            cfg = base.replace(weight_layout=layout)
+            stats = {}
 
+            def record(kernel, _s=stats):
+                _s.update(n_regs=getattr(kernel, "n_regs", None), n_spills=getattr(kernel, "n_spills", None))
 
-def _cand(bm, bn, bk, warps, stages, group_m=8, layout="kn", tma=False, **extra):
-    c = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, num_warps=warps, num_stages=stages, weight_layout=layout)
-    if tma:
-        c["tma"] = True
-    c.update(extra)  # tma_store / epi_split / persistent (configs._fwd)
-    return c
-
-
-# Round 2 (experiments/gemm/NOTES.md): M = 4224 classes (fwd and dX), the first entry is the incumbent.
-ROUND2_BIG = [
-    _cand(128, 256, 64, 8, 4), _cand(128, 256, 64, 8, 3), _cand(128, 256, 64, 8, 4, group_m=16),
-    _cand(256, 128, 64, 8, 3), _cand(128, 128, 64, 4, 3), _cand(128, 256, 64, 8, 4, tma=True),
-    _cand(256, 128, 64, 8, 3, tma=True),
-]
-# Weight-streaming classes at M = 8 (modulation fwd with the SiLU prologue pass; its dX).
-ROUND2_MOD_FWD = [
-    _cand(16, 64, 64, 4, 4), _cand(16, 128, 64, 4, 4), _cand(16, 64, 128, 4, 4), _cand(16, 128, 128, 4, 3),
-    _cand(16, 64, 256, 4, 3), _cand(16, 32, 256, 4, 4), _cand(16, 128, 64, 4, 6), _cand(16, 256, 64, 8, 4),
-    _cand(16, 64, 128, 4, 4, layout="nk"), _cand(16, 128, 64, 4, 4, layout="nk"), _cand(16, 64, 256, 4, 3, layout="nk"),
-]
-ROUND2_MOD_DX = [
-    _cand(16, 32, 128, 4, 4), _cand(16, 16, 256, 4, 4), _cand(16, 32, 256, 4, 3), _cand(16, 16, 128, 4, 6),
-    _cand(16, 16, 512, 4, 3), _cand(16, 32, 128, 4, 6),
-]
-
-
-# Round 3: the GELU-epilogue class (12288, 3072) — mlp_up fwd, mlp_down dX. Tiles with ≤ 96 KB of
-# shared memory fit two programs per SM, so one program's epilogue overlaps another's main loop.
-ROUND3_BIG = [
-    _cand(128, 256, 64, 8, 4, tma=True), _cand(128, 256, 64, 8, 3, tma=True), _cand(128, 128, 64, 8, 3, tma=True),
-    _cand(128, 128, 64, 4, 3, tma=True), _cand(128, 128, 64, 8, 4, tma=True), _cand(128, 256, 64, 8, 4, group_m=16, tma=True),
-    _cand(128, 128, 128, 8, 2, tma=True),
-]
-
-
-# Round 4 (commit 7cf2678, experiments/gemm/NOTES.md) swept the GELU class over epilogue column parts,
-# a Newton division (since adopted for every activation), a TMA store and a persistent tile walk.
-# Round 5: the persistent walk for every M = 4224 class; the first entry is each class's incumbent.
-_T = dict(tma=True)
-ROUND5_BIG = [
-    _cand(128, 256, 64, 8, 4, **_T), _cand(128, 256, 64, 8, 4, persistent=True, **_T),
-    _cand(128, 256, 64, 8, 4, persistent=True, epi_split=2, **_T),
-    _cand(128, 256, 64, 8, 3, persistent=True, epi_split=2, tma_store=True, **_T),
-]
-
-
-def _kernel_stats(G) -> dict:
-    """Registers and spills of the most recently launched forward kernel (None under the interpreter)."""
-    k = getattr(G, "last_fwd_kernel", None)
-    return {"n_regs": getattr(k, "n_regs", None), "n_spills": getattr(k, "n_spills", None)}
-
-
-def round2_sweep(G, C, report, save, budget_ok, classes=None, big_candidates=None):
-    """Time candidates per (N, K, bf16) class, adopt the fastest in-process (C.FWD) for the sections
-    that follow, and record the choice (``report["round2_winners"]``). A class serving several uses
-    (e.g. (12288, 3072): mlp_up fwd and mlp_down dX) is scored by the sum over its uses of
-    time / incumbent time."""
-    dt = torch.bfloat16
-    uses = {}  # key -> list of (layer, kind, m, n, k, bias, pro, epi)
-    big = {l[0]: l for l in LAYERS[:4]}
-    for name, (nm, n, k, bias, pro, epi, _) in big.items():
-        uses.setdefault((n, k, "bf16"), []).append((name, "fwd", 4224, n, k, bias, pro, epi))
-        uses.setdefault((k, n, "bf16"), []).append((name, "dX", 4224, n, k, bias, pro, epi))
-    for (nm, n, k, bias, pro, epi, _) in (LAYERS[4], LAYERS[5]):
-        uses.setdefault((n, k, "bf16"), []).append((nm, "fwd", 8, n, k, bias, pro, epi))
-        uses.setdefault((k, n, "bf16"), []).append((nm, "dX", 8, n, k, bias, pro, epi))
-    data = {}
-
-    def inputs(n, k, m, bias):
-        w, b, _ = _weights(n, k, dt, bias, gen_seed=7)
-        g = torch.Generator(device=DEVICE).manual_seed(8)
-        return w, b, torch.randn(m, k, generator=g, device=DEVICE).to(dt), torch.randn(m, n, generator=g, device=DEVICE).to(dt)
-
-    from triton.testing import do_bench
-
-    winners = {}
-    for key, us in uses.items():
-        if classes is not None and f"{key[0]}x{key[1]}" not in classes:
-            continue
-        if not budget_ok():
-            report["errors"].append(f"round2 sweep skipped (time budget) from {key}")
-            break
-        cands = ROUND2_MOD_DX if us[0][2] == 8 and us[0][1] == "dX" else ROUND2_MOD_FWD if us[0][2] == 8 else (big_candidates or ROUND2_BIG)
-        saved = C.FWD.get(key)
-        scores = []
-        for ci, cand in enumerate(cands):
-            C.FWD[key] = dict(cand)
-            rows, ok = [], True
-            for (name, kind, m, n, k, bias, pro, epi) in us:
-                if kind == "dX" and cand["weight_layout"] == "nk":
-                    ok = False
-                    break
-                tag = (name, kind, m)
-                if tag not in data:
-                    data[tag] = inputs(n, k, m, bias)
-                w, b, x, dz = data[tag]
-                if kind == "fwd":
-                    fn = lambda: G.gemm_fwd(x, w, b, prologue=pro, epilogue=epi)  # noqa: E731
-                    ref = lambda: _torch_linear(x, w, b, pro, epi)  # noqa: E731
-                else:
-                    fn = lambda: G.gemm_bwd(dz, x, w, seqlens=(m,), prologue=pro, needs=(True, False, False, False, False))  # noqa: E731
-                    ref = (lambda: torch.mm(dz, w)) if pro == "none" else (lambda: torch.mm(dz, w) * torch.sigmoid(x))  # noqa: E731
-                try:
-                    with torch.no_grad():
-                        t = do_bench(fn, warmup=10, rep=40, quantiles=[0.5])
-                        t = t[0] if isinstance(t, (list, tuple)) else t
-                        tr = do_bench(ref, warmup=10, rep=40, quantiles=[0.5])
-                        tr = tr[0] if isinstance(tr, (list, tuple)) else tr
-                except Exception as exc:  # a candidate that does not compile/run is recorded, not fatal
-                    report["errors"].append(f"round2 {key} {cand}: {type(exc).__name__}: {str(exc)[:300]}")
-                    ok = False
-                    break
-                with torch.no_grad():
-                    stats = _kernel_stats(G)
-                    tg, tgr = _bench_graph(fn), _bench_graph(ref)
-                rows.append({"layer": name, "kind": kind, "M": m, "ms": t, "cublas_ms": tr, "ratio": tr / t,
-                             "graph_ms": tg, "cublas_graph_ms": tgr})
-                report["sweep"].append({"layer": name, "kind": kind, "dtype": "bf16", "M": m, "config": dict(cand), "ms": t,
-                                        "tflops": 2.0 * m * n * k / t / 1e9, "cublas_ms": tr, "ratio": tr / t, "key": list(key),
-                                        "graph_ms": tg, "cublas_graph_ms": tgr,
-                                        "ratio_graph": (tgr / tg) if tg and tgr else None, **stats})
-            if ok:
-                scores.append((ci, rows))
-        if scores:
-            graph = all(r.get("graph_ms") for _, rs in scores for r in rs)
-            tkey = "graph_ms" if graph else "ms"  # GPU time where every candidate could be captured
-            base = {r["layer"] + r["kind"]: r[tkey] for r in scores[0][1]} if scores[0][0] == 0 else None
-
-            def score(entry):
-                return sum(r[tkey] / (base[r["layer"] + r["kind"]] if base else 1.0) for r in entry[1])
-            best_ci, best_rows = min(scores, key=score)
-            C.FWD[key] = dict(cands[best_ci])
-            winners[str(key)] = {"config": dict(cands[best_ci]), "rows": best_rows, "incumbent": saved}
-        elif saved is not None:
-            C.FWD[key] = saved
-        report["round2_winners"] = winners
-        save()
-        print(f"round2 {key}: {winners.get(str(key), {}).get('config')}", flush=True)
-    # epilogue cost of mlp_up under its adopted config: gelu vs none
-    if budget_ok() and ("mlp_up", "fwd", 4224) in data:
-        w, b, x, _ = data[("mlp_up", "fwd", 4224)]
-        with torch.no_grad():
-            for epi in ("none", "gelu_tanh"):
-                fn = lambda: G.gemm_fwd(x, w, b, epilogue=epi)  # noqa: E731
-                t = do_bench(fn, warmup=10, rep=60, quantiles=[0.5])
-                report.setdefault("epilogue_cost", []).append({"layer": "mlp_up", "epilogue": epi, "ms": t[0] if isinstance(t, (list, tuple)) else t,
-                                                               "graph_ms": _bench_graph(fn)})
-            for label, fn in (("cublas addmm", lambda: torch.addmm(b, x, w.t())),
-                              ("cublas addmm + eager gelu", lambda: _torch_linear(x, w, b, "none", "gelu_tanh"))):
-                report["epilogue_cost"].append({"layer": "mlp_up", "epilogue": label, "graph_ms": _bench_graph(fn)})
-        save()
-    data.clear()
-
-
-def sweep_case(G, C, name, n, k, bias, epilogue, dtype, m=4224, candidates=None, prologue="none"):
-    """Time candidate configurations of one shape class (forward, and dX with the transposed class)."""
-    w, b, _ = _weights(n, k, dtype, bias, gen_seed=7)
-    x = torch.randn(m, k, device=DEVICE).to(dtype)
-    dz = torch.randn(m, n, device=DEVICE).to(dtype)
-    dt = C.dtype_name(dtype)
-    out = []
-    for kind, key in (("fwd", (n, k, dt)), ("dX", (k, n, dt))):
-        saved = C.FWD.get(key)
-        try:
-            for cand in candidates or SWEEP:
-                if kind == "dX" and cand["weight_layout"] == "nk":
-                    continue
-                C.FWD[key] = cand
-                with torch.no_grad():
-                    fn = (lambda: G.gemm_fwd(x, w, b, prologue=prologue, epilogue=epilogue)) if kind == "fwd" else (
-                        lambda: G.gemm_bwd(dz, x, w, seqlens=(m,), prologue=prologue, needs=(True, False, False, False, False)))
-                    t = _bench(fn)["median_ms"]
-                out.append({"layer": name, "kind": kind, "dtype": dt, "M": m, "config": dict(cand), "ms": t,
-                            "tflops": 2.0 * m * n * k / t / 1e9})
-        finally:
-            if saved is None:
-                C.FWD.pop(key, None)
-            else:
-                C.FWD[key] = saved
-    return out
+            outs[layout] = G.gemm_fwd(x, w, b, prologue=prologue, epilogue=epilogue, config=cfg, on_launch=record)[0]
+            fn = lambda _c=cfg: G.gemm_fwd(x, w, b, prologue=prologue, epilogue=epilogue, config=_c)  # noqa: E731
+            row[f"{layout}_ms"] = _bench(fn)["median_ms"]
+            row[f"{layout}_graph_ms"] = _bench_graph(fn)
+            row[f"{layout}_regs_spills"] = [stats.get("n_regs"), stats.get("n_spills")]
+            G.drop_prepacked(w)
+        ref = lambda: _torch_linear(x, w, b, prologue, epilogue)  # noqa: E731
+        row["cublas_ms"] = _bench(ref)["median_ms"]
+        row["cublas_graph_ms"] = _bench_graph(ref)
+    _sync()
+    row["bytes_equal"] = bool(torch.equal(outs["kn"], outs["nk"]))
+    tk = "graph_ms" if row["kn_graph_ms"] and row["nk_graph_ms"] else "ms"
+    row["nk_speed_vs_kn"] = row[f"kn_{tk}"] / row[f"nk_{tk}"]
+    row["timed_by"] = tk
+    return [row]
 
 
 def _cfg_str(c: dict) -> str:
@@ -541,35 +381,22 @@ def _md(report) -> str:
                          f"{fmt(s.get('ours_graph_ms'), '.4f')} | {fmt(s.get('cublas_graph_ms'), '.4f')} | "
                          f"{fmt(s.get('speed_vs_cublas_graph'), '.2f')} |")
         lines.append("")
-    sw = report.get("sweep", [])
-    if sw:
-        lines += ["## Configuration sweep (informational)", "",
-                  "| layer | kind | dtype | M | config | ms | TFLOP/s | graph ms (cuBLAS, ratio) | regs / spills |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        for s in sw:
-            extra = f" (cuBLAS {s['cublas_ms']:.4f}, ratio {s['ratio']:.2f})" if "ratio" in s else ""
-            graph = (f"{s['graph_ms']:.4f} ({s['cublas_graph_ms']:.4f}, {s['ratio_graph']:.2f})"
-                     if s.get("ratio_graph") else "—")
-            regs = f"{s.get('n_regs')} / {s.get('n_spills')}" if s.get("n_regs") is not None else "—"
-            lines.append(f"| {s['layer']} | {s['kind']} | {s['dtype']} | {s.get('M', 4224)} | {_cfg_str(s['config'])} | "
-                         f"{s['ms']:.4f}{extra} | {s['tflops']:.1f} | {graph} | {regs} |")
+    lay = report.get("layouts", [])
+    if lay:
+        lines += ["## Weight layout: Wᵀ copy (kn) vs W read in place (nk), forward", "",
+                  "Each class's configuration with only `weight_layout` changed; times are CUDA-graph medians where "
+                  "capture worked (`do_bench` otherwise); ratio = kn time / nk time (>1: in place is faster); "
+                  "bytes = the two outputs compared with torch.equal.", "",
+                  "| layer | dtype | M | N×K | config | kn ms | nk ms | cuBLAS ms | nk / kn speed | nk vs cuBLAS | bytes | "
+                  "regs/spills kn, nk | Wᵀ copy MiB |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in lay:
+            tk = r.get("timed_by", "ms")
+            kn, nk, cb = r[f"kn_{tk}"], r[f"nk_{tk}"], r[f"cublas_{tk}"] or r["cublas_ms"]
+            lines.append(f"| {r['layer']} | {r['dtype']} | {r['M']} | {r['N']}×{r['K']} | {_cfg_str(r['config'])} | "
+                         f"{kn:.4f} | {nk:.4f} | {cb:.4f} | {r['nk_speed_vs_kn']:.3f} | {cb / nk:.2f} | "
+                         f"{'equal' if r['bytes_equal'] else 'DIFFER'} | {r['kn_regs_spills']}, {r['nk_regs_spills']} | "
+                         f"{r['weight_copy_bytes'] / 2**20:.1f} |")
         lines.append("")
-    win = report.get("round2_winners")
-    if win:
-        lines += ["## Sweep winners (adopted in-process for the sections above)", "",
-                  "| key (N, K, dtype) | config | uses: ms (cuBLAS ms, ratio) |", "|---|---|---|"]
-        for key, v in win.items():
-            us = "; ".join(f"{r['layer']} {r['kind']} M={r['M']}: {r['ms']:.4f} ({r['cublas_ms']:.4f}, {r['ratio']:.2f})"
-                           + (f", graph {r['graph_ms']:.4f} ({r['cublas_graph_ms']:.4f})" if r.get("graph_ms") and r.get("cublas_graph_ms") else "")
-                           for r in v["rows"])
-            lines.append(f"| {key} | {_cfg_str(v['config'])} | {us} |")
-        lines.append("")
-    if report.get("epilogue_cost"):
-        def _ms(v):
-            return f"{v:.4f} ms" if v is not None else "—"
-
-        lines += ["## mlp_up epilogue cost (adopted config, M = 4224)", ""] + [
-            f"- {e['epilogue']}: do_bench {_ms(e.get('ms'))}, graph {_ms(e.get('graph_ms'))}" for e in report["epilogue_cost"]] + [""]
     if report.get("errors"):
         lines += ["## Errors", ""] + [f"- {x}" for x in report["errors"]] + [""]
     lines.append(f"Wall time {report.get('wall_s', 0):.0f} s.")
@@ -579,14 +406,11 @@ def _md(report) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--classes", default=None, help="round2/3/5 sweeps: comma list of NxK classes to sweep (default: all)")
-    ap.add_argument("--sweep", choices=("big", "small", "round2", "round3", "round5", "none"), default="big",
-                    help="configuration sweep: the M=4224 layers, the weight-streaming classes, round 2 (runs first, "
-                         "adopts the fastest config per class in-process for the sections after it), or none")
     ap.add_argument("--sections", default="speed,invariance,accuracy",
-                    help="comma list of speed, invariance, accuracy")
+                    help="comma list of speed, invariance, accuracy, layouts (the qualification runs the first three)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip remaining sections past this wall time")
     ap.add_argument("--layers", default=None, help=f"comma list of layers to qualify (default: all of {[l[0] for l in LAYERS]})")
+    ap.add_argument("--dtypes", default="bf16,fp32", help="comma list of bf16, fp32 (layouts: bf16 only)")
     args = ap.parse_args(argv)
     if DEVICE == "cuda" and not torch.cuda.is_available():
         raise SystemExit("the GEMM qualification needs a CUDA device")
@@ -599,7 +423,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    report = {"env": _env(), "accuracy": [], "invariance": [], "speed": [], "sweep": [], "errors": []}
+    report = {"env": _env(), "accuracy": [], "invariance": [], "speed": [], "layouts": [], "errors": []}
 
     def save():
         report["wall_s"] = time.time() - t0
@@ -623,23 +447,22 @@ def main(argv=None) -> int:
                 torch.cuda.empty_cache()
 
     sections = set(args.sections.split(","))
+    dtypes = [d for d in ("bf16", "fp32") if d in args.dtypes.split(",")]
     layers = [l for l in LAYERS if not args.layers or l[0] in args.layers.split(",")]
-    classes = set(args.classes.split(",")) if args.classes else None
-    if args.sweep in ("round2", "round3", "round5"):
-        guarded(f"{args.sweep} sweep", lambda: round2_sweep(
-            G, C, report, save, lambda: time.time() - t0 < args.budget_s, classes=classes,
-            big_candidates={"round3": ROUND3_BIG, "round5": ROUND5_BIG}.get(args.sweep)))
-        report["env"]["configs_note"] = "round-2 winners adopted in-process (report['round2_winners']), not configs.py as committed"
+    # 0. weight layouts (decides the forward's weight_layout per class; bf16, the production dtype)
+    if "layouts" in sections:
+        for (name, n, k, bias, pro, epi, _) in (l for l in layers if l[0] in LAYOUT_LAYERS):
+            report["layouts"] += guarded(f"layouts {name}", lambda: layout_case(G, C, name, n, k, bias, pro, epi, torch.bfloat16))
         save()
     # 1. speed first (the headline), bf16 then fp32
-    for dname in (("bf16", "fp32") if "speed" in sections else ()):
+    for dname in (dtypes if "speed" in sections else ()):
         for (name, n, k, bias, pro, epi, ms) in layers:
             for m in ms:
                 report["speed"] += guarded(f"speed {name} {dname} M={m}",
                                            lambda: speed_case(G, name, n, k, bias, pro, epi, DTYPES[dname], m))
         save()
     # 2. invariance
-    for dname in (("bf16", "fp32") if "invariance" in sections else ()):
+    for dname in (dtypes if "invariance" in sections else ()):
         for (name, n, k, bias, pro, epi, _) in layers:
             r = guarded(f"invariance {name} {dname}", lambda: invariance_case(G, name, n, k, bias, pro, epi, DTYPES[dname]))
             if r:
@@ -665,22 +488,11 @@ def main(argv=None) -> int:
         acc_cases.append(("attn_out", 3072, 3072, True, "none", "none", (300, 212), 64))
     if "mlp_up" in names:
         acc_cases.append(("mlp_up", 12288, 3072, True, "none", "gelu_tanh", (300, 212), 16))
-    for dname in (("bf16", "fp32") if "accuracy" in sections else ()):
+    for dname in (dtypes if "accuracy" in sections else ()):
         for (name, n, k, bias, pro, epi, s, r) in acc_cases:
             report["accuracy"] += guarded(f"accuracy {name} {dname} {_fmt_seqlens(s)} r={r}",
                                           lambda: accuracy_case(G, ref_ops, name, n, k, bias, pro, epi, DTYPES[dname], s, lora_r=r))
         save()
-    # 4. sweep
-    if args.sweep == "big":
-        for (name, n, k, bias, pro, epi, _) in LAYERS[:4]:
-            report["sweep"] += guarded(f"sweep {name}", lambda: sweep_case(G, C, name, n, k, bias, epi, torch.bfloat16))
-            save()
-    elif args.sweep == "small":
-        for (name, n, k, bias, pro, epi, _) in (LAYERS[4], LAYERS[8]):
-            m = 8 if pro == "silu" else 4224
-            report["sweep"] += guarded(f"sweep {name}", lambda: sweep_case(
-                G, C, name, n, k, bias, epi, torch.bfloat16, m=m, candidates=SWEEP_SMALL, prologue=pro))
-            save()
     save()
     print(_md(report))
     return 0

@@ -238,7 +238,7 @@ def cmd_qualify(args: argparse.Namespace) -> int:
     if section in ("gemm", "all"):
         from ..bench import gemm
 
-        rc |= int(gemm.main(["--out", args.out, "--sweep", "none"]) or 0)
+        rc |= int(gemm.main(["--out", args.out]) or 0)
     if section in ("attention", "all"):
         from ..bench import attention
 

@@ -3,11 +3,12 @@ device run would lose its results to a traceback)."""
 
 from __future__ import annotations
 
-from mmdit_strict.bench import gemm, gemm_tuning
+from benchmarks import gemm_sweeps, gemm_tuning
+from mmdit_strict.bench import gemm
 
 
 def test_gemm_report_renders_sweep_winners_and_epilogue_rows() -> None:
-    cand = gemm.ROUND5_BIG[3]
+    cand = gemm_sweeps.ROUND5_BIG[3].as_dict()
     row = {"layer": "mlp_up", "kind": "fwd", "dtype": "bf16", "M": 4224, "config": cand, "ms": 0.5, "tflops": 650.0,
            "cublas_ms": 0.52, "ratio": 1.04, "graph_ms": 0.55, "cublas_graph_ms": 0.56, "ratio_graph": 1.02,
            "n_regs": 254, "n_spills": 0}
@@ -18,7 +19,7 @@ def test_gemm_report_renders_sweep_winners_and_epilogue_rows() -> None:
                    "graph_ms": 0.55, "cublas_graph_ms": 0.56}]}},
               "epilogue_cost": [{"layer": "mlp_up", "epilogue": "gelu_tanh", "ms": 0.5, "graph_ms": None},
                                 {"layer": "mlp_up", "epilogue": "cublas addmm", "graph_ms": 0.49}]}
-    md = gemm._md(report)
+    md = gemm_sweeps._md(report)
     assert "128x256x64 w8 s3 g8 kn tma tma-store persistent split2" in md
     assert "0.5500 (0.5600, 1.02) | 254 / 0" in md
     assert "| — | — |" in md  # the row without graph timings or kernel stats
@@ -27,9 +28,9 @@ def test_gemm_report_renders_sweep_winners_and_epilogue_rows() -> None:
 
 
 def test_tuning_report_renders_errors_and_profiles() -> None:
-    ok = {"layer": "qkv", "N": 9216, "K": 3072, "config": gemm_tuning.DW_CANDIDATES[2], "ms": 0.48, "graph_ms": 0.49,
+    ok = {"layer": "qkv", "N": 9216, "K": 3072, "config": gemm_tuning.DW_CANDIDATES[2].as_dict(), "ms": 0.48, "graph_ms": 0.49,
           "cublas_ms": 0.33, "cublas_graph_ms": 0.36, "ratio_graph": 0.73}
-    bad = {"layer": "qkv", "config": gemm_tuning.DW_CANDIDATES[5], "error": "OutOfResources: shared memory"}
+    bad = {"layer": "qkv", "config": gemm_tuning.DW_CANDIDATES[5].as_dict(), "error": "OutOfResources: shared memory"}
     report = {"env": {}, "dw": [ok, bad], "host": [
         {"layer": "mod", "M": 8, "what": "gemm_fwd (launches)", "host_us_per_call": 144.8},
         {"layer": "mod", "M": 8, "what": "profile", "profile": "  ncalls  tottime\n"}]}

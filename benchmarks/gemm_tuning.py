@@ -1,7 +1,7 @@
 """Tuning probes for the strict GEMM engine on a CUDA GPU (informational; the qualification is
-``mmdit_strict.bench.gemm``).
+``mmdit-strict qualify --section gemm``).
 
-    python -m mmdit_strict.bench.gemm_tuning --out DIR [--what dw,fp32,host]
+    python -m benchmarks.gemm_tuning --out DIR [--what dw,fp32,host]      (from the repository root)
 
 * ``dw``: weight-gradient tile candidates (``configs.DW`` entries) for the four M = 4224 layers, BF16,
   one sample of 4224 rows, against ``torch.mm(dZᵀ, x)``;
@@ -10,9 +10,10 @@
 * ``host``: the host-side cost of one small-M call (the modulation projections at M = 1 and 8):
   microseconds per call when launches are not waited on, and the profile's top functions.
 
-Every timing is a ``do_bench`` median and a CUDA-graph replay median (GPU time only). Candidates only
-change tiles, never the reduction order's dependence on M, so each is as batch-invariant as the
-incumbent; adopting one still needs the qualification.
+Every timing is a ``do_bench`` median and a CUDA-graph replay median (GPU time only). Each candidate
+is passed to the engine explicitly (``gemm_dw(config=...)``, ``gemm_fwd(config=...)``); ``configs`` is
+never edited. Candidates only change tiles, never the reduction order's dependence on M, so each is
+as batch-invariant as the incumbent; adopting one is an edit of configs.py and a qualification run.
 """
 
 from __future__ import annotations
@@ -27,33 +28,21 @@ from pathlib import Path
 
 import torch
 
-from .environment import environment_line
-from .gemm import _bench, _bench_graph, _env, _torch_linear, _weights
+from mmdit_strict.bench.environment import environment_line
+from mmdit_strict.bench.gemm import _bench, _bench_graph, _env, _torch_linear, _weights
+from mmdit_strict.kernels.triton.configs import DwConfig, FwdConfig
 
 BIG = [("qkv", 9216, 3072), ("attn_out", 3072, 3072), ("mlp_up", 12288, 3072), ("mlp_down", 3072, 12288)]
 
 
-# Candidate builders of the same form as configs.py's ``_dw``/``_fwd``, kept here: importing configs.py
-# imports the kernels.triton package (which builds and registers the Triton kernels), which listing or
-# rendering tuning candidates does not need.
-def _dw(bn, bk, bm, warps, stages, group=8):
-    return {"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_M": bm, "GROUP_N": group, "num_warps": warps, "num_stages": stages}
-
-
 DW_CANDIDATES = [
-    _dw(128, 128, 64, 8, 3), _dw(128, 128, 64, 8, 4), _dw(128, 256, 64, 8, 3), _dw(256, 128, 64, 8, 3),
-    _dw(128, 256, 32, 8, 4), _dw(128, 128, 128, 8, 2), _dw(128, 256, 64, 8, 4), _dw(128, 128, 64, 4, 3),
+    DwConfig(128, 128, 64, 8, 3), DwConfig(128, 128, 64, 8, 4), DwConfig(128, 256, 64, 8, 3), DwConfig(256, 128, 64, 8, 3),
+    DwConfig(128, 256, 32, 8, 4), DwConfig(128, 128, 128, 8, 2), DwConfig(128, 256, 64, 8, 4), DwConfig(128, 128, 64, 4, 3),
 ]
 
-
-def _fwd(bm, bn, bk, warps, stages):
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": warps, "num_stages": stages,
-            "weight_layout": "kn", "tma": False, "prologue": "pass"}
-
-
 FP32_CANDIDATES = [
-    _fwd(128, 128, 32, 8, 3), _fwd(128, 128, 16, 8, 4), _fwd(128, 128, 32, 4, 3), _fwd(64, 128, 32, 4, 3),
-    _fwd(128, 64, 32, 4, 3), _fwd(256, 128, 16, 8, 3), _fwd(128, 256, 16, 8, 3), _fwd(64, 64, 32, 4, 4),
+    FwdConfig(128, 128, 32, 8, 3), FwdConfig(128, 128, 16, 8, 4), FwdConfig(128, 128, 32, 4, 3), FwdConfig(64, 128, 32, 4, 3),
+    FwdConfig(128, 64, 32, 4, 3), FwdConfig(256, 128, 16, 8, 3), FwdConfig(128, 256, 16, 8, 3), FwdConfig(64, 64, 32, 4, 4),
 ]
 
 
@@ -62,49 +51,40 @@ def _time(fn) -> dict:
         return {"ms": _bench(fn)["median_ms"], "graph_ms": _bench_graph(fn)}
 
 
-def _try_candidates(table: dict, key: tuple, candidates: list[dict], fn, ref: dict, tag: str, meta: dict) -> list[dict]:
-    """Time ``fn`` with each candidate installed as ``table[key]``; the entry is restored afterwards."""
+def _try_candidates(candidates: list, fn, ref: dict, tag: str, meta: dict) -> list[dict]:
+    """Time ``fn(candidate)`` for each candidate configuration (passed to the engine explicitly)."""
     rows = []
-    saved = table.get(key)
-    try:
-        for cand in candidates:
-            table[key] = dict(cand)
-            try:
-                t = _time(fn)
-            except Exception as exc:  # a candidate that does not fit is recorded, not fatal
-                rows.append({**meta, "config": cand, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
-                continue
-            rows.append({**meta, "config": cand, **t, "cublas_ms": ref["ms"], "cublas_graph_ms": ref["graph_ms"],
-                         "ratio_graph": ref["graph_ms"] / t["graph_ms"] if t["graph_ms"] and ref["graph_ms"] else None})
-            print(f"{tag} {meta['layer']} {cand}: {t['graph_ms']} (cuBLAS {ref['graph_ms']})", flush=True)
-    finally:
-        if saved is None:
-            table.pop(key, None)
-        else:
-            table[key] = saved
+    for cand in candidates:
+        try:
+            t = _time(lambda c=cand: fn(c))
+        except Exception as exc:  # a candidate that does not fit is recorded, not fatal
+            rows.append({**meta, "config": cand.as_dict(), "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+            continue
+        rows.append({**meta, "config": cand.as_dict(), **t, "cublas_ms": ref["ms"], "cublas_graph_ms": ref["graph_ms"],
+                     "ratio_graph": ref["graph_ms"] / t["graph_ms"] if t["graph_ms"] and ref["graph_ms"] else None})
+        print(f"{tag} {meta['layer']} {cand}: {t['graph_ms']} (cuBLAS {ref['graph_ms']})", flush=True)
     return rows
 
 
-def dw_probe(G, C, m: int = 4224) -> list[dict]:
+def dw_probe(G, m: int = 4224) -> list[dict]:
     rows = []
     for name, n, k in BIG:
         g = torch.Generator(device="cuda").manual_seed(11)
         dz = torch.randn(m, n, generator=g, device="cuda").to(torch.bfloat16)
         x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
         ref = _time(lambda: torch.mm(dz.t(), x))
-        rows += _try_candidates(C.DW, (n, k, "bf16"), DW_CANDIDATES, lambda: G.gemm_dw(dz, x, (m,)), ref, "dw",
+        rows += _try_candidates(DW_CANDIDATES, lambda c: G.gemm_dw(dz, x, (m,), config=c), ref, "dw",
                                 {"layer": name, "N": n, "K": k})
     return rows
 
 
-def fp32_probe(G, C, m: int = 4224) -> list[dict]:
+def fp32_probe(G, m: int = 4224) -> list[dict]:
     rows = []
     for name, n, k, epi in (("attn_out", 3072, 3072, "none"), ("mlp_up", 12288, 3072, "gelu_tanh")):
         w, b, _ = _weights(n, k, torch.float32, True, gen_seed=5)
         x = torch.randn(m, k, generator=torch.Generator(device="cuda").manual_seed(6), device="cuda")
         ref = _time(lambda: _torch_linear(x, w, b, "none", epi))
-        G.prepacked_weight(w)
-        rows += _try_candidates(C.FWD, (n, k, "fp32"), FP32_CANDIDATES, lambda: G.gemm_fwd(x, w, b, epilogue=epi), ref,
+        rows += _try_candidates(FP32_CANDIDATES, lambda c: G.gemm_fwd(x, w, b, epilogue=epi, config=c), ref,
                                 "fp32", {"layer": name, "N": n, "K": k})
     return rows
 
@@ -181,14 +161,13 @@ def main(argv=None) -> int:
         raise SystemExit("the GEMM tuning probes need a CUDA device")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    from mmdit_strict.kernels.triton import configs as C
     from mmdit_strict.kernels.triton import gemm as G
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     report: dict = {"env": _env()}
-    probes = {"dw": lambda: dw_probe(G, C), "fp32": lambda: fp32_probe(G, C), "host": lambda: host_probe(G)}
+    probes = {"dw": lambda: dw_probe(G), "fp32": lambda: fp32_probe(G), "host": lambda: host_probe(G)}
     for what in args.what.split(","):
         report[what] = probes[what]()
         report["wall_s"] = time.time() - t0

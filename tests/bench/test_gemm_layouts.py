@@ -1,0 +1,37 @@
+"""The GEMM bench's weight-layout section on the CPU (interpreter, FP32, tiny shapes): both layouts
+run through explicit configurations, their outputs are compared in bytes, the report renders, and
+the committed configuration tables stay as they are."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from mmdit_strict.bench import gemm as bench  # noqa: E402
+from mmdit_strict.kernels.triton import configs as C  # noqa: E402
+from mmdit_strict.kernels.triton import gemm as G  # noqa: E402
+
+
+@pytest.mark.skipif(not G._interpreting(), reason="interpreter dry run; on CUDA the bench runs for real")
+def test_layout_case_compares_bytes_and_leaves_configs_alone(monkeypatch) -> None:
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "_bench", lambda fn: (fn(), {"median_ms": 1.0})[1])
+    monkeypatch.setattr(bench, "_bench_graph", lambda fn: None)
+    before = dict(C.FWD)
+    rows = bench.layout_case(G, C, "tiny", 44, 52, True, "none", "gelu_tanh", torch.float32, m=37)
+    assert dict(C.FWD) == before
+    (row,) = rows
+    assert row["bytes_equal"] is True and row["timed_by"] == "ms" and row["nk_speed_vs_kn"] == 1.0
+    assert row["config"] == C.fwd_config(44, 52, torch.float32).as_dict()
+    md = bench._md({"env": {"gpu": "cpu"}, "layouts": rows})
+    assert "| tiny | float32 | 37 | 44×52 |" in md and "| equal |" in md
+
+
+def test_config_tables_are_read_only() -> None:
+    key = next(iter(C.FWD))
+    with pytest.raises(TypeError):
+        C.FWD[key] = C.FWD[key]  # type: ignore[index]
+    with pytest.raises(AttributeError):
+        C.FWD[key].BLOCK_M = 1  # type: ignore[misc]
