@@ -10,6 +10,7 @@ autograd gradient.
 Interpreter (CPU, FP32): samples hold whole 16-row tiles, because the interpreter's forward (numpy
 matmul) is row-invariant by whole tiles only (``test_triton_gemm.py``); two chained layers, so the
 second layer's dX feeds the first. GPU (``-m gpu``, FP32 and BF16): odd sample lengths, one layer.
+GPU command: ``python -m pytest -q -m gpu tests/kernels/test_triton_gemm_sink.py``.
 """
 
 from __future__ import annotations
@@ -46,9 +47,9 @@ LAYOUTS = [
 
 
 class _Net:
-    """LoRA layers on the Triton GEMM: layer 0 bias + tanh-GELU, layer 1 (optional) SiLU prologue, no bias."""
+    """LoRA layers on the Triton GEMM: layer 0 bias + ``epilogue``, layer 1 (optional) SiLU prologue, no bias."""
 
-    def __init__(self, dims: tuple[int, ...], rank: int, target: Target) -> None:
+    def __init__(self, dims: tuple[int, ...], rank: int, target: Target, epilogue: str = "gelu_tanh") -> None:
         g = generator(31)
         self.layers = []
         for i, (k, n) in enumerate(itertools.pairwise(dims)):
@@ -57,7 +58,7 @@ class _Net:
             a = randn(rank, k, gen=g, target=target, scale=k**-0.5).requires_grad_(True)
             bl = randn(n, rank, gen=g, target=target, scale=rank**-0.5).requires_grad_(True)
             self.layers.append((w, b, a, bl, 0.5 if i == 0 else 2.0, "none" if i == 0 else "silu",
-                                "gelu_tanh" if i == 0 else "none"))
+                                epilogue if i == 0 else "none"))
         self.params = {f"{n}{i}": t for i, (_, _, a, bl, *_rest) in enumerate(self.layers) for n, t in (("A", a), ("B", bl))}
 
     def __call__(self, x: torch.Tensor, seqlens: tuple[int, ...]) -> torch.Tensor:
@@ -112,8 +113,9 @@ def _alone(net: _Net, xs, gys, lens) -> dict:
     return out
 
 
-def _check(target: Target, dims: tuple[int, ...], rank: int, lens: tuple[int, ...], layouts: list) -> None:
-    net = _Net(dims, rank, target)
+def _check(target: Target, dims: tuple[int, ...], rank: int, lens: tuple[int, ...], layouts: list,
+           epilogue: str = "gelu_tanh") -> None:
+    net = _Net(dims, rank, target, epilogue)
     xs, gys = _data(lens, dims[0], dims[-1], target)
     runs = {lay: _sink_grads(net, xs, gys, lens, *lay) for lay in layouts}
     first = runs[layouts[0]]
@@ -161,5 +163,6 @@ def test_gpu_lora_grads_through_the_sink_do_not_depend_on_the_split(dtype: torch
     target.skip_unless_available()
     if INTERPRET:
         pytest.skip("TRITON_INTERPRET=1: the GPU test needs compiled kernels")
-    # odd sample lengths (non-multiples of every BLOCK_M), K and N of a small shape class
-    _check(target, (320, 448), 16, (7, 1, 33, 100, 16, 129, 2, 57), LAYOUTS)
+    # odd sample lengths (non-multiples of every BLOCK_M); the attn_out+lora layer of test_triton_gemm.py
+    # (3072 → 3072, bias, rank 16), so a whole `-m gpu` run reuses most of its compiled kernels
+    _check(target, (3072, 3072), 16, (7, 1, 33, 100, 16, 129, 2, 57), LAYOUTS, epilogue="none")
