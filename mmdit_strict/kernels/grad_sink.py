@@ -103,10 +103,13 @@ class SampleGradSink:
     def stats(self) -> SinkStats:
         return SinkStats(self._peak, self._peak_one, self._peak_bytes, self._deposits)
 
-    def add(self, param: torch.Tensor, keys: Sequence[Hashable], partials: Sequence[torch.Tensor]) -> None:
+    def add(self, param: torch.Tensor, keys: Sequence[Hashable], partials: Sequence[torch.Tensor], *,
+            transfer: bool = False) -> None:
         """Take ``partials[i]`` (the gradient of ``param`` from sample ``keys[i]`` alone) into the fold.
 
-        The sink never keeps a reference to a caller's tensor: a partial it must hold is copied.
+        By default the sink keeps no reference to a caller's tensor: a partial it must hold is copied.
+        ``transfer=True`` hands the tensors over (the caller allocated them for the sink and never
+        touches them again), so they are held or become an accumulator without a copy.
         """
         if len(keys) != len(partials):
             raise ValueError(f"{len(keys)} sample keys for {len(partials)} gradient partials")
@@ -122,7 +125,7 @@ class SampleGradSink:
                 if k in slot:
                     slot[k] = slot[k] + p.detach()
                 else:
-                    slot[k] = p.detach().clone()
+                    slot[k] = p.detach() if transfer else p.detach().clone()
                     self._pending += 1
                     self._pending_bytes += p.numel() * p.element_size()
             self._note(len(slot))
@@ -130,7 +133,7 @@ class SampleGradSink:
         if id(param) in self._finished:
             raise ValueError("gradient partial for a parameter whose streamed fold was already taken")
         st = self._streams.setdefault(id(param), _Stream())
-        fresh: dict[int, torch.Tensor] = {}
+        fresh: dict[int, tuple[torch.Tensor, bool]] = {}  # rank → (partial, owned by the sink)
         for k, p in zip(keys, partials):
             r = self._rank.get(k)
             if r is None:
@@ -141,7 +144,7 @@ class SampleGradSink:
                     "partial per (parameter, key); use the stored fold (SampleGradSink() without keys) when a layer "
                     "runs more than once per sample")
             st.seen.add(r)
-            fresh[r] = p.detach()
+            fresh[r] = (p.detach(), transfer)
         self._advance(st, fresh, finish=False)
         self._note(len(st.pending))
 
@@ -188,22 +191,22 @@ class SampleGradSink:
         return st.acc
 
     # ------------------------------------------------------------------ streamed fold internals
-    def _advance(self, st: _Stream, fresh: dict[int, torch.Tensor], finish: bool) -> None:
+    def _advance(self, st: _Stream, fresh: dict[int, tuple[torch.Tensor, bool]], finish: bool) -> None:
         """Add every partial at the frontier, moving past keys that are done without a deposit here;
-        buffer (copy) what is still out of order."""
+        buffer what is still out of order (copied unless the sink owns it)."""
         while st.next < len(self._order):
             r = st.next
             if r in fresh or r in st.pending:
-                part = fresh.pop(r) if r in fresh else self._unbuffer(st, r)
+                part, owned = fresh.pop(r) if r in fresh else (self._unbuffer(st, r), True)
                 if st.acc is None:
-                    st.acc = part.clone()
+                    st.acc = part if owned else part.clone()
                 else:
                     st.acc.add_(part)  # elementwise acc + part, the stored fold's addition
             elif not (finish or self._order[r] in self._done):
                 break
             st.next += 1
-        for r, p in fresh.items():
-            st.pending[r] = p.clone()
+        for r, (p, owned) in fresh.items():
+            st.pending[r] = p if owned else p.clone()
             self._pending += 1
             self._pending_bytes += p.numel() * p.element_size()
 

@@ -41,14 +41,18 @@ def _batches(keys, per_batch: int, seed: int, branches: int = 2):
     return [[(p, br) for br in range(branches) for p in pairs[i:i + per_batch]] for i in range(0, len(pairs), per_batch)]
 
 
-def _run(sink: SampleGradSink, params, parts, batches, order, branch_first: int = 1):
-    """Deposit like a backward does: per batch, per parameter (reverse layer order), one call per CFG branch."""
+def _run(sink: SampleGradSink, params, parts, batches, order, branch_first: int = 1, transfer: bool = False):
+    """Deposit like a backward does: per batch, per parameter (reverse layer order), one call per CFG branch
+    (``transfer``: fresh copies handed over, as the Triton backward does)."""
     for j in order:
         b = batches[j]
         for i in reversed(range(len(params))):
             for br in (branch_first, 1 - branch_first):
                 ks = [k for k in b if k[1] == br]
-                sink.add(params[i], ks, [parts[i, k] for k in ks])
+                if transfer:
+                    sink.add(params[i], ks, [parts[i, k].clone() for k in ks], transfer=True)
+                else:
+                    sink.add(params[i], ks, [parts[i, k] for k in ks])
         sink.done(b)
     return [sink.fold(p) for p in params]
 
@@ -64,9 +68,12 @@ def test_streamed_fold_equals_stored_fold_bytes(per_batch: int, seed: int) -> No
     batches = _batches(keys, per_batch, seed)
     stored = _run(SampleGradSink(), params, parts, batches, range(len(batches)))
     for order in (list(range(len(batches))), execution_order(batches), list(reversed(range(len(batches))))):
-        streamed = _run(SampleGradSink(keys), params, parts, batches, order)
-        for i, (a, b) in enumerate(zip(streamed, stored)):
-            assert_bytes_equal(a, b, f"param {i}, micro-batches of {per_batch} pairs, order {order}")
+        for transfer in (False, True):
+            streamed = _run(SampleGradSink(keys), params, parts, batches, order, transfer=transfer)
+            for i, (a, b) in enumerate(zip(streamed, stored)):
+                assert_bytes_equal(a, b, f"param {i}, micro-batches of {per_batch} pairs, order {order}, transfer {transfer}")
+    for i, (a, b) in enumerate(zip(_run(SampleGradSink(), params, parts, batches, range(len(batches)), transfer=True), stored)):
+        assert_bytes_equal(a, b, f"param {i}, stored fold of handed-over partials")
     # the fold is the left fold in sorted key order, and that order matters for these inputs
     for i in range(len(SHAPES)):
         acc = None

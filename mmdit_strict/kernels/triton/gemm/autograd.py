@@ -50,7 +50,7 @@ class GemmFunction(torch.autograd.Function):
             sink, keys, params = ctx.sink
 
             def deposit(i: int, partials: list[torch.Tensor]) -> None:
-                sink.add(params[i], keys, partials)
+                sink.add(params[i], keys, partials, transfer=True)  # fresh FP32 tensors made for the sink
 
         dx, dw, db, da, dlb = gemm_bwd(
             dy.contiguous(), x, weight, seqlens=seqlens, prologue=prologue, epilogue=epilogue, pre=pre,
