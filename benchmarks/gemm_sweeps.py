@@ -17,10 +17,6 @@ experiments/gemm/ (NOTES.md tells the story):
 from __future__ import annotations
 
 import argparse
-import json
-import time
-import traceback
-from pathlib import Path
 
 import torch
 
@@ -28,12 +24,15 @@ from mmdit_strict.bench.environment import environment_line
 from mmdit_strict.bench.gemm import (
     DEVICE,
     LAYERS,
+    ReportWriter,
     _bench,
     _bench_graph,
     _cfg_str,
     _env,
     _torch_linear,
     _weights,
+    cuda_setup,
+    md_footer,
 )
 from mmdit_strict.kernels.triton.configs import FwdConfig
 
@@ -263,10 +262,7 @@ def _md(report: dict) -> str:
 
         lines += ["## mlp_up epilogue cost (adopted config, M = 4224)", ""] + [
             f"- {e['epilogue']}: do_bench {_ms(e.get('ms'))}, graph {_ms(e.get('graph_ms'))}" for e in report["epilogue_cost"]] + [""]
-    if report.get("errors"):
-        lines += ["## Errors", ""] + [f"- {x}" for x in report["errors"]] + [""]
-    lines.append(f"Wall time {report.get('wall_s', 0):.0f} s.")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + md_footer(report)) + "\n"
 
 
 def main(argv=None) -> int:
@@ -276,35 +272,17 @@ def main(argv=None) -> int:
     ap.add_argument("--classes", default=None, help="round2/3/5: comma list of NxK classes to sweep (default: all)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop sweeping past this wall time")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("the GEMM sweeps need a CUDA device")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    cuda_setup("the GEMM sweeps")
     from mmdit_strict.kernels.triton import configs as C
     from mmdit_strict.kernels.triton import gemm as G
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
     report = {"env": _env(), "sweep": [], "errors": []}
-
-    def save():
-        report["wall_s"] = time.time() - t0
-        (out / "sweeps.json").write_text(json.dumps(report, indent=1))
-        (out / "sweeps.md").write_text(_md(report))
-
-    def guarded(what, fn):
-        try:
-            return fn()
-        except Exception as exc:  # keep going: the report says what failed
-            report["errors"].append(f"{what}: {type(exc).__name__}: {exc}")
-            traceback.print_exc()
-            return []
-
+    run = ReportWriter(args.out, "sweeps", report, _md, args.budget_s)
+    save, guarded = run.save, run.guarded
     if args.sweep.startswith("round"):
         classes = set(args.classes.split(",")) if args.classes else None
         guarded(f"{args.sweep} sweep", lambda: round2_sweep(
-            G, C, report, save, lambda: time.time() - t0 < args.budget_s, classes=classes,
+            G, C, report, save, run.budget_ok, classes=classes,
             big_candidates={"round3": ROUND3_BIG, "round5": ROUND5_BIG}.get(args.sweep)))
     elif args.sweep == "big":
         for (name, n, k, bias, _pro, epi, _) in LAYERS[:4]:

@@ -21,15 +21,22 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import pstats
 import time
-from pathlib import Path
 
 import torch
 
 from mmdit_strict.bench.environment import environment_line
-from mmdit_strict.bench.gemm import _bench, _bench_graph, _env, _torch_linear, _weights
+from mmdit_strict.bench.gemm import (
+    ReportWriter,
+    _bench,
+    _bench_graph,
+    _env,
+    _torch_linear,
+    _weights,
+    cuda_setup,
+    md_footer,
+)
 from mmdit_strict.kernels.triton.configs import DwConfig, FwdConfig
 
 BIG = [("qkv", 9216, 3072), ("attn_out", 3072, 3072), ("mlp_up", 12288, 3072), ("mlp_down", 3072, 12288)]
@@ -148,8 +155,7 @@ def _md(report: dict) -> str:
             else:
                 lines.append(f"- {r['layer']} M={r['M']} {r['what']}: {r['host_us_per_call']:.1f} µs/call")
         lines.append("")
-    lines.append(f"Wall time {report.get('wall_s', 0):.0f} s.")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + md_footer(report)) + "\n"
 
 
 def main(argv=None) -> int:
@@ -157,22 +163,15 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="output folder (tuning.json, tuning.md)")
     ap.add_argument("--what", default="dw,fp32,host", help="comma list of dw, fp32, host")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("the GEMM tuning probes need a CUDA device")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    cuda_setup("the GEMM tuning probes")
     from mmdit_strict.kernels.triton import gemm as G
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
     report: dict = {"env": _env()}
+    run = ReportWriter(args.out, "tuning", report, _md)
     probes = {"dw": lambda: dw_probe(G), "fp32": lambda: fp32_probe(G), "host": lambda: host_probe(G)}
     for what in args.what.split(","):
-        report[what] = probes[what]()
-        report["wall_s"] = time.time() - t0
-        (out / "tuning.json").write_text(json.dumps(report, indent=1))
-        (out / "tuning.md").write_text(_md(report))
+        report[what] = run.guarded(what, probes[what])
+        run.save()
     print(_md(report))
     return 0
 

@@ -38,9 +38,9 @@ import traceback
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from .environment import environment_line, gpu_environment
-import torch.nn.functional as F
 
 LAYERS = [
     # name, N, K, bias, prologue, epilogue, speed M values
@@ -325,6 +325,56 @@ def layout_case(G, C, name, n, k, bias, prologue, epilogue, dtype, m=4224):
     return [row]
 
 
+class ReportWriter:
+    """Writes ``<stem>.json`` and ``<stem>.md`` (rendered by ``render``) into ``out`` after every
+    section, so a run cut short keeps what it measured, and runs sections under a wall-time budget:
+    a section past the budget or one that raises is recorded in ``report["errors"]``, not fatal."""
+
+    def __init__(self, out: str, stem: str, report: dict, render, budget_s: float = float("inf")):
+        self.out, self.stem, self.report, self.render, self.budget_s = Path(out), stem, report, render, budget_s
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.report.setdefault("errors", [])
+        self.t0 = time.time()
+
+    def budget_ok(self) -> bool:
+        return time.time() - self.t0 < self.budget_s
+
+    def save(self) -> None:
+        self.report["wall_s"] = time.time() - self.t0
+        (self.out / f"{self.stem}.json").write_text(json.dumps(self.report, indent=1))
+        (self.out / f"{self.stem}.md").write_text(self.render(self.report))
+
+    def guarded(self, what: str, fn):
+        if not self.budget_ok():
+            self.report["errors"].append(f"skipped (time budget): {what}")
+            return []
+        try:
+            r = fn()
+            print(f"[{time.time() - self.t0:6.1f}s] {what}", flush=True)
+            return r
+        except Exception as exc:  # keep going: the report says what failed
+            self.report["errors"].append(f"{what}: {type(exc).__name__}: {exc}")
+            traceback.print_exc()
+            return []
+        finally:
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+
+
+def cuda_setup(what: str) -> None:
+    """Refuse to run ``what`` without CUDA; TF32 off, so the cuBLAS references are IEEE FP32."""
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"{what} needs a CUDA device")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def md_footer(report: dict) -> list[str]:
+    """The closing lines every GEMM report shares: errors and skipped sections, wall time."""
+    lines = ["## Errors", ""] + [f"- {x}" for x in report["errors"]] + [""] if report.get("errors") else []
+    return lines + [f"Wall time {report.get('wall_s', 0):.0f} s."]
+
+
 def _cfg_str(c: dict) -> str:
     flags = [f for f, on in (("tma", c.get("tma")), ("tma-store", c.get("tma_store")), ("persistent", c.get("persistent")),
                              ("newton", c.get("newton"))) if on]
@@ -397,10 +447,7 @@ def _md(report) -> str:
                          f"{'equal' if r['bytes_equal'] else 'DIFFER'} | {r['kn_regs_spills']}, {r['nk_regs_spills']} | "
                          f"{r['weight_copy_bytes'] / 2**20:.1f} |")
         lines.append("")
-    if report.get("errors"):
-        lines += ["## Errors", ""] + [f"- {x}" for x in report["errors"]] + [""]
-    lines.append(f"Wall time {report.get('wall_s', 0):.0f} s.")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + md_footer(report)) + "\n"
 
 
 def main(argv=None) -> int:
@@ -412,40 +459,14 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", default=None, help=f"comma list of layers to qualify (default: all of {[l[0] for l in LAYERS]})")
     ap.add_argument("--dtypes", default="bf16,fp32", help="comma list of bf16, fp32 (layouts: bf16 only)")
     args = ap.parse_args(argv)
-    if DEVICE == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("the GEMM qualification needs a CUDA device")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    cuda_setup("the GEMM qualification")
     from mmdit_strict.kernels.triton import configs as C
     from mmdit_strict.kernels.triton import gemm as G
     from mmdit_strict.reference import ops as ref_ops
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
     report = {"env": _env(), "accuracy": [], "invariance": [], "speed": [], "layouts": [], "errors": []}
-
-    def save():
-        report["wall_s"] = time.time() - t0
-        (out / "gemm_report.json").write_text(json.dumps(report, indent=1))
-        (out / "gemm_report.md").write_text(_md(report))
-
-    def guarded(what, fn):
-        if time.time() - t0 > args.budget_s:
-            report["errors"].append(f"skipped (time budget): {what}")
-            return []
-        try:
-            r = fn()
-            print(f"[{time.time() - t0:6.1f}s] {what}", flush=True)
-            return r
-        except Exception as exc:  # keep going: the report says what failed
-            report["errors"].append(f"{what}: {type(exc).__name__}: {exc}")
-            traceback.print_exc()
-            return []
-        finally:
-            if DEVICE == "cuda":
-                torch.cuda.empty_cache()
-
+    run = ReportWriter(args.out, "gemm_report", report, _md, args.budget_s)
+    save, guarded = run.save, run.guarded
     sections = set(args.sections.split(","))
     dtypes = [d for d in ("bf16", "fp32") if d in args.dtypes.split(",")]
     layers = [l for l in LAYERS if not args.layers or l[0] in args.layers.split(",")]
