@@ -104,8 +104,8 @@ def _adaln_mod_bwd_kernel(
     NEED_VEC: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One chunk (≤ CHUNK_ROWS rows of sample s): dx per row, and the chunk's partials
-    part[c, :D] = Σ dy·x̂, part[c, D:] = Σ dy chained in row order (FP32). The next two rows' x and dy are
-    in flight while the current row is reduced (a register triple buffer; no effect on the arithmetic)."""
+    part[c, :D] = Σ dy·x̂, part[c, D:] = Σ dy chained in row order (FP32). The next row's x and dy are
+    loaded before the current row is reduced (a register double buffer; no effect on the arithmetic)."""
     c = tl.program_id(0)
     r0 = tl.load(table_ptr + c)
     r1 = tl.load(table_ptr + n_chunks + c)
@@ -115,26 +115,21 @@ def _adaln_mod_bwd_kernel(
     scale1 = 1.0 + tl.load(scale_ptr + s * stride_scale + cols, mask=mask, other=0.0).to(tl.float32)
     p_scale = tl.zeros((BLOCK_D,), dtype=tl.float32)
     p_shift = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    row = r0.to(tl.int64)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    dy = tl.load(dy_ptr + row * stride_dy + cols, mask=mask, other=0.0)
+    mean = tl.load(mean_ptr + row)
+    rstd = tl.load(rstd_ptr + row)
     first = r0.to(tl.int64)
-    x = tl.load(x_ptr + first * stride_x + cols, mask=mask, other=0.0)
-    dy = tl.load(dy_ptr + first * stride_dy + cols, mask=mask, other=0.0)
-    mean = tl.load(mean_ptr + first)
-    rstd = tl.load(rstd_ptr + first)
-    nmask = cols < tl.where(first + 1 < r1, D, 0)  # nothing past the chunk's last row is read
-    nclamp = tl.minimum(first + 1, r1 - 1)
-    x_n = tl.load(x_ptr + (first + 1) * stride_x + cols, mask=nmask, other=0.0)
-    dy_n = tl.load(dy_ptr + (first + 1) * stride_dy + cols, mask=nmask, other=0.0)
-    mean_n = tl.load(mean_ptr + nclamp)
-    rstd_n = tl.load(rstd_ptr + nclamp)
     for i in range(0, r1 - r0):
         row = first + i
-        nxt = row + 2
-        nmask = cols < tl.where(nxt < r1, D, 0)
+        nxt = row + 1
+        nmask = cols < tl.where(nxt < r1, D, 0)  # nothing past the chunk's last row is read
         nclamp = tl.minimum(nxt, r1 - 1)
-        x_nn = tl.load(x_ptr + nxt * stride_x + cols, mask=nmask, other=0.0)
-        dy_nn = tl.load(dy_ptr + nxt * stride_dy + cols, mask=nmask, other=0.0)
-        mean_nn = tl.load(mean_ptr + nclamp)
-        rstd_nn = tl.load(rstd_ptr + nclamp)
+        x_n = tl.load(x_ptr + nxt * stride_x + cols, mask=nmask, other=0.0)
+        dy_n = tl.load(dy_ptr + nxt * stride_dy + cols, mask=nmask, other=0.0)
+        mean_n = tl.load(mean_ptr + nclamp)
+        rstd_n = tl.load(rstd_ptr + nclamp)
         xhat = tl.where(mask, x.to(tl.float32) - mean, 0.0) * rstd
         dyf = dy.to(tl.float32)
         g = dyf * scale1
@@ -146,7 +141,6 @@ def _adaln_mod_bwd_kernel(
             p_scale = p_scale + dyf * xhat
             p_shift = p_shift + dyf
         x, dy, mean, rstd = x_n, dy_n, mean_n, rstd_n
-        x_n, dy_n, mean_n, rstd_n = x_nn, dy_nn, mean_nn, rstd_nn
     if NEED_VEC:
         base = part_ptr + c.to(tl.int64) * stride_part
         tl.store(base + cols, p_scale, mask=mask)
