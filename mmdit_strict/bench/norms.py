@@ -556,8 +556,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma list of speed, accuracy, invariance, model (the qwen-image architecture's fallbacks in runtime=auto)")
     ap.add_argument("--ops", default=None, help="comma list of operator names (default: all)")
     ap.add_argument("--budget-s", type=float, default=300.0, help="skip remaining cases past this wall time")
-    ap.add_argument("--qk-layout", default="pairs", choices=("pairs", "contiguous"),
-                    help="how the QK norm / RoPE kernels hold a head (rope.QK_LAYOUTS; pairs is the default)")
+    ap.add_argument("--qk-layout", default="contiguous", choices=("pairs", "contiguous"),
+                    help="how the QK norm / RoPE kernels hold a head (rope.QK_LAYOUTS; contiguous is the default)")
     args = ap.parse_args(argv)
     from mmdit_strict.kernels.triton import rope as R
 
