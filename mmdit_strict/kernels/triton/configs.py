@@ -16,7 +16,12 @@ the ``config=`` argument of ``gemm_fwd`` / ``gemm_bwd`` / ``gemm_dw`` and never 
   ``(BLOCK_N, BLOCK_K)`` boxes are transposed in shared memory before the same ``tl.dot``, so the
   bytes equal the ``"kn"`` bytes of the same tile (tests/kernels/test_triton_gemm.py checks this);
   without ``tma`` through strides. docs/design.md §8 measured the strided N×K read at 0.64–0.74×
-  cuBLAS against 0.82–0.96× for K×N, hence ``"kn"`` for the pointer-load classes.
+  cuBLAS against 0.82–0.96× for K×N, hence ``"kn"`` for the pointer-load classes. The descriptor
+  form of ``"nk"`` compiles for sm_90 to the same ``HGMMA`` instructions with a K-major B operand;
+  until the H200 times it (``python -m mmdit_strict.bench.gemm --sections layouts``: both layouts per
+  class beside cuBLAS, outputs compared in bytes) every class here reads ``"kn"``, at the cost of one
+  extra copy of each such weight. A class moves to ``"nk"`` when its in-place forward is within ~3 %
+  of ``"kn"``.
 * :data:`DW` — :class:`DwConfig` of the weight-gradient kernel ``dW(N, K) = Σ_samples Σ_rows dZᵀ p(x)``:
   output tile ``(BLOCK_N, BLOCK_K)``, rows consumed ``BLOCK_M`` at a time from each sample's first row.
 * Generic fallbacks by size class of ``(N, K)`` when a shape has no exact entry, and the fixed
