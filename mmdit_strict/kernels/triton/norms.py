@@ -61,24 +61,13 @@ def _opts(block: int) -> dict:
 
 
 @triton.jit
-def _add2(a0, a1, b0, b1):
-    return a0 + b0, a1 + b1
-
-
-@triton.jit
-def _layer_norm_rows2(xa, xb, mask, d_float, eps):
-    """(mean, rstd, x̂) of two FP32 rows a and b (masked lanes 0): each Σ is the row's own ``tl.sum``
-    tree (one two-operand ``tl.reduce``: same layout and ``a + b`` combine per operand, one shared-memory
-    round trip for both rows), ⊘ and √ correctly rounded."""
-    sa, sb = tl.reduce((xa, xb), 0, _add2)
-    mean_a = tl.div_rn(sa, d_float)
-    mean_b = tl.div_rn(sb, d_float)
-    xca = tl.where(mask, xa - mean_a, 0.0)
-    xcb = tl.where(mask, xb - mean_b, 0.0)
-    qa, qb = tl.reduce((xca * xca, xcb * xcb), 0, _add2)
-    rstd_a = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(qa, d_float) + eps))
-    rstd_b = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(qb, d_float) + eps))
-    return mean_a, rstd_a, xca * rstd_a, mean_b, rstd_b, xcb * rstd_b
+def _layer_norm_row(x, mask, d_float, eps):
+    """(mean, rstd, x̂) of one FP32 row (masked lanes of x are 0): Σ by tl.sum, ⊘ and √ correctly rounded."""
+    mean = tl.div_rn(tl.sum(x, axis=0), d_float)
+    xc = tl.where(mask, x - mean, 0.0)
+    var = tl.div_rn(tl.sum(xc * xc, axis=0), d_float)
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
+    return mean, rstd, xc * rstd
 
 
 @triton.jit
@@ -87,47 +76,25 @@ def _adaln_mod_fwd_kernel(
     n_chunks, D, d_float, eps, stride_x, stride_y, stride_shift, stride_scale,
     STORE_STATS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """y = x̂·(1 + scale[s]) + shift[s] for the rows of one chunk (all of sample s), two rows at a time
-    (row b masked off past the chunk); one cast at the store."""
+    """y = x̂·(1 + scale[s]) + shift[s] for the rows of one chunk (all of sample s); one cast at the store."""
     c = tl.program_id(0)
     r0 = tl.load(table_ptr + c)
-    n = tl.load(table_ptr + n_chunks + c) - r0
+    r1 = tl.load(table_ptr + n_chunks + c)
     s = tl.load(table_ptr + 2 * n_chunks + c).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
     scale1 = 1.0 + tl.load(scale_ptr + s * stride_scale + cols, mask=mask, other=0.0).to(tl.float32)
     shift = tl.load(shift_ptr + s * stride_shift + cols, mask=mask, other=0.0).to(tl.float32)
     first = r0.to(tl.int64)
-    for i in range(0, n, 2):
+    for i in range(0, r1 - r0):
         row = first + i
-        has_b = i + 1 < n
-        mask_b = cols < tl.where(has_b, D, 0)
-        xa = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        xb = tl.load(x_ptr + (row + 1) * stride_x + cols, mask=mask_b, other=0.0).to(tl.float32)
-        mean_a, rstd_a, xhat_a, mean_b, rstd_b, xhat_b = _layer_norm_rows2(xa, xb, mask, d_float, eps)
-        tl.store(y_ptr + row * stride_y + cols, (xhat_a * scale1 + shift).to(y_ptr.dtype.element_ty), mask=mask)
-        tl.store(y_ptr + (row + 1) * stride_y + cols, (xhat_b * scale1 + shift).to(y_ptr.dtype.element_ty), mask=mask_b)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        mean, rstd, xhat = _layer_norm_row(x, mask, d_float, eps)
+        y = xhat * scale1 + shift
+        tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
         if STORE_STATS:
-            tl.store(mean_ptr + row, mean_a)
-            tl.store(rstd_ptr + row, rstd_a)
-            tl.store(mean_ptr + row + 1, mean_b, mask=has_b)
-            tl.store(rstd_ptr + row + 1, rstd_b, mask=has_b)
-
-
-@triton.jit
-def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
-    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
-
-
-@triton.jit
-def _ln_bwd_row_load(x_ptr, dy_ptr, mean_ptr, rstd_ptr, row, live, cols, D, stride_x, stride_dy):
-    """x and dy (storage dtype), mean and rstd of ``row``; zeros (nothing read) when not ``live``."""
-    m = cols < tl.where(live, D, 0)
-    x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0)
-    dy = tl.load(dy_ptr + row * stride_dy + cols, mask=m, other=0.0)
-    mean = tl.load(mean_ptr + row, mask=live, other=0.0)
-    rstd = tl.load(rstd_ptr + row, mask=live, other=0.0)
-    return x, dy, mean, rstd
+            tl.store(mean_ptr + row, mean)
+            tl.store(rstd_ptr + row, rstd)
 
 
 @triton.jit
@@ -137,49 +104,43 @@ def _adaln_mod_bwd_kernel(
     NEED_VEC: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One chunk (≤ CHUNK_ROWS rows of sample s): dx per row, and the chunk's partials
-    part[c, :D] = Σ dy·x̂, part[c, D:] = Σ dy chained in row order (FP32).
-
-    Rows go two at a time (a, b): the four row sums Σg·x̂ and Σg of both rows are ONE multi-operand
-    ``tl.reduce`` (each operand reduced exactly as its own ``tl.sum`` would be: same layout, same
-    ``a + b`` combine, same order; one shared-memory round trip instead of four), the chain stays
-    acc + t_a then + t_b, and the next pair's inputs are in flight meanwhile. No effect on the bytes."""
+    part[c, :D] = Σ dy·x̂, part[c, D:] = Σ dy chained in row order (FP32). The next row's x and dy are
+    loaded before the current row is reduced (a register double buffer; no effect on the arithmetic)."""
     c = tl.program_id(0)
     r0 = tl.load(table_ptr + c)
-    n = tl.load(table_ptr + n_chunks + c) - r0
+    r1 = tl.load(table_ptr + n_chunks + c)
     s = tl.load(table_ptr + 2 * n_chunks + c).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
     scale1 = 1.0 + tl.load(scale_ptr + s * stride_scale + cols, mask=mask, other=0.0).to(tl.float32)
     p_scale = tl.zeros((BLOCK_D,), dtype=tl.float32)
     p_shift = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    row = r0.to(tl.int64)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    dy = tl.load(dy_ptr + row * stride_dy + cols, mask=mask, other=0.0)
+    mean = tl.load(mean_ptr + row)
+    rstd = tl.load(rstd_ptr + row)
     first = r0.to(tl.int64)
-    xa, dya, ma, ra = _ln_bwd_row_load(x_ptr, dy_ptr, mean_ptr, rstd_ptr, first, n > 0, cols, D, stride_x, stride_dy)
-    xb, dyb, mb, rb = _ln_bwd_row_load(x_ptr, dy_ptr, mean_ptr, rstd_ptr, first + 1, n > 1, cols, D, stride_x, stride_dy)
-    for i in range(0, n, 2):
+    for i in range(0, r1 - r0):
         row = first + i
-        has_b = i + 1 < n
-        xa_n, dya_n, ma_n, ra_n = _ln_bwd_row_load(x_ptr, dy_ptr, mean_ptr, rstd_ptr, row + 2, i + 2 < n, cols, D,
-                                                   stride_x, stride_dy)
-        xb_n, dyb_n, mb_n, rb_n = _ln_bwd_row_load(x_ptr, dy_ptr, mean_ptr, rstd_ptr, row + 3, i + 3 < n, cols, D,
-                                                   stride_x, stride_dy)
-        xhat_a = tl.where(mask, xa.to(tl.float32) - ma, 0.0) * ra
-        xhat_b = tl.where(mask, xb.to(tl.float32) - mb, 0.0) * rb
-        dyf_a = dya.to(tl.float32)
-        dyf_b = dyb.to(tl.float32)
-        g_a = dyf_a * scale1
-        g_b = dyf_b * scale1
-        s1a, s2a, s1b, s2b = tl.reduce((g_a * xhat_a, g_a, g_b * xhat_b, g_b), 0, _add4)
-        dx_a = ((g_a - tl.div_rn(s2a, d_float)) - xhat_a * tl.div_rn(s1a, d_float)) * ra
-        dx_b = ((g_b - tl.div_rn(s2b, d_float)) - xhat_b * tl.div_rn(s1b, d_float)) * rb
-        tl.store(dx_ptr + row * stride_dx + cols, dx_a.to(dx_ptr.dtype.element_ty), mask=mask)
-        tl.store(dx_ptr + (row + 1) * stride_dx + cols, dx_b.to(dx_ptr.dtype.element_ty), mask=cols < tl.where(has_b, D, 0))
+        nxt = row + 1
+        nmask = cols < tl.where(nxt < r1, D, 0)  # nothing past the chunk's last row is read
+        nclamp = tl.minimum(nxt, r1 - 1)
+        x_n = tl.load(x_ptr + nxt * stride_x + cols, mask=nmask, other=0.0)
+        dy_n = tl.load(dy_ptr + nxt * stride_dy + cols, mask=nmask, other=0.0)
+        mean_n = tl.load(mean_ptr + nclamp)
+        rstd_n = tl.load(rstd_ptr + nclamp)
+        xhat = tl.where(mask, x.to(tl.float32) - mean, 0.0) * rstd
+        dyf = dy.to(tl.float32)
+        g = dyf * scale1
+        c1 = tl.div_rn(tl.sum(g * xhat, axis=0), d_float)
+        c2 = tl.div_rn(tl.sum(g, axis=0), d_float)
+        dx = ((g - c2) - xhat * c1) * rstd
+        tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         if NEED_VEC:
-            p_scale = p_scale + dyf_a * xhat_a
-            p_shift = p_shift + dyf_a
-            p_scale = tl.where(has_b, p_scale + dyf_b * xhat_b, p_scale)
-            p_shift = tl.where(has_b, p_shift + dyf_b, p_shift)
-        xa, dya, ma, ra = xa_n, dya_n, ma_n, ra_n
-        xb, dyb, mb, rb = xb_n, dyb_n, mb_n, rb_n
+            p_scale = p_scale + dyf * xhat
+            p_shift = p_shift + dyf
+        x, dy, mean, rstd = x_n, dy_n, mean_n, rstd_n
     if NEED_VEC:
         base = part_ptr + c.to(tl.int64) * stride_part
         tl.store(base + cols, p_scale, mask=mask)

@@ -33,9 +33,8 @@ Arithmetic (FP32, one IEEE rounding per operation as written; ``enable_fp_fusion
   ``(y_e·c − y_o·s, y_e·s + y_o·c)``. ``rstd`` (M, H) FP32 is saved for backward.
 * backward: rotation by −θ ``(d_e·c + d_o·s, d_o·c − d_e·s)`` (contiguous: the forward rotation with
   ``s·(−1)``, the same values); ``g = dy·gain``, ``x̂ = x·rstd``,
-  ``dx = (g − x̂·(Σ g·x̂ ⊘ d))·rstd``; ``d_gain = Σ dy·x̂`` over tokens and heads: contiguous: in each chunk
-  of :mod:`.segments` per (head, lane) the tokens chained in order, then one ``tl.sum`` over heads; pairs: per
-  token a ``tl.sum`` over heads, tokens chained; chunk partials folded per sample, samples left in order.
+  ``dx = (g − x̂·(Σ g·x̂ ⊘ d))·rstd``; ``d_gain = Σ_rows Σ_heads dy·x̂``: per token a ``tl.sum`` over heads,
+  tokens chained in the per-sample chunks of :mod:`.segments`, samples folded left in sample order.
 
 Cast points. The unfused pair stores ``qk_rmsnorm``'s output in the storage dtype (its declared output)
 and RoPE reads it back; its backward stores RoPE's input gradient in the storage dtype and the norm's
@@ -291,10 +290,8 @@ def _qk_fwd_kernel(
     mask = mask_h[:, None] & mask_j[None, :]
     offs = offs_h[:, None] * D + offs_j[None, :]
     y = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    # the gain and the tables are read up front (nothing when unused), so their latency overlaps the norm
-    g = tl.load(gain_ptr + offs_j, mask=offs_j < tl.where(norm != 0, D, 0), other=0.0).to(tl.float32)[None, :]
-    c, s = _pair_tables(cos_ptr, sin_ptr, row, stride_cs, tl.where(rope != 0, D // 2, 0), sign, BLOCK_D)
     if norm:
+        g = tl.load(gain_ptr + offs_j, mask=mask_j, other=0.0).to(tl.float32)[None, :]
         rstd = _rms_rstd(y, d_float, eps)
         y = (y * rstd[:, None]) * g
         if store_rstd:
@@ -302,22 +299,9 @@ def _qk_fwd_kernel(
         if rope:
             y = y.to(y_ptr.dtype.element_ty).to(tl.float32)  # the unfused pair's cast point
     if rope:
+        c, s = _pair_tables(cos_ptr, sin_ptr, row, stride_cs, D // 2, sign, BLOCK_D)
         y = _rotate_pairs(y, c, s, BLOCK_H, BLOCK_D)
     tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _bwd_token(x_ptr, dy_ptr, rstd_ptr, cos_ptr, sin_ptr, row, live, rope, H, D, stride_x, stride_dy, stride_cs,
-               offs, offs_h, mask_j, BLOCK_D: tl.constexpr):
-    """Everything the backward reads for token ``row`` (nothing when not ``live``, no tables without
-    ``rope``): x and dy tiles in the storage dtype, rstd (BH,), and the −θ tables (c, −s)."""
-    h_live = tl.where(live, H, 0)
-    m = (offs_h < h_live)[:, None] & mask_j[None, :]
-    x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0)
-    d = tl.load(dy_ptr + row * stride_dy + offs, mask=m, other=0.0)
-    r = tl.load(rstd_ptr + row * H + offs_h, mask=offs_h < h_live, other=0.0)
-    c, s = _pair_tables(cos_ptr, sin_ptr, row, stride_cs, tl.where(live & (rope != 0), D // 2, 0), -1.0, BLOCK_D)
-    return x, d, r, c, s
 
 
 @triton.jit(do_not_specialize=["n_chunks", "rope", "need_gain"])
@@ -327,45 +311,49 @@ def _qk_bwd_kernel(
     rope, need_gain,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """One chunk of tokens of one sample, tokens in order; the next three tokens' inputs are in flight
-    while one is computed. rope: dy rotated by −θ and rounded to the storage dtype (the unfused pair's
-    cast point); then dx = (g − x̂·(Σ g·x̂ ⊘ d))·rstd per (token, head); need_gain: per (head, lane)
-    acc = 0; acc = acc + dy·x̂ over the chunk's tokens in order, then part[c] = tl.sum of acc over heads
-    (one cross-warp reduction per chunk, none per token)."""
+    """One chunk of tokens of one sample, tokens in order (the next three tokens' x and dy in flight).
+    rope: dy rotated by −θ and rounded to the storage dtype (the unfused pair's cast point); then
+    dx = (g − x̂·(Σ g·x̂ ⊘ d))·rstd per (token, head); need_gain: part[c] = Σ_tokens (tl.sum over heads of
+    dy·x̂), chained in token order from acc = 0."""
     c = tl.program_id(0)
-    start = tl.load(table_ptr + c)
-    n = tl.load(table_ptr + n_chunks + c) - start
+    r0 = tl.load(table_ptr + c)
+    r1 = tl.load(table_ptr + n_chunks + c)
     offs_h = tl.arange(0, BLOCK_H)
     offs_j = tl.arange(0, BLOCK_D)
+    mask_h = offs_h < H
     mask_j = offs_j < D
-    mask = (offs_h < H)[:, None] & mask_j[None, :]
+    mask = mask_h[:, None] & mask_j[None, :]
     offs = offs_h[:, None] * D + offs_j[None, :]
     g = tl.load(gain_ptr + offs_j, mask=mask_j, other=0.0).to(tl.float32)[None, :]
-    acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
-    first = start.to(tl.int64)
-    x0, d0, r0, c0, s0 = _bwd_token(x_ptr, dy_ptr, rstd_ptr, cos_ptr, sin_ptr, first, n > 0, rope, H, D,
-                                    stride_x, stride_dy, stride_cs, offs, offs_h, mask_j, BLOCK_D)
-    x1, d1, r1, c1, s1 = _bwd_token(x_ptr, dy_ptr, rstd_ptr, cos_ptr, sin_ptr, first + 1, n > 1, rope, H, D,
-                                    stride_x, stride_dy, stride_cs, offs, offs_h, mask_j, BLOCK_D)
-    x2, d2, r2, c2, s2 = _bwd_token(x_ptr, dy_ptr, rstd_ptr, cos_ptr, sin_ptr, first + 2, n > 2, rope, H, D,
-                                    stride_x, stride_dy, stride_cs, offs, offs_h, mask_j, BLOCK_D)
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    first = r0.to(tl.int64)
+    n = r1 - r0
+    x0 = tl.load(x_ptr + first * stride_x + offs, mask=mask, other=0.0)
+    d0 = tl.load(dy_ptr + first * stride_dy + offs, mask=mask, other=0.0)
+    m1 = (offs_h < tl.where(n > 1, H, 0))[:, None] & mask_j[None, :]  # nothing past the chunk
+    x1 = tl.load(x_ptr + (first + 1) * stride_x + offs, mask=m1, other=0.0)
+    d1 = tl.load(dy_ptr + (first + 1) * stride_dy + offs, mask=m1, other=0.0)
+    m2 = (offs_h < tl.where(n > 2, H, 0))[:, None] & mask_j[None, :]
+    x2 = tl.load(x_ptr + (first + 2) * stride_x + offs, mask=m2, other=0.0)
+    d2 = tl.load(dy_ptr + (first + 2) * stride_dy + offs, mask=m2, other=0.0)
     for i in range(n):
         row = first + i
-        x3, d3, r3, c3, s3 = _bwd_token(x_ptr, dy_ptr, rstd_ptr, cos_ptr, sin_ptr, row + 3, i + 3 < n, rope, H, D,
-                                        stride_x, stride_dy, stride_cs, offs, offs_h, mask_j, BLOCK_D)
+        m3 = (offs_h < tl.where(i + 3 < n, H, 0))[:, None] & mask_j[None, :]
+        x3 = tl.load(x_ptr + (row + 3) * stride_x + offs, mask=m3, other=0.0)
+        d3 = tl.load(dy_ptr + (row + 3) * stride_dy + offs, mask=m3, other=0.0)
+        rstd = tl.load(rstd_ptr + row * H + offs_h, mask=mask_h, other=0.0)
         dy = d0.to(tl.float32)
         if rope:
-            dy = _rotate_pairs(dy, c0, s0, BLOCK_H, BLOCK_D)
+            cs, sn = _pair_tables(cos_ptr, sin_ptr, row, stride_cs, D // 2, -1.0, BLOCK_D)
+            dy = _rotate_pairs(dy, cs, sn, BLOCK_H, BLOCK_D)
             dy = dy.to(dx_ptr.dtype.element_ty).to(tl.float32)  # the unfused pair's cast point
-        dx, term = _rms_bwd(x0.to(tl.float32), dy, r0, g, d_float)
+        dx, term = _rms_bwd(x0.to(tl.float32), dy, rstd, g, d_float)
         tl.store(dx_ptr + row * stride_dx + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         if need_gain:
-            acc = acc + term
-        x0, d0, r0, c0, s0 = x1, d1, r1, c1, s1
-        x1, d1, r1, c1, s1 = x2, d2, r2, c2, s2
-        x2, d2, r2, c2, s2 = x3, d3, r3, c3, s3
+            acc = acc + tl.sum(term, axis=0)
+        x0, d0, x1, d1, x2, d2 = x1, d1, x2, d2, x3, d3
     if need_gain:
-        tl.store(part_ptr + c.to(tl.int64) * stride_part + offs_j, tl.sum(acc, axis=0), mask=mask_j)
+        tl.store(part_ptr + c.to(tl.int64) * stride_part + offs_j, acc, mask=mask_j)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -608,7 +596,7 @@ def rms_norm_rows(x: torch.Tensor, gain: torch.Tensor, *, seqlens: tuple[int, ..
 
 _SOURCE = sys.modules[__name__]
 _DT = frozenset(_DTYPES)
-_CONFIG = {"programs": "one token per forward program; backward chunks of segments.CHUNK_ROWS tokens, three tokens in flight",
+_CONFIG = {"programs": "one token per forward program; backward chunks of segments.CHUNK_ROWS tokens, x/dy of three tokens in flight",
            "tiles": "(pow2(H), pow2(d)) contiguous heads; rotation pairs by reshape + split/join in registers",
            "warps": "from pow2(H)·pow2(d) only", "fp_fusion": False,
            "flags": "norm / rope / rstd / d_gain are runtime arguments (do_not_specialize): one binary per dtype and head shape",
@@ -618,8 +606,8 @@ register(KernelImpl(
     op="qk_rmsnorm", backend="triton", device="cuda", dtypes=_DT, fn=qk_rmsnorm, strict=True, split_k=False,
     fusions={"multi_axis_rope": qk_rmsnorm_rope},
     kernel_name="_qk_fwd_kernel/_qk_bwd_kernel/_segment_fold_kernel", source=_SOURCE, config=dict(_CONFIG),
-    reduction_order=(f"per (token, head): tl.sum over the d lanes of x², div_rn/sqrt_rn; d_gain: per (head, lane) tokens chained "
-                     f"in {seg.CHUNK_ROWS}-token chunks from the sample's first token, then tl.sum over heads per chunk, chunk partials summed "
+    reduction_order=(f"per (token, head): tl.sum over the d lanes of x², div_rn/sqrt_rn; d_gain: tl.sum over heads per token, "
+                     f"tokens chained in {seg.CHUNK_ROWS}-token chunks from the sample's first token, chunk partials summed "
                      f"{seg.FOLD_TILE} per tl.sum tile, tiles chained, samples folded left in order; FP32"),
     accumulator="fp32",
 ))
