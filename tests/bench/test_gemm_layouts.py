@@ -35,3 +35,15 @@ def test_config_tables_are_read_only() -> None:
         C.FWD[key] = C.FWD[key]  # type: ignore[index]
     with pytest.raises(AttributeError):
         C.FWD[key].BLOCK_M = 1  # type: ignore[misc]
+
+
+def test_report_diff_finds_a_moved_engine_figure() -> None:
+    from benchmarks.gemm_report_diff import diff_accuracy
+
+    row = {"layer": "qkv", "dtype": "bfloat16", "seqlens": "(512,)", "lora_r": 0, "check": "forward",
+           "torch_max_abs": 0.5, "torch_rel_fro": 1e-3, "kernel_max_abs": 0.25, "kernel_rel_fro": 2e-3}
+    old = {"accuracy": [row, dict(row, check="dX")]}
+    same = diff_accuracy(old, old)
+    assert (same["matched"], same["reference_reproduced"], same["engine_identical"], same["moved"]) == (2, 2, 2, [])
+    moved = diff_accuracy(old, {"accuracy": [dict(row, kernel_rel_fro=2.0000001e-3), dict(row, check="dX", torch_rel_fro=1.0)]})
+    assert moved["moved"] == [("qkv", "bfloat16", "(512,)", 0, "forward")] and moved["reference_reproduced"] == 1
