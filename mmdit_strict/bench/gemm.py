@@ -288,41 +288,47 @@ def speed_case(G, name, n, k, bias, prologue, epilogue, dtype, m):
     return rows
 
 
-LAYOUT_LAYERS = ("qkv", "attn_out", "mlp_up", "mlp_down", "txt_in", "img_in", "proj_out")  # the M = 4224 forwards
+# the M = 4224 forwards, and the per-sample ones at their batch rows (M = 8)
+LAYOUT_LAYERS = ("qkv", "attn_out", "mlp_up", "mlp_down", "txt_in", "img_in", "proj_out", "mod", "final_mod", "temb_1")
 
 
 def layout_case(G, C, name, n, k, bias, prologue, epilogue, dtype, m=4224):
-    """The forward under the class's configuration with ``weight_layout`` "kn" (the weight's own Wᵀ
-    copy, packed before timing) and "nk" (W read in place), beside cuBLAS; both outputs compared in bytes."""
+    """The forward under the class's configuration with only the weight read changed: "kn" (the
+    weight's own Wᵀ copy, packed before timing), "nk" (W read in place) and, for a class without
+    tensor descriptors, "nk+tma" (W in place through descriptors). One row per variant with cuBLAS
+    beside it; every output compared in bytes with the "kn" one."""
     w, b, _ = _weights(n, k, dtype, bias, gen_seed=5)
     x = torch.randn(m, k, generator=torch.Generator(device=DEVICE).manual_seed(6), device=DEVICE).to(dtype)
     base = C.fwd_config(n, k, dtype)
-    row = {"layer": name, "M": m, "N": n, "K": k, "dtype": str(dtype).replace("torch.", ""), "config": base.as_dict(),
-           "weight_copy_bytes": n * k * w.element_size()}
-    outs = {}
+    variants = [("kn", base.replace(weight_layout="kn")), ("nk", base.replace(weight_layout="nk"))]
+    if not base.tma:
+        variants.append(("nk+tma", base.replace(weight_layout="nk", tma=True)))
+    rows, outs = [], {}
     with torch.no_grad():
-        for layout in ("kn", "nk"):
-            cfg = base.replace(weight_layout=layout)
+        ref = lambda: _torch_linear(x, w, b, prologue, epilogue)  # noqa: E731
+        cublas = {"cublas_ms": _bench(ref)["median_ms"], "cublas_graph_ms": _bench_graph(ref)}
+        for variant, cfg in variants:
             stats = {}
 
             def record(kernel, _s=stats):
                 _s.update(n_regs=getattr(kernel, "n_regs", None), n_spills=getattr(kernel, "n_spills", None))
 
-            outs[layout] = G.gemm_fwd(x, w, b, prologue=prologue, epilogue=epilogue, config=cfg, on_launch=record)[0]
+            outs[variant] = G.gemm_fwd(x, w, b, prologue=prologue, epilogue=epilogue, config=cfg, on_launch=record)[0]
             fn = lambda _c=cfg: G.gemm_fwd(x, w, b, prologue=prologue, epilogue=epilogue, config=_c)  # noqa: E731
-            row[f"{layout}_ms"] = _bench(fn)["median_ms"]
-            row[f"{layout}_graph_ms"] = _bench_graph(fn)
-            row[f"{layout}_regs_spills"] = [stats.get("n_regs"), stats.get("n_spills")]
+            rows.append({"layer": name, "M": m, "N": n, "K": k, "dtype": str(dtype).replace("torch.", ""),
+                         "variant": variant, "config": cfg.as_dict(), "ms": _bench(fn)["median_ms"],
+                         "graph_ms": _bench_graph(fn), "regs_spills": [stats.get("n_regs"), stats.get("n_spills")],
+                         "weight_copy_bytes": n * k * w.element_size() if variant == "kn" else 0, **cublas})
             G.drop_prepacked(w)
-        ref = lambda: _torch_linear(x, w, b, prologue, epilogue)  # noqa: E731
-        row["cublas_ms"] = _bench(ref)["median_ms"]
-        row["cublas_graph_ms"] = _bench_graph(ref)
     _sync()
-    row["bytes_equal"] = bool(torch.equal(outs["kn"], outs["nk"]))
-    tk = "graph_ms" if row["kn_graph_ms"] and row["nk_graph_ms"] else "ms"
-    row["nk_speed_vs_kn"] = row[f"kn_{tk}"] / row[f"nk_{tk}"]
-    row["timed_by"] = tk
-    return [row]
+    kn = rows[0]
+    tk = "graph_ms" if all(r["graph_ms"] for r in rows) else "ms"
+    for r in rows:
+        r["bytes_equal_kn"] = bool(torch.equal(outs[r["variant"]], outs["kn"]))
+        r["timed_by"] = tk
+        r["speed_vs_kn"] = kn[tk] / r[tk]
+        r["speed_vs_cublas"] = (r[f"cublas_{tk}"] or r["cublas_ms"]) / r[tk]
+    return rows
 
 
 class ReportWriter:
@@ -433,18 +439,17 @@ def _md(report) -> str:
         lines.append("")
     lay = report.get("layouts", [])
     if lay:
-        lines += ["## Weight layout: Wᵀ copy (kn) vs W read in place (nk), forward", "",
-                  "Each class's configuration with only `weight_layout` changed; times are CUDA-graph medians where "
-                  "capture worked (`do_bench` otherwise); ratio = kn time / nk time (>1: in place is faster); "
-                  "bytes = the two outputs compared with torch.equal.", "",
-                  "| layer | dtype | M | N×K | config | kn ms | nk ms | cuBLAS ms | nk / kn speed | nk vs cuBLAS | bytes | "
-                  "regs/spills kn, nk | Wᵀ copy MiB |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["## Weight read: Wᵀ copy (kn) vs W in place (nk, nk+tma), forward", "",
+                  "Each class's configuration with only the weight read changed; times are CUDA-graph medians where "
+                  "capture worked (`do_bench` otherwise); speed ratios are kn (or cuBLAS) time / this time, >1 is faster; "
+                  "bytes: this output vs the kn output with torch.equal; the Wᵀ copy is the memory the kn read adds per weight.", "",
+                  "| layer | dtype | M | N×K | variant | config | ms | cuBLAS ms | vs kn | vs cuBLAS | bytes | regs/spills | Wᵀ copy MiB |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in lay:
-            tk = r.get("timed_by", "ms")
-            kn, nk, cb = r[f"kn_{tk}"], r[f"nk_{tk}"], r[f"cublas_{tk}"] or r["cublas_ms"]
-            lines.append(f"| {r['layer']} | {r['dtype']} | {r['M']} | {r['N']}×{r['K']} | {_cfg_str(r['config'])} | "
-                         f"{kn:.4f} | {nk:.4f} | {cb:.4f} | {r['nk_speed_vs_kn']:.3f} | {cb / nk:.2f} | "
-                         f"{'equal' if r['bytes_equal'] else 'DIFFER'} | {r['kn_regs_spills']}, {r['nk_regs_spills']} | "
+            tk = r["timed_by"]
+            lines.append(f"| {r['layer']} | {r['dtype']} | {r['M']} | {r['N']}×{r['K']} | {r['variant']} | {_cfg_str(r['config'])} | "
+                         f"{r[tk]:.4f} | {r[f'cublas_{tk}'] or r['cublas_ms']:.4f} | {r['speed_vs_kn']:.3f} | {r['speed_vs_cublas']:.2f} | "
+                         f"{'equal' if r['bytes_equal_kn'] else 'DIFFER'} | {r['regs_spills'][0]} / {r['regs_spills'][1]} | "
                          f"{r['weight_copy_bytes'] / 2**20:.1f} |")
         lines.append("")
     return "\n".join(lines + md_footer(report)) + "\n"
@@ -472,8 +477,9 @@ def main(argv=None) -> int:
     layers = [l for l in LAYERS if not args.layers or l[0] in args.layers.split(",")]
     # 0. weight layouts (decides the forward's weight_layout per class; bf16, the production dtype)
     if "layouts" in sections:
-        for (name, n, k, bias, pro, epi, _) in (l for l in layers if l[0] in LAYOUT_LAYERS):
-            report["layouts"] += guarded(f"layouts {name}", lambda: layout_case(G, C, name, n, k, bias, pro, epi, torch.bfloat16))
+        for (name, n, k, bias, pro, epi, ms) in (l for l in layers if l[0] in LAYOUT_LAYERS):
+            report["layouts"] += guarded(f"layouts {name}", lambda: layout_case(
+                G, C, name, n, k, bias, pro, epi, torch.bfloat16, m=max(ms)))
         save()
     # 1. speed first (the headline), bf16 then fp32
     for dname in (dtypes if "speed" in sections else ()):

@@ -22,11 +22,13 @@ def test_layout_case_compares_bytes_and_leaves_configs_alone(monkeypatch) -> Non
     before = dict(C.FWD)
     rows = bench.layout_case(G, C, "tiny", 44, 52, True, "none", "gelu_tanh", torch.float32, m=37)
     assert dict(C.FWD) == before
-    (row,) = rows
-    assert row["bytes_equal"] is True and row["timed_by"] == "ms" and row["nk_speed_vs_kn"] == 1.0
-    assert row["config"] == C.fwd_config(44, 52, torch.float32).as_dict()
+    assert [r["variant"] for r in rows] == ["kn", "nk", "nk+tma"]  # the tiny class loads through pointers
+    assert all(r["bytes_equal_kn"] and r["timed_by"] == "ms" and r["speed_vs_kn"] == 1.0 for r in rows)
+    assert rows[0]["config"] == C.fwd_config(44, 52, torch.float32).as_dict()
+    assert rows[2]["config"]["tma"] and rows[2]["config"]["weight_layout"] == "nk"
+    assert [r["weight_copy_bytes"] for r in rows] == [44 * 52 * 4, 0, 0]
     md = bench._md({"env": {"gpu": "cpu"}, "layouts": rows})
-    assert "| tiny | float32 | 37 | 44×52 |" in md and "| equal |" in md
+    assert "| tiny | float32 | 37 | 44×52 | nk+tma |" in md and md.count("| equal |") == 3
 
 
 def test_config_tables_are_read_only() -> None:
