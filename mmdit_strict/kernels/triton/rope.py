@@ -73,6 +73,11 @@ QK_LAYOUTS = ("pairs", "contiguous")
 _LAYOUT: contextvars.ContextVar[str] = contextvars.ContextVar("mmdit_qk_layout", default="contiguous")
 
 
+def current_qk_layout() -> str:
+    """The QK norm / RoPE layout in force (the innermost :func:`qk_layout`, else the default)."""
+    return _LAYOUT.get()
+
+
 @contextlib.contextmanager
 def qk_layout(name: str) -> Iterator[None]:
     """Run the QK norm / RoPE kernels inside the block with layout ``name`` (one of :data:`QK_LAYOUTS`)."""
