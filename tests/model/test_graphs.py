@@ -63,10 +63,11 @@ def test_graph_replay_equals_eager_strict_forward_bytes() -> None:
         assert torch.equal(a, b)
     assert torch.equal(eager[0], again)
     # every per-layout table cache dropped: the graphs keep what they read alive and still replay the same bytes
-    from mmdit_strict.kernels.triton import attention, gemm, segments
+    from mmdit_strict.kernels.triton import attention, segments
+    from mmdit_strict.kernels.triton.gemm import launch as gemm_launch
     from mmdit_strict.model import rope
 
-    gemm._STARTS.clear(), segments.TABLES.clear(), attention._TABLES.clear(), rope._packed_tables.cache_clear()
+    gemm_launch._STARTS.clear(), segments.TABLES.clear(), attention._TABLES.clear(), rope._packed_tables.cache_clear()
     torch.cuda.empty_cache()
     scribble = [torch.full((1 << 20,), -7, dtype=torch.int32, device="cuda") for _ in range(16)]
     with torch.no_grad():
