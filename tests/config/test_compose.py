@@ -95,9 +95,9 @@ def test_missing_device_and_unknown_checkpoint_are_clear_errors(tmp_path: Path, 
     import torch
 
     if not torch.cuda.is_available():
-        assert main(["run", "--quiet", f"output_dir={tmp_path / 'a'}", "model.device=cuda"]) == 2
+        assert main(["run", "--quiet", f"output_dir={tmp_path / 'a'}", "model.device=cuda", "wandb.mode=disabled"]) == 2
         assert "has no CUDA device" in capsys.readouterr().err
-    assert main(["run", "--quiet", f"output_dir={tmp_path / 'b'}", f"model.checkpoint={tmp_path / 'nowhere'}"]) == 2
+    assert main(["run", "--quiet", f"output_dir={tmp_path / 'b'}", f"model.checkpoint={tmp_path / 'nowhere'}", "wandb.mode=disabled"]) == 2
     assert "neither an existing folder nor a hub repo id" in capsys.readouterr().err
 
 

@@ -39,5 +39,5 @@ def test_run_with_a_pipeline_folder(tiny_pipeline_dir, tmp_path, capsys):
 
 
 def test_prompts_text_needs_a_pipeline_folder(tmp_path, capsys):
-    rc = main(["run", "prompts.text=[a cat]", f"output_dir={tmp_path / 'r'}", "--quiet"])
+    rc = main(["run", "prompts.text=[a cat]", f"output_dir={tmp_path / 'r'}", "wandb.mode=disabled", "--quiet"])
     assert rc == 2 and "needs model.checkpoint=<a Qwen-Image pipeline folder>" in capsys.readouterr().err
