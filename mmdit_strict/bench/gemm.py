@@ -1,7 +1,7 @@
 """Benchmark and qualification of the strict GEMM engine on a CUDA GPU.
 
     python -m mmdit_strict.bench.gemm --out DIR [--sections speed,invariance,accuracy,layouts]
-        [--layers qkv,mlp_up,...] [--dtypes bf16,fp32] [--budget-s S]
+        [--layers qkv,mlp_up,...] [--dtypes bf16,fp32] [--budget-s S] [--preset qwen-image]
 
 Writes ``DIR/gemm_report.json`` and ``DIR/gemm_report.md`` (rewritten after every section, so a run
 cut short still leaves what it measured):
@@ -17,16 +17,20 @@ cut short still leaves what it measured):
 * raw-byte batch invariance: rows of M ∈ {1, …, 8448} (non-multiples of every tile) equal in bytes
   to the same rows of the M = 8448 run, at the batch start and at the batch end (another in-tile
   offset), for the forward and dX; and dW/db bytes equal across micro-batch splits;
-* speed at M = 4224 (modulation at M = 1 and 8) with ``triton.testing.do_bench`` quantiles against
-  cuBLAS: forward (``F.linear`` + eager epilogue), dX (``torch.mm``), dW (``torch.mm``);
+* speed at the row counts the model runs (image rows, text rows, one row per sample, at B = 1 and at
+  B = 2 with CFG) with ``triton.testing.do_bench`` quantiles against cuBLAS: forward (``F.linear`` +
+  eager epilogue), dX (``torch.mm``), dW (``torch.mm``);
 * weight layouts (``layouts``, not part of ``qualify``): the forward with the weight's own ``Wᵀ`` copy
   (``"kn"``) against nn.Linear's ``(N, K)`` read in place (``"nk"``) under each class's configuration
   otherwise unchanged, beside cuBLAS, with the two outputs compared in bytes.
 
 Every launch uses ``configs`` as committed or a configuration passed explicitly (``config=``); the
 tables are never edited. Configuration sweeps and tuning probes live outside the package, in the
-repository's ``benchmarks/`` folder. Imports only the GEMM engine and the reference (not
-``mmdit_strict``'s top level).
+repository's ``benchmarks/`` folder (they keep the historical hand list :data:`LAYERS`).
+
+The qualified classes are read from the model (:mod:`.gemm_shapes`): a one-block model of
+``--preset`` runs its strict forward at 1024² with one 128-token prompt, alone and beside a 16-token
+negative prompt, and every product it hands to the engine is a row of the report.
 """
 
 from __future__ import annotations
@@ -55,7 +59,10 @@ LAYERS = [
     ("proj_out", 64, 3072, True, "none", "none", (4224,)),
     ("temb_1", 3072, 256, True, "none", "silu", (1, 8)),  # timestep MLP linear_1 (+ SiLU), one row per sample
 ]
-_PER_SAMPLE_ROWS = ("mod", "final_mod", "temb_1")  # M = batch rows: accuracy at B = 1, 3, 256, 2048
+# the batch layouts the qualification reads the model's GEMM classes from: (latent grid, prompt tokens
+# per sample) — one 1024² image with a 128-token prompt, then with its 16-token negative prompt (CFG)
+MODEL_LAYOUTS = (((64, 64), (128,)), ((64, 64), (128, 16)))
+_PER_SAMPLE_ROWS = ("mod", "final_mod", "temb_1", "temb_2")  # M = batch rows: accuracy at B = 1, 3, 256, 2048
 INVARIANCE_M = (1, 2, 3, 7, 64, 127, 128, 129, 1000, 4224, 6889, 8448)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DEVICE = "cuda"  # the interpreter dry run (tests/CI smoke) swaps in "cpu"
@@ -394,6 +401,12 @@ def _md(report) -> str:
     e = report["env"]
     lines = ["# Strict GEMM engine — H200 qualification report", "",
              environment_line(e, f"TF32 {e.get('tf32')}"), ""]
+    if report.get("model_layers"):
+        lines += ["## GEMM classes read from the model's strict forward", "",
+                  "| class | N×K | bias | prologue | epilogue | rows seen |", "|---|---|---|---|---|---|"]
+        lines += [f"| {nm} | {n}×{k} | {b} | {p} | {ep} | {', '.join(map(str, ms))} |"
+                  for nm, n, k, b, p, ep, ms in report["model_layers"]]
+        lines.append("")
     acc = report.get("accuracy", [])
     if acc:
         npass = sum(a["pass"] for a in acc)
@@ -461,10 +474,14 @@ def main(argv=None) -> int:
     ap.add_argument("--sections", default="speed,invariance,accuracy",
                     help="comma list of speed, invariance, accuracy, layouts (the qualification runs the first three)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip remaining sections past this wall time")
-    ap.add_argument("--layers", default=None, help=f"comma list of layers to qualify (default: all of {[l[0] for l in LAYERS]})")
+    ap.add_argument("--layers", default=None, help="comma list of the model's GEMM classes to qualify (default: all; "
+                    "qkv, attn_out, mlp_up, mlp_down, mod, final_mod, txt_in, img_in, proj_out, temb_1, temb_2)")
     ap.add_argument("--dtypes", default="bf16,fp32", help="comma list of bf16, fp32 (layouts: bf16 only)")
+    ap.add_argument("--preset", default="qwen-image", help="architecture whose GEMM classes are qualified")
     args = ap.parse_args(argv)
     cuda_setup("the GEMM qualification")
+    from mmdit_strict.bench.gemm_shapes import model_gemm_layers
+    from mmdit_strict.config.arch import preset
     from mmdit_strict.kernels.triton import configs as C
     from mmdit_strict.kernels.triton import gemm as G
     from mmdit_strict.reference import ops as ref_ops
@@ -474,7 +491,9 @@ def main(argv=None) -> int:
     save, guarded = run.save, run.guarded
     sections = set(args.sections.split(","))
     dtypes = [d for d in ("bf16", "fp32") if d in args.dtypes.split(",")]
-    layers = [l for l in LAYERS if not args.layers or l[0] in args.layers.split(",")]
+    model_layers = model_gemm_layers(preset(args.preset), MODEL_LAYOUTS, device=DEVICE)
+    report["model_layers"] = [list(l) for l in model_layers]
+    layers = [l for l in model_layers if not args.layers or l[0] in args.layers.split(",")]
     # 0. weight layouts (decides the forward's weight_layout per class; bf16, the production dtype)
     if "layouts" in sections:
         for (name, n, k, bias, pro, epi, ms) in (l for l in layers if l[0] in LAYOUT_LAYERS):

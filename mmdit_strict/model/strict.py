@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
@@ -25,6 +26,40 @@ if TYPE_CHECKING:
     from .mmdit import MMDiT, ModelInputs
 
 _CAPTURE: contextvars.ContextVar[dict[str, torch.Tensor] | None] = contextvars.ContextVar("mmdit_capture", default=None)
+_GEMMS: contextvars.ContextVar[list["GemmCall"] | None] = contextvars.ContextVar("mmdit_gemm_calls", default=None)
+
+
+@dataclass(frozen=True)
+class GemmCall:
+    """One product the strict forward hands to the GEMM engine: ``rows × k`` input, ``(n, k)`` weight."""
+
+    op: str  # the operator that runs it (a GEMM-family op, or a fused op around the engine)
+    where: str  # e.g. "block0.img", "txt_in", "temb_1"
+    rows: int
+    n: int
+    k: int
+    bias: bool
+    prologue: str = "none"
+    epilogue: str = "none"
+
+
+@contextlib.contextmanager
+def record_gemms() -> Iterator[list[GemmCall]]:
+    """List every GEMM the strict forwards inside the block run (shapes only; nothing else changes)."""
+    calls: list[GemmCall] = []
+    token = _GEMMS.set(calls)
+    try:
+        yield calls
+    finally:
+        _GEMMS.reset(token)
+
+
+def _note_gemm(op: str, where: str, rows: int, weight: torch.Tensor, bias: torch.Tensor | None,
+               prologue: str = "none", epilogue: str = "none") -> None:
+    log = _GEMMS.get()
+    if log is not None:
+        log.append(GemmCall(op, where, int(rows), int(weight.shape[0]), int(weight.shape[1]), bias is not None,
+                            prologue, epilogue))
 _FAULT: contextvars.ContextVar[str | None] = contextvars.ContextVar("mmdit_fault", default=None)
 
 
@@ -145,6 +180,7 @@ def linear_params(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None,
 
 def _gemm(op: str, where: str, x: torch.Tensor, module: nn.Module, seqlens: tuple[int, ...], **kw: Any) -> torch.Tensor:
     w, b, lora = linear_params(module)
+    _note_gemm(op, where, x.shape[0], w, b, kw.get("prologue", "none"), kw.get("epilogue", "none"))
     return _op(op, where, x, x, w, b, seqlens=seqlens, lora=lora, **kw)
 
 
@@ -216,11 +252,14 @@ def strict_forward(model: "MMDiT", inputs: "ModelInputs", block_capture: dict[st
 
     rope = packed_rope_tables(inputs.img_shapes, inputs.txt_lens, cfg.axes_dims_rope, cfg.rope_theta, dev)
     emb = model.time_text_embed.timestep_embedder
+    _note_gemm("timestep_embed_mlp", "temb_1", B, emb.linear_1.weight, emb.linear_1.bias, epilogue="silu")
+    _note_gemm("timestep_embed_mlp", "temb_2", B, emb.linear_2.weight, emb.linear_2.bias)
     temb = _op("timestep_embed_mlp", "embed", x, inputs.sigma.to(torch.float32), emb.linear_1.weight, emb.linear_1.bias,
                emb.linear_2.weight, emb.linear_2.bias, channels=cfg.timestep_channels, scale=cfg.timestep_scale)
     img = _gemm("latent_proj_gemm", "img_in", x.reshape(B * Ti, -1), model.img_in, iseq)
     w, b, lora = linear_params(model.txt_in)
     txt_rows = pack_text(inputs.encoder_hidden_states, inputs.txt_lens)
+    _note_gemm("txt_in_rmsnorm_linear", "txt_in", txt_rows.shape[0], w, b)
     txt = _op("txt_in_rmsnorm_linear", "txt_in", txt_rows, txt_rows, model.txt_norm.weight, w, b, seqlens=tseq, eps=eps, lora=lora)
 
     heads, head_dim = cfg.num_attention_heads, cfg.attention_head_dim
@@ -247,6 +286,7 @@ def strict_forward(model: "MMDiT", inputs: "ModelInputs", block_capture: dict[st
             block_capture[f"block{i}.img"] = img.detach()
             block_capture[f"block{i}.txt"] = txt.detach()
     w, b, lora = linear_params(model.norm_out.linear)
+    _note_gemm("final_adaln_out", "norm_out", B, w, b, prologue="silu")
     h = _op("final_adaln_out", "norm_out", img, img, temb, w, b, seqlens=iseq, eps=eps, lora=lora)
     out = _gemm("latent_proj_gemm", "proj_out", h, model.proj_out, iseq)
     return out.reshape(B, Ti, -1)

@@ -49,3 +49,31 @@ def test_report_diff_finds_a_moved_engine_figure() -> None:
     assert (same["matched"], same["reference_reproduced"], same["engine_identical"], same["moved"]) == (2, 2, 2, [])
     moved = diff_accuracy(old, {"accuracy": [dict(row, kernel_rel_fro=2.0000001e-3), dict(row, check="dX", torch_rel_fro=1.0)]})
     assert moved["moved"] == [("qkv", "bfloat16", "(512,)", 0, "forward")] and moved["reference_reproduced"] == 1
+
+
+def test_qualified_gemm_classes_come_from_the_model() -> None:
+    """The classes the GEMM qualification measures are the products a strict forward runs, with their
+    row counts: checked against the architecture's own dimensions, not a copy of a list."""
+    import torch
+
+    from mmdit_strict.bench.gemm_shapes import model_gemm_layers
+    from mmdit_strict.config.arch import preset
+
+    a = preset("tiny")
+    D, F = a.hidden_size, a.mlp_hidden
+    img, txt = 4 * 6, (5, 3)
+    layers = {l[0]: l[1:] for l in model_gemm_layers(a, (((4, 6), txt[:1]), ((4, 6), txt)), device="cpu", dtype=torch.float32)}
+    both_streams = (txt[0], sum(txt), img, 2 * img)
+    assert layers == {
+        "temb_1": (D, a.timestep_channels, True, "none", "silu", (1, 2)),
+        "temb_2": (D, D, True, "none", "none", (1, 2)),
+        "img_in": (D, a.in_channels, True, "none", "none", (img, 2 * img)),
+        "txt_in": (D, a.joint_attention_dim, True, "none", "none", (txt[0], sum(txt))),
+        "mod": (6 * D, D, True, "silu", "none", (1, 2)),
+        "qkv": (D, D, True, "none", "none", both_streams),
+        "attn_out": (D, D, True, "none", "none", both_streams),
+        "mlp_up": (F, D, True, "none", "gelu_tanh", both_streams),
+        "mlp_down": (D, F, True, "none", "none", both_streams),
+        "final_mod": (2 * D, D, True, "silu", "none", (1, 2)),
+        "proj_out": (a.patch_size**2 * a.out_channels, D, True, "none", "none", (img, 2 * img)),
+    }

@@ -106,7 +106,9 @@ class ElementwiseConfig:
     num_warps: int
 
 
-# Qwen-Image layer shapes (N, K): qkv 9216×3072, attn_out / timestep-2 3072×3072, mlp_up 12288×3072,
+# Qwen-Image layer shapes (N, K), as the strict model runs them (bench/gemm_shapes.py reads them from a
+# forward): q, k, v, attn_out and timestep-2 3072×3072 (three separate Q/K/V products: one fused 9216-wide
+# product timed 0.360 ms vs 3 × 0.1206 ms on the H200 at bb1b941, no gain for a concatenated weight copy), mlp_up 12288×3072,
 # mlp_down 3072×12288, modulation 18432×3072, final modulation 6144×3072, txt_in 3072×3584,
 # img_in 3072×64, proj_out 64×3072, timestep-1 3072×256.  Backward dX uses the transposed pairs.
 # H200 run 1 (experiments/gemm/h200_gemm_report_run1.md): 128×256×64, 8 warps, 4 stages was the best
@@ -137,13 +139,11 @@ _THIN_N_BF16 = FwdConfig(64, 64, 64, 4, 4)         # N = 64 (proj_out fwd, img_i
 _THIN_K_BF16 = FwdConfig(128, 128, 64, 8, 3)       # K = 64 (img_in): one K step
 
 _FWD: dict[tuple[int, int, str], FwdConfig] = {
-    (9216, 3072, _BF16): _BIG_BF16,
     (3072, 3072, _BF16): _BIG_BF16,
     (12288, 3072, _BF16): _BIG_GELU_BF16,  # mlp_up fwd (bias + tanh-GELU) and mlp_down dX
     (3072, 12288, _BF16): _BIG_BF16,
     (3072, 3584, _BF16): _BIG_BF16,
     (3584, 3072, _BF16): _BIG_BF16,        # dX of txt_in
-    (3072, 9216, _BF16): _BIG_BF16,        # dX of qkv (was missing: fell back to the 128×128 size class, 0.75× cuBLAS)
     (18432, 3072, _BF16): _MOD_BF16,
     (6144, 3072, _BF16): _FINAL_MOD_BF16,
     (3072, 18432, _BF16): _MOD_DX_BF16,    # dX of the modulation projection
@@ -169,7 +169,6 @@ _DW_FP32 = DwConfig(64, 64, 32, 4, 3)
 # (BLOCK_M, the per-sample tree) is unchanged. attn_out's square gradient keeps 128×128, 4 stages.
 _DW_WIDE_BF16 = DwConfig(128, 256, 64, 8, 4)
 DW: Mapping[tuple[int, int, str], DwConfig] = MappingProxyType({
-    (9216, 3072, _BF16): _DW_WIDE_BF16,    # qkv
     (12288, 3072, _BF16): _DW_WIDE_BF16,   # mlp_up
     (3072, 12288, _BF16): _DW_WIDE_BF16,   # mlp_down
     (3072, 3584, _BF16): _DW_WIDE_BF16,    # txt_in (not probed; measured by the qualification)
