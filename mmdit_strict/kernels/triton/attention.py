@@ -53,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..checks import check_operand
 from ..keepalive import retain
 from ..registry import KernelImpl, register
 from .gemm import _DTYPES, _interpreting
@@ -554,12 +555,7 @@ def check_inputs(q_txt, k_txt, v_txt, q_img, k_img, v_img, txt_seqlens, img_seql
     for name, t in zip(names, tensors):
         if t.shape[1:] != (heads, head_dim):
             raise ValueError(f"expected {name} of shape (rows, {heads}, {head_dim}), got {tuple(t.shape)}")
-        if t.dtype != dtype:
-            raise ValueError(f"expected {name} of dtype {dtype} (q_img's), got {t.dtype}")
-        if t.device != device:
-            raise ValueError(f"expected {name} on {device}, got {t.device}")
-        if not t.is_contiguous():
-            raise ValueError(f"expected {name} to be contiguous (rows, H, d), got strides {tuple(t.stride())}")
+        check_operand(name, t, dtype, device, dtype_of="q_img's", layout="rows, H, d")
     if not (q_txt.shape == k_txt.shape == v_txt.shape):
         raise ValueError(f"q_txt, k_txt, v_txt must have one shape, got {tuple(q_txt.shape)}, {tuple(k_txt.shape)}, {tuple(v_txt.shape)}")
     if not (q_img.shape == k_img.shape == v_img.shape):

@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 import triton
 
+from ...checks import check_operand
 from ...keepalive import retain
 from .. import configs as _configs
 from . import kernels as _k
@@ -86,12 +87,7 @@ def _check_tensor(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype, 
     if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
         want = "(" + ", ".join("?" if s is None else str(s) for s in shape) + ")"
         raise ValueError(f"expected {name} of shape {want}, got {tuple(t.shape)}")
-    if t.dtype != dtype:
-        raise ValueError(f"expected {name} of dtype {dtype} (the execution dtype), got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"expected {name} on {device}, got {t.device}")
-    if not t.is_contiguous():
-        raise ValueError(f"expected {name} to be contiguous (row-major), got strides {tuple(t.stride())}")
+    check_operand(name, t, dtype, device)
 
 
 def check_inputs(x, weight, bias, seqlens, prologue, epilogue, lora) -> None:
