@@ -110,17 +110,77 @@ def test_tail_tiles_never_write_over_neighbour_rows() -> None:
         assert not bool((o_t[t0:t1] == sentinel).any()) and not bool((o_i[i0:i1] == sentinel).any()), "own rows left unwritten"
 
 
+# Load-path options of the configuration (off by default), each expected to read the same values as the frozen path
+LOAD_OPTIONS = {
+    "tma": {"fwd_loads": "tma", "bwd_loads": "tma"},
+    "direct": {"resident_loads": "direct"},
+    "direct+tma": {"fwd_loads": "tma", "bwd_loads": "tma", "resident_loads": "direct"},
+}
+
+
+def _run_cfg(batch: list[tuple], override: dict) -> list[tuple]:
+    """attention_fwd + attention_bwd on the packed batch with the frozen config plus ``override``.
+
+    Per sample: ``(o_txt, o_img, lse_txt, lse_img, dq_t, dk_t, dv_t, dq_i, dk_i, dv_i)``, the upstream
+    gradient of each sample being its own.
+    """
+    packed, tseq, iseq = bench.pack([b[0] for b in batch])
+    cfg = {**A.config_for(D, torch.float32), **override}
+    o_t, o_i, lse = A.attention_fwd(*packed, tseq, iseq, cfg)
+    do_t = torch.cat([b[1][0] for b in batch]).view_as(o_t)
+    do_i = torch.cat([b[1][1] for b in batch]).view_as(o_i)
+    grads = A.attention_bwd(do_t, do_i, *packed, o_t, o_i, lse, tseq, iseq, cfg)
+    mt, out, t0, i0 = sum(tseq), [], 0, 0
+    for nt, ni in zip(tseq, iseq):
+        t, i = slice(t0, t0 + nt), slice(i0, i0 + ni)
+        out.append((o_t[t], o_i[i], lse[t], lse[mt + i0:mt + i0 + ni], *(g[t] for g in grads[:3]), *(g[i] for g in grads[3:])))
+        t0, i0 = t0 + nt, i0 + ni
+    return out
+
+
 @interp
-def test_tma_descriptor_loads_give_the_same_bytes() -> None:
-    """Descriptor loads (config ``fwd_loads``/``bwd_loads`` = "tma") read the same values: same bytes."""
-    packed, tseq, iseq = bench.pack([_sample(5, 37, 60)[0], _sample(0, 19, 61)[0], _sample(16, 1, 62)[0]])
-    base = A.config_for(D, torch.float32)
-    tma = {**base, "fwd_loads": "tma", "bwd_loads": "tma"}
-    fwd = A.attention_fwd(*packed, tseq, iseq, base)
-    assert_bytes_equal(A.attention_fwd(*packed, tseq, iseq, tma), fwd, "tma vs pointer loads, forward")
-    do_t, do_i = torch.randn_like(fwd[0]), torch.randn_like(fwd[1])
-    assert_bytes_equal(A.attention_bwd(do_t, do_i, *packed, *fwd, tseq, iseq, tma),
-                       A.attention_bwd(do_t, do_i, *packed, *fwd, tseq, iseq, base), "tma vs pointer loads, backward")
+@pytest.mark.parametrize("option", sorted(LOAD_OPTIONS))
+def test_load_options_equal_frozen_bytes_on_partial_tiles(option: str) -> None:
+    """Outputs, LSE and all six gradients under each load option == the frozen (pointer, select) path, sample by
+    sample, in a batch whose segments end inside a tile (tails of 1..15 rows), start anywhere in the packed
+    buffer, include an empty text and one exact tile."""
+    batch = [_sample(7, 21, 90), _sample(0, 13, 91), _sample(17, 33, 92), _sample(16, 1, 93), _sample(5, 37, 94)]
+    frozen = _run_cfg(batch, {})
+    for b, (got, ref) in enumerate(zip(_run_cfg(batch, LOAD_OPTIONS[option]), frozen)):
+        assert_bytes_equal(got, ref, f"{option} vs frozen, sample {b}")
+
+
+@interp
+@pytest.mark.parametrize("option", ["tma", "direct+tma"])
+def test_tma_probe_alone_equals_batched_at_every_position(option: str) -> None:
+    """Under TMA loads a probe whose lengths divide no tile keeps its bytes (== the frozen path's, alone) in
+    batches of 2 and 3 at every position beside neighbours of other lengths."""
+    probe = _sample(7, 21, 95)
+    neighbours = [_sample(0, 13, 96), _sample(17, 33, 97)]
+    (alone,) = _run_cfg([probe], {})
+    for B in (2, 3):
+        for pos in range(B):
+            batch = neighbours[:B - 1][:pos] + [probe] + neighbours[:B - 1][pos:]
+            assert_bytes_equal(_run_cfg(batch, LOAD_OPTIONS[option])[pos], alone, f"{option}: B={B}, probe at {pos}")
+
+
+@interp
+@pytest.mark.parametrize("option", ["tma", "direct+tma"])
+def test_tma_boxes_never_carry_neighbour_rows(option: str) -> None:
+    """A probe packed between NaN rows (neighbours longer than a tile on both sides, in both streams) keeps the
+    frozen path's bytes: a descriptor box that carried a neighbour's row into a used position would turn
+    the probe's outputs or gradients into NaN (a masked score still multiplies V's row; 0 · NaN = NaN)."""
+    probe = _sample(9, 18, 98)
+    (alone,) = _run_cfg([probe], {})
+    nan = [(tuple(torch.full_like(t, float("nan")) for t in s), g) for s, g in (_sample(20, 37, 99), _sample(19, 40, 100))]
+    assert_bytes_equal(_run_cfg([nan[0], probe, nan[1]], LOAD_OPTIONS[option])[1], alone, f"{option}: probe between NaN rows")
+
+
+def test_bad_load_option() -> None:
+    s, _ = _sample(3, 5, 51)
+    packed, tseq, iseq = bench.pack([s])
+    with pytest.raises(ValueError, match="resident_loads"):
+        A.attention_fwd(*packed, tseq, iseq, {**A.config_for(D, torch.float32), "resident_loads": "registers"})
 
 
 @interp

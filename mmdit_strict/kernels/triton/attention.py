@@ -77,6 +77,35 @@ def _stream_masks(row_ok, stream):
 
 
 @triton.jit
+def _load_resident(txt_ptr, img_ptr, offs, row_ok, stream, DIRECT: tl.constexpr):
+    """A tile's resident rows (loaded once per program) from the stream the tile lies in; rows past the segment read 0.
+
+    ``DIRECT`` (config ``resident_loads``, see ``_RESIDENT``): False, two masked loads (one per stream) merged with
+    ``tl.where``; True, one masked load through the stream's base pointer, chosen per program. Both give the same
+    values. Only the direct load lets Triton keep the tile in shared memory in the layout the tensor cores read
+    (Hopper: the wgmma A operand straight from shared memory); the merged one is held in registers.
+    """
+    if DIRECT:
+        return tl.load(tl.where(stream == 0, txt_ptr, img_ptr) + offs, mask=row_ok[:, None], other=0.0)
+    else:
+        txt_ok, img_ok = _stream_masks(row_ok, stream)
+        return tl.where(txt_ok, tl.load(txt_ptr + offs, mask=txt_ok, other=0.0), tl.load(img_ptr + offs, mask=img_ok, other=0.0))
+
+
+@triton.jit
+def _segment_desc(base_ptr, row0, n, row_stride, col, ROWS: tl.constexpr, D: tl.constexpr):
+    """Tensor descriptor (TMA) over exactly one segment: rows ``row0 .. row0+n`` of one head's ``D`` columns.
+
+    Box coordinates are relative to the segment's first row. Rows of a box past the segment's end lie outside
+    the descriptor, so the TMA unit fills them with zeros instead of reading them; rows before the segment
+    cannot be addressed at all. No box can carry another sample's rows, whatever the lengths. (The extent is
+    at least 1 row so that an empty segment still makes a valid descriptor; nothing is loaded through it.)
+    """
+    return tl.make_tensor_descriptor(base_ptr + row0.to(tl.int64) * row_stride + col, shape=[tl.maximum(n, 1), D],
+                                     strides=[row_stride, 1], block_shape=[ROWS, D])
+
+
+@triton.jit
 def _fwd_tile(acc, m_i, l_i, q, k, v, qk_scale, n_valid,
               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One key tile of the online softmax (see the module docstring for the formulas)."""
@@ -105,9 +134,10 @@ def _fwd_segment(acc, m_i, l_i, q, k_ptr, v_ptr, row0, n, row_stride, col, qk_sc
     """Key tiles of one segment (rows ``row0 .. row0+n`` of one stream), ascending; last tile peeled.
 
     ``LOADS`` (see ``_LOADS``): 0 pointer loads, masked on the last tile; 1 device-side tensor
-    descriptors (TMA) whose row extent ends at the segment's end (the hardware zero-fills the rows
-    past it); 2 block pointers bounded at the segment's end (Triton releases that still have them).
-    All read the same values, so the arithmetic and the result bytes are the same.
+    descriptors (TMA) spanning exactly the segment (:func:`_segment_desc`: the last tile's rows past the
+    segment's end arrive as zeros); 2 block pointers bounded at the segment's end (Triton releases that
+    still have them). All read the same values: the tail's missing rows are 0 in K and V on every path and
+    their columns get score −inf, so the arithmetic and the result bytes are the same.
     """
     n_full = n // BLOCK_N
     tail = n - n_full * BLOCK_N
@@ -126,10 +156,9 @@ def _fwd_segment(acc, m_i, l_i, q, k_ptr, v_ptr, row0, n, row_stride, col, qk_sc
             v = tl.load(v_bp, boundary_check=(0,), padding_option="zero")
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k, v, qk_scale, tail, BLOCK_N, True, DOT_PRECISION)
     elif LOADS == 1:
-        seg_end = tl.maximum(row0 + n, 1)
-        k_desc = tl.make_tensor_descriptor(k_ptr + col, shape=[seg_end, D], strides=[row_stride, 1], block_shape=[BLOCK_N, D])
-        v_desc = tl.make_tensor_descriptor(v_ptr + col, shape=[seg_end, D], strides=[row_stride, 1], block_shape=[BLOCK_N, D])
-        row = row0
+        k_desc = _segment_desc(k_ptr, row0, n, row_stride, col, BLOCK_N, D)
+        v_desc = _segment_desc(v_ptr, row0, n, row_stride, col, BLOCK_N, D)
+        row = 0
         for _ in range(0, n_full):
             k = k_desc.load([row, 0])
             v = v_desc.load([row, 0])
@@ -162,6 +191,7 @@ def _attn_fwd_kernel(
     q_txt_ptr, k_txt_ptr, v_txt_ptr, q_img_ptr, k_img_ptr, v_img_ptr, o_txt_ptr, o_img_ptr, lse_ptr, tiles_ptr,
     row_stride, n_heads, qk_scale,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr,
+    RESIDENT_DIRECT: tl.constexpr,
 ):
     """One (query tile, head): O rows and their base-2 LSE. Grid (query tiles, heads)."""
     tile = tl.program_id(0)
@@ -182,7 +212,7 @@ def _attn_fwd_kernel(
     row_ok = rows < seg_end
     offs = rows.to(tl.int64)[:, None] * row_stride + col + offs_d[None, :]
     txt_ok, img_ok = _stream_masks(row_ok, stream)
-    q = tl.where(txt_ok, tl.load(q_txt_ptr + offs, mask=txt_ok, other=0.0), tl.load(q_img_ptr + offs, mask=img_ok, other=0.0))
+    q = _load_resident(q_txt_ptr, q_img_ptr, offs, row_ok, stream, RESIDENT_DIRECT)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -241,10 +271,9 @@ def _dkdv_segment(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, row0, n, stat
     n_full = n // BLOCK_M
     tail = n - n_full * BLOCK_M
     if LOADS == 1:
-        seg_end = tl.maximum(row0 + n, 1)
-        q_desc = tl.make_tensor_descriptor(q_ptr + col, shape=[seg_end, D], strides=[row_stride, 1], block_shape=[BLOCK_M, D])
-        do_desc = tl.make_tensor_descriptor(do_ptr + col, shape=[seg_end, D], strides=[row_stride, 1], block_shape=[BLOCK_M, D])
-        row = row0
+        q_desc = _segment_desc(q_ptr, row0, n, row_stride, col, BLOCK_M, D)
+        do_desc = _segment_desc(do_ptr, row0, n, row_stride, col, BLOCK_M, D)
+        row = 0
         for _ in range(0, n_full):
             q = q_desc.load([row, 0])
             do = do_desc.load([row, 0])
@@ -289,6 +318,7 @@ def _attn_bwd_dkdv_kernel(
     dk_txt_ptr, dv_txt_ptr, dk_img_ptr, dv_img_ptr, lse_ptr, delta_ptr, tiles_ptr,
     row_stride, n_heads, qk_scale, sm_scale,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr,
+    RESIDENT_DIRECT: tl.constexpr,
 ):
     """One (key tile, head): dK and dV over the sample's query tiles (text, then image). Grid (key tiles, heads)."""
     tile = tl.program_id(0)
@@ -307,8 +337,8 @@ def _attn_bwd_dkdv_kernel(
     row_ok = rows < seg_end
     offs = rows.to(tl.int64)[:, None] * row_stride + col + tl.arange(0, D)[None, :]
     txt_ok, img_ok = _stream_masks(row_ok, stream)
-    k = tl.where(txt_ok, tl.load(k_txt_ptr + offs, mask=txt_ok, other=0.0), tl.load(k_img_ptr + offs, mask=img_ok, other=0.0))
-    v = tl.where(txt_ok, tl.load(v_txt_ptr + offs, mask=txt_ok, other=0.0), tl.load(v_img_ptr + offs, mask=img_ok, other=0.0))
+    k = _load_resident(k_txt_ptr, k_img_ptr, offs, row_ok, stream, RESIDENT_DIRECT)
+    v = _load_resident(v_txt_ptr, v_img_ptr, offs, row_ok, stream, RESIDENT_DIRECT)
     dk = tl.zeros([BLOCK_N, D], tl.float32)
     dv = tl.zeros([BLOCK_N, D], tl.float32)
     lse_ptr += h  # stat buffers are (rows, H): this head's column
@@ -346,10 +376,9 @@ def _dq_segment(dq, q, do, lse, delta, k_ptr, v_ptr, row0, n, row_stride, col, q
     n_full = n // BLOCK_N
     tail = n - n_full * BLOCK_N
     if LOADS == 1:
-        seg_end = tl.maximum(row0 + n, 1)
-        k_desc = tl.make_tensor_descriptor(k_ptr + col, shape=[seg_end, D], strides=[row_stride, 1], block_shape=[BLOCK_N, D])
-        v_desc = tl.make_tensor_descriptor(v_ptr + col, shape=[seg_end, D], strides=[row_stride, 1], block_shape=[BLOCK_N, D])
-        row = row0
+        k_desc = _segment_desc(k_ptr, row0, n, row_stride, col, BLOCK_N, D)
+        v_desc = _segment_desc(v_ptr, row0, n, row_stride, col, BLOCK_N, D)
+        row = 0
         for _ in range(0, n_full):
             k = k_desc.load([row, 0])
             v = v_desc.load([row, 0])
@@ -383,6 +412,7 @@ def _attn_bwd_dq_kernel(
     dq_txt_ptr, dq_img_ptr, lse_ptr, delta_ptr, tiles_ptr,
     row_stride, n_heads, qk_scale, sm_scale,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr,
+    RESIDENT_DIRECT: tl.constexpr,
 ):
     """One (query tile, head): dQ over the sample's key tiles in the forward's order. Grid (query tiles, heads)."""
     tile = tl.program_id(0)
@@ -402,8 +432,8 @@ def _attn_bwd_dq_kernel(
     row_ok = rows < seg_end
     offs = rows.to(tl.int64)[:, None] * row_stride + col + tl.arange(0, D)[None, :]
     txt_ok, img_ok = _stream_masks(row_ok, stream)
-    q = tl.where(txt_ok, tl.load(q_txt_ptr + offs, mask=txt_ok, other=0.0), tl.load(q_img_ptr + offs, mask=img_ok, other=0.0))
-    do = tl.where(txt_ok, tl.load(do_txt_ptr + offs, mask=txt_ok, other=0.0), tl.load(do_img_ptr + offs, mask=img_ok, other=0.0))
+    q = _load_resident(q_txt_ptr, q_img_ptr, offs, row_ok, stream, RESIDENT_DIRECT)
+    do = _load_resident(do_txt_ptr, do_img_ptr, offs, row_ok, stream, RESIDENT_DIRECT)
     stat = (stat0 + offs_m).to(tl.int64) * n_heads + h
     lse = tl.load(lse_ptr + stat, mask=row_ok, other=0.0)
     delta = tl.load(delta_ptr + stat, mask=row_ok, other=0.0)
@@ -443,6 +473,9 @@ CONFIGS: dict[tuple[int, torch.dtype], dict] = {
 HEAD_DIMS = (16, 32, 64, 128)
 # Load paths of the streamed tiles (config keys "fwd_loads", "bwd_loads"; default "pointer"); all read the same values.
 _LOADS = {"pointer": 0, "tma": 1, "block_ptr": 2}
+# Load of the resident tiles (Q in the forward and dQ kernels, K/V in the dK/dV kernel, dO in the dQ kernel; config key
+# "resident_loads", default "select"): RESIDENT_DIRECT of _load_resident. Same values, so the same bytes.
+_RESIDENT = {"select": False, "direct": True}
 _DOT_PRECISION = "ieee"
 
 
@@ -511,6 +544,13 @@ def _load_path(name: str, *tensors: torch.Tensor) -> int:
             return 0
         _ensure_allocator()
     return loads
+
+
+def _resident_direct(cfg: dict) -> bool:
+    name = cfg.get("resident_loads", "select")
+    if name not in _RESIDENT:
+        raise ValueError(f"resident_loads must be one of {sorted(_RESIDENT)}, got {name!r}")
+    return _RESIDENT[name]
 
 
 def _launch_opts(warps: int, stages: int) -> dict:
@@ -600,7 +640,8 @@ def attention_fwd(q_txt, k_txt, v_txt, q_img, k_img, v_img, tseq, iseq, cfg: dic
         _attn_fwd_kernel[(n_tiles, heads)](
             q_txt, k_txt, v_txt, q_img, k_img, v_img, o_txt, o_img, lse, table,
             heads * d, heads, qk_scale,
-            D=d, BLOCK_M=bm, BLOCK_N=bn, DOT_PRECISION=_DOT_PRECISION, LOADS=loads, **_launch_opts(warps, stages))
+            D=d, BLOCK_M=bm, BLOCK_N=bn, DOT_PRECISION=_DOT_PRECISION, LOADS=loads,
+            RESIDENT_DIRECT=_resident_direct(cfg), **_launch_opts(warps, stages))
     return o_txt, o_img, lse
 
 
@@ -631,14 +672,16 @@ def attention_bwd(do_txt, do_img, q_txt, k_txt, v_txt, q_img, k_img, v_img, o_tx
         _attn_bwd_dkdv_kernel[(n, heads)](
             q_txt, k_txt, v_txt, q_img, k_img, v_img, do_txt, do_img, dk_txt, dv_txt, dk_img, dv_img, lse, delta, table,
             heads * d, heads, qk_scale, sm_scale,
-            D=d, BLOCK_M=bm, BLOCK_N=bn, DOT_PRECISION=_DOT_PRECISION, LOADS=loads, **_launch_opts(warps, stages))
+            D=d, BLOCK_M=bm, BLOCK_N=bn, DOT_PRECISION=_DOT_PRECISION, LOADS=loads,
+            RESIDENT_DIRECT=_resident_direct(cfg), **_launch_opts(warps, stages))
     bm, bn, warps, stages = cfg["dq"]
     table, n = _sample_tiles(tseq, iseq, bm, dev, only_sample)
     if n:
         _attn_bwd_dq_kernel[(n, heads)](
             q_txt, k_txt, v_txt, q_img, k_img, v_img, do_txt, do_img, dq_txt, dq_img, lse, delta, table,
             heads * d, heads, qk_scale, sm_scale,
-            D=d, BLOCK_M=bm, BLOCK_N=bn, DOT_PRECISION=_DOT_PRECISION, LOADS=loads, **_launch_opts(warps, stages))
+            D=d, BLOCK_M=bm, BLOCK_N=bn, DOT_PRECISION=_DOT_PRECISION, LOADS=loads,
+            RESIDENT_DIRECT=_resident_direct(cfg), **_launch_opts(warps, stages))
     return out
 
 
