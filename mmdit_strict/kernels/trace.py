@@ -40,7 +40,8 @@ class OperatorTrace:
         from .registry import DTYPE_NAMES
 
         dname = DTYPE_NAMES.get(dtype, str(dtype))
-        key = (op, device, dname, impl.backend)
+        pick = getattr(impl, "variant", None)  # selectable kernel variants: one record per variant
+        key = (op, device, dname, impl.backend) + ((pick()["variant"],) if pick is not None else ())
         rec = self.records.get(key)
         if rec is None:
             rec = TraceRecord(
@@ -71,7 +72,8 @@ class OperatorTrace:
         trace = cls()
         for r in records:
             rec = TraceRecord(**r)
-            trace.records[(rec.op, rec.device, rec.dtype, rec.actual_backend)] = rec
+            variant = (rec.kernel["variant"],) if "variant" in rec.kernel else ()
+            trace.records[(rec.op, rec.device, rec.dtype, rec.actual_backend) + variant] = rec
         return trace
 
     def record_dicts(self) -> list[dict[str, Any]]:

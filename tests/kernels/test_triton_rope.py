@@ -286,6 +286,108 @@ def test_registered_for_cuda_strict_fp32_and_bf16():
         assert impls[0].dtypes == frozenset({torch.float32, torch.bfloat16}), op
 
 
+# ---- the "chunk_heads" backward variant (rope.qk_bwd; off by default) ----------------------------
+
+
+def check_variant_dx_equals_default(h, d, seq, target, bwd):
+    """The variant's forward and dx are the default backward's bytes (norm alone, unfused pair, fused);
+    its d_gain (another fixed tree) is checked against FP64 by the accuracy test instead."""
+    gen = generator(25)
+    m = sum(seq)
+    x, gain = randn(m, h, d, gen=gen, target=target), _gain(d, gen).to(target.device, target.dtype)
+    cos, sin = (t.to(target.device) for t in _tables(m, d, gen))
+    gy = randn(m, h, d, gen=gen, target=target)
+    ops = {"qk_rmsnorm": lambda a, g: R.qk_rmsnorm(a, g, seqlens=seq, eps=EPS),
+           "unfused": lambda a, g: R.multi_axis_rope(R.qk_rmsnorm(a, g, seqlens=seq, eps=EPS), cos, sin),
+           "fused": lambda a, g: R.qk_rmsnorm_rope(a, g, cos, sin, seqlens=seq, eps=EPS)}
+    for name, op in ops.items():
+        want_y, (want_dx, _) = run_with_grads(op, [x, gain], gy)
+        with R.qk_bwd(bwd):
+            got_y, (got_dx, got_dg) = run_with_grads(op, [x, gain], gy)
+        assert_bytes_equal(got_y, want_y, f"{bwd} {name} forward vs token_heads {target.label}")
+        assert_bytes_equal(got_dx, want_dx, f"{bwd} {name} dx vs token_heads {target.label}")
+        assert got_dg is not None and bool(torch.isfinite(got_dg).all())
+
+
+VARIANTS = R.QK_BWD_VARIANTS[1:]  # every non-default backward
+
+
+@interp
+@pytest.mark.parametrize("bwd", VARIANTS)
+def test_bwd_variant_accuracy_interpreter(bwd):
+    with R.qk_bwd(bwd):
+        check_accuracy(H, DH, SEQ, CPU_FP32)
+        check_accuracy(1, 14, (4, 0, 9), CPU_FP32)  # one head: BLOCK_H = 1
+
+
+@interp
+@pytest.mark.parametrize("bwd", VARIANTS)
+def test_bwd_variant_dx_equals_default_interpreter(bwd):
+    check_variant_dx_equals_default(H, DH, SEQ, CPU_FP32, bwd)
+
+
+@interp
+@pytest.mark.parametrize("bwd", VARIANTS)
+def test_bwd_variant_fused_equals_unfused_interpreter(bwd):
+    with R.qk_bwd(bwd):
+        check_fused_equals_unfused(H, DH, SEQ, CPU_FP32)
+
+
+@interp
+@pytest.mark.slow
+@pytest.mark.parametrize("bwd", VARIANTS)
+def test_bwd_variant_batch_invariance_interpreter(bwd):
+    """Forward and dx alone vs batched at every position (fused and unfused), one sample's token count
+    swept across the 16-token chunk boundary, and d_gain of a batch = the left fold, in sample order, of
+    each sample's d_gain alone (samples of 0..35 tokens, fused and unfused)."""
+    with R.qk_bwd(bwd):
+        check_invariance(H, DH, CPU_FP32, (2, 3, 8), 1, 12)
+        check_sweep(H, DH, CPU_FP32, (1, 3, 16, 17, 33))
+        check_gain_fold(H, DH, CPU_FP32, (7, 1, 20, 0, 16, 35))
+
+
+@interp
+def test_bwd_variant_is_kept_and_checked_interpreter():
+    """A node keeps the backward variant of its forward; 'chunk_heads' needs the contiguous layout; bad names raise."""
+    x = randn(21, H, DH, gen=generator(26)).requires_grad_(True)
+    gain = _gain(DH, generator(27)).requires_grad_(True)
+    gy = randn(21, H, DH, gen=generator(28))
+    with R.qk_bwd("chunk_heads"):
+        want = torch.autograd.grad(R.qk_rmsnorm(x, gain, seqlens=(21,), eps=EPS), [x, gain], gy)
+        y = R.qk_rmsnorm(x, gain, seqlens=(21,), eps=EPS)
+    got = torch.autograd.grad(y, [x, gain], gy)  # backward outside the block
+    assert_bytes_equal(got, want, "chunk_heads backward run outside the block")
+    default = torch.autograd.grad(R.qk_rmsnorm(x, gain, seqlens=(21,), eps=EPS), [x, gain], gy)
+    assert_bytes_equal(got[0], default[0], "chunk_heads dx vs the default")
+    with pytest.raises(ValueError, match="only for the 'contiguous' layout"), R.qk_layout("pairs"), R.qk_bwd("chunk_heads"):
+        R.qk_rmsnorm(x, gain, seqlens=(21,), eps=EPS)
+    with pytest.raises(ValueError, match="qk backward variant"), R.qk_bwd("heads"):
+        pass
+    assert R.current_qk_bwd() == "token_heads"
+
+
+def test_bwd_variant_identity_and_trace():
+    """Each (layout, backward) variant has its own kernel identity, and a trace keeps one record per variant."""
+    from mmdit_strict.kernels.registry import implementations
+    from mmdit_strict.kernels.runtime import Runtime
+    from mmdit_strict.kernels.trace import OperatorTrace
+
+    (impl,) = [i for i in implementations("qk_rmsnorm") if i.backend == "triton"]
+    default = impl.identity()
+    assert default["variant"] == "contiguous/token_heads"
+    assert (default["kernel"], default["reduction_order"]) == (impl.kernel_name, impl.reduction_order)
+    trace = OperatorTrace()
+    trace.add("qk_rmsnorm", impl, Runtime.STRICT, "cuda", torch.float32, False)
+    with R.qk_bwd("chunk_heads"):
+        chunk = impl.identity()
+        trace.add("qk_rmsnorm", impl, Runtime.STRICT, "cuda", torch.float32, False)
+    assert chunk["variant"] == "contiguous/chunk_heads" and "_qk_bwd_chunk_kernel" in chunk["kernel"]
+    assert "once per chunk" in chunk["reduction_order"] and chunk["reduction_order"] != default["reduction_order"]
+    assert sorted(r.kernel["variant"] for r in trace.records.values()) == ["contiguous/chunk_heads", "contiguous/token_heads"]
+    again = OperatorTrace.from_records(trace.record_dicts())
+    assert set(again.records) == set(trace.records)
+
+
 # ------------------------------------------------------------------------------------------------
 # GPU: 24 heads × 128 (never in CI)
 # ------------------------------------------------------------------------------------------------
@@ -401,3 +503,43 @@ def test_gpu_no_host_sync_on_repeat(target):
         step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
+@pytest.mark.parametrize("bwd", VARIANTS)
+def test_gpu_bwd_variant(target, bwd):
+    """The backward variant at 24 × 128: accuracy vs FP64, forward and dx = the default's bytes, fused =
+    unfused (forward, dx, d_gain), samples alone vs batched, chunk boundaries, d_gain fold."""
+    _gpu(target)
+    check_variant_dx_equals_default(QH, QDH, (4096, 0, 256, 77), target, bwd)
+    with R.qk_bwd(bwd):
+        check_accuracy(QH, QDH, (300, 0, 77), target)
+        check_fused_equals_unfused(QH, QDH, (4096, 0, 256, 77), target)
+        check_invariance(QH, QDH, target, (2, 3, 8, 64), 1, 40)
+        check_sweep(QH, QDH, target, (1, 7, 15, 16, 17, 100, 1025))
+        if target.dtype == torch.float32:
+            check_gain_fold(QH, QDH, target, (7, 1, 130, 0, 1100))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
+def test_gpu_chunk_heads_one_binary_for_norm_and_fused(target):
+    """qk_rmsnorm and the fused op share ONE compiled "chunk_heads" backward (runtime flags): one tree.
+    A head shape no other test uses (5 × 44)."""
+    _gpu(target)
+    h, d, seq = 5, 44, (33, 1, 16)
+    gen = generator(29)
+    m = sum(seq)
+    x = randn(m, h, d, gen=gen, target=target)
+    gain = _gain(d, gen).to("cuda", target.dtype)
+    cos, sin = (t.cuda() for t in _tables(m, d, gen))
+    gy = randn(m, h, d, gen=gen, target=target)
+    before = _compiled(R._qk_bwd_chunk_kernel)
+    with R.qk_bwd("chunk_heads"):
+        _, grads_u = run_with_grads(
+            lambda a, g: R.multi_axis_rope(R.qk_rmsnorm(a, g, seqlens=seq, eps=EPS), cos, sin), [x, gain], gy)
+        _, grads_f = run_with_grads(lambda a, g: R.qk_rmsnorm_rope(a, g, cos, sin, seqlens=seq, eps=EPS), [x, gain], gy)
+        run_with_grads(lambda a, g: R.qk_rmsnorm(a, g, seqlens=seq, eps=EPS), [x, gain], gy)
+    assert _compiled(R._qk_bwd_chunk_kernel) - before == 1
+    assert_bytes_equal(grads_f, grads_u, f"chunk_heads fused vs unfused dx, d_gain 5x44 {target.label}")

@@ -30,8 +30,10 @@ the final modulation need no copy); rows must be contiguous.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import sys
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 import triton
@@ -44,6 +46,33 @@ from .rope import check_gain, rms_norm_rows
 
 FWD_ROWS = 4  # rows per forward program (row-local math: no effect on bytes)
 MAX_WIDTH = 16384
+
+
+# How the LayerNorm kernels of adaln_modulation / final_adaln_out walk a chunk (chosen with :func:`ln_variant`):
+# "one_row" (the default): a row at a time, each row sum its own tl.sum (a shared-memory round trip each);
+# "two_rows": rows two at a time, the sums of both rows in ONE multi-operand tl.reduce (the backward's four
+# sums Σg·x̂, Σg of both rows in one), each operand combined by the same ``a + b`` over the same layout as
+# its tl.sum would be, the per-sample chains still row after row. Meant to give the same bytes (the GPU
+# test compares them with "one_row"); off until the H200 qualifies it. An autograd node keeps its forward's.
+LN_VARIANTS = ("one_row", "two_rows")
+_LN_VAR: contextvars.ContextVar[str] = contextvars.ContextVar("mmdit_ln_variant", default="one_row")
+
+
+def current_ln_variant() -> str:
+    """The LayerNorm kernel variant in force (the innermost :func:`ln_variant`, else ``"one_row"``)."""
+    return _LN_VAR.get()
+
+
+@contextlib.contextmanager
+def ln_variant(name: str) -> Iterator[None]:
+    """Run adaln_modulation / final_adaln_out inside the block with LayerNorm variant ``name`` (:data:`LN_VARIANTS`)."""
+    if name not in LN_VARIANTS:
+        raise ValueError(f"LayerNorm variant must be one of {LN_VARIANTS}, got {name!r}")
+    token = _LN_VAR.set(name)
+    try:
+        yield
+    finally:
+        _LN_VAR.reset(token)
 
 
 def num_warps_for(block: int) -> int:
@@ -141,6 +170,129 @@ def _adaln_mod_bwd_kernel(
             p_scale = p_scale + dyf * xhat
             p_shift = p_shift + dyf
         x, dy, mean, rstd = x_n, dy_n, mean_n, rstd_n
+    if NEED_VEC:
+        base = part_ptr + c.to(tl.int64) * stride_part
+        tl.store(base + cols, p_scale, mask=mask)
+        tl.store(base + D + cols, p_shift, mask=mask)
+
+
+# ---- the "two_rows" LayerNorm variant --------------------------------------------------------
+
+
+@triton.jit
+def _add2(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
+def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
+
+
+@triton.jit
+def _layer_norm_rows2(xa, xb, mask, d_float, eps):
+    """(mean, rstd, x̂) of two FP32 rows a and b (masked lanes 0), the formulas of :func:`_layer_norm_row`;
+    each Σ pairs the two rows in one two-operand ``tl.reduce`` (per operand the ``a + b`` of ``tl.sum``)."""
+    sa, sb = tl.reduce((xa, xb), 0, _add2)
+    mean_a = tl.div_rn(sa, d_float)
+    mean_b = tl.div_rn(sb, d_float)
+    xca = tl.where(mask, xa - mean_a, 0.0)
+    xcb = tl.where(mask, xb - mean_b, 0.0)
+    qa, qb = tl.reduce((xca * xca, xcb * xcb), 0, _add2)
+    rstd_a = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(qa, d_float) + eps))
+    rstd_b = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(qb, d_float) + eps))
+    return mean_a, rstd_a, xca * rstd_a, mean_b, rstd_b, xcb * rstd_b
+
+
+@triton.jit
+def _adaln_mod_fwd2_kernel(
+    x_ptr, shift_ptr, scale_ptr, table_ptr, y_ptr, mean_ptr, rstd_ptr,
+    n_chunks, D, d_float, eps, stride_x, stride_y, stride_shift, stride_scale,
+    STORE_STATS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """:func:`_adaln_mod_fwd_kernel`'s rows two at a time (row b masked off past the chunk)."""
+    c = tl.program_id(0)
+    r0 = tl.load(table_ptr + c)
+    n = tl.load(table_ptr + n_chunks + c) - r0
+    s = tl.load(table_ptr + 2 * n_chunks + c).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    scale1 = 1.0 + tl.load(scale_ptr + s * stride_scale + cols, mask=mask, other=0.0).to(tl.float32)
+    shift = tl.load(shift_ptr + s * stride_shift + cols, mask=mask, other=0.0).to(tl.float32)
+    first = r0.to(tl.int64)
+    for i in range(0, n, 2):
+        row = first + i
+        has_b = i + 1 < n
+        mask_b = cols < tl.where(has_b, D, 0)
+        xa = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        xb = tl.load(x_ptr + (row + 1) * stride_x + cols, mask=mask_b, other=0.0).to(tl.float32)
+        mean_a, rstd_a, xhat_a, mean_b, rstd_b, xhat_b = _layer_norm_rows2(xa, xb, mask, d_float, eps)
+        tl.store(y_ptr + row * stride_y + cols, (xhat_a * scale1 + shift).to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + (row + 1) * stride_y + cols, (xhat_b * scale1 + shift).to(y_ptr.dtype.element_ty), mask=mask_b)
+        if STORE_STATS:
+            tl.store(mean_ptr + row, mean_a)
+            tl.store(rstd_ptr + row, rstd_a)
+            tl.store(mean_ptr + row + 1, mean_b, mask=has_b)
+            tl.store(rstd_ptr + row + 1, rstd_b, mask=has_b)
+
+
+@triton.jit
+def _ln_bwd_row_load(x_ptr, dy_ptr, mean_ptr, rstd_ptr, row, live, cols, D, stride_x, stride_dy):
+    """x and dy (storage dtype), mean and rstd of ``row``; zeros (nothing read) when not ``live``."""
+    m = cols < tl.where(live, D, 0)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0)
+    dy = tl.load(dy_ptr + row * stride_dy + cols, mask=m, other=0.0)
+    mean = tl.load(mean_ptr + row, mask=live, other=0.0)
+    rstd = tl.load(rstd_ptr + row, mask=live, other=0.0)
+    return x, dy, mean, rstd
+
+
+@triton.jit
+def _adaln_mod_bwd2_kernel(
+    x_ptr, scale_ptr, dy_ptr, mean_ptr, rstd_ptr, table_ptr, dx_ptr, part_ptr,
+    n_chunks, D, d_float, stride_x, stride_dy, stride_dx, stride_scale, stride_part,
+    NEED_VEC: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """:func:`_adaln_mod_bwd_kernel`'s arithmetic with the rows two at a time (a, b): the four row sums
+    Σg·x̂ and Σg of both rows are ONE four-operand ``tl.reduce``, the partials still chain
+    acc + t_a, then + t_b (row b skipped past the chunk), and the next pair is read meanwhile."""
+    c = tl.program_id(0)
+    r0 = tl.load(table_ptr + c)
+    n = tl.load(table_ptr + n_chunks + c) - r0
+    s = tl.load(table_ptr + 2 * n_chunks + c).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    scale1 = 1.0 + tl.load(scale_ptr + s * stride_scale + cols, mask=mask, other=0.0).to(tl.float32)
+    p_scale = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    p_shift = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    first = r0.to(tl.int64)
+    xa, dya, ma, ra = _ln_bwd_row_load(x_ptr, dy_ptr, mean_ptr, rstd_ptr, first, n > 0, cols, D, stride_x, stride_dy)
+    xb, dyb, mb, rb = _ln_bwd_row_load(x_ptr, dy_ptr, mean_ptr, rstd_ptr, first + 1, n > 1, cols, D, stride_x, stride_dy)
+    for i in range(0, n, 2):
+        row = first + i
+        has_b = i + 1 < n
+        xa_n, dya_n, ma_n, ra_n = _ln_bwd_row_load(x_ptr, dy_ptr, mean_ptr, rstd_ptr, row + 2, i + 2 < n, cols, D,
+                                                   stride_x, stride_dy)
+        xb_n, dyb_n, mb_n, rb_n = _ln_bwd_row_load(x_ptr, dy_ptr, mean_ptr, rstd_ptr, row + 3, i + 3 < n, cols, D,
+                                                   stride_x, stride_dy)
+        xhat_a = tl.where(mask, xa.to(tl.float32) - ma, 0.0) * ra
+        xhat_b = tl.where(mask, xb.to(tl.float32) - mb, 0.0) * rb
+        dyf_a = dya.to(tl.float32)
+        dyf_b = dyb.to(tl.float32)
+        g_a = dyf_a * scale1
+        g_b = dyf_b * scale1
+        s1a, s2a, s1b, s2b = tl.reduce((g_a * xhat_a, g_a, g_b * xhat_b, g_b), 0, _add4)
+        dx_a = ((g_a - tl.div_rn(s2a, d_float)) - xhat_a * tl.div_rn(s1a, d_float)) * ra
+        dx_b = ((g_b - tl.div_rn(s2b, d_float)) - xhat_b * tl.div_rn(s1b, d_float)) * rb
+        tl.store(dx_ptr + row * stride_dx + cols, dx_a.to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + (row + 1) * stride_dx + cols, dx_b.to(dx_ptr.dtype.element_ty), mask=cols < tl.where(has_b, D, 0))
+        if NEED_VEC:
+            p_scale = p_scale + dyf_a * xhat_a
+            p_shift = p_shift + dyf_a
+            p_scale = tl.where(has_b, p_scale + dyf_b * xhat_b, p_scale)
+            p_shift = tl.where(has_b, p_shift + dyf_b, p_shift)
+        xa, dya, ma, ra = xa_n, dya_n, ma_n, ra_n
+        xb, dyb, mb, rb = xb_n, dyb_n, mb_n, rb_n
     if NEED_VEC:
         base = part_ptr + c.to(tl.int64) * stride_part
         tl.store(base + cols, p_scale, mask=mask)
@@ -261,9 +413,18 @@ def _stride0(v: torch.Tensor) -> int:
     return v.stride(0) if v.shape[0] else 0
 
 
+def _check_ln_variant(variant: str | None) -> str:
+    variant = variant or _LN_VAR.get()
+    if variant not in LN_VARIANTS:
+        raise ValueError(f"LayerNorm variant must be one of {LN_VARIANTS}, got {variant!r}")
+    return variant
+
+
 def adaln_modulation_fwd(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, seqlens: tuple[int, ...], eps: float,
-                         store_stats: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """x (M, D), shift/scale (B, D) → (y (M, D) x's dtype, mean (M,) fp32 | None, rstd (M,) fp32 | None)."""
+                         store_stats: bool, variant: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """x (M, D), shift/scale (B, D) → (y (M, D) x's dtype, mean (M,) fp32 | None, rstd (M,) fp32 | None).
+    ``variant`` (:data:`LN_VARIANTS`) defaults to the one in force (:func:`ln_variant`)."""
+    kernel = _adaln_mod_fwd2_kernel if _check_ln_variant(variant) == "two_rows" else _adaln_mod_fwd_kernel
     m, d = x.shape
     y = torch.empty_like(x)
     mean = torch.empty((m,), dtype=torch.float32, device=x.device) if store_stats else None
@@ -272,7 +433,7 @@ def adaln_modulation_fwd(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tens
         return y, mean, rstd
     ch = seg.chunks(seqlens, x.device, FWD_ROWS)
     block = triton.next_power_of_2(d)
-    _adaln_mod_fwd_kernel[(ch.n,)](
+    kernel[(ch.n,)](
         x, shift, scale, ch.table, y, mean if store_stats else y, rstd if store_stats else y,
         ch.n, d, float(d), float(eps), x.stride(0), y.stride(0), _stride0(shift), _stride0(scale),
         STORE_STATS=store_stats, BLOCK_D=block, **_opts(block),
@@ -281,15 +442,18 @@ def adaln_modulation_fwd(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tens
 
 
 def adaln_modulation_bwd(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
-                         seqlens: tuple[int, ...], need_vec: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Returns (dx (M, D), d_shift (B, D) | None, d_scale (B, D) | None), all in x's dtype."""
+                         seqlens: tuple[int, ...], need_vec: bool,
+                         variant: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Returns (dx (M, D), d_shift (B, D) | None, d_scale (B, D) | None), all in x's dtype; ``variant`` as in
+    :func:`adaln_modulation_fwd`."""
+    kernel = _adaln_mod_bwd2_kernel if _check_ln_variant(variant) == "two_rows" else _adaln_mod_bwd_kernel
     m, d = x.shape
     dx = torch.empty_like(x)
     ch = seg.chunks(seqlens, x.device)
     part = torch.empty((ch.n, 2 * d), dtype=torch.float32, device=x.device) if need_vec else None
     if m:
         block = triton.next_power_of_2(d)
-        _adaln_mod_bwd_kernel[(ch.n,)](
+        kernel[(ch.n,)](
             x, scale, dy, mean, rstd, ch.table, dx, part if need_vec else dx,
             ch.n, d, float(d), x.stride(0), dy.stride(0), dx.stride(0), _stride0(scale), 2 * d,
             NEED_VEC=need_vec, BLOCK_D=block, **_opts(block),
@@ -305,7 +469,8 @@ class AdalnModulationFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, shift, scale, seqlens, eps):  # type: ignore[override]
-        y, mean, rstd = adaln_modulation_fwd(x, shift, scale, seqlens, eps, store_stats=True)
+        ctx.variant = _LN_VAR.get()
+        y, mean, rstd = adaln_modulation_fwd(x, shift, scale, seqlens, eps, store_stats=True, variant=ctx.variant)
         ctx.save_for_backward(x, scale, mean, rstd)
         ctx.seqlens = seqlens
         return y
@@ -314,7 +479,8 @@ class AdalnModulationFunction(torch.autograd.Function):
     def backward(ctx, dy):  # type: ignore[override]
         x, scale, mean, rstd = ctx.saved_tensors
         need_vec = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-        dx, dshift, dscale = adaln_modulation_bwd(dy.contiguous(), x, scale, mean, rstd, ctx.seqlens, need_vec)
+        dx, dshift, dscale = adaln_modulation_bwd(dy.contiguous(), x, scale, mean, rstd, ctx.seqlens, need_vec,
+                                                    variant=ctx.variant)
         return dx, dshift, dscale, None, None
 
 
@@ -443,6 +609,25 @@ _CONFIG = {"fwd_rows_per_program": FWD_ROWS, "chunk_rows": seg.CHUNK_ROWS, "fold
            "warps": "4 if pow2(D) <= 1024, 8 if <= 4096, else 16", "fp_fusion": False}
 _SOURCE = sys.modules[__name__]
 _DT = frozenset(_DTYPES)
+_LN2 = ("row pairs: both rows' Σ in one multi-operand tl.reduce (per operand tl.sum's a + b, same layout), "
+        "fixed for the compiled kernel; warps from D only; div_rn/sqrt_rn")
+
+
+def _ln_identity(op: str):
+    """The registry's ``variant`` hook of a LayerNorm operator: its kernels and tree under :func:`ln_variant`."""
+    gemm_part = "_gemm_fwd_kernel (silu prologue) + " if op == "final_adaln_out" else ""
+    gemm_order = "modulation GEMM as the strict GEMM engine (one row per sample); " if op == "final_adaln_out" else ""
+    tail = "/_segment_fold_kernel" if op == "adaln_modulation" else ""
+
+    def identity() -> dict:
+        name = _LN_VAR.get()
+        two = name == "two_rows"
+        kernels = "_adaln_mod_fwd2_kernel/_adaln_mod_bwd2_kernel" if two else "_adaln_mod_fwd_kernel/_adaln_mod_bwd_kernel"
+        return {"variant": name, "kernel": f"{gemm_part}{kernels}{tail}",
+                "reduction_order": f"{gemm_order}{_LN2 if two else _LN}; d_scale/d_shift {_TREE}"}
+
+    return identity
+
 
 for _op, _fn, _kernel, _order in (
     ("adaln_modulation", adaln_modulation, "_adaln_mod_fwd_kernel/_adaln_mod_bwd_kernel/_segment_fold_kernel",
@@ -456,4 +641,5 @@ for _op, _fn, _kernel, _order in (
      "then the strict GEMM engine"),
 ):
     register(KernelImpl(op=_op, backend="triton", device="cuda", dtypes=_DT, fn=_fn, strict=True, split_k=False, kernel_name=_kernel,
-                        source=_SOURCE, config=dict(_CONFIG), reduction_order=_order, accumulator="fp32"))
+                        source=_SOURCE, config=dict(_CONFIG), reduction_order=_order, accumulator="fp32",
+                        variant=_ln_identity(_op) if _op in ("adaln_modulation", "final_adaln_out") else None))

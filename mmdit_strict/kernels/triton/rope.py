@@ -34,7 +34,9 @@ Arithmetic (FP32, one IEEE rounding per operation as written; ``enable_fp_fusion
 * backward: rotation by −θ ``(d_e·c + d_o·s, d_o·c − d_e·s)`` (contiguous: the forward rotation with
   ``s·(−1)``, the same values); ``g = dy·gain``, ``x̂ = x·rstd``,
   ``dx = (g − x̂·(Σ g·x̂ ⊘ d))·rstd``; ``d_gain = Σ_rows Σ_heads dy·x̂``: per token a ``tl.sum`` over heads,
-  tokens chained in the per-sample chunks of :mod:`.segments`, samples folded left in sample order.
+  tokens chained in the per-sample chunks of :mod:`.segments`, samples folded left in sample order. The
+  contiguous layout's ``"chunk_heads"`` backward (:func:`qk_bwd`, off by default) keeps dx and changes only
+  this tree: per (head, lane) the chunk's tokens chained, then one ``tl.sum`` over heads per chunk.
 
 Cast points. The unfused pair stores ``qk_rmsnorm``'s output in the storage dtype (its declared output)
 and RoPE reads it back; its backward stores RoPE's input gradient in the storage dtype and the norm's
@@ -88,6 +90,33 @@ def qk_layout(name: str) -> Iterator[None]:
         yield
     finally:
         _LAYOUT.reset(token)
+
+
+# How the contiguous layout's backward reduces d_gain (chosen with :func:`qk_bwd`; "pairs" has only the first):
+# "token_heads" (the default): per token a tl.sum over heads of dy·x̂, tokens chained in each chunk;
+# "chunk_heads": per (head, lane) the chunk's tokens chained, then ONE tl.sum over heads per chunk (no
+# cross-warp reduction per token), with rstd and the −θ tables prefetched alongside x and dy. dx is the same
+# formula with the same per-(token, head) tl.sum; d_gain has another fixed tree, hence other bytes: a
+# versioned change, off until the H200 qualifies it. An autograd node keeps the variant of its forward.
+QK_BWD_VARIANTS = ("token_heads", "chunk_heads")
+_BWD: contextvars.ContextVar[str] = contextvars.ContextVar("mmdit_qk_bwd", default="token_heads")
+
+
+def current_qk_bwd() -> str:
+    """The QK norm backward variant in force (the innermost :func:`qk_bwd`, else ``"token_heads"``)."""
+    return _BWD.get()
+
+
+@contextlib.contextmanager
+def qk_bwd(name: str) -> Iterator[None]:
+    """Run the QK norm backward of nodes created inside the block as variant ``name`` (:data:`QK_BWD_VARIANTS`)."""
+    if name not in QK_BWD_VARIANTS:
+        raise ValueError(f"qk backward variant must be one of {QK_BWD_VARIANTS}, got {name!r}")
+    token = _BWD.set(name)
+    try:
+        yield
+    finally:
+        _BWD.reset(token)
 
 
 def _opts(elems: int) -> dict:
@@ -361,6 +390,69 @@ def _qk_bwd_kernel(
         tl.store(part_ptr + c.to(tl.int64) * stride_part + offs_j, acc, mask=mask_j)
 
 
+@triton.jit
+def _bwd_token(x_ptr, dy_ptr, rstd_ptr, cos_ptr, sin_ptr, row, live, rope, H, D, stride_x, stride_dy, stride_cs,
+               offs, offs_h, mask_j, BLOCK_D: tl.constexpr):
+    """What :func:`_qk_bwd_chunk_kernel` reads for token ``row``: the x and dy tiles (storage dtype), rstd
+    (BH,) and the −θ tables (c, −s) as (1, BD/2) FP32; nothing is read (zeros) when not ``live``, and no
+    tables without ``rope``."""
+    h_live = tl.where(live, H, 0)
+    m = (offs_h < h_live)[:, None] & mask_j[None, :]
+    x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0)
+    d = tl.load(dy_ptr + row * stride_dy + offs, mask=m, other=0.0)
+    r = tl.load(rstd_ptr + row * H + offs_h, mask=offs_h < h_live, other=0.0)
+    c, s = _pair_tables(cos_ptr, sin_ptr, row, stride_cs, tl.where(live & (rope != 0), D // 2, 0), -1.0, BLOCK_D)
+    return x, d, r, c, s
+
+
+@triton.jit(do_not_specialize=["n_chunks", "rope", "need_gain"])
+def _qk_bwd_chunk_kernel(
+    x_ptr, gain_ptr, cos_ptr, sin_ptr, dy_ptr, rstd_ptr, table_ptr, dx_ptr, part_ptr,
+    n_chunks, H, D, d_float, stride_x, stride_dy, stride_dx, stride_cs, stride_part,
+    rope, need_gain,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """The ``"chunk_heads"`` backward: one chunk of tokens of one sample, tokens in order, everything a
+    token needs (x, dy, rstd, tables) read three tokens ahead. rope: dy rotated by −θ and rounded to the
+    storage dtype (the unfused pair's cast point); dx = (g − x̂·(Σ g·x̂ ⊘ d))·rstd per (token, head), as in
+    :func:`_qk_bwd_kernel`; need_gain: per (head, lane) acc = 0, acc = acc + dy·x̂ over the chunk's tokens
+    in order, then part[c] = tl.sum of acc over heads (one cross-warp reduction per chunk, none per token)."""
+    c = tl.program_id(0)
+    start = tl.load(table_ptr + c)
+    n = tl.load(table_ptr + n_chunks + c) - start
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_j = tl.arange(0, BLOCK_D)
+    mask_j = offs_j < D
+    mask = (offs_h < H)[:, None] & mask_j[None, :]
+    offs = offs_h[:, None] * D + offs_j[None, :]
+    g = tl.load(gain_ptr + offs_j, mask=mask_j, other=0.0).to(tl.float32)[None, :]
+    acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
+    first = start.to(tl.int64)
+    x0, d0, r0, c0, s0 = _bwd_token(x_ptr, dy_ptr, rstd_ptr, cos_ptr, sin_ptr, first, n > 0, rope, H, D,
+                                    stride_x, stride_dy, stride_cs, offs, offs_h, mask_j, BLOCK_D)
+    x1, d1, r1, c1, s1 = _bwd_token(x_ptr, dy_ptr, rstd_ptr, cos_ptr, sin_ptr, first + 1, n > 1, rope, H, D,
+                                    stride_x, stride_dy, stride_cs, offs, offs_h, mask_j, BLOCK_D)
+    x2, d2, r2, c2, s2 = _bwd_token(x_ptr, dy_ptr, rstd_ptr, cos_ptr, sin_ptr, first + 2, n > 2, rope, H, D,
+                                    stride_x, stride_dy, stride_cs, offs, offs_h, mask_j, BLOCK_D)
+    for i in range(n):
+        row = first + i
+        x3, d3, r3, c3, s3 = _bwd_token(x_ptr, dy_ptr, rstd_ptr, cos_ptr, sin_ptr, row + 3, i + 3 < n, rope, H, D,
+                                        stride_x, stride_dy, stride_cs, offs, offs_h, mask_j, BLOCK_D)
+        dy = d0.to(tl.float32)
+        if rope:
+            dy = _rotate_pairs(dy, c0, s0, BLOCK_H, BLOCK_D)
+            dy = dy.to(dx_ptr.dtype.element_ty).to(tl.float32)  # the unfused pair's cast point
+        dx, term = _rms_bwd(x0.to(tl.float32), dy, r0, g, d_float)
+        tl.store(dx_ptr + row * stride_dx + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if need_gain:
+            acc = acc + term
+        x0, d0, r0, c0, s0 = x1, d1, r1, c1, s1
+        x1, d1, r1, c1, s1 = x2, d2, r2, c2, s2
+        x2, d2, r2, c2, s2 = x3, d3, r3, c3, s3
+    if need_gain:
+        tl.store(part_ptr + c.to(tl.int64) * stride_part + offs_j, tl.sum(acc, axis=0), mask=mask_j)
+
+
 # ----------------------------------------------------------------------------------------------
 # Host functions
 # ----------------------------------------------------------------------------------------------
@@ -469,19 +561,30 @@ def qk_norm_fwd(x: torch.Tensor, gain: torch.Tensor, cos: torch.Tensor | None, s
     return y, rstd
 
 
+def _check_variant(layout: str, bwd: str) -> None:
+    if bwd not in QK_BWD_VARIANTS:
+        raise ValueError(f"qk backward variant must be one of {QK_BWD_VARIANTS}, got {bwd!r}")
+    if bwd != "token_heads" and layout != "contiguous":
+        raise ValueError(f"qk backward variant {bwd!r} exists only for the 'contiguous' layout, got layout {layout!r}")
+
+
 def qk_norm_bwd(dy: torch.Tensor, x: torch.Tensor, gain: torch.Tensor, rstd: torch.Tensor, cos: torch.Tensor | None,
                 sin: torch.Tensor | None, seqlens: tuple[int, ...], need_gain: bool,
-                layout: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Returns (dx (M, H, d), d_gain (d,) | None) in x's dtype."""
+                layout: str | None = None, bwd: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Returns (dx (M, H, d), d_gain (d,) | None) in x's dtype. ``layout`` / ``bwd`` default to the ones in
+    force (:func:`qk_layout`, :func:`qk_bwd`); ``"chunk_heads"`` needs the contiguous layout."""
     m, h, d = x.shape
+    layout, bwd = layout or _LAYOUT.get(), bwd or _BWD.get()
+    _check_variant(layout, bwd)
     dx = torch.empty_like(x)
     ch = seg.chunks(seqlens, x.device)
     part = torch.empty((ch.n, d), dtype=torch.float32, device=x.device) if need_gain else None
     rope = cos is not None
-    if m and (layout or _LAYOUT.get()) == "contiguous":
+    if m and layout == "contiguous":
         bh, bd = _contig_blocks(h, d)
         dummy = torch.empty(1, dtype=torch.float32, device=x.device)
-        _qk_bwd_kernel[(ch.n,)](
+        kernel = _qk_bwd_chunk_kernel if bwd == "chunk_heads" else _qk_bwd_kernel
+        kernel[(ch.n,)](
             _aligned(x), _aligned(gain), _f32(cos) if rope else dummy, _f32(sin) if rope else dummy, _aligned(dy), rstd, ch.table,
             dx, part if need_gain else dummy,
             ch.n, h, d, float(d), h * d, h * d, h * d, d // 2, d,
@@ -518,7 +621,8 @@ class QkNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, gain, cos, sin, seqlens, eps):  # type: ignore[override]
-        ctx.layout = _LAYOUT.get()
+        ctx.layout, ctx.bwd = _LAYOUT.get(), _BWD.get()
+        _check_variant(ctx.layout, ctx.bwd)  # here, not first in the backward
         y, rstd = qk_norm_fwd(x, gain, cos, sin, eps, store_rstd=True, layout=ctx.layout)
         ctx.save_for_backward(x, gain, rstd, cos, sin)
         ctx.seqlens = seqlens
@@ -527,7 +631,8 @@ class QkNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
         x, gain, rstd, cos, sin = ctx.saved_tensors
-        dx, dgain = qk_norm_bwd(dy.contiguous(), x, gain, rstd, cos, sin, ctx.seqlens, ctx.needs_input_grad[1], layout=ctx.layout)
+        dx, dgain = qk_norm_bwd(dy.contiguous(), x, gain, rstd, cos, sin, ctx.seqlens, ctx.needs_input_grad[1],
+                                 layout=ctx.layout, bwd=ctx.bwd)
         return dx, dgain, None, None, None, None
 
 
@@ -606,18 +711,47 @@ _CONFIG = {"programs": "one token per forward program; backward chunks of segmen
            "warps": "from pow2(H)·pow2(d) only", "fp_fusion": False,
            "flags": "norm / rope / rstd / d_gain are runtime arguments (do_not_specialize): one binary per dtype and head shape",
            "chunk_rows": seg.CHUNK_ROWS, "fold_tile": seg.FOLD_TILE,
-           "qk_layout": "contiguous (the earlier 'pairs' layout runs only inside rope.qk_layout('pairs'))"}
+           "qk_layout": "contiguous (the earlier 'pairs' layout runs only inside rope.qk_layout('pairs'))",
+           "qk_bwd": "token_heads (the 'chunk_heads' backward runs only inside rope.qk_bwd('chunk_heads'))"}
+_FOLD = (f"chunk partials summed {seg.FOLD_TILE} per tl.sum tile, tiles chained, samples folded left in order; FP32")
+_CHUNKS = f"in {seg.CHUNK_ROWS}-token chunks from the sample's first token"
+# (layout, backward variant) → the kernels that run and their trees (the registry identity of each variant)
+_QK_VARIANTS = {
+    ("contiguous", "token_heads"): (
+        "_qk_fwd_kernel/_qk_bwd_kernel/_segment_fold_kernel",
+        (f"per (token, head): tl.sum over the d lanes of x², div_rn/sqrt_rn; d_gain: tl.sum over heads per token, "
+         f"tokens chained {_CHUNKS}, {_FOLD}")),
+    ("contiguous", "chunk_heads"): (
+        "_qk_fwd_kernel/_qk_bwd_chunk_kernel/_segment_fold_kernel",
+        (f"per (token, head): tl.sum over the d lanes of x², div_rn/sqrt_rn; d_gain: per (head, lane) tokens chained "
+         f"{_CHUNKS}, then tl.sum over heads once per chunk, {_FOLD}")),
+    ("pairs", "token_heads"): (
+        "_qk_norm_fwd_kernel/_qk_norm_bwd_kernel/_segment_fold_kernel",
+        (f"per (token, head): x_e² + x_o² per pair, tl.sum over the d/2 pairs, div_rn/sqrt_rn; d_gain: even and odd "
+         f"lanes each a tl.sum over heads per token, tokens chained {_CHUNKS}, {_FOLD}")),
+}
+
+
+def _qk_variant() -> dict:
+    layout, bwd = _LAYOUT.get(), _BWD.get()
+    kernel, order = _QK_VARIANTS.get((layout, bwd), ("(invalid: refused at the call)", ""))
+    return {"variant": f"{layout}/{bwd}", "kernel": kernel, "reduction_order": order}
+
+
+def _rope_variant() -> dict:
+    layout = _LAYOUT.get()
+    return {"variant": layout, "kernel": "_qk_fwd_kernel" if layout == "contiguous" else "_rope_kernel"}
+
+
 register(KernelImpl(
     op="qk_rmsnorm", backend="triton", device="cuda", dtypes=_DT, fn=qk_rmsnorm, strict=True, split_k=False,
     fusions={"multi_axis_rope": qk_rmsnorm_rope},
-    kernel_name="_qk_fwd_kernel/_qk_bwd_kernel/_segment_fold_kernel", source=_SOURCE, config=dict(_CONFIG),
-    reduction_order=(f"per (token, head): tl.sum over the d lanes of x², div_rn/sqrt_rn; d_gain: tl.sum over heads per token, "
-                     f"tokens chained in {seg.CHUNK_ROWS}-token chunks from the sample's first token, chunk partials summed "
-                     f"{seg.FOLD_TILE} per tl.sum tile, tiles chained, samples folded left in order; FP32"),
-    accumulator="fp32",
+    kernel_name=_QK_VARIANTS["contiguous", "token_heads"][0], source=_SOURCE, config=dict(_CONFIG),
+    reduction_order=_QK_VARIANTS["contiguous", "token_heads"][1], accumulator="fp32", variant=_qk_variant,
 ))
 register(KernelImpl(
     op="multi_axis_rope", backend="triton", device="cuda", dtypes=_DT, fn=multi_axis_rope, strict=True, split_k=False,
     kernel_name="_qk_fwd_kernel", source=_SOURCE, config=dict(_CONFIG),
     reduction_order="none (two products and one add per element, FP32, one cast)", accumulator="fp32",
+    variant=_rope_variant,
 ))
