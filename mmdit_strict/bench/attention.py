@@ -1,7 +1,7 @@
 """Benchmark and qualification of the strict joint attention (Triton) on a CUDA GPU.
 
     python -m mmdit_strict.bench.attention --out DIR [--sections accuracy,invariance,speed,candidates]
-        [--repeats 100]
+        [--repeats 100] [--override-bf16 JSON] [--override-fp32 JSON]
 
 Writes ``DIR/attention_report.json`` and ``DIR/attention_report.md`` (rewritten after every section, so a
 run cut short still leaves what it measured):
@@ -27,12 +27,19 @@ run cut short still leaves what it measured):
   its own padded shape and the ratio is of TFLOP/s (for B = 1 it equals the time ratio);
 * candidate configurations (informational): overrides of the frozen configurations at 4096 + 128,
   B = 1, passed explicitly through the op's ``config`` argument (the frozen table is not touched); bytes
-  compared with the frozen configuration where only the load path differs.
+  compared with the frozen configuration where the tiles are the frozen ones (load paths, stages and
+  ``resident_loads`` only change how the same values reach the same arithmetic).
+
+``--override-bf16`` / ``--override-fp32`` (JSON objects, e.g. ``'{"resident_loads": "direct", "fwd_loads":
+"tma"}'``) qualify a candidate before it is frozen: the accuracy, invariance and speed sections then run
+the op with the frozen configuration of that dtype updated by the override (passed through ``config``),
+and the report records the override beside the configuration it produced.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 import traceback
@@ -56,14 +63,25 @@ NEIGHBOURS_FP32 = ((0, 1029), (256, 1500))
 REF_HEADS = 2  # accuracy is checked on heads 0..REF_HEADS-1 against the CPU FP64 reference
 # Candidate overrides of the frozen d=128 configurations (informational; see ``candidates``), as
 # (dtype, part, override). Earlier runs: 90d39bb (tiles and warps) and f02d17b (load paths, backward neighbours);
-# see experiments/attention/. This set: the TMA forward and its tile neighbours, TMA
-# loads in the backward, and fp32 forward tiles on 8 warps.
+# see experiments/attention/. This set (not yet run; experiments/attention/NOTES.md has the offline sm_90 compile
+# of each): resident tiles loaded directly ("resident_loads": "direct", which lets wgmma read Q/K/V/dO from shared
+# memory: dQ kernel 255 -> 210 registers without spills, dK/dV 304 -> 24 bytes of spill) alone and with the TMA
+# forward, its forward tile neighbours, TMA in the backward and the backward stage/tile neighbours that compile
+# without spills; the TMA forward of f02d17b for reference; fp32 forward tiles on 8 warps.
+_DIRECT = {"resident_loads": "direct"}
+_DIRECT_TMA = {"resident_loads": "direct", "fwd_loads": "tma"}
 CANDIDATES = (
+    ("bf16", "both", _DIRECT),
     ("bf16", "fwd", {"fwd_loads": "tma"}),
-    ("bf16", "fwd", {"fwd": (128, 64, 8, 4), "fwd_loads": "tma"}),
-    ("bf16", "fwd", {"fwd": (128, 128, 8, 3), "fwd_loads": "tma"}),
-    ("bf16", "bwd", {"bwd_loads": "tma"}),
-    ("bf16", "bwd", {"bwd_loads": "tma", "dq": (128, 32, 8, 4)}),
+    ("bf16", "fwd", _DIRECT_TMA),
+    ("bf16", "fwd", {**_DIRECT_TMA, "fwd": (128, 128, 8, 3)}),
+    ("bf16", "fwd", {**_DIRECT_TMA, "fwd": (128, 64, 8, 4)}),
+    ("bf16", "bwd", {**_DIRECT_TMA, "dkdv": (32, 128, 8, 3)}),
+    ("bf16", "bwd", {**_DIRECT_TMA, "bwd_loads": "tma"}),
+    ("bf16", "bwd", {**_DIRECT_TMA, "bwd_loads": "tma", "dkdv": (32, 128, 8, 3), "dq": (128, 64, 8, 4)}),
+    ("bf16", "bwd", {**_DIRECT_TMA, "dq": (128, 32, 8, 4)}),
+    ("bf16", "bwd", {**_DIRECT_TMA, "dkdv": (32, 128, 8, 2), "dq": (128, 64, 8, 2)}),
+    ("fp32", "both", _DIRECT),
     ("fp32", "fwd", {"fwd": (64, 32, 8, 2)}),
     ("fp32", "fwd", {"fwd": (64, 64, 8, 2)}),
 )
@@ -181,12 +199,19 @@ def _sdpa_batch(samples: Sequence[Sample], backend: str | None):
     return fwd, qkv, (lt, lt + li)
 
 
-def accuracy_case(A, ref_ops, dtype_name: str, nt: int, ni: int) -> dict:
-    """Kernel and SDPA vs the FP64 reference on one sample, heads 0..REF_HEADS-1."""
+def _op(A, config: dict | None):
+    """The op under test: the frozen configuration, or the one ``config`` names (passed through the op's ``config``)."""
+    if config is None:
+        return A.joint_attention_fused
+    return functools.partial(A.joint_attention_fused, config=config)
+
+
+def accuracy_case(A, ref_ops, dtype_name: str, nt: int, ni: int, config: dict | None = None) -> dict:
+    """Kernel and SDPA vs the FP64 reference on one sample, heads 0..REF_HEADS-1 (``config``: see :func:`_op`)."""
     dtype = DTYPES[dtype_name]
     s = make_sample(nt, ni, heads=HEADS, head_dim=HEAD_DIM, dtype=dtype, seed=11)
     g = make_grad(s, seed=12)
-    (o_t, o_i, *grads), = run_batch(A.joint_attention_fused, [s], [g])
+    (o_t, o_i, *grads), = run_batch(_op(A, config), [s], [g])
     ours = {"fwd": torch.cat([o_t, o_i]).view(nt + ni, HEADS, HEAD_DIM)[:, :REF_HEADS]}
     for name, gt, gi in (("dq", grads[0], grads[3]), ("dk", grads[1], grads[4]), ("dv", grads[2], grads[5])):
         ours[name] = torch.cat([gt, gi])[:, :REF_HEADS]
@@ -226,10 +251,10 @@ def accuracy_case(A, ref_ops, dtype_name: str, nt: int, ni: int) -> dict:
 # ----------------------------------------------------------------------------------------- invariance
 
 
-def invariance(A, dtype_name: str, batch_sizes: Sequence[int], repeats: int) -> dict:
-    """Byte counts: probe alone vs batched at every position; NaN neighbours; repeated backward."""
+def invariance(A, dtype_name: str, batch_sizes: Sequence[int], repeats: int, config: dict | None = None) -> dict:
+    """Byte counts: probe alone vs batched at every position; NaN neighbours; repeated backward (``config``: see :func:`_op`)."""
     dtype = DTYPES[dtype_name]
-    fn = A.joint_attention_fused
+    fn = _op(A, config)
     probe_spec, neighbour_specs = (PROBE, NEIGHBOURS) if dtype == torch.bfloat16 else (PROBE_FP32, NEIGHBOURS_FP32)
     if max(batch_sizes) - 1 > len(neighbour_specs):
         raise ValueError(f"{dtype_name}: {len(neighbour_specs)} neighbours cannot fill a batch of {max(batch_sizes)}")
@@ -316,7 +341,8 @@ def candidates(A) -> list[dict]:
     """Each override of :data:`CANDIDATES` on the frozen configuration of its dtype, at 4096 + 128, B = 1.
 
     Forward (backward) bytes are compared with the frozen configuration's where the override keeps the
-    forward (backward) tiles: another load path reads the same values, so the bytes must not move.
+    forward (backward) tiles and warps: another load path, ``resident_loads`` or stage count reads the same
+    values into the same arithmetic, so the bytes must not move.
     """
     rows = []
     frozen = {}
@@ -337,9 +363,9 @@ def candidates(A) -> list[dict]:
             r = speed_case(A, dtype_name, IMAGES[0], TEXTS[1], cfg, sdpa=False)
             row = {"dtype": dtype_name, "part": part, "config": label, "fwd_tflops": r["ours_fwd"]["tflops"],
                    "fwd_ms": r["ours_fwd"]["ms"], "bwd_tflops": r["ours_bwd"]["tflops"], "bwd_ms": r["ours_bwd"]["ms"]}
-            if cfg["fwd"] == base["fwd"]:
+            if tuple(cfg["fwd"][:3]) == tuple(base["fwd"][:3]):  # same tiles and warps (stages move no arithmetic)
                 row["fwd_bytes_equal_frozen"] = _same_bytes(A.attention_fwd(*packed, tseq, iseq, cfg), fwd_ref)
-            if cfg["dkdv"] == base["dkdv"] and cfg["dq"] == base["dq"]:
+            if tuple(cfg["dkdv"][:3]) == tuple(base["dkdv"][:3]) and tuple(cfg["dq"][:3]) == tuple(base["dq"][:3]):
                 g = A.attention_bwd(do_t, do_i, *packed, *fwd_ref, tseq, iseq, cfg)
                 row["bwd_bytes_equal_frozen"] = _same_bytes(g, bwd_ref)
             rows.append(row)
@@ -356,6 +382,8 @@ def _markdown(rep: dict) -> str:
     lines = ["# Strict joint attention — H200 qualification", "",
              environment_line(env), "",
              f"Configuration (bf16, d=128): `{rep.get('config_bf16')}`; fp32: `{rep.get('config_fp32')}`", ""]
+    if rep.get("overrides"):
+        lines += [f"**Candidate under qualification** (frozen configuration updated by): `{rep['overrides']}`", ""]
     if "speed" in rep:
         lines += ["## Speed (24 heads × 128; SDPA = cuDNN backend for bf16, same run)", "",
                   "| dtype | B | image | texts | fwd ms | fwd TFLOP/s | SDPA fwd TFLOP/s | fwd ratio | bwd ms | bwd TFLOP/s | SDPA bwd TFLOP/s | bwd ratio |",
@@ -415,12 +443,27 @@ def _write(out: Path, rep: dict) -> None:
     (out / "attention_report.md").write_text(_markdown(rep))
 
 
+def _parse_override(text: str | None, flag: str) -> dict:
+    """A configuration override from the command line: a JSON object; lists become the config's tuples."""
+    if not text:
+        return {}
+    try:
+        items = json.loads(text).items()
+    except (json.JSONDecodeError, AttributeError):
+        raise ValueError(f"{flag}: expected a JSON object, got {text!r}") from None
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in items}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="experiments/local")
     p.add_argument("--sections", default="accuracy,invariance,speed,candidates")
     p.add_argument("--repeats", type=int, default=100)
+    p.add_argument("--override-bf16", default=None, help="JSON object: qualify the frozen bf16 d=128 configuration updated by it")
+    p.add_argument("--override-fp32", default=None, help="JSON object: the same for fp32")
     args = p.parse_args(argv)
+    overrides = {"bf16": _parse_override(args.override_bf16, "--override-bf16"),
+                 "fp32": _parse_override(args.override_fp32, "--override-fp32")}
     if not torch.cuda.is_available():
         raise ValueError("the attention bench needs a CUDA GPU")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -429,8 +472,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mmdit_strict.reference import ops as ref_ops
 
     out = Path(args.out)
-    rep: dict = {"env": _env(), "config_bf16": A.config_for(HEAD_DIM, torch.bfloat16),
-                 "config_fp32": A.config_for(HEAD_DIM, torch.float32)}
+    configs = {dt: ({**A.config_for(HEAD_DIM, DTYPES[dt]), **overrides[dt]} if overrides[dt] else None) for dt in DTYPES}
+    rep: dict = {"env": _env(), "config_bf16": configs["bf16"] or A.config_for(HEAD_DIM, torch.bfloat16),
+                 "config_fp32": configs["fp32"] or A.config_for(HEAD_DIM, torch.float32),
+                 "overrides": {dt: o for dt, o in overrides.items() if o}}
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     failed = False
     for section in sections:
@@ -440,7 +485,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cases = [("bf16", ni, TEXTS[B]) for ni in IMAGES for B in (1, 2, 8)] + [("fp32", IMAGES[0], TEXTS[1])]
             for dt, ni, texts in cases:
                 try:
-                    rep["speed"].append(speed_case(A, dt, ni, texts))
+                    rep["speed"].append(speed_case(A, dt, ni, texts, configs[dt]))
                 except Exception as exc:
                     rep["speed"].append({"dtype": dt, "B": len(texts), "image": ni, "error": repr(exc)[:500],
                                          "trace": traceback.format_exc()[-2000:]})
@@ -450,7 +495,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for dt in ("bf16", "fp32"):
                 for nt, ni in ((128, 4096), (77, 6889)):
                     try:
-                        r = accuracy_case(A, ref_ops, dt, nt, ni)
+                        r = accuracy_case(A, ref_ops, dt, nt, ni, configs[dt])
                         failed |= not r["pass"]
                     except Exception as exc:
                         r = {"dtype": dt, "error": repr(exc)[:500], "trace": traceback.format_exc()[-2000:]}
@@ -460,7 +505,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             rep["invariance"] = []
             for dt, sizes, repeats in (("bf16", (2, 3, 8), args.repeats), ("fp32", (2, 3), 3)):
                 try:
-                    r = invariance(A, dt, sizes, repeats)
+                    r = invariance(A, dt, sizes, repeats, configs[dt])
                     failed |= not r["pass"]
                 except Exception as exc:
                     r = {"dtype": dt, "error": repr(exc)[:500], "trace": traceback.format_exc()[-2000:]}

@@ -183,6 +183,23 @@ def test_bad_load_option() -> None:
         A.attention_fwd(*packed, tseq, iseq, {**A.config_for(D, torch.float32), "resident_loads": "registers"})
 
 
+def test_bench_candidates_name_known_options() -> None:
+    """Every candidate override of the GPU bench names configuration keys and values the launcher accepts."""
+    tiles = {"fwd", "dkdv", "dq"}
+    for dtype, part, override in bench.CANDIDATES:
+        assert dtype in bench.DTYPES and part in ("fwd", "bwd", "both"), (dtype, part)
+        assert set(override) <= tiles | {"delta", "fwd_loads", "bwd_loads", "resident_loads"}, override
+        for key in ("fwd_loads", "bwd_loads"):
+            assert override.get(key, "pointer") in A._LOADS, override
+        assert override.get("resident_loads", "select") in A._RESIDENT, override
+        for key in tiles & set(override):
+            assert len(override[key]) == 4 and all(isinstance(x, int) and x > 0 for x in override[key]), override
+    assert bench._parse_override('{"resident_loads": "direct", "dkdv": [32, 128, 8, 3]}', "--override-bf16") == {
+        "resident_loads": "direct", "dkdv": (32, 128, 8, 3)}
+    with pytest.raises(ValueError, match="JSON object"):
+        bench._parse_override("[32, 128]", "--override-bf16")
+
+
 @interp
 def test_repeated_backward_is_byte_equal() -> None:
     batch = [_sample(6, 17, 40), _sample(0, 21, 41)]
