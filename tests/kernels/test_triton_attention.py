@@ -188,6 +188,7 @@ def test_bench_candidates_name_known_options() -> None:
     tiles = {"fwd", "dkdv", "dq"}
     for dtype, part, override in bench.CANDIDATES:
         assert dtype in bench.DTYPES and part in ("fwd", "bwd", "both"), (dtype, part)
+        assert isinstance(override, dict), override
         assert set(override) <= tiles | {"delta", "fwd_loads", "bwd_loads", "resident_loads"}, override
         for key in ("fwd_loads", "bwd_loads"):
             assert override.get(key, "pointer") in A._LOADS, override
