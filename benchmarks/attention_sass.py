@@ -44,6 +44,27 @@ def _counts(sass: str) -> dict[str, int]:
     return {name: ops[name] for name in COUNTED}
 
 
+def _loop_bodies(sass: str) -> list[list[str]]:
+    """Opcode lists of the innermost loops: instructions from a backward branch's target to the branch.
+
+    Loops under 100 instructions (table walks, descriptor set-up) and over 1500 (a loop around whole
+    inner loops) are left out: what remains are the per-tile bodies (each segment's full-tile loop).
+    """
+    ins = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    index = {a: i for i, (a, _, _) in enumerate(ins)}
+    bodies = []
+    for i, (a, op, rest) in enumerate(ins):
+        t = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        j = index.get(int(t.group(1), 16)) if t and int(t.group(1), 16) < a else None
+        if j is not None and 100 <= i - j <= 1500:
+            bodies.append([o for _, o, _ in ins[j:i + 1]])
+    return bodies
+
+
 def _compile_all(A, torch, triton_dir: Path, override: dict, sass_dir: Path | None, tag: str) -> list[dict]:
     """Run attention_fwd/attention_bwd with every kernel launch replaced by an sm_90 compile; one row per kernel."""
     from triton.backends.compiler import GPUTarget
@@ -77,8 +98,11 @@ def _compile_all(A, torch, triton_dir: Path, override: dict, sass_dir: Path | No
                     sass_dir.mkdir(parents=True, exist_ok=True)
                     (sass_dir / f"{tag}.{self.name}.sass").write_text(sass)
                 tiles = tuple(kwargs.get(k) for k in ("BLOCK_M", "BLOCK_N") if k in kwargs)
+                loops = _loop_bodies(sass)
+                body = max(loops, key=len) if loops else []
                 rows.append({"config": tag, "kernel": self.name, "tiles": tiles, "regs": int(usage.get("REG", -1)),
-                             "stack": int(usage.get("STACK", -1)), **_counts(sass)})
+                             "stack": int(usage.get("STACK", -1)), **_counts(sass),
+                             "loop": {"instructions": len(body), **_counts("\n".join(f"  /*0000*/ {o} ;" for o in body))}})
 
             return launch
 
@@ -129,12 +153,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Triton {triton.__version__} from {triton_dir}, sm_90; bf16 d=128, 24 heads, 77 + 6889 tokens")
     print("| config | kernel | (BM, BN) | regs | stack B | " + " | ".join(COUNTED) + " |")
     print("|---|---|---|---|---|" + "---|" * len(COUNTED))
-    for tag, override in overrides:
+    rows = []
+    for n, (tag, override) in enumerate(overrides):
         label = "frozen" if not override else json.dumps(json.loads(tag), separators=(",", ":"))
-        for r in _compile_all(A, torch, triton_dir, override, Path(args.sass_dir) if args.sass_dir else None,
-                              f"cfg{overrides.index((tag, override))}"):
+        for r in _compile_all(A, torch, triton_dir, override, Path(args.sass_dir) if args.sass_dir else None, f"cfg{n}"):
+            rows.append((label, r))
             print(f"| {label} | {r['kernel']} | {r['tiles']} | {r['regs']} | {r['stack']} | "
                   + " | ".join(str(r[c]) for c in COUNTED) + " |")
+    print("\nOne iteration of the longest per-tile loop (the image segment's full tiles):\n")
+    print("| config | kernel | instructions | " + " | ".join(COUNTED) + " |")
+    print("|---|---|---|" + "---|" * len(COUNTED))
+    for label, r in rows:
+        if r["loop"]["instructions"]:
+            print(f"| {label} | {r['kernel']} | {r['loop']['instructions']} | " + " | ".join(str(r["loop"][c]) for c in COUNTED) + " |")
     return 0
 
 
