@@ -16,16 +16,24 @@
   device-to-device copy bandwidth measured in the same run at the same size; our forward+backward
   against the eager PyTorch composition it replaces (``kernels/production.py``), both graph-replayed;
 * the environment: GPU, driver, torch, Triton, CUDA, git commit.
+
+``--variants default,chunk_heads,two_rows`` runs the speed / accuracy / invariance sections again for the
+kernel variants that are off by default (:data:`VARIANTS`: the QK norm ``"chunk_heads"`` backward, the
+``"two_rows"`` LayerNorm), each for the operators whose kernels it changes, timed right after the default
+row of the same case; the ``variant_bytes`` section compares each variant's forward and gradients with the
+default's raw bytes on one batch (every tensor must be equal except those :data:`VARIANTS` expects to
+change: the ``"chunk_heads"`` gain gradient, another summation tree).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -40,6 +48,40 @@ BATCHES = (2, 3, 8, 64)
 PADS = (0, 1, 7, 64, 256)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DEVICE = "cuda"  # a CPU dry run of the accuracy / invariance logic (interpreter, fp32, small widths) swaps in "cpu"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A kernel variant the bench runs beside the default (off by default in the library).
+
+    ``qk_bwd`` / ``ln``: the settings of ``rope.qk_bwd`` and ``norms.ln_variant``; ``ops``: the operators
+    whose kernels it changes (``None``: all); ``may_differ``: the tensors whose bytes it is expected to
+    change ("d_shared0": the first shared input's gradient, e.g. the QK gain)."""
+
+    qk_bwd: str = "token_heads"
+    ln: str = "one_row"
+    ops: tuple[str, ...] | None = None
+    may_differ: tuple[str, ...] = ()
+
+
+VARIANTS = {
+    "default": Variant(),
+    "chunk_heads": Variant(qk_bwd="chunk_heads", ops=("qk_rmsnorm", "qk_rmsnorm_rope (fused)"), may_differ=("d_shared0",)),
+    "two_rows": Variant(ln="two_rows", ops=("adaln_modulation", "final_adaln_out")),
+}
+
+
+@contextlib.contextmanager
+def variant(name: str) -> Iterator[Variant]:
+    """Run the row operators inside the block as kernel variant ``name`` of :data:`VARIANTS`."""
+    from mmdit_strict.kernels.triton import norms as N
+    from mmdit_strict.kernels.triton import rope as R
+
+    if name not in VARIANTS:
+        raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {name!r}")
+    v = VARIANTS[name]
+    with R.qk_bwd(v.qk_bwd), N.ln_variant(v.ln):
+        yield v
 
 
 def row_tolerance(check: str, dtype: torch.dtype | str, ref: torch.Tensor) -> Tolerance:
@@ -330,6 +372,33 @@ def invariance_case(spec: Spec, dname: str, probe_rows: int, hi: int, seed: int)
             "pass": checked == equal, "failures": failures}
 
 
+def variant_bytes_case(spec: Spec, dname: str, name: str, seed: int) -> dict:
+    """One batch (a 4096-row sample, an empty one, then 77, 1 and 17 rows; text streams 256, 0, 77, 1, 17)
+    through the default kernels and through variant ``name``: forward and every gradient, ``torch.equal``.
+    Tensors the variant may change (:attr:`Variant.may_differ`) are reported, not required equal."""
+    dt = DTYPES[dname]
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    lens = ((256,) if spec.stream == "text" else (4096,)) + (0, 77, 1, 17)
+    samples = [spec.sample(n, g, dt) for n in lens]
+    shared = spec.shared(g, dt)
+    gy = _randn((sum(lens),) + spec_out_shape(spec, samples[0], shared), g, dt)
+    with variant("default"):
+        _, out0, gs0, gsh0 = _run(spec, spec.fn, samples, shared, gy)
+    with variant(name) as v:
+        _, out1, gs1, gsh1 = _run(spec, spec.fn, samples, shared, gy)
+    names = (["out"] + [f"d_in{k}" for k, t in enumerate(gs0) if t is not None]
+             + [f"d_shared{k}" for k, t in enumerate(gsh0) if t is not None])
+    want = [out0] + [t for t in gs0 + gsh0 if t is not None]
+    got = [out1] + [t for t in gs1 + gsh1 if t is not None]
+    tensors = []
+    for tname, a, b in zip(names, got, want):
+        eq = a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        diff = float((a.double() - b.double()).abs().max()) if a.shape == b.shape and a.numel() else 0.0
+        tensors.append({"tensor": tname, "equal": bool(eq), "max_abs_diff": diff, "may_differ": tname in v.may_differ})
+    return {"op": spec.name, "dtype": dname, "variant": name, "seqlens": list(lens), "tensors": tensors,
+            "pass": all(t["equal"] or t["may_differ"] for t in tensors)}
+
+
 # ----------------------------------------------------------------------------------------------
 # speed
 # ----------------------------------------------------------------------------------------------
@@ -488,10 +557,16 @@ def _f(v, spec=".3e"):
     return format(v, spec) if isinstance(v, (int, float)) else "—"
 
 
+def _label(row: dict) -> str:
+    """The op column: the operator, with its kernel variant when not the default."""
+    v = row.get("variant", "default")
+    return row["op"] if v == "default" else f"{row['op']} [{v}]"
+
+
 def render(report: dict) -> str:
     e = report["env"]
     lines = ["# Strict row operators — GPU qualification report", "",
-             environment_line(e, f"QK layout {e.get('qk_layout', 'pairs')}"), ""]
+             environment_line(e, f"QK layout {e.get('qk_layout', 'pairs')}; kernel variants {', '.join(e.get('variants', ['default']))}"), ""]
     acc = report.get("accuracy", [])
     if acc:
         n = sum(a["pass"] for a in acc)
@@ -500,7 +575,7 @@ def render(report: dict) -> str:
                   "`torch` = the production PyTorch op in the same dtype, for comparison.", "",
                   "| op | dtype | rows | tensor | max abs | max\\|ref\\| | rel-fro | torch max abs | pass |", "|---|---|---|---|---|---|---|---|---|"]
         for a in acc:
-            lines.append(f"| {a['op']} | {a['dtype']} | {a['rows']} | {a['tensor']} | {_f(a['max_abs'])} | {_f(a['max_ref'])} | "
+            lines.append(f"| {_label(a)} | {a['dtype']} | {a['rows']} | {a['tensor']} | {_f(a['max_abs'])} | {_f(a['max_ref'])} | "
                          f"{_f(a['rel_fro'], '.2e')} | {_f(a.get('torch_max_abs'))} | {'PASS' if a['pass'] else 'FAIL'} |")
         lines.append("")
     inv = report.get("invariance", [])
@@ -514,7 +589,7 @@ def render(report: dict) -> str:
                   "| op | dtype | probe rows | companion rows | equal / checked | failures |", "|---|---|---|---|---|---|"]
         for a in inv:
             lo_hi = a.get("companion_rows", ["?", "?"])
-            lines.append(f"| {a['op']} | {a['dtype']} | {a['probe_rows']} | {lo_hi[0]}..{lo_hi[1]} | {a['equal']}/{a['checked']} | "
+            lines.append(f"| {_label(a)} | {a['dtype']} | {a['probe_rows']} | {lo_hi[0]}..{lo_hi[1]} | {a['equal']}/{a['checked']} | "
                          f"{', '.join(a['failures'][:3])} |")
         lines.append("")
     sp = report.get("speed", [])
@@ -531,11 +606,24 @@ def render(report: dict) -> str:
                 if f"{kind}_gbps" not in s:
                     return "—"
                 return f"{s[kind + '_gbps']:.0f} ({s[kind + '_copy_gbps']:.0f}, {s[kind + '_fraction']:.2f})"
-            lines.append(f"| {s['op']} | {s['dtype']} | {s['rows']} | {_f(s.get('fwd_ms'), '.4f')} | {bw('fwd')} | {_f(s.get('bwd_ms'), '.4f')} | "
+            lines.append(f"| {_label(s)} | {s['dtype']} | {s['rows']} | {_f(s.get('fwd_ms'), '.4f')} | {bw('fwd')} | {_f(s.get('bwd_ms'), '.4f')} | "
                          f"{bw('bwd')} | {_f(s.get('torch_fwd_ms'), '.4f')} | {_f(s.get('fwd_speedup_vs_torch'), '.2f')} | "
                          f"{_f(s.get('fwd_bwd_ms'), '.4f')} | {_f(s.get('torch_fwd_bwd_ms'), '.4f')} | {_f(s.get('fwd_bwd_speedup_vs_torch'), '.2f')} | "
                          f"{_f(s.get('fwd_plain_ms'), '.4f')} ({_f(s.get('torch_fwd_plain_ms'), '.4f')}), "
                          f"{_f(s.get('fwd_bwd_plain_ms'), '.4f')} ({_f(s.get('torch_fwd_bwd_plain_ms'), '.4f')}) |")
+        lines.append("")
+    vb = report.get("variant_bytes", [])
+    if vb:
+        n = sum(v["pass"] for v in vb)
+        lines += [f"## Kernel variants vs the default's bytes ({n}/{len(vb)} pass)", "",
+                  "One batch through the default kernels and through the variant: forward and every gradient, `torch.equal`; "
+                  "tensors marked * are expected to change (another summation tree) and are not required equal.", "",
+                  "| op | dtype | variant | seqlens | tensors equal | differing (max abs diff) | pass |", "|---|---|---|---|---|---|---|"]
+        for v in vb:
+            eq = [t["tensor"] for t in v["tensors"] if t["equal"]]
+            ne = [f"{t['tensor']}{'*' if t['may_differ'] else ''} ({t['max_abs_diff']:.2e})" for t in v["tensors"] if not t["equal"]]
+            lines.append(f"| {v['op']} | {v['dtype']} | {v['variant']} | {v['seqlens']} | {', '.join(eq) or '—'} | "
+                         f"{', '.join(ne) or '—'} | {'PASS' if v['pass'] else 'FAIL'} |")
         lines.append("")
     mt = report.get("model_trace")
     if mt:
@@ -552,13 +640,19 @@ def render(report: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--sections", default="speed,accuracy,invariance,model",
-                    help="comma list of speed, accuracy, invariance, model (the qwen-image architecture's fallbacks in runtime=auto)")
+    ap.add_argument("--sections", default="speed,accuracy,invariance,variant_bytes,model",
+                    help="comma list of speed, accuracy, invariance, variant_bytes (each --variants entry vs the default's bytes), "
+                         "model (the qwen-image architecture's fallbacks in runtime=auto)")
     ap.add_argument("--ops", default=None, help="comma list of operator names (default: all)")
     ap.add_argument("--budget-s", type=float, default=300.0, help="skip remaining cases past this wall time")
     ap.add_argument("--qk-layout", default="contiguous", choices=("pairs", "contiguous"),
                     help="how the QK norm / RoPE kernels hold a head (rope.QK_LAYOUTS; contiguous is the default)")
+    ap.add_argument("--variants", default="default",
+                    help=f"comma list of kernel variants to run, each beside the default for the operators it changes: {', '.join(VARIANTS)}")
     args = ap.parse_args(argv)
+    bad = [n for n in args.variants.split(",") if n not in VARIANTS]
+    if bad or "default" not in args.variants.split(","):
+        ap.error(f"--variants: expected a comma list of {', '.join(VARIANTS)} including default, got {args.variants!r}")
     from mmdit_strict.kernels.triton import rope as R
 
     with R.qk_layout(args.qk_layout):
@@ -575,7 +669,8 @@ def _main(args: argparse.Namespace) -> int:
     t0 = time.time()
     specs = [s for s in _specs() if args.ops is None or s.name in args.ops.split(",")]
     sections = args.sections.split(",")
-    report: dict[str, Any] = {"env": {**_env(), "qk_layout": args.qk_layout}, "accuracy": [], "invariance": [], "speed": [], "errors": []}
+    report: dict[str, Any] = {"env": {**_env(), "qk_layout": args.qk_layout, "variants": args.variants.split(",")},
+                              "accuracy": [], "invariance": [], "speed": [], "variant_bytes": [], "errors": []}
 
     def guarded(what: str, fn: Callable[[], Any]) -> Any:
         if time.time() - t0 > args.budget_s:
@@ -587,28 +682,47 @@ def _main(args: argparse.Namespace) -> int:
             report["errors"].append(f"{what}: {type(exc).__name__}: {exc}")
             return None
 
+    names = args.variants.split(",")
+
+    def variants_of(spec: Spec) -> list[str]:
+        """The requested variants that change ``spec``'s kernels (the default always), default first."""
+        return [n for n in names if n == "default" or (VARIANTS[n].ops is None or spec.name in VARIANTS[n].ops)]
+
+    def in_variant(name: str, what: str, fn: Callable[[], Any]) -> Any:
+        with variant(name):
+            r = guarded(what if name == "default" else f"{what} [{name}]", fn)
+        for row in r if isinstance(r, list) else [r] if r else []:
+            row["variant"] = name
+        return r
+
     if "speed" in sections:
         for spec in specs:
             for dname in DTYPES:
                 for rows in ((256,) if spec.stream == "text" else (4096, 6889) if dname == "bf16" else (4096,)):
-                    r = guarded(f"speed {spec.name} {dname} {rows}", lambda: speed_case(spec, dname, rows, 30))
-                    if r:
-                        report["speed"].append(r)
+                    for name in variants_of(spec):  # each variant timed right after the default of the same case
+                        r = in_variant(name, f"speed {spec.name} {dname} {rows}", lambda: speed_case(spec, dname, rows, 30))
+                        if r:
+                            report["speed"].append(r)
     for spec in specs:
         for dname in DTYPES:
-            if "accuracy" in sections:
-                for i, (img, txt) in enumerate(IMAGE_TEXT):
-                    for stream, rows in (("image", img), ("text", txt)):
-                        if spec.stream not in (stream, "both"):
-                            continue
-                        r = guarded(f"accuracy {spec.name} {dname} {rows}", lambda: accuracy_case(spec, dname, rows, 10 + i))
-                        report["accuracy"] += r or []
-            if "invariance" in sections:
-                probe, hi = (77, 256) if spec.stream == "text" else (4096, 1024)
-                r = guarded(f"invariance {spec.name} {dname}", lambda: invariance_case(spec, dname, probe, hi, 20))
-                if r:
-                    report["invariance"].append(r)
-            torch.cuda.empty_cache()
+            for name in variants_of(spec):
+                if "accuracy" in sections:
+                    for i, (img, txt) in enumerate(IMAGE_TEXT):
+                        for stream, rows in (("image", img), ("text", txt)):
+                            if spec.stream not in (stream, "both"):
+                                continue
+                            r = in_variant(name, f"accuracy {spec.name} {dname} {rows}", lambda: accuracy_case(spec, dname, rows, 10 + i))
+                            report["accuracy"] += r or []
+                if "invariance" in sections:
+                    probe, hi = (77, 256) if spec.stream == "text" else (4096, 1024)
+                    r = in_variant(name, f"invariance {spec.name} {dname}", lambda: invariance_case(spec, dname, probe, hi, 20))
+                    if r:
+                        report["invariance"].append(r)
+                if "variant_bytes" in sections and name != "default":
+                    r = guarded(f"variant_bytes {spec.name} {dname} [{name}]", lambda: variant_bytes_case(spec, dname, name, 40))
+                    if r:
+                        report["variant_bytes"].append(r)
+                torch.cuda.empty_cache()
     if "model" in sections:
         mt = guarded("model trace", model_trace_case)
         if mt:
@@ -616,7 +730,8 @@ def _main(args: argparse.Namespace) -> int:
     report["wall_s"] = time.time() - t0
     (out_dir / "norms.json").write_text(json.dumps(report, indent=1))
     (out_dir / "norms.md").write_text(render(report))
-    ok = all(a["pass"] for a in report["accuracy"]) and all(a["pass"] for a in report["invariance"]) and not report["errors"]
+    ok = (all(a["pass"] for a in report["accuracy"] + report["invariance"] + report["variant_bytes"])
+          and not report["errors"])
     return 0 if ok else 1
 
 

@@ -22,3 +22,33 @@ def test_norms_report_renders_all_sections() -> None:
     assert "(1/1 pass)" in md and "(9/10 tensors equal)" in md and "| 1..1024 | 9/10 |" in md
     assert "2500 (3000, 0.83)" in md and "| 2.50 |" in md
     assert "forward fallbacks: none" in md and "joint_attention_fused -> torch" in md and "- speed x: skipped" in md
+
+
+def test_norms_report_renders_variants() -> None:
+    """Rows of a non-default kernel variant are labelled, and the variant-bytes table says what differed."""
+    report = {
+        "env": {"variants": ["default", "chunk_heads"]},
+        "accuracy": [], "invariance": [],
+        "speed": [{"op": "qk_rmsnorm", "dtype": "bf16", "rows": 4096, "bwd_ms": 0.05, "variant": "default"},
+                  {"op": "qk_rmsnorm", "dtype": "bf16", "rows": 4096, "bwd_ms": 0.03, "variant": "chunk_heads"}],
+        "variant_bytes": [{"op": "qk_rmsnorm", "dtype": "fp32", "variant": "chunk_heads", "seqlens": [4096, 0], "pass": True,
+                           "tensors": [{"tensor": "out", "equal": True, "max_abs_diff": 0.0, "may_differ": False},
+                                       {"tensor": "d_shared0", "equal": False, "max_abs_diff": 3e-5, "may_differ": True}]}],
+        "errors": [], "wall_s": 1.0,
+    }
+    md = norms.render(report)
+    assert "| qk_rmsnorm | bf16 | 4096 |" in md and "| qk_rmsnorm [chunk_heads] | bf16 | 4096 |" in md
+    assert "kernel variants default, chunk_heads" in md and "(1/1 pass)" in md and "d_shared0* (3.00e-05)" in md
+
+
+def test_norms_variants_name_the_library_settings() -> None:
+    """Every bench variant names settings the kernel modules accept, and the default is the library's default."""
+    from mmdit_strict.kernels.triton import norms as N
+    from mmdit_strict.kernels.triton import rope as R
+
+    assert norms.VARIANTS["default"] == norms.Variant()
+    for name, v in norms.VARIANTS.items():
+        assert v.qk_bwd in R.QK_BWD_VARIANTS and v.ln in N.LN_VARIANTS, name
+        with norms.variant(name):
+            assert (R.current_qk_bwd(), N.current_ln_variant()) == (v.qk_bwd, v.ln)
+    assert (R.current_qk_bwd(), N.current_ln_variant()) == (R.QK_BWD_VARIANTS[0], N.LN_VARIANTS[0])
