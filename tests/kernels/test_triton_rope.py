@@ -7,10 +7,12 @@ and fp32. Accuracy bounds: ``tolerances.yaml`` ``row_ops.*``. Byte claims: tests
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
-from tests.kernels.triton_rows import INTERPRET, R  # noqa: I001  (interpreter mode: tests/conftest.py)
+from tests.kernels.triton_rows import INTERPRET, N, R  # noqa: I001  (interpreter mode: tests/conftest.py)
 
 from mmdit_strict.kernels import production as P  # noqa: E402
 from mmdit_strict.model.rope import rope_tables  # noqa: E402
@@ -386,6 +388,28 @@ def test_bwd_variant_identity_and_trace():
     assert sorted(r.kernel["variant"] for r in trace.records.values()) == ["contiguous/chunk_heads", "contiguous/token_heads"]
     again = OperatorTrace.from_records(trace.record_dicts())
     assert set(again.records) == set(trace.records)
+
+
+def test_kernel_variants_are_documented():
+    """docs/operators.md names every selectable variant of the row operators with its kernels."""
+    from pathlib import Path
+
+    from mmdit_strict.kernels.registry import implementations
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "operators.md").read_text()
+    settings = [lambda b=b: (R.qk_layout("contiguous"), R.qk_bwd(b)) for b in R.QK_BWD_VARIANTS]
+    settings += [lambda v=v: (N.ln_variant(v),) for v in N.LN_VARIANTS]
+    for make in settings:
+        for impl in implementations():
+            if impl.backend != "triton" or impl.variant is None:
+                continue
+            with contextlib.ExitStack() as stack:
+                for c in make():
+                    stack.enter_context(c)
+                ident = impl.identity()
+            assert ident["variant"] in doc, ident["variant"]
+            for kernel in ident["kernel"].split(" + ")[-1].split("/"):
+                assert kernel in doc, (ident["variant"], kernel)
 
 
 # ------------------------------------------------------------------------------------------------
