@@ -293,7 +293,8 @@ def test_registered_for_cuda_strict_fp32_and_bf16():
 
 def check_variant_dx_equals_default(h, d, seq, target, bwd):
     """The variant's forward and dx are the default backward's bytes (norm alone, unfused pair, fused);
-    its d_gain (another fixed tree) is checked against FP64 by the accuracy test instead."""
+    its d_gain (another fixed tree) is checked against FP64 by the accuracy test instead, except with one
+    head (txt_in's RMSNorm), where the sum over heads is the single head and both trees are the token chain."""
     gen = generator(25)
     m = sum(seq)
     x, gain = randn(m, h, d, gen=gen, target=target), _gain(d, gen).to(target.device, target.dtype)
@@ -303,12 +304,14 @@ def check_variant_dx_equals_default(h, d, seq, target, bwd):
            "unfused": lambda a, g: R.multi_axis_rope(R.qk_rmsnorm(a, g, seqlens=seq, eps=EPS), cos, sin),
            "fused": lambda a, g: R.qk_rmsnorm_rope(a, g, cos, sin, seqlens=seq, eps=EPS)}
     for name, op in ops.items():
-        want_y, (want_dx, _) = run_with_grads(op, [x, gain], gy)
+        want_y, (want_dx, want_dg) = run_with_grads(op, [x, gain], gy)
         with R.qk_bwd(bwd):
             got_y, (got_dx, got_dg) = run_with_grads(op, [x, gain], gy)
         assert_bytes_equal(got_y, want_y, f"{bwd} {name} forward vs token_heads {target.label}")
         assert_bytes_equal(got_dx, want_dx, f"{bwd} {name} dx vs token_heads {target.label}")
         assert got_dg is not None and bool(torch.isfinite(got_dg).all())
+        if h == 1:
+            assert_bytes_equal(got_dg, want_dg, f"{bwd} {name} one-head d_gain vs token_heads {target.label}")
 
 
 VARIANTS = R.QK_BWD_VARIANTS[1:]  # every non-default backward
@@ -326,6 +329,7 @@ def test_bwd_variant_accuracy_interpreter(bwd):
 @pytest.mark.parametrize("bwd", VARIANTS)
 def test_bwd_variant_dx_equals_default_interpreter(bwd):
     check_variant_dx_equals_default(H, DH, SEQ, CPU_FP32, bwd)
+    check_variant_dx_equals_default(1, 14, (4, 0, 19), CPU_FP32, bwd)
 
 
 @interp
@@ -537,6 +541,7 @@ def test_gpu_bwd_variant(target, bwd):
     unfused (forward, dx, d_gain), samples alone vs batched, chunk boundaries, d_gain fold."""
     _gpu(target)
     check_variant_dx_equals_default(QH, QDH, (4096, 0, 256, 77), target, bwd)
+    check_variant_dx_equals_default(1, 3584, (256, 0, 77), target, bwd)  # txt_in's one head: d_gain equal too
     with R.qk_bwd(bwd):
         check_accuracy(QH, QDH, (300, 0, 77), target)
         check_fused_equals_unfused(QH, QDH, (4096, 0, 256, 77), target)
