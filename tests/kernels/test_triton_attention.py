@@ -202,6 +202,27 @@ def test_bench_candidates_name_known_options() -> None:
 
 
 @interp
+@pytest.mark.slow
+def test_bench_candidates_and_overrides_through_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU bench's candidate rows (bytes vs frozen) and a qualification with an override, shrunk to
+    interpreter sizes (2 heads × 16, FP32; timing stubbed): the plumbing the next GPU call relies on (~8 s)."""
+    for name, value in (("DEVICE", DEV), ("HEADS", H), ("HEAD_DIM", D), ("IMAGES", (37,)), ("TEXTS", {1: (5,)}),
+                        ("PROBE_FP32", (7, 21)), ("NEIGHBOURS_FP32", ((0, 13), (17, 33)))):
+        monkeypatch.setattr(bench, name, value)
+    monkeypatch.setattr(bench, "_bench", lambda fn: (fn(), {"ms": 1.0, "ms_q20": 1.0, "ms_q80": 1.0})[1])
+    monkeypatch.setattr(bench, "CANDIDATES", (("fp32", "both", {}), ("fp32", "both", LOAD_OPTIONS["direct+tma"]),
+                                              ("fp32", "fwd", {"fwd": (16, 32, 4, 2)})))
+    rows = bench.candidates(A)
+    assert [(r["fwd_bytes_equal_frozen"], r["bwd_bytes_equal_frozen"]) for r in rows] == [(True, True), (True, True), (False, True)]
+    assert rows[0]["config"] == "frozen" and "error" not in rows[1]
+    cfg = {**A.config_for(D, torch.float32), **LOAD_OPTIONS["direct+tma"]}
+    assert bench.invariance(A, "fp32", (2,), 1, cfg)["pass"]
+    assert bench.accuracy_case(A, ref_ops, "fp32", 5, 37, cfg)["pass"]
+    md = bench._markdown({"env": {}, "config_fp32": cfg, "overrides": {"fp32": LOAD_OPTIONS["direct+tma"]}, "candidates": rows})
+    assert "Candidate under qualification" in md and "| fp32 | both | frozen |" in md
+
+
+@interp
 def test_repeated_backward_is_byte_equal() -> None:
     batch = [_sample(6, 17, 40), _sample(0, 21, 41)]
     first = _run(batch)
