@@ -17,12 +17,13 @@
   against the eager PyTorch composition it replaces (``kernels/production.py``), both graph-replayed;
 * the environment: GPU, driver, torch, Triton, CUDA, git commit.
 
-``--variants default,chunk_heads,two_rows`` runs the speed / accuracy / invariance sections again for the
-kernel variants that are off by default (:data:`VARIANTS`: the QK norm ``"chunk_heads"`` backward, the
-``"two_rows"`` LayerNorm), each for the operators whose kernels it changes, timed right after the default
-row of the same case; the ``variant_bytes`` section compares each variant's forward and gradients with the
-default's raw bytes on one batch (every tensor must be equal except those :data:`VARIANTS` expects to
-change: the ``"chunk_heads"`` gain gradient, another summation tree).
+``--variants default,chunk_heads,two_rows`` runs the speed / accuracy / invariance sections again for
+kernel variants (:data:`VARIANTS`: the QK norm backward ``"token_heads"`` / ``"chunk_heads"``, the
+LayerNorm ``"one_row"`` / ``"two_rows"``; ``default`` = the library's defaults), each for the operators
+whose kernels it changes, timed right after the default row of the same case; the ``variant_bytes``
+section compares each variant's forward and gradients with the default's raw bytes on one batch (every
+tensor must be equal except those :data:`VARIANTS` allows to change: the QK gain gradient between the two
+QK backwards, which sum it on different trees).
 """
 
 from __future__ import annotations
@@ -52,22 +53,27 @@ DEVICE = "cuda"  # a CPU dry run of the accuracy / invariance logic (interpreter
 
 @dataclass(frozen=True)
 class Variant:
-    """A kernel variant the bench runs beside the default (off by default in the library).
+    """A kernel variant the bench runs beside the library's defaults.
 
-    ``qk_bwd`` / ``ln``: the settings of ``rope.qk_bwd`` and ``norms.ln_variant``; ``ops``: the operators
-    whose kernels it changes (``None``: all); ``may_differ``: the tensors whose bytes it is expected to
-    change ("d_shared0": the first shared input's gradient, e.g. the QK gain)."""
+    ``qk_bwd`` / ``ln``: the setting of ``rope.qk_bwd`` / ``norms.ln_variant`` (``None``: the library's
+    default); ``ops``: the operators whose kernels it changes (``None``: all); ``may_differ``: the tensors
+    whose bytes it may change against the default ("d_shared0": the first shared input's gradient, the QK
+    gain: the two QK backwards sum it on different trees)."""
 
-    qk_bwd: str = "token_heads"
-    ln: str = "one_row"
+    qk_bwd: str | None = None
+    ln: str | None = None
     ops: tuple[str, ...] | None = None
     may_differ: tuple[str, ...] = ()
 
 
+_QK_OPS = ("qk_rmsnorm", "qk_rmsnorm_rope (fused)")
+_LN_OPS = ("adaln_modulation", "final_adaln_out")
 VARIANTS = {
     "default": Variant(),
-    "chunk_heads": Variant(qk_bwd="chunk_heads", ops=("qk_rmsnorm", "qk_rmsnorm_rope (fused)"), may_differ=("d_shared0",)),
-    "two_rows": Variant(ln="two_rows", ops=("adaln_modulation", "final_adaln_out")),
+    "token_heads": Variant(qk_bwd="token_heads", ops=_QK_OPS, may_differ=("d_shared0",)),
+    "chunk_heads": Variant(qk_bwd="chunk_heads", ops=_QK_OPS, may_differ=("d_shared0",)),
+    "one_row": Variant(ln="one_row", ops=_LN_OPS),
+    "two_rows": Variant(ln="two_rows", ops=_LN_OPS),
 }
 
 
@@ -80,7 +86,7 @@ def variant(name: str) -> Iterator[Variant]:
     if name not in VARIANTS:
         raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {name!r}")
     v = VARIANTS[name]
-    with R.qk_bwd(v.qk_bwd), N.ln_variant(v.ln):
+    with R.qk_bwd(v.qk_bwd or R.DEFAULT_QK_BWD), N.ln_variant(v.ln or N.DEFAULT_LN_VARIANT):
         yield v
 
 

@@ -290,12 +290,12 @@ def test_bad_inputs_raise_clear_errors():
 
 
 # ---- the "two_rows" LayerNorm variant (norms.ln_variant; off by default) ---------------------------
-# On the GPU it must give the "one_row" bytes (each row sum an operand of a multi-operand tl.reduce in the
+# On the GPU it must give the default ("one_row") bytes (each row sum an operand of a multi-operand tl.reduce in the
 # same layout as its tl.sum: test_gpu_ln_variant_bytes_equal_default). The interpreter cannot show that:
 # it evaluates tl.sum with numpy's pairwise sum but a multi-operand tl.reduce as a sequential fold, so
 # there the row statistics (and y, dx, d_scale) differ in the last bits; d_shift (no row sum) is exact.
 
-LN_VARIANTS = N.LN_VARIANTS[1:]  # every non-default LayerNorm variant
+LN_VARIANTS = [v for v in N.LN_VARIANTS if v != N.DEFAULT_LN_VARIANT]  # every non-default LayerNorm variant
 
 
 def _mod_grads(x, sh, sc, gy, seq):
@@ -326,7 +326,7 @@ def test_ln_variant_batch_invariance_interpreter(variant):
     want = _mod_grads(x, sh, sc, gy, seq)
     with N.ln_variant(variant):
         got = _mod_grads(x, sh, sc, gy, seq)
-    assert_bytes_equal(got[1][1], want[1][1], f"{variant} d_shift vs one_row")
+    assert_bytes_equal(got[1][1], want[1][1], f"{variant} d_shift vs the default")
 
 
 @interp
@@ -344,7 +344,7 @@ def test_ln_variant_is_kept_and_checked_interpreter():
         pass
     with pytest.raises(ValueError, match="LayerNorm variant"):
         N.adaln_modulation_fwd(x, sh, sc, (21,), EPS, store_stats=False, variant="rows2")
-    assert N.current_ln_variant() == "one_row"
+    assert N.current_ln_variant() == N.DEFAULT_LN_VARIANT
 
 
 def test_ln_variant_identity():
@@ -353,8 +353,9 @@ def test_ln_variant_identity():
 
     for op in ("adaln_modulation", "final_adaln_out"):
         (impl,) = [i for i in implementations(op) if i.backend == "triton"]
-        one = impl.identity()
-        assert one["variant"] == "one_row" and (one["kernel"], one["reduction_order"]) == (impl.kernel_name, impl.reduction_order)
+        default = impl.identity()
+        assert default["variant"] == N.DEFAULT_LN_VARIANT
+        assert (default["kernel"], default["reduction_order"]) == (impl.kernel_name, impl.reduction_order)
         with N.ln_variant("two_rows"):
             two = impl.identity()
         assert two["variant"] == "two_rows" and "_adaln_mod_bwd2_kernel" in two["kernel"] and "tl.reduce" in two["reduction_order"]
@@ -449,7 +450,7 @@ def test_gpu_no_host_sync_on_repeat(target):
 @pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
 @pytest.mark.parametrize("variant", LN_VARIANTS)
 def test_gpu_ln_variant_bytes_equal_default(target, variant):
-    """At D = 3072 the variant gives the "one_row" bytes: y, the saved mean / rstd, dx, d_shift, d_scale
+    """At D = 3072 the variant gives the default's bytes: y, the saved mean / rstd, dx, d_shift, d_scale
     (odd and even row counts, an empty sample, a one-row sample), and final_adaln_out's every gradient;
     then alone vs batched and the row-count sweep under the variant."""
     _gpu(target)
@@ -458,14 +459,14 @@ def test_gpu_ln_variant_bytes_equal_default(target, variant):
     b, m = len(seq), sum(seq)
     x, gy = randn(m, QD, gen=gen, target=target), randn(m, QD, gen=gen, target=target)
     sh, sc = _vec(b, QD, gen, target), _vec(b, QD, gen, target)
-    want_stats = N.adaln_modulation_fwd(x, sh, sc, seq, EPS, store_stats=True, variant="one_row")
+    want_stats = N.adaln_modulation_fwd(x, sh, sc, seq, EPS, store_stats=True, variant=N.DEFAULT_LN_VARIANT)
     got_stats = N.adaln_modulation_fwd(x, sh, sc, seq, EPS, store_stats=True, variant=variant)
-    assert_bytes_equal(got_stats, want_stats, f"{variant} y, mean, rstd vs one_row {target.label}")
+    assert_bytes_equal(got_stats, want_stats, f"{variant} y, mean, rstd vs the default {target.label}")
     want = _mod_grads(x, sh, sc, gy, seq)
     with N.ln_variant(variant):
         got = _mod_grads(x, sh, sc, gy, seq)
-    assert_bytes_equal(got[0], want[0], f"{variant} y vs one_row {target.label}")
-    assert_bytes_equal(got[1], want[1], f"{variant} dx, d_shift, d_scale vs one_row {target.label}")
+    assert_bytes_equal(got[0], want[0], f"{variant} y vs the default {target.label}")
+    assert_bytes_equal(got[1], want[1], f"{variant} dx, d_shift, d_scale vs the default {target.label}")
     temb = randn(b, QD, gen=gen, target=target)
     w, bias = randn(2 * QD, QD, gen=gen, target=target, scale=QD**-0.5), randn(2 * QD, gen=gen, target=target, scale=0.1)
 
@@ -475,8 +476,8 @@ def test_gpu_ln_variant_bytes_equal_default(target, variant):
     want_f = run_with_grads(final, [x, temb, w, bias], gy)
     with N.ln_variant(variant):
         got_f = run_with_grads(final, [x, temb, w, bias], gy)
-    assert_bytes_equal(got_f[0], want_f[0], f"{variant} final_adaln_out vs one_row {target.label}")
-    assert_bytes_equal(got_f[1], want_f[1], f"{variant} final_adaln_out grads vs one_row {target.label}")
+    assert_bytes_equal(got_f[0], want_f[0], f"{variant} final_adaln_out vs the default {target.label}")
+    assert_bytes_equal(got_f[1], want_f[1], f"{variant} final_adaln_out grads vs the default {target.label}")
     with N.ln_variant(variant):
         check_row_invariance(_with_grads(_mod, 3), modulation_item(QD, 1, 40), (2, 3, 8, 64), target=target,
                              what=f"triton adaln_modulation {variant} fwd+bwd {target.label}")

@@ -307,14 +307,14 @@ def check_variant_dx_equals_default(h, d, seq, target, bwd):
         want_y, (want_dx, want_dg) = run_with_grads(op, [x, gain], gy)
         with R.qk_bwd(bwd):
             got_y, (got_dx, got_dg) = run_with_grads(op, [x, gain], gy)
-        assert_bytes_equal(got_y, want_y, f"{bwd} {name} forward vs token_heads {target.label}")
-        assert_bytes_equal(got_dx, want_dx, f"{bwd} {name} dx vs token_heads {target.label}")
+        assert_bytes_equal(got_y, want_y, f"{bwd} {name} forward vs the default backward {target.label}")
+        assert_bytes_equal(got_dx, want_dx, f"{bwd} {name} dx vs the default backward {target.label}")
         assert got_dg is not None and bool(torch.isfinite(got_dg).all())
         if h == 1:
-            assert_bytes_equal(got_dg, want_dg, f"{bwd} {name} one-head d_gain vs token_heads {target.label}")
+            assert_bytes_equal(got_dg, want_dg, f"{bwd} {name} one-head d_gain vs the default backward {target.label}")
 
 
-VARIANTS = R.QK_BWD_VARIANTS[1:]  # every non-default backward
+VARIANTS = [b for b in R.QK_BWD_VARIANTS if b != R.DEFAULT_QK_BWD]  # every non-default backward
 
 
 @interp
@@ -354,7 +354,10 @@ def test_bwd_variant_batch_invariance_interpreter(bwd):
 
 @interp
 def test_bwd_variant_is_kept_and_checked_interpreter():
-    """A node keeps the backward variant of its forward; 'chunk_heads' needs the contiguous layout; bad names raise."""
+    """A node keeps the backward variant of its forward; the pairs layout runs its own backward whatever
+    is chosen (and its identity says so); bad names raise."""
+    from mmdit_strict.kernels.registry import implementations
+
     x = randn(21, H, DH, gen=generator(26)).requires_grad_(True)
     gain = _gain(DH, generator(27)).requires_grad_(True)
     gy = randn(21, H, DH, gen=generator(28))
@@ -365,11 +368,16 @@ def test_bwd_variant_is_kept_and_checked_interpreter():
     assert_bytes_equal(got, want, "chunk_heads backward run outside the block")
     default = torch.autograd.grad(R.qk_rmsnorm(x, gain, seqlens=(21,), eps=EPS), [x, gain], gy)
     assert_bytes_equal(got[0], default[0], "chunk_heads dx vs the default")
-    with pytest.raises(ValueError, match="only for the 'contiguous' layout"), R.qk_layout("pairs"), R.qk_bwd("chunk_heads"):
-        R.qk_rmsnorm(x, gain, seqlens=(21,), eps=EPS)
+    with R.qk_layout("pairs"):
+        pairs = torch.autograd.grad(R.qk_rmsnorm(x, gain, seqlens=(21,), eps=EPS), [x, gain], gy)
+        with R.qk_bwd("chunk_heads"):
+            assert_bytes_equal(torch.autograd.grad(R.qk_rmsnorm(x, gain, seqlens=(21,), eps=EPS), [x, gain], gy), pairs,
+                               "pairs layout inside qk_bwd('chunk_heads')")
+            (impl,) = [i for i in implementations("qk_rmsnorm") if i.backend == "triton"]
+            assert impl.identity()["variant"] == "pairs/token_heads"
     with pytest.raises(ValueError, match="qk backward variant"), R.qk_bwd("heads"):
         pass
-    assert R.current_qk_bwd() == "token_heads"
+    assert R.current_qk_bwd() == R.DEFAULT_QK_BWD
 
 
 def test_bwd_variant_identity_and_trace():
@@ -380,10 +388,11 @@ def test_bwd_variant_identity_and_trace():
 
     (impl,) = [i for i in implementations("qk_rmsnorm") if i.backend == "triton"]
     default = impl.identity()
-    assert default["variant"] == "contiguous/token_heads"
+    assert default["variant"] == f"contiguous/{R.DEFAULT_QK_BWD}"
     assert (default["kernel"], default["reduction_order"]) == (impl.kernel_name, impl.reduction_order)
     trace = OperatorTrace()
-    trace.add("qk_rmsnorm", impl, Runtime.STRICT, "cuda", torch.float32, False)
+    with R.qk_bwd("token_heads"):
+        trace.add("qk_rmsnorm", impl, Runtime.STRICT, "cuda", torch.float32, False)
     with R.qk_bwd("chunk_heads"):
         chunk = impl.identity()
         trace.add("qk_rmsnorm", impl, Runtime.STRICT, "cuda", torch.float32, False)

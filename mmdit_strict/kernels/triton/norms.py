@@ -49,17 +49,18 @@ MAX_WIDTH = 16384
 
 
 # How the LayerNorm kernels of adaln_modulation / final_adaln_out walk a chunk (chosen with :func:`ln_variant`):
-# "one_row" (the default): a row at a time, each row sum its own tl.sum (a shared-memory round trip each);
+# "one_row" (the default, DEFAULT_LN_VARIANT): a row at a time, each row sum its own tl.sum (a shared-memory round trip each);
 # "two_rows": rows two at a time, the sums of both rows in ONE multi-operand tl.reduce (the backward's four
 # sums Σg·x̂, Σg of both rows in one), each operand combined by the same ``a + b`` over the same layout as
 # its tl.sum would be, the per-sample chains still row after row. Meant to give the same bytes (the GPU
 # test compares them with "one_row"); off until the H200 qualifies it. An autograd node keeps its forward's.
 LN_VARIANTS = ("one_row", "two_rows")
-_LN_VAR: contextvars.ContextVar[str] = contextvars.ContextVar("mmdit_ln_variant", default="one_row")
+DEFAULT_LN_VARIANT = "one_row"
+_LN_VAR: contextvars.ContextVar[str] = contextvars.ContextVar("mmdit_ln_variant", default=DEFAULT_LN_VARIANT)
 
 
 def current_ln_variant() -> str:
-    """The LayerNorm kernel variant in force (the innermost :func:`ln_variant`, else ``"one_row"``)."""
+    """The LayerNorm kernel variant in force (the innermost :func:`ln_variant`, else :data:`DEFAULT_LN_VARIANT`)."""
     return _LN_VAR.get()
 
 
@@ -640,6 +641,9 @@ for _op, _fn, _kernel, _order in (
      f"RMSNorm row: tl.sum of squares over Ct, div_rn/sqrt_rn, gain gradient {_TREE}, samples folded left in order; "
      "then the strict GEMM engine"),
 ):
+    _pick = _ln_identity(_op) if _op in ("adaln_modulation", "final_adaln_out") else None
+    if _pick is not None:  # the registered kernels and tree are the default variant's
+        with ln_variant(DEFAULT_LN_VARIANT):
+            _kernel, _order = _pick()["kernel"], _pick()["reduction_order"]
     register(KernelImpl(op=_op, backend="triton", device="cuda", dtypes=_DT, fn=_fn, strict=True, split_k=False, kernel_name=_kernel,
-                        source=_SOURCE, config=dict(_CONFIG), reduction_order=_order, accumulator="fp32",
-                        variant=_ln_identity(_op) if _op in ("adaln_modulation", "final_adaln_out") else None))
+                        source=_SOURCE, config=dict(_CONFIG), reduction_order=_order, accumulator="fp32", variant=_pick))

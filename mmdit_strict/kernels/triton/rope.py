@@ -92,24 +92,27 @@ def qk_layout(name: str) -> Iterator[None]:
         _LAYOUT.reset(token)
 
 
-# How the contiguous layout's backward reduces d_gain (chosen with :func:`qk_bwd`; "pairs" has only the first):
-# "token_heads" (the default): per token a tl.sum over heads of dy·x̂, tokens chained in each chunk;
+# How the contiguous layout's backward reduces d_gain (chosen with :func:`qk_bwd`; the "pairs" layout has one
+# backward, its own, whatever is chosen here):
+# "token_heads" (the default, DEFAULT_QK_BWD): per token a tl.sum over heads of dy·x̂, tokens chained in each chunk;
 # "chunk_heads": per (head, lane) the chunk's tokens chained, then ONE tl.sum over heads per chunk (no
 # cross-warp reduction per token), with rstd and the −θ tables prefetched alongside x and dy. dx is the same
 # formula with the same per-(token, head) tl.sum; d_gain has another fixed tree, hence other bytes: a
 # versioned change, off until the H200 qualifies it. An autograd node keeps the variant of its forward.
 QK_BWD_VARIANTS = ("token_heads", "chunk_heads")
-_BWD: contextvars.ContextVar[str] = contextvars.ContextVar("mmdit_qk_bwd", default="token_heads")
+DEFAULT_QK_BWD = "token_heads"  # flipping it is a versioned change of d_gain's bytes (docs/operators.md)
+_BWD: contextvars.ContextVar[str] = contextvars.ContextVar("mmdit_qk_bwd", default=DEFAULT_QK_BWD)
 
 
 def current_qk_bwd() -> str:
-    """The QK norm backward variant in force (the innermost :func:`qk_bwd`, else ``"token_heads"``)."""
+    """The QK norm backward variant in force (the innermost :func:`qk_bwd`, else :data:`DEFAULT_QK_BWD`)."""
     return _BWD.get()
 
 
 @contextlib.contextmanager
 def qk_bwd(name: str) -> Iterator[None]:
-    """Run the QK norm backward of nodes created inside the block as variant ``name`` (:data:`QK_BWD_VARIANTS`)."""
+    """Run the contiguous layout's QK norm backward of nodes created inside the block as variant ``name``
+    (:data:`QK_BWD_VARIANTS`)."""
     if name not in QK_BWD_VARIANTS:
         raise ValueError(f"qk backward variant must be one of {QK_BWD_VARIANTS}, got {name!r}")
     token = _BWD.set(name)
@@ -561,21 +564,22 @@ def qk_norm_fwd(x: torch.Tensor, gain: torch.Tensor, cos: torch.Tensor | None, s
     return y, rstd
 
 
-def _check_variant(layout: str, bwd: str) -> None:
+def _effective_bwd(layout: str, bwd: str) -> str:
+    """The backward that runs: ``bwd`` in the contiguous layout; the pairs layout has only its own
+    (per-token head sums, ``"token_heads"``)."""
     if bwd not in QK_BWD_VARIANTS:
         raise ValueError(f"qk backward variant must be one of {QK_BWD_VARIANTS}, got {bwd!r}")
-    if bwd != "token_heads" and layout != "contiguous":
-        raise ValueError(f"qk backward variant {bwd!r} exists only for the 'contiguous' layout, got layout {layout!r}")
+    return bwd if layout == "contiguous" else "token_heads"
 
 
 def qk_norm_bwd(dy: torch.Tensor, x: torch.Tensor, gain: torch.Tensor, rstd: torch.Tensor, cos: torch.Tensor | None,
                 sin: torch.Tensor | None, seqlens: tuple[int, ...], need_gain: bool,
                 layout: str | None = None, bwd: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns (dx (M, H, d), d_gain (d,) | None) in x's dtype. ``layout`` / ``bwd`` default to the ones in
-    force (:func:`qk_layout`, :func:`qk_bwd`); ``"chunk_heads"`` needs the contiguous layout."""
+    force (:func:`qk_layout`, :func:`qk_bwd`; ``bwd`` concerns the contiguous layout only)."""
     m, h, d = x.shape
-    layout, bwd = layout or _LAYOUT.get(), bwd or _BWD.get()
-    _check_variant(layout, bwd)
+    layout = layout or _LAYOUT.get()
+    bwd = _effective_bwd(layout, bwd or _BWD.get())
     dx = torch.empty_like(x)
     ch = seg.chunks(seqlens, x.device)
     part = torch.empty((ch.n, d), dtype=torch.float32, device=x.device) if need_gain else None
@@ -621,8 +625,8 @@ class QkNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, gain, cos, sin, seqlens, eps):  # type: ignore[override]
-        ctx.layout, ctx.bwd = _LAYOUT.get(), _BWD.get()
-        _check_variant(ctx.layout, ctx.bwd)  # here, not first in the backward
+        ctx.layout = _LAYOUT.get()
+        ctx.bwd = _effective_bwd(ctx.layout, _BWD.get())
         y, rstd = qk_norm_fwd(x, gain, cos, sin, eps, store_rstd=True, layout=ctx.layout)
         ctx.save_for_backward(x, gain, rstd, cos, sin)
         ctx.seqlens = seqlens
@@ -712,7 +716,7 @@ _CONFIG = {"programs": "one token per forward program; backward chunks of segmen
            "flags": "norm / rope / rstd / d_gain are runtime arguments (do_not_specialize): one binary per dtype and head shape",
            "chunk_rows": seg.CHUNK_ROWS, "fold_tile": seg.FOLD_TILE,
            "qk_layout": "contiguous (the earlier 'pairs' layout runs only inside rope.qk_layout('pairs'))",
-           "qk_bwd": "token_heads (the 'chunk_heads' backward runs only inside rope.qk_bwd('chunk_heads'))"}
+           "qk_bwd": f"{DEFAULT_QK_BWD} (the other contiguous backward runs only inside rope.qk_bwd(name))"}
 _FOLD = (f"chunk partials summed {seg.FOLD_TILE} per tl.sum tile, tiles chained, samples folded left in order; FP32")
 _CHUNKS = f"in {seg.CHUNK_ROWS}-token chunks from the sample's first token"
 # (layout, backward variant) → the kernels that run and their trees (the registry identity of each variant)
@@ -733,8 +737,9 @@ _QK_VARIANTS = {
 
 
 def _qk_variant() -> dict:
-    layout, bwd = _LAYOUT.get(), _BWD.get()
-    kernel, order = _QK_VARIANTS.get((layout, bwd), ("(invalid: refused at the call)", ""))
+    layout = _LAYOUT.get()
+    bwd = _effective_bwd(layout, _BWD.get())
+    kernel, order = _QK_VARIANTS[layout, bwd]
     return {"variant": f"{layout}/{bwd}", "kernel": kernel, "reduction_order": order}
 
 
@@ -746,8 +751,8 @@ def _rope_variant() -> dict:
 register(KernelImpl(
     op="qk_rmsnorm", backend="triton", device="cuda", dtypes=_DT, fn=qk_rmsnorm, strict=True, split_k=False,
     fusions={"multi_axis_rope": qk_rmsnorm_rope},
-    kernel_name=_QK_VARIANTS["contiguous", "token_heads"][0], source=_SOURCE, config=dict(_CONFIG),
-    reduction_order=_QK_VARIANTS["contiguous", "token_heads"][1], accumulator="fp32", variant=_qk_variant,
+    kernel_name=_QK_VARIANTS["contiguous", DEFAULT_QK_BWD][0], source=_SOURCE, config=dict(_CONFIG),
+    reduction_order=_QK_VARIANTS["contiguous", DEFAULT_QK_BWD][1], accumulator="fp32", variant=_qk_variant,
 ))
 register(KernelImpl(
     op="multi_axis_rope", backend="triton", device="cuda", dtypes=_DT, fn=multi_axis_rope, strict=True, split_k=False,
