@@ -1,13 +1,14 @@
 """Offline sm_90 compile of the strict joint attention kernels: registers, spills and memory instructions.
 
-    python -m benchmarks.attention_sass --triton DIR [--override JSON ...] [--sass-dir OUT]
+    python -m benchmarks.attention_sass --triton DIR [--dtype bf16|fp32] [--override JSON ...] [--sass-dir OUT]
 
 No GPU is needed. ``DIR`` is an unpacked Triton 3.6 wheel (the H200 image's version; ``pip download
 triton==3.6.0 --no-deps`` and unzip it — never into the repository): its ``ptxas`` builds the cubin
 and its ``cuobjdump`` reads the resource usage and the SASS. Each ``--override`` (a JSON object, as in
-``python -m mmdit_strict.bench.attention --override-bf16``) updates the frozen bf16 d=128 configuration;
-with none, the frozen configuration alone is compiled. The launch shapes are the bench's (24 heads × 128,
-77 text + 6889 image tokens); the tile table is a dummy (the kernels read it at run time only).
+``python -m mmdit_strict.bench.attention --override-bf16``) updates the frozen d=128 configuration of
+``--dtype`` (default bf16); with none, the frozen configuration alone is compiled. The launch shapes are
+the bench's (24 heads × 128, 77 text + 6889 image tokens); the tile table is a dummy (the kernels read it
+at run time only).
 
 Per kernel and configuration one row: registers, stack bytes (spill space), and counts of the SASS
 instructions that tell where time goes without a GPU: local stores/loads (spills), ``LDSM`` (shared →
@@ -65,7 +66,7 @@ def _loop_bodies(sass: str) -> list[list[str]]:
     return bodies
 
 
-def _compile_all(A, torch, triton_dir: Path, override: dict, sass_dir: Path | None, tag: str) -> list[dict]:
+def _compile_all(A, torch, triton_dir: Path, override: dict, sass_dir: Path | None, tag: str, dtype) -> list[dict]:
     """Run attention_fwd/attention_bwd with every kernel launch replaced by an sm_90 compile; one row per kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -116,7 +117,7 @@ def _compile_all(A, torch, triton_dir: Path, override: dict, sass_dir: Path | No
     for k, v in patched.items():
         setattr(A, k, v)
     try:
-        heads, d, nt, ni, dt = 24, 128, 77, 6889, torch.bfloat16
+        heads, d, nt, ni, dt = 24, 128, 77, 6889, dtype
         cfg = {**A.config_for(d, dt), **override}
         s = [torch.zeros(n, heads, d, dtype=dt) for n in (nt, nt, nt, ni, ni, ni)]
         lse = torch.zeros(nt + ni, heads)
@@ -132,8 +133,9 @@ def _compile_all(A, torch, triton_dir: Path, override: dict, sass_dir: Path | No
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--triton", required=True, help="an unpacked Triton 3.6 wheel (the directory holding triton/)")
-    p.add_argument("--override", action="append", default=[], help="JSON object updating the frozen bf16 d=128 config")
+    p.add_argument("--override", action="append", default=[], help="JSON object updating the frozen d=128 config of --dtype")
     p.add_argument("--sass-dir", default=None)
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     args = p.parse_args(argv)
     triton_dir = Path(args.triton).resolve()
     if not (triton_dir / "triton" / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
@@ -150,13 +152,14 @@ def main(argv: list[str] | None = None) -> int:
     from mmdit_strict.kernels.triton import attention as A
 
     overrides = [("frozen", {})] + [(o, _parse_override(o, "--override")) for o in args.override]
-    print(f"Triton {triton.__version__} from {triton_dir}, sm_90; bf16 d=128, 24 heads, 77 + 6889 tokens")
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    print(f"Triton {triton.__version__} from {triton_dir}, sm_90; {args.dtype} d=128, 24 heads, 77 + 6889 tokens")
     print("| config | kernel | (BM, BN) | regs | stack B | " + " | ".join(COUNTED) + " |")
     print("|---|---|---|---|---|" + "---|" * len(COUNTED))
     rows = []
     for n, (tag, override) in enumerate(overrides):
         label = "frozen" if not override else json.dumps(json.loads(tag), separators=(",", ":"))
-        for r in _compile_all(A, torch, triton_dir, override, Path(args.sass_dir) if args.sass_dir else None, f"cfg{n}"):
+        for r in _compile_all(A, torch, triton_dir, override, Path(args.sass_dir) if args.sass_dir else None, f"cfg{n}", dtype):
             rows.append((label, r))
             print(f"| {label} | {r['kernel']} | {r['tiles']} | {r['regs']} | {r['stack']} | "
                   + " | ".join(str(r[c]) for c in COUNTED) + " |")
