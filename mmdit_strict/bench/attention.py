@@ -63,27 +63,31 @@ NEIGHBOURS_FP32 = ((0, 1029), (256, 1500))
 REF_HEADS = 2  # accuracy is checked on heads 0..REF_HEADS-1 against the CPU FP64 reference
 # Candidate overrides of the frozen d=128 configurations (informational; see ``candidates``), as
 # (dtype, part, override). Earlier runs: 90d39bb (tiles and warps) and f02d17b (load paths, backward neighbours);
-# see experiments/attention/. This set (not yet run; experiments/attention/NOTES.md has the offline sm_90 compile
-# of each): resident tiles loaded directly ("resident_loads": "direct", which lets wgmma read Q/K/V/dO from shared
-# memory: dQ kernel 255 -> 210 registers without spills, dK/dV 304 -> 24 bytes of spill) alone and with the TMA
-# forward, its forward tile neighbours, TMA in the backward and the backward stage/tile neighbours that compile
-# without spills; the TMA forward of f02d17b for reference; fp32 forward tiles on 8 warps.
+# see experiments/attention/. This set (not yet run; experiments/attention/sm90_compile_0a8b15c.md has the offline
+# sm_90 compile of each): the frozen configuration as the baseline; resident tiles loaded directly
+# ("resident_loads": "direct", which lets wgmma read Q/K/V/dO from shared memory: dQ kernel 255 -> 210 registers
+# without spills, dK/dV 304 -> 24 bytes of spill) and the LSE/Δ entries of the dK/dV loop from a scalar base
+# ("stat_loads": "base": dK/dV without spills), alone and with the TMA forward; forward tile/stage neighbours; TMA
+# and stage/tile neighbours in the backward; f02d17b's TMA forward for reference; fp32 forward tiles on 8 warps.
 _DIRECT = {"resident_loads": "direct"}
-_DIRECT_TMA = {"resident_loads": "direct", "fwd_loads": "tma"}
+_LEAN = {"resident_loads": "direct", "stat_loads": "base"}
+_LEAN_TMA = {**_LEAN, "fwd_loads": "tma"}
 CANDIDATES = (
     ("bf16", "both", {}),  # the frozen configuration itself: the baseline of the table
     ("bf16", "both", _DIRECT),
+    ("bf16", "bwd", {"stat_loads": "base"}),
+    ("bf16", "both", _LEAN),
     ("bf16", "fwd", {"fwd_loads": "tma"}),
-    ("bf16", "fwd", _DIRECT_TMA),
-    ("bf16", "fwd", {**_DIRECT_TMA, "fwd": (128, 128, 8, 3)}),
-    ("bf16", "fwd", {**_DIRECT_TMA, "fwd": (128, 64, 8, 4)}),
-    ("bf16", "bwd", {**_DIRECT_TMA, "dkdv": (32, 128, 8, 3)}),
-    ("bf16", "bwd", {**_DIRECT_TMA, "bwd_loads": "tma"}),
-    ("bf16", "bwd", {**_DIRECT_TMA, "bwd_loads": "tma", "dkdv": (32, 128, 8, 3), "dq": (128, 64, 8, 4)}),
-    ("bf16", "bwd", {**_DIRECT_TMA, "dq": (128, 32, 8, 4)}),
-    ("bf16", "bwd", {**_DIRECT_TMA, "dkdv": (32, 128, 8, 2), "dq": (128, 64, 8, 2)}),
+    ("bf16", "both", _LEAN_TMA),
+    ("bf16", "fwd", {**_LEAN_TMA, "fwd": (128, 128, 8, 3)}),
+    ("bf16", "fwd", {**_LEAN_TMA, "fwd": (128, 64, 8, 4)}),
+    ("bf16", "bwd", {**_LEAN_TMA, "dkdv": (32, 128, 8, 3)}),
+    ("bf16", "bwd", {**_LEAN_TMA, "bwd_loads": "tma"}),
+    ("bf16", "bwd", {**_LEAN_TMA, "bwd_loads": "tma", "dkdv": (32, 128, 8, 3), "dq": (128, 64, 8, 4)}),
+    ("bf16", "bwd", {**_LEAN_TMA, "dq": (128, 32, 8, 4)}),
+    ("bf16", "bwd", {**_LEAN_TMA, "dkdv": (32, 128, 8, 2), "dq": (128, 64, 8, 2)}),
     ("fp32", "both", {}),
-    ("fp32", "both", _DIRECT),
+    ("fp32", "both", _LEAN),
     ("fp32", "fwd", {"fwd": (64, 32, 8, 2)}),
     ("fp32", "fwd", {"fwd": (64, 64, 8, 2)}),
 )

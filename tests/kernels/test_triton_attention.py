@@ -114,7 +114,9 @@ def test_tail_tiles_never_write_over_neighbour_rows() -> None:
 LOAD_OPTIONS = {
     "tma": {"fwd_loads": "tma", "bwd_loads": "tma"},
     "direct": {"resident_loads": "direct"},
+    "stat_base": {"stat_loads": "base"},
     "direct+tma": {"fwd_loads": "tma", "bwd_loads": "tma", "resident_loads": "direct"},
+    "direct+tma+stat_base": {"fwd_loads": "tma", "bwd_loads": "tma", "resident_loads": "direct", "stat_loads": "base"},
 }
 
 
@@ -151,7 +153,7 @@ def test_load_options_equal_frozen_bytes_on_partial_tiles(option: str) -> None:
 
 
 @interp
-@pytest.mark.parametrize("option", ["tma", "direct+tma"])
+@pytest.mark.parametrize("option", ["tma", "direct+tma+stat_base"])
 def test_tma_probe_alone_equals_batched_at_every_position(option: str) -> None:
     """Under TMA loads a probe whose lengths divide no tile keeps its bytes (== the frozen path's, alone) in
     batches of 2 and 3 at every position beside neighbours of other lengths."""
@@ -165,7 +167,7 @@ def test_tma_probe_alone_equals_batched_at_every_position(option: str) -> None:
 
 
 @interp
-@pytest.mark.parametrize("option", ["tma", "direct+tma"])
+@pytest.mark.parametrize("option", ["tma", "direct+tma+stat_base"])
 def test_tma_boxes_never_carry_neighbour_rows(option: str) -> None:
     """A probe packed between NaN rows (neighbours longer than a tile on both sides, in both streams) keeps the
     frozen path's bytes: a descriptor box that carried a neighbour's row into a used position would turn
@@ -181,6 +183,9 @@ def test_bad_load_option() -> None:
     packed, tseq, iseq = bench.pack([s])
     with pytest.raises(ValueError, match="resident_loads"):
         A.attention_fwd(*packed, tseq, iseq, {**A.config_for(D, torch.float32), "resident_loads": "registers"})
+    o_t, o_i, lse = A.attention_fwd(*packed, tseq, iseq)
+    with pytest.raises(ValueError, match="stat_loads"):
+        A.attention_bwd(o_t, o_i, *packed, o_t, o_i, lse, tseq, iseq, {**A.config_for(D, torch.float32), "stat_loads": "rows"})
 
 
 def test_bench_candidates_name_known_options() -> None:
@@ -189,10 +194,11 @@ def test_bench_candidates_name_known_options() -> None:
     for dtype, part, override in bench.CANDIDATES:
         assert dtype in bench.DTYPES and part in ("fwd", "bwd", "both"), (dtype, part)
         assert isinstance(override, dict), override
-        assert set(override) <= tiles | {"delta", "fwd_loads", "bwd_loads", "resident_loads"}, override
+        assert set(override) <= tiles | {"delta", "fwd_loads", "bwd_loads", "resident_loads", "stat_loads"}, override
         for key in ("fwd_loads", "bwd_loads"):
             assert override.get(key, "pointer") in A._LOADS, override
         assert override.get("resident_loads", "select") in A._RESIDENT, override
+        assert override.get("stat_loads", "tensor") in A._STAT, override
         for key in tiles & set(override):
             assert len(override[key]) == 4 and all(isinstance(x, int) and x > 0 for x in override[key]), override
     assert bench._parse_override('{"resident_loads": "direct", "dkdv": [32, 128, 8, 3]}', "--override-bf16") == {

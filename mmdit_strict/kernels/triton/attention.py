@@ -264,10 +264,23 @@ def _dkdv_tile(dk, dv, k, v, q, do, lse, delta, qk_scale, DOT_PRECISION: tl.cons
 
 @triton.jit
 def _dkdv_segment(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, row0, n, stat0, row_stride, col, n_heads,
-                  qk_scale, D: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr):
-    """Query tiles of one segment, ascending from its first row; the last tile peeled (LOADS as in _fwd_segment)."""
+                  qk_scale, D: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr,
+                  STAT_BASE: tl.constexpr):
+    """Query tiles of one segment, ascending from its first row; the last tile peeled (LOADS as in _fwd_segment).
+
+    ``STAT_BASE`` (config ``stat_loads``, see ``_STAT``): how the tile's LSE and Δ entries are addressed.
+    False: a 64-bit offset vector advanced per query tile; True: scalar base pointers advanced per query
+    tile plus one loop-invariant 32-bit offset vector (fewer registers and integer instructions in the
+    loop). The same entries are read either way.
+    """
     offs_m = tl.arange(0, BLOCK_M)
-    stat = (stat0 + offs_m).to(tl.int64) * n_heads
+    if STAT_BASE:
+        lse_ptr += stat0.to(tl.int64) * n_heads
+        delta_ptr += stat0.to(tl.int64) * n_heads
+        stat = offs_m * n_heads
+        stat_step = (BLOCK_M * n_heads).to(tl.int64)
+    else:
+        stat = (stat0 + offs_m).to(tl.int64) * n_heads
     n_full = n // BLOCK_M
     tail = n - n_full * BLOCK_M
     if LOADS == 1:
@@ -281,7 +294,11 @@ def _dkdv_segment(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, row0, n, stat
             delta = tl.load(delta_ptr + stat)
             dk, dv = _dkdv_tile(dk, dv, k, v, q, do, lse, delta, qk_scale, DOT_PRECISION)
             row += BLOCK_M
-            stat += BLOCK_M * n_heads
+            if STAT_BASE:
+                lse_ptr += stat_step
+                delta_ptr += stat_step
+            else:
+                stat += BLOCK_M * n_heads
         if tail > 0:
             ok = offs_m < tail
             q = q_desc.load([row, 0])
@@ -301,7 +318,11 @@ def _dkdv_segment(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, row0, n, stat
             dk, dv = _dkdv_tile(dk, dv, k, v, q, do, lse, delta, qk_scale, DOT_PRECISION)
             q_ptrs += step
             do_ptrs += step
-            stat += BLOCK_M * n_heads
+            if STAT_BASE:
+                lse_ptr += stat_step
+                delta_ptr += stat_step
+            else:
+                stat += BLOCK_M * n_heads
         if tail > 0:
             ok = offs_m < tail
             q = tl.load(q_ptrs, mask=ok[:, None], other=0.0)
@@ -318,7 +339,7 @@ def _attn_bwd_dkdv_kernel(
     dk_txt_ptr, dv_txt_ptr, dk_img_ptr, dv_img_ptr, lse_ptr, delta_ptr, tiles_ptr,
     row_stride, n_heads, qk_scale, sm_scale,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr,
-    RESIDENT_DIRECT: tl.constexpr,
+    RESIDENT_DIRECT: tl.constexpr, STAT_BASE: tl.constexpr,
 ):
     """One (key tile, head): dK and dV over the sample's query tiles (text, then image). Grid (key tiles, heads)."""
     tile = tl.program_id(0)
@@ -344,9 +365,9 @@ def _attn_bwd_dkdv_kernel(
     lse_ptr += h  # stat buffers are (rows, H): this head's column
     delta_ptr += h
     dk, dv = _dkdv_segment(dk, dv, k, v, q_txt_ptr, do_txt_ptr, lse_ptr, delta_ptr, t_start, nt, t_start,
-                           row_stride, col, n_heads, qk_scale, D, BLOCK_M, DOT_PRECISION, LOADS)
+                           row_stride, col, n_heads, qk_scale, D, BLOCK_M, DOT_PRECISION, LOADS, STAT_BASE)
     dk, dv = _dkdv_segment(dk, dv, k, v, q_img_ptr, do_img_ptr, lse_ptr, delta_ptr, i_start, ni, i_stat0,
-                           row_stride, col, n_heads, qk_scale, D, BLOCK_M, DOT_PRECISION, LOADS)
+                           row_stride, col, n_heads, qk_scale, D, BLOCK_M, DOT_PRECISION, LOADS, STAT_BASE)
     dk = (dk * sm_scale).to(dk_txt_ptr.dtype.element_ty)
     dv = dv.to(dv_txt_ptr.dtype.element_ty)
     tl.store(dk_txt_ptr + offs, dk, mask=txt_ok)
@@ -476,6 +497,9 @@ _LOADS = {"pointer": 0, "tma": 1, "block_ptr": 2}
 # Load of the resident tiles (Q in the forward and dQ kernels, K/V in the dK/dV kernel, dO in the dQ kernel; config key
 # "resident_loads", default "select"): RESIDENT_DIRECT of _load_resident. Same values, so the same bytes.
 _RESIDENT = {"select": False, "direct": True}
+# Addressing of the LSE/Δ entries in the dK/dV kernel's query loop (config key "stat_loads", default "tensor"):
+# STAT_BASE of _dkdv_segment. The same entries are read, so the same bytes.
+_STAT = {"tensor": False, "base": True}
 _DOT_PRECISION = "ieee"
 
 
@@ -546,11 +570,16 @@ def _load_path(name: str, *tensors: torch.Tensor) -> int:
     return loads
 
 
+def _option(cfg: dict, key: str, choices: dict, default: str):
+    """The kernel flag of a named configuration option; ValueError for an unknown name."""
+    name = cfg.get(key, default)
+    if name not in choices:
+        raise ValueError(f"{key} must be one of {sorted(choices)}, got {name!r}")
+    return choices[name]
+
+
 def _resident_direct(cfg: dict) -> bool:
-    name = cfg.get("resident_loads", "select")
-    if name not in _RESIDENT:
-        raise ValueError(f"resident_loads must be one of {sorted(_RESIDENT)}, got {name!r}")
-    return _RESIDENT[name]
+    return _option(cfg, "resident_loads", _RESIDENT, "select")
 
 
 def _launch_opts(warps: int, stages: int) -> dict:
@@ -673,7 +702,8 @@ def attention_bwd(do_txt, do_img, q_txt, k_txt, v_txt, q_img, k_img, v_img, o_tx
             q_txt, k_txt, v_txt, q_img, k_img, v_img, do_txt, do_img, dk_txt, dv_txt, dk_img, dv_img, lse, delta, table,
             heads * d, heads, qk_scale, sm_scale,
             D=d, BLOCK_M=bm, BLOCK_N=bn, DOT_PRECISION=_DOT_PRECISION, LOADS=loads,
-            RESIDENT_DIRECT=_resident_direct(cfg), **_launch_opts(warps, stages))
+            RESIDENT_DIRECT=_resident_direct(cfg), STAT_BASE=_option(cfg, "stat_loads", _STAT, "tensor"),
+            **_launch_opts(warps, stages))
     bm, bn, warps, stages = cfg["dq"]
     table, n = _sample_tiles(tseq, iseq, bm, dev, only_sample)
     if n:
