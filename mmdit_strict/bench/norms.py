@@ -66,7 +66,7 @@ class Variant:
     may_differ: tuple[str, ...] = ()
 
 
-_QK_OPS = ("qk_rmsnorm", "qk_rmsnorm_rope (fused)")
+_QK_OPS = ("qk_rmsnorm", "qk_rmsnorm_rope (fused)", "txt_in_rmsnorm_linear")  # txt_in: the one-head norm's backward
 _LN_OPS = ("adaln_modulation", "final_adaln_out")
 VARIANTS = {
     "default": Variant(),
