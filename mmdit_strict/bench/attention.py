@@ -63,7 +63,7 @@ NEIGHBOURS_FP32 = ((0, 1029), (256, 1500))
 REF_HEADS = 2  # accuracy is checked on heads 0..REF_HEADS-1 against the CPU FP64 reference
 # Candidate overrides of the frozen d=128 configurations (informational; see ``candidates``), as
 # (dtype, part, override). Earlier runs: 90d39bb (tiles and warps) and f02d17b (load paths, backward neighbours);
-# see experiments/attention/. This set (not yet run; experiments/attention/sm90_compile_0a8b15c.md has the offline
+# see experiments/attention/. This set (not yet run; experiments/attention/sm90_compile_0988ad0.md has the offline
 # sm_90 compile of each): the frozen configuration as the baseline; resident tiles loaded directly
 # ("resident_loads": "direct", which lets wgmma read Q/K/V/dO from shared memory: dQ kernel 255 -> 210 registers
 # without spills, dK/dV 304 -> 24 bytes of spill) and the LSE/Δ entries of the dK/dV loop from a scalar base
