@@ -84,8 +84,11 @@ def test_nan_neighbours_are_never_read() -> None:
 
 
 @interp
-def test_tail_tiles_never_write_over_neighbour_rows() -> None:
-    """Launch one sample's tiles only, into outputs prefilled with a sentinel: every other row keeps it."""
+@pytest.mark.parametrize("option", ["frozen", "direct+tma+stat_base"])
+def test_tail_tiles_never_write_over_neighbour_rows(option: str) -> None:
+    """Launch one sample's tiles only, into outputs prefilled with a sentinel: every other row keeps it
+    (the frozen configuration, and with every load option on)."""
+    cfg = {**A.config_for(D, torch.float32), **LOAD_OPTIONS.get(option, {})}
     batch = [_sample(5, 19, 30), _sample(11, 7, 31), _sample(0, 23, 32)]
     packed, tseq, iseq = bench.pack([b[0] for b in batch])
     rows_t = [(sum(tseq[:b]), sum(tseq[:b + 1])) for b in range(3)]
@@ -94,10 +97,10 @@ def test_tail_tiles_never_write_over_neighbour_rows() -> None:
     for b in range(3):
         out = (torch.full_like(packed[0], sentinel), torch.full_like(packed[3], sentinel),
                torch.full((sum(tseq) + sum(iseq), H), sentinel, device=DEV))
-        o_t, o_i, lse = A.attention_fwd(*packed, tseq, iseq, out=out, only_sample=b)
+        o_t, o_i, lse = A.attention_fwd(*packed, tseq, iseq, cfg, out=out, only_sample=b)
         gout = tuple(torch.full_like(t, sentinel) for t in packed)
         do_t, do_i = torch.randn_like(o_t), torch.randn_like(o_i)
-        grads = A.attention_bwd(do_t, do_i, *packed, o_t, o_i, lse, tseq, iseq, out=gout, only_sample=b)
+        grads = A.attention_bwd(do_t, do_i, *packed, o_t, o_i, lse, tseq, iseq, cfg, out=gout, only_sample=b)
         for c in range(3):
             if c == b:
                 continue
