@@ -31,14 +31,14 @@ the final modulation need no copy); rows must be contiguous.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import sys
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
+from ..choice import KernelChoice
 from ..registry import KernelImpl, register
 from . import segments as seg
 from .gemm import _DTYPES, _interpreting, gemm
@@ -56,24 +56,17 @@ MAX_WIDTH = 16384
 # test compares them with "one_row"); off until the H200 qualifies it. An autograd node keeps its forward's.
 LN_VARIANTS = ("one_row", "two_rows")
 DEFAULT_LN_VARIANT = "one_row"
-_LN_VAR: contextvars.ContextVar[str] = contextvars.ContextVar("mmdit_ln_variant", default=DEFAULT_LN_VARIANT)
+_LN_VAR = KernelChoice("LayerNorm variant", LN_VARIANTS, DEFAULT_LN_VARIANT)
 
 
 def current_ln_variant() -> str:
     """The LayerNorm kernel variant in force (the innermost :func:`ln_variant`, else :data:`DEFAULT_LN_VARIANT`)."""
-    return _LN_VAR.get()
+    return _LN_VAR.current()
 
 
-@contextlib.contextmanager
-def ln_variant(name: str) -> Iterator[None]:
+def ln_variant(name: str) -> contextlib.AbstractContextManager[None]:
     """Run adaln_modulation / final_adaln_out inside the block with LayerNorm variant ``name`` (:data:`LN_VARIANTS`)."""
-    if name not in LN_VARIANTS:
-        raise ValueError(f"LayerNorm variant must be one of {LN_VARIANTS}, got {name!r}")
-    token = _LN_VAR.set(name)
-    try:
-        yield
-    finally:
-        _LN_VAR.reset(token)
+    return _LN_VAR.use(name)
 
 
 def num_warps_for(block: int) -> int:
@@ -415,7 +408,7 @@ def _stride0(v: torch.Tensor) -> int:
 
 
 def _check_ln_variant(variant: str | None) -> str:
-    variant = variant or _LN_VAR.get()
+    variant = variant or _LN_VAR.current()
     if variant not in LN_VARIANTS:
         raise ValueError(f"LayerNorm variant must be one of {LN_VARIANTS}, got {variant!r}")
     return variant
@@ -470,7 +463,7 @@ class AdalnModulationFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, shift, scale, seqlens, eps):  # type: ignore[override]
-        ctx.variant = _LN_VAR.get()
+        ctx.variant = _LN_VAR.current()
         y, mean, rstd = adaln_modulation_fwd(x, shift, scale, seqlens, eps, store_stats=True, variant=ctx.variant)
         ctx.save_for_backward(x, scale, mean, rstd)
         ctx.seqlens = seqlens
@@ -621,7 +614,7 @@ def _ln_identity(op: str):
     tail = "/_segment_fold_kernel" if op == "adaln_modulation" else ""
 
     def identity() -> dict:
-        name = _LN_VAR.get()
+        name = _LN_VAR.current()
         two = name == "two_rows"
         kernels = "_adaln_mod_fwd2_kernel/_adaln_mod_bwd2_kernel" if two else "_adaln_mod_fwd_kernel/_adaln_mod_bwd_kernel"
         return {"variant": name, "kernel": f"{gemm_part}{kernels}{tail}",

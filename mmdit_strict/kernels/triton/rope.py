@@ -52,14 +52,14 @@ dtype, and are read in FP32.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import sys
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
+from ..choice import KernelChoice
 from ..registry import KernelImpl, register
 from . import segments as seg
 from .gemm import _DTYPES, _interpreting
@@ -72,24 +72,17 @@ MAX_HEAD_WIDTH = 8192  # d (the even/odd tiles hold d/2 lanes)
 # fused == unfused within a layout. Select one for a block of code with :func:`qk_layout` (an autograd
 # node keeps the layout its forward ran with).
 QK_LAYOUTS = ("pairs", "contiguous")
-_LAYOUT: contextvars.ContextVar[str] = contextvars.ContextVar("mmdit_qk_layout", default="contiguous")
+_LAYOUT = KernelChoice("qk layout", QK_LAYOUTS, "contiguous")
 
 
 def current_qk_layout() -> str:
     """The QK norm / RoPE layout in force (the innermost :func:`qk_layout`, else the default)."""
-    return _LAYOUT.get()
+    return _LAYOUT.current()
 
 
-@contextlib.contextmanager
-def qk_layout(name: str) -> Iterator[None]:
+def qk_layout(name: str) -> contextlib.AbstractContextManager[None]:
     """Run the QK norm / RoPE kernels inside the block with layout ``name`` (one of :data:`QK_LAYOUTS`)."""
-    if name not in QK_LAYOUTS:
-        raise ValueError(f"qk layout must be one of {QK_LAYOUTS}, got {name!r}")
-    token = _LAYOUT.set(name)
-    try:
-        yield
-    finally:
-        _LAYOUT.reset(token)
+    return _LAYOUT.use(name)
 
 
 # How the contiguous layout's backward reduces d_gain (chosen with :func:`qk_bwd`; the "pairs" layout has one
@@ -101,25 +94,18 @@ def qk_layout(name: str) -> Iterator[None]:
 # versioned change, off until the H200 qualifies it. An autograd node keeps the variant of its forward.
 QK_BWD_VARIANTS = ("token_heads", "chunk_heads")
 DEFAULT_QK_BWD = "token_heads"  # flipping it is a versioned change of d_gain's bytes (docs/operators.md)
-_BWD: contextvars.ContextVar[str] = contextvars.ContextVar("mmdit_qk_bwd", default=DEFAULT_QK_BWD)
+_BWD = KernelChoice("qk backward variant", QK_BWD_VARIANTS, DEFAULT_QK_BWD)
 
 
 def current_qk_bwd() -> str:
     """The QK norm backward variant in force (the innermost :func:`qk_bwd`, else :data:`DEFAULT_QK_BWD`)."""
-    return _BWD.get()
+    return _BWD.current()
 
 
-@contextlib.contextmanager
-def qk_bwd(name: str) -> Iterator[None]:
+def qk_bwd(name: str) -> contextlib.AbstractContextManager[None]:
     """Run the contiguous layout's QK norm backward of nodes created inside the block as variant ``name``
     (:data:`QK_BWD_VARIANTS`)."""
-    if name not in QK_BWD_VARIANTS:
-        raise ValueError(f"qk backward variant must be one of {QK_BWD_VARIANTS}, got {name!r}")
-    token = _BWD.set(name)
-    try:
-        yield
-    finally:
-        _BWD.reset(token)
+    return _BWD.use(name)
 
 
 def _opts(elems: int) -> dict:
@@ -552,7 +538,7 @@ def qk_norm_fwd(x: torch.Tensor, gain: torch.Tensor, cos: torch.Tensor | None, s
     rope = cos is not None
     if not m:
         return torch.empty_like(x), rstd
-    if (layout or _LAYOUT.get()) == "contiguous":
+    if (layout or _LAYOUT.current()) == "contiguous":
         return _contig_fwd(x, gain, cos, sin, eps, rstd, 1.0), rstd
     y = torch.empty_like(x)
     bh, bp = _blocks(h, d)
@@ -578,8 +564,8 @@ def qk_norm_bwd(dy: torch.Tensor, x: torch.Tensor, gain: torch.Tensor, rstd: tor
     """Returns (dx (M, H, d), d_gain (d,) | None) in x's dtype. ``layout`` / ``bwd`` default to the ones in
     force (:func:`qk_layout`, :func:`qk_bwd`; ``bwd`` concerns the contiguous layout only)."""
     m, h, d = x.shape
-    layout = layout or _LAYOUT.get()
-    bwd = _effective_bwd(layout, bwd or _BWD.get())
+    layout = layout or _LAYOUT.current()
+    bwd = _effective_bwd(layout, bwd or _BWD.current())
     dx = torch.empty_like(x)
     ch = seg.chunks(seqlens, x.device)
     part = torch.empty((ch.n, d), dtype=torch.float32, device=x.device) if need_gain else None
@@ -611,7 +597,7 @@ def rope_apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     m, h, d = x.shape
     if not m:
         return torch.empty_like(x)
-    if (layout or _LAYOUT.get()) == "contiguous":
+    if (layout or _LAYOUT.current()) == "contiguous":
         return _contig_fwd(x, None, cos, sin, 0.0, None, -1.0 if inverse else 1.0)
     y = torch.empty_like(x)
     bh, bp = _blocks(h, d)
@@ -625,8 +611,8 @@ class QkNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, gain, cos, sin, seqlens, eps):  # type: ignore[override]
-        ctx.layout = _LAYOUT.get()
-        ctx.bwd = _effective_bwd(ctx.layout, _BWD.get())
+        ctx.layout = _LAYOUT.current()
+        ctx.bwd = _effective_bwd(ctx.layout, _BWD.current())
         y, rstd = qk_norm_fwd(x, gain, cos, sin, eps, store_rstd=True, layout=ctx.layout)
         ctx.save_for_backward(x, gain, rstd, cos, sin)
         ctx.seqlens = seqlens
@@ -645,7 +631,7 @@ class RopeFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, cos, sin):  # type: ignore[override]
-        ctx.layout = _LAYOUT.get()
+        ctx.layout = _LAYOUT.current()
         ctx.save_for_backward(cos, sin)
         return rope_apply(x, cos, sin, inverse=False, layout=ctx.layout)
 
@@ -737,14 +723,14 @@ _QK_VARIANTS = {
 
 
 def _qk_variant() -> dict:
-    layout = _LAYOUT.get()
-    bwd = _effective_bwd(layout, _BWD.get())
+    layout = _LAYOUT.current()
+    bwd = _effective_bwd(layout, _BWD.current())
     kernel, order = _QK_VARIANTS[layout, bwd]
     return {"variant": f"{layout}/{bwd}", "kernel": kernel, "reduction_order": order}
 
 
 def _rope_variant() -> dict:
-    layout = _LAYOUT.get()
+    layout = _LAYOUT.current()
     return {"variant": layout, "kernel": "_qk_fwd_kernel" if layout == "contiguous" else "_rope_kernel"}
 
 
