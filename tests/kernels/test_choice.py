@@ -1,0 +1,21 @@
+"""KernelChoice: the innermost choice wins, the previous one comes back on exit (also after an error)."""
+
+import pytest
+
+from mmdit_strict.kernels.choice import KernelChoice
+
+
+def test_nested_choices_restore_and_unknown_names_are_refused() -> None:
+    c = KernelChoice("demo variant", ("a", "b", "c"), "a")
+    assert c.current() == "a"
+    with c.use("b"):
+        assert c.current() == "b"
+        with pytest.raises(RuntimeError), c.use("c"):
+            assert c.current() == "c"
+            raise RuntimeError("inside")
+        assert c.current() == "b"
+    assert c.current() == "a"
+    with pytest.raises(ValueError, match="demo variant must be one of"), c.use("d"):
+        pass
+    with pytest.raises(ValueError, match="default 'z'"):
+        KernelChoice("demo variant", ("a",), "z")
