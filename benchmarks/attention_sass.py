@@ -21,28 +21,16 @@ against 3.6.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
-import os
-import re
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
+
+from .sm90 import Sm90Compiler, count_ops, instructions, loop_bodies, use_wheel
 
 COUNTED = ("STL", "LDL", "LDSM", "HGMMA", "WARPGROUP", "LDG.E.128", "LDGSTS", "UTMALDG", "MUFU.EX2", "BAR")
 
 
 def _counts(sass: str) -> dict[str, int]:
-    ops: collections.Counter = collections.Counter()
-    for line in sass.splitlines():
-        m = re.match(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
-        if m:
-            op = m.group(1)
-            for name in COUNTED:
-                if op == name or op.startswith(name + "."):
-                    ops[name] += 1
-    return {name: ops[name] for name in COUNTED}
+    return count_ops([op for _, op, _ in instructions(sass)], COUNTED)
 
 
 def _loop_bodies(sass: str) -> list[list[str]]:
@@ -51,66 +39,31 @@ def _loop_bodies(sass: str) -> list[list[str]]:
     Loops under 100 instructions (table walks, descriptor set-up) and over 1500 (a loop around whole
     inner loops) are left out: what remains are the per-tile bodies (each segment's full-tile loop).
     """
-    ins = []
-    for line in sass.splitlines():
-        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", line)
-        if m:
-            ins.append((int(m.group(1), 16), m.group(2), m.group(3)))
-    index = {a: i for i, (a, _, _) in enumerate(ins)}
-    bodies = []
-    for i, (a, op, rest) in enumerate(ins):
-        t = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
-        j = index.get(int(t.group(1), 16)) if t and int(t.group(1), 16) < a else None
-        if j is not None and 100 <= i - j <= 1500:
-            bodies.append([o for _, o, _ in ins[j:i + 1]])
-    return bodies
+    return [b for b in loop_bodies(instructions(sass)) if 100 <= len(b) - 1 <= 1500]
 
 
 def _compile_all(A, torch, triton_dir: Path, override: dict, sass_dir: Path | None, tag: str, dtype) -> list[dict]:
     """Run attention_fwd/attention_bwd with every kernel launch replaced by an sm_90 compile; one row per kernel."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
-    from triton.compiler import compile as triton_compile
-    from triton.runtime.jit import create_function_from_signature
-
-    target = GPUTarget("cuda", 90, 32)
-    cuobjdump = str(triton_dir / "triton" / "backends" / "nvidia" / "bin" / "cuobjdump")
+    compiler = Sm90Compiler(triton_dir)
     rows: list[dict] = []
 
-    class Compile:
-        def __init__(self, fn, name: str) -> None:
-            self.fn, self.name = fn, name
+    def recorder(name: str):
+        def on_build(b, kwargs) -> None:
+            if sass_dir is not None:
+                sass_dir.mkdir(parents=True, exist_ok=True)
+                (sass_dir / f"{tag}.{name}.sass").write_text(b.sass)
+            tiles = tuple(kwargs.get(k) for k in ("BLOCK_M", "BLOCK_N") if k in kwargs)
+            loops = _loop_bodies(b.sass)
+            body = max(loops, key=len) if loops else []
+            rows.append({"config": tag, "kernel": name, "tiles": tiles, "regs": b.regs, "stack": b.stack,
+                         **_counts(b.sass), "loop": {"instructions": len(body), **count_ops(body, COUNTED)}})
 
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                backend = make_backend(target)
-                binder = create_function_from_signature(self.fn.signature, self.fn.params, backend)
-                bound, specialization, options = binder(*args, **kwargs)
-                options, signature, constexprs, attrs = self.fn._pack_args(backend, kwargs, bound, specialization, options)
-                kernel = triton_compile(ASTSource(self.fn, signature, constexprs, attrs), target=target,
-                                        options=options.__dict__)
-                with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                    f.write(kernel.asm["cubin"])
-                    f.flush()
-                    res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-                    sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-                usage = dict(re.findall(r"(REG|STACK):(\d+)", res))
-                if sass_dir is not None:
-                    sass_dir.mkdir(parents=True, exist_ok=True)
-                    (sass_dir / f"{tag}.{self.name}.sass").write_text(sass)
-                tiles = tuple(kwargs.get(k) for k in ("BLOCK_M", "BLOCK_N") if k in kwargs)
-                loops = _loop_bodies(sass)
-                body = max(loops, key=len) if loops else []
-                rows.append({"config": tag, "kernel": self.name, "tiles": tiles, "regs": int(usage.get("REG", -1)),
-                             "stack": int(usage.get("STACK", -1)), **_counts(sass),
-                             "loop": {"instructions": len(body), **_counts("\n".join(f"  /*0000*/ {o} ;" for o in body))}})
-
-            return launch
+        return on_build
 
     saved = {}
     for name in ("_attn_fwd_kernel", "_bwd_delta_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel"):
         saved[name] = getattr(A, name)
-        setattr(A, name, Compile(saved[name], name))
+        setattr(A, name, compiler.wrap(saved[name], recorder(name)))
     patched = {"_interpreting": lambda: False, "_ensure_allocator": lambda: None,
                "_tile_table": lambda tseq, iseq, block, device: (torch.zeros(4, 9, dtype=torch.int32), 4)}
     saved.update({k: getattr(A, k) for k in patched})
@@ -137,14 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sass-dir", default=None)
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     args = p.parse_args(argv)
-    triton_dir = Path(args.triton).resolve()
-    if not (triton_dir / "triton" / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
-        raise ValueError(f"{triton_dir} holds no unpacked Triton wheel (triton/backends/nvidia/bin/cuobjdump missing)")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        raise ValueError("unset TRITON_INTERPRET: the kernels must be built for the GPU compiler")
-    if any(m == "triton" or m.startswith("triton.") for m in sys.modules):
-        raise ValueError("triton was imported before --triton could be put first on sys.path")
-    sys.path.insert(0, str(triton_dir))
+    triton_dir = use_wheel(args.triton)
     import torch
     import triton
 

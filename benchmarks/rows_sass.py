@@ -20,13 +20,10 @@ specific: this is written against 3.6.
 from __future__ import annotations
 
 import argparse
-import collections
-import os
 import re
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
+
+from .sm90 import Sm90Compiler, count_ops, instructions, loop_bodies, use_wheel
 
 COUNTED = ("STL", "LDL", "BAR", "SHFL", "STS", "LDS", "LDG")
 
@@ -36,33 +33,16 @@ class _Stop(Exception):
 
 
 def _instructions(sass: str) -> list[tuple[int, str, str]]:
-    out = []
-    for line in sass.splitlines():
-        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", line)
-        if m:
-            out.append((int(m.group(1), 16), m.group(2), m.group(3)))
-    return out
+    return instructions(sass)
 
 
 def _counts(ops: list[str]) -> dict[str, int]:
-    c: collections.Counter = collections.Counter()
-    for op in ops:
-        for name in COUNTED:
-            if op == name or op.startswith(name + "."):
-                c[name] += 1
-    return {name: c[name] for name in COUNTED}
+    return count_ops(ops, COUNTED)
 
 
 def _main_loop(ins: list[tuple[int, str, str]]) -> list[str]:
     """Opcodes of the longest loop: from a backward branch's target to the branch."""
-    index = {a: i for i, (a, _, _) in enumerate(ins)}
-    best: list[str] = []
-    for i, (a, op, rest) in enumerate(ins):
-        t = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
-        j = index.get(int(t.group(1), 16)) if t and int(t.group(1), 16) < a else None
-        if j is not None and i + 1 - j > len(best):
-            best = [o for _, o, _ in ins[j:i + 1]]
-    return best
+    return max(loop_bodies(ins), key=len, default=[])
 
 
 def _reduces(ttgir: str) -> list[tuple[int, int, str]]:
@@ -77,46 +57,24 @@ def _reduces(ttgir: str) -> list[tuple[int, int, str]]:
 
 
 def _compiler(triton_dir: Path, sass_dir: Path | None, rows: list[dict]):
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
-    from triton.compiler import compile as triton_compile
-    from triton.runtime.jit import create_function_from_signature
+    compiler = Sm90Compiler(triton_dir)
 
-    target = GPUTarget("cuda", 90, 32)
-    cuobjdump = str(triton_dir / "triton" / "backends" / "nvidia" / "bin" / "cuobjdump")
+    def wrap(fn, label: str):
+        def on_build(b, _kwargs) -> None:
+            if sass_dir is not None:
+                sass_dir.mkdir(parents=True, exist_ok=True)
+                (sass_dir / f"{label}.sass").write_text(b.sass)
+                (sass_dir / f"{label}.ttgir").write_text(b.kernel.asm["ttgir"])
+            ins = _instructions(b.sass)
+            loop = _main_loop(ins)
+            rows.append({"label": label, "kernel": fn.__name__, "warps": b.num_warps, "regs": b.regs, "stack": b.stack,
+                         "all": _counts([o for _, o, _ in ins]), "loop_len": len(loop), "loop": _counts(loop),
+                         "reduces": _reduces(b.kernel.asm["ttgir"])})
+            raise _Stop
 
-    class Compile:
-        def __init__(self, fn, label: str) -> None:
-            self.fn, self.label = fn, label
+        return compiler.wrap(fn, on_build)
 
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                backend = make_backend(target)
-                binder = create_function_from_signature(self.fn.signature, self.fn.params, backend)
-                bound, specialization, options = binder(*args, **kwargs)
-                options, signature, constexprs, attrs = self.fn._pack_args(backend, kwargs, bound, specialization, options)
-                kernel = triton_compile(ASTSource(self.fn, signature, constexprs, attrs), target=target, options=options.__dict__)
-                with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                    f.write(kernel.asm["cubin"])
-                    f.flush()
-                    res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-                    sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-                if sass_dir is not None:
-                    sass_dir.mkdir(parents=True, exist_ok=True)
-                    (sass_dir / f"{self.label}.sass").write_text(sass)
-                    (sass_dir / f"{self.label}.ttgir").write_text(kernel.asm["ttgir"])
-                usage = dict(re.findall(r"(REG|STACK):(\d+)", res))
-                ins = _instructions(sass)
-                loop = _main_loop(ins)
-                rows.append({"label": self.label, "kernel": self.fn.__name__, "warps": options.num_warps,
-                             "regs": int(usage.get("REG", -1)), "stack": int(usage.get("STACK", -1)),
-                             "all": _counts([o for _, o, _ in ins]), "loop_len": len(loop), "loop": _counts(loop),
-                             "reduces": _reduces(kernel.asm["ttgir"])})
-                raise _Stop
-
-            return launch
-
-    return Compile
+    return wrap
 
 
 def _cases(torch, R, N):
@@ -150,14 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--triton", required=True, help="an unpacked Triton 3.6 wheel (the directory holding triton/)")
     p.add_argument("--sass-dir", default=None, help="also write every kernel's SASS and TTGIR here")
     args = p.parse_args(argv)
-    triton_dir = Path(args.triton).resolve()
-    if not (triton_dir / "triton" / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
-        raise ValueError(f"{triton_dir} holds no unpacked Triton wheel (triton/backends/nvidia/bin/cuobjdump missing)")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        raise ValueError("unset TRITON_INTERPRET: the kernels must be built for the GPU compiler")
-    if any(m == "triton" or m.startswith("triton.") for m in sys.modules):
-        raise ValueError("triton was imported before --triton could be put first on sys.path")
-    sys.path.insert(0, str(triton_dir))
+    triton_dir = use_wheel(args.triton)
     import torch
     import triton
 
