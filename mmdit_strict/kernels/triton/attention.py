@@ -70,6 +70,15 @@ from .gemm import _DTYPES, _interpreting
 
 
 @triton.jit
+def _tile_entry(tiles_ptr, tile):
+    """The nine int32 columns of tile ``tile``'s table row (meanings above): stream, first row, segment end,
+    first LSE row, text start, text rows, image start, image rows, first image LSE row."""
+    t = tiles_ptr + tile * 9
+    return (tl.load(t), tl.load(t + 1), tl.load(t + 2), tl.load(t + 3), tl.load(t + 4), tl.load(t + 5),
+            tl.load(t + 6), tl.load(t + 7), tl.load(t + 8))
+
+
+@triton.jit
 def _stream_masks(row_ok, stream):
     """(rows, 1) store/load masks of a tile's valid rows in the text and in the image buffer."""
     stream_v = tl.zeros_like(row_ok.to(tl.int32)) + stream  # a vector: the interpreter rejects scalar & vector masks
@@ -196,15 +205,7 @@ def _attn_fwd_kernel(
     """One (query tile, head): O rows and their base-2 LSE. Grid (query tiles, heads)."""
     tile = tl.program_id(0)
     h = tl.program_id(1)
-    t = tiles_ptr + tile * 9
-    stream = tl.load(t)
-    row0 = tl.load(t + 1)
-    seg_end = tl.load(t + 2)
-    stat0 = tl.load(t + 3)
-    t_start = tl.load(t + 4)
-    nt = tl.load(t + 5)
-    i_start = tl.load(t + 6)
-    ni = tl.load(t + 7)
+    stream, row0, seg_end, stat0, t_start, nt, i_start, ni, _ = _tile_entry(tiles_ptr, tile)
     col = h * D
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
@@ -235,11 +236,7 @@ def _bwd_delta_kernel(o_txt_ptr, o_img_ptr, do_txt_ptr, do_img_ptr, delta_ptr, t
     """Δ = rowsum(dO ∘ O) in FP32 for one (query tile, head); the row sum is tl.sum over d."""
     tile = tl.program_id(0)
     h = tl.program_id(1)
-    t = tiles_ptr + tile * 9
-    stream = tl.load(t)
-    row0 = tl.load(t + 1)
-    seg_end = tl.load(t + 2)
-    stat0 = tl.load(t + 3)
+    stream, row0, seg_end, stat0, _, _, _, _, _ = _tile_entry(tiles_ptr, tile)
     offs_m = tl.arange(0, BLOCK_M)
     rows = row0 + offs_m
     row_ok = rows < seg_end
@@ -344,15 +341,7 @@ def _attn_bwd_dkdv_kernel(
     """One (key tile, head): dK and dV over the sample's query tiles (text, then image). Grid (key tiles, heads)."""
     tile = tl.program_id(0)
     h = tl.program_id(1)
-    t = tiles_ptr + tile * 9
-    stream = tl.load(t)
-    row0 = tl.load(t + 1)
-    seg_end = tl.load(t + 2)
-    t_start = tl.load(t + 4)
-    nt = tl.load(t + 5)
-    i_start = tl.load(t + 6)
-    ni = tl.load(t + 7)
-    i_stat0 = tl.load(t + 8)
+    stream, row0, seg_end, _, t_start, nt, i_start, ni, i_stat0 = _tile_entry(tiles_ptr, tile)
     col = h * D
     rows = row0 + tl.arange(0, BLOCK_N)
     row_ok = rows < seg_end
@@ -438,15 +427,7 @@ def _attn_bwd_dq_kernel(
     """One (query tile, head): dQ over the sample's key tiles in the forward's order. Grid (query tiles, heads)."""
     tile = tl.program_id(0)
     h = tl.program_id(1)
-    t = tiles_ptr + tile * 9
-    stream = tl.load(t)
-    row0 = tl.load(t + 1)
-    seg_end = tl.load(t + 2)
-    stat0 = tl.load(t + 3)
-    t_start = tl.load(t + 4)
-    nt = tl.load(t + 5)
-    i_start = tl.load(t + 6)
-    ni = tl.load(t + 7)
+    stream, row0, seg_end, stat0, t_start, nt, i_start, ni, _ = _tile_entry(tiles_ptr, tile)
     col = h * D
     offs_m = tl.arange(0, BLOCK_M)
     rows = row0 + offs_m
