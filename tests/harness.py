@@ -494,6 +494,16 @@ class BadCase:
     fragment: str = ""
 
 
+def run_without_host_sync(fn: Callable[[], Any]) -> Any:
+    """``fn()`` under ``torch.cuda.set_sync_debug_mode("error")``: any host-device synchronisation raises."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def check_bad_inputs(fn: Callable[..., Any], cases: Sequence[BadCase], *, error: type[Exception] = ValueError) -> None:
     """Each case raises ``error`` with its message fragment (case-insensitive); all failures reported together."""
     problems = []

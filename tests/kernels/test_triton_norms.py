@@ -31,6 +31,7 @@ from tests.harness import (  # noqa: E402
     packed_op,
     randn,
     run_with_grads,
+    run_without_host_sync,
 )
 
 interp = pytest.mark.skipif(not INTERPRET, reason="interpreter (CPU FP32) test; CUDA runs the gpu tests")
@@ -438,12 +439,7 @@ def test_gpu_no_host_sync_on_repeat(target):
         out.float().sum().backward()
 
     step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    run_without_host_sync(step)
 
 
 @pytest.mark.gpu

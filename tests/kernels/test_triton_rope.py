@@ -30,6 +30,7 @@ from tests.harness import (  # noqa: E402
     packed_op,
     randn,
     run_with_grads,
+    run_without_host_sync,
 )
 from tests.kernels.test_triton_norms import accuracy  # noqa: E402
 
@@ -534,12 +535,7 @@ def test_gpu_no_host_sync_on_repeat(target):
         (a.float().sum() + b.float().sum()).backward()
 
     step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    run_without_host_sync(step)
 
 
 @pytest.mark.gpu

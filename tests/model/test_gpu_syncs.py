@@ -17,6 +17,7 @@ from mmdit_strict.kernels.runtime import Runtime, runtime_mode
 from mmdit_strict.model import strict
 from mmdit_strict.model.init import build_model
 from mmdit_strict.model.rope import packed_rope_tables
+from tests.harness import run_without_host_sync
 
 pytestmark = pytest.mark.gpu
 
@@ -43,20 +44,11 @@ def block_args():
                    arch.num_attention_heads, arch.attention_head_dim, arch.eps)
 
 
-def _under_sync_error(fn):
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        return fn()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-
-
 def test_strict_block_forward_has_no_host_sync(block_args) -> None:
     _, args = block_args
     with runtime_mode(Runtime.STRICT), torch.no_grad():
         warm = strict._block(*args)
-        again = _under_sync_error(lambda: strict._block(*args))
+        again = run_without_host_sync(lambda: strict._block(*args))
     for a, b in zip(warm, again):
         assert torch.equal(a, b)
 
@@ -73,5 +65,5 @@ def test_strict_block_backward_has_no_host_sync(block_args) -> None:
 
     with runtime_mode(Runtime.STRICT):
         step()
-        _under_sync_error(step)
+        run_without_host_sync(step)
     assert img.grad is not None and torch.isfinite(img.grad.float()).all()
