@@ -160,6 +160,17 @@ _MOD_DX_FP32 = FwdConfig(16, 32, 64, 4, 4)
 _THIN_N_FP32 = FwdConfig(64, 64, 32, 4, 3)
 _FP32_OF = {_MOD_BF16: _MOD_FP32, _FINAL_MOD_BF16: _MOD_FP32, _THIN_N_BF16: _THIN_N_FP32, _MOD_DX_BF16: _MOD_DX_FP32}
 _FWD.update({(_n, _k, _FP32): _FP32_OF.get(_cfg, _BIG_FP32) for (_n, _k, _d), _cfg in list(_FWD.items())})
+# The forward reads W (N, K) in place instead of a prepacked Wᵀ copy (H200 at bb1b941,
+# experiments/gemm/h200_layouts_bb1b941.md; bytes equal to the copy's in every class): q/k/v 0.998×,
+# attn_out 1.004×, mlp_up 1.029×, mlp_down 1.012×, txt_in 0.999× the copy's speed; the modulation
+# projection through descriptors 0.912× (3 µs of a 0.032 ms kernel, 120 calls per forward ≈ 0.4 ms, for
+# 12.7 GiB of copies at Qwen-Image size), final modulation 1.031×. Only the forward reads
+# ``weight_layout``; dX always reads W as stored. The two modulation keys serve no dX product, so their
+# ``tma`` flag changes only the forward. img_in / proj_out keep their 0.4 MiB copies (nk 0.97–0.98×).
+_IN_PLACE_BF16 = {(3072, 3072): False, (12288, 3072): False, (3072, 12288): False,
+                  (3072, 3584): False, (18432, 3072): True, (6144, 3072): True}
+for (_n, _k), _tma in _IN_PLACE_BF16.items():
+    _FWD[(_n, _k, _BF16)] = _FWD[(_n, _k, _BF16)].replace(weight_layout="nk", tma=_FWD[(_n, _k, _BF16)].tma or _tma)
 FWD: Mapping[tuple[int, int, str], FwdConfig] = MappingProxyType(_FWD)
 
 _DW_BF16 = DwConfig(128, 128, 64, 8, 3)
