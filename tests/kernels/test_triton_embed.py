@@ -14,12 +14,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from mmdit_strict.kernels.triton import embed as E  # noqa: E402
-from mmdit_strict.kernels.triton import gemm as G  # noqa: E402
-
-INTERPRET = G._interpreting()  # set for the session by tests/conftest.py when there is no CUDA device
-
 from mmdit_strict.bench.gemm import gemm_tolerance  # noqa: E402
+from mmdit_strict.kernels.triton import embed as E  # noqa: E402
 from mmdit_strict.reference import ops as ref  # noqa: E402
 from mmdit_strict.tolerances import tolerance  # noqa: E402
 from tests.harness import (  # noqa: E402
@@ -36,8 +32,8 @@ from tests.harness import (  # noqa: E402
     rows_op,
     run_with_grads,
 )
+from tests.kernels.triton_rows import GPU_TARGETS, interp, skip_unless_compiled  # noqa: E402  (mode: tests/conftest.py)
 
-interp = pytest.mark.skipif(not INTERPRET, reason="interpreter (CPU FP32) test; CUDA runs the gpu tests")
 C, D = 32, 40  # sinusoid channels and model width (non-multiples of the small-shape tiles)
 SIGMAS = torch.tensor([1.0, 0.5, 0.02, 0.0, 0.731], dtype=torch.float32)
 
@@ -99,20 +95,13 @@ def test_registered_for_cuda_strict_fp32_and_bf16():
 # GPU: Qwen-Image's widths (never in CI)
 # ------------------------------------------------------------------------------------------------
 
-GPU_TARGETS = [Target("cuda", torch.bfloat16), Target("cuda", torch.float32)]
 QWEN_C, QWEN_D = 256, 3072
-
-
-def _gpu(target: Target) -> None:
-    target.skip_unless_available()
-    if INTERPRET:
-        pytest.skip("TRITON_INTERPRET=1: the GPU tests need compiled kernels")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
 def test_gpu_rows_are_batch_invariant(target):
-    _gpu(target)
+    skip_unless_compiled(target)
     p = _params(QWEN_C, QWEN_D, target)
     # the harness puts every input in the target dtype; sigma enters the op as FP32, as the model passes it
     check_row_invariance(rows_op(lambda s: E.timestep_embed_mlp(s.float(), *p, channels=QWEN_C, scale=1000.0)), _sigma_row,
@@ -124,7 +113,7 @@ def test_gpu_rows_are_batch_invariant(target):
 def test_gpu_accuracy(target):
     """Output and each parameter gradient vs the FP64 reference; bf16 bounds scale with that tensor's
     max|ref| (the engine's ``gemm.<check>.bf16`` form), fp32 uses ``ops.timestep_embed_mlp[_grad]``."""
-    _gpu(target)
+    skip_unless_compiled(target)
     p = _params(QWEN_C, QWEN_D, target)
     kw = dict(channels=QWEN_C, scale=1000.0)
     gy = randn(SIGMAS.shape[0], QWEN_D, gen=generator(6), target=target)
@@ -144,7 +133,7 @@ def test_gpu_accuracy(target):
 @pytest.mark.gpu
 def test_gpu_fp32_param_grad_fold():
     target = GPU_TARGETS[1]
-    _gpu(target)
+    skip_unless_compiled(target)
     p = _params(QWEN_C, QWEN_D, target)
     gen = generator(5)
     items = [torch.rand(1, generator=gen).cuda() for _ in range(5)]

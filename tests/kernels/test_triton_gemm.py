@@ -19,17 +19,20 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from mmdit_strict.kernels.triton import gemm as G  # noqa: E402
 from mmdit_strict.kernels.triton.gemm import fpmath, kernels  # noqa: E402
-
-INTERPRET = G._interpreting()
+from tests.kernels.triton_rows import (  # noqa: E402  (interpreter mode: tests/conftest.py)
+    GPU_TARGETS,
+    INTERPRET,
+    G,
+    interp,
+    skip_unless_compiled,
+)
 
 ref_ops = pytest.importorskip(
     "mmdit_strict.reference.ops", reason="the FP64 reference (mmdit_strict.reference.ops.linear) is missing"
 )
 from mmdit_strict.bench.gemm import gemm_tolerance  # noqa: E402
 
-interp = pytest.mark.skipif(not INTERPRET, reason="interpreter (CPU FP32) test; CUDA runs the gpu tests")
 M, K, N, R = 37, 53, 45, 5
 SEQLENS = (10, 0, 27)
 
@@ -477,7 +480,6 @@ def test_newton_division_is_correctly_rounded():
 
 from tests.harness import (  # noqa: E402
     BATCH_SIZES,
-    Target,
     check_grad_accuracy,
     check_param_grad_fold,
     check_row_invariance,
@@ -489,7 +491,6 @@ from tests.harness import (  # noqa: E402
     run_with_grads,
 )
 
-GPU_TARGETS = [Target("cuda", torch.bfloat16), Target("cuda", torch.float32)]
 # (name, N, K, prologue, epilogue, LoRA rank): modulation (SiLU prologue, one row per sample),
 # mlp_up (bias + tanh-GELU), attn_out with a LoRA.
 GPU_LAYERS = [
@@ -499,12 +500,6 @@ GPU_LAYERS = [
 ]
 GPU_TOKENS = (1, 7, 33, 100, 129, 300)  # non-multiples of every BLOCK_M (16/128/256) on both sides
 GPU_FOLD_LENS = (7, 1, 129, 300, 32)
-
-
-def _gpu(target: Target) -> None:
-    target.skip_unless_available()
-    if INTERPRET:
-        pytest.skip("TRITON_INTERPRET=1: the GPU tests need compiled kernels")
 
 
 def _layer_params(n, k, r, target, seed=21):
@@ -526,7 +521,7 @@ def _ids(layers):
 @pytest.mark.parametrize("layer", GPU_LAYERS, ids=_ids(GPU_LAYERS))
 def test_gpu_row_invariance(target, layer):
     """y and dX rows: a batch of B ∈ {2, 3, 64, 257} rows equals each row alone (every position, reversed, probe)."""
-    _gpu(target)
+    skip_unless_compiled(target)
     name, n, k, pro, epi, r = layer
     w, b, lo = _layer_params(n, k, r, target)
 
@@ -545,7 +540,7 @@ def test_gpu_row_invariance(target, layer):
 def test_gpu_token_sweep(target, layer):
     """Samples of 1..300 tokens batched together (and reversed) equal each alone; a sample's first n rows alone
     equal the same rows inside the longest sample (y, dX)."""
-    _gpu(target)
+    skip_unless_compiled(target)
     name, n, k, pro, epi, r = layer
     w, b, lo = _layer_params(n, k, r, target)
 
@@ -564,7 +559,7 @@ def test_gpu_grad_accuracy(target, layer):
     """Forward and each gradient (dX, dW, db, dA, dB) against the FP64 reference within tolerances.yaml
     ``gemm.<check>.<dtype>`` (``atol_max``: a fraction of that tensor's max|ref|), with cuBLAS + eager
     epilogue kept out of the pass rule (the bench reports the flash-attention "≤ 2× torch error" column)."""
-    _gpu(target)
+    skip_unless_compiled(target)
     name, n, k, pro, epi, r = layer
     w, b, lo = _layer_params(n, k, r, target, seed=23)
     seqlens = (1, 3, 60) if pro == "silu" else (45, 83)
@@ -594,7 +589,7 @@ def test_gpu_param_grad_fold(layer):
     (In bf16 the engine folds FP32 partials and casts once, so a fold of bf16 singleton gradients is not
     the contract; :func:`test_gpu_bf16_weight_grad_fold_of_fp32_partials` checks the bf16 form.)"""
     target = GPU_TARGETS[1]
-    _gpu(target)
+    skip_unless_compiled(target)
     name, n, k, pro, epi, r = layer
     w, b, lo = _layer_params(n, k, r, target, seed=27)
     lens = (1,) * 9 if pro == "silu" else GPU_FOLD_LENS
@@ -618,7 +613,7 @@ def test_gpu_bf16_weight_grad_fold_of_fp32_partials(layer):
     """BF16: dW/db over seqlens equal, in bytes, the sample-order left fold of the per-sample FP32 partials, and a
     micro-batch split continued through FP32 buffers."""
     target = GPU_TARGETS[0]
-    _gpu(target)
+    skip_unless_compiled(target)
     from tests.harness import assert_bytes_equal, left_fold
 
     name, n, k, pro, epi, _ = layer

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.triton_rows import INTERPRET, N, S  # noqa: I001  (interpreter mode: tests/conftest.py)
+from tests.kernels.triton_rows import GPU_TARGETS, N, S, interp, skip_unless_compiled  # noqa: I001  (interpreter mode: tests/conftest.py)
 
 from mmdit_strict.bench.norms import row_tolerance  # noqa: E402
 from mmdit_strict.kernels import production as P  # noqa: E402
@@ -34,7 +34,6 @@ from tests.harness import (  # noqa: E402
     run_without_host_sync,
 )
 
-interp = pytest.mark.skipif(not INTERPRET, reason="interpreter (CPU FP32) test; CUDA runs the gpu tests")
 EPS = 1e-6
 D = 40  # interpreter width: not a power of two
 SEQ = (5, 0, 19, 33)  # an empty sample, chunks of 16 rows crossed
@@ -376,21 +375,14 @@ def test_registered_for_cuda_strict_fp32_and_bf16():
 # GPU: Qwen-Image's widths (never in CI)
 # ------------------------------------------------------------------------------------------------
 
-GPU_TARGETS = [Target("cuda", torch.bfloat16), Target("cuda", torch.float32)]
 QD, QCT = 3072, 3584
 GPU_SEQ = (300, 0, 77)
-
-
-def _gpu(target: Target) -> None:
-    target.skip_unless_available()
-    if INTERPRET:
-        pytest.skip("TRITON_INTERPRET=1: the GPU tests need compiled kernels")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
 def test_gpu_accuracy(target):
-    _gpu(target)
+    skip_unless_compiled(target)
     check_modulation_accuracy(QD, GPU_SEQ, target)
     check_gate_accuracy(QD, GPU_SEQ, target)
     check_final_accuracy(QD, GPU_SEQ, target)
@@ -402,21 +394,21 @@ def test_gpu_accuracy(target):
 def test_gpu_batch_invariance(target):
     """Samples alone vs in batches of 2, 3, 8, 64 at every position (and reversed, and a probe at
     first/middle/last): y, dx, d_shift, d_scale (and y, dx, dy, d_gate) as raw bytes."""
-    _gpu(target)
+    skip_unless_compiled(target)
     check_invariance(QD, target, (2, 3, 8, 64), 1, 40)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
 def test_gpu_token_sweep(target):
-    _gpu(target)
+    skip_unless_compiled(target)
     check_sweep(QD, target, (1, 7, 15, 16, 17, 100, S.CHUNK_ROWS * S.FOLD_TILE + 1))
 
 
 @pytest.mark.gpu
 def test_gpu_fp32_param_grad_fold():
     target = GPU_TARGETS[1]
-    _gpu(target)
+    skip_unless_compiled(target)
     check_txt_gain_fold(QCT, 256, target, (7, 1, 130, 0, 33))
 
 
@@ -424,7 +416,7 @@ def test_gpu_fp32_param_grad_fold():
 @pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
 def test_gpu_no_host_sync_on_repeat(target):
     """A repeated call with the same seqlens launches without a host synchronisation (tables cached)."""
-    _gpu(target)
+    skip_unless_compiled(target)
     gen = generator(8)
     seq = (100, 3)
     x = randn(sum(seq), QD, gen=gen, target=target).requires_grad_(True)
@@ -449,7 +441,7 @@ def test_gpu_ln_variant_bytes_equal_default(target, variant):
     """At D = 3072 the variant gives the default's bytes: y, the saved mean / rstd, dx, d_shift, d_scale
     (odd and even row counts, an empty sample, a one-row sample), and final_adaln_out's every gradient;
     then alone vs batched and the row-count sweep under the variant."""
-    _gpu(target)
+    skip_unless_compiled(target)
     gen = generator(12)
     seq = (300, 0, 77, 1, 16, 17)
     b, m = len(seq), sum(seq)

@@ -12,7 +12,7 @@ import contextlib
 import pytest
 import torch
 
-from tests.kernels.triton_rows import INTERPRET, N, R  # noqa: I001  (interpreter mode: tests/conftest.py)
+from tests.kernels.triton_rows import GPU_TARGETS, N, R, interp, skip_unless_compiled  # noqa: I001  (interpreter mode: tests/conftest.py)
 
 from mmdit_strict.kernels import production as P  # noqa: E402
 from mmdit_strict.model.rope import rope_tables  # noqa: E402
@@ -20,7 +20,6 @@ from mmdit_strict.reference import ops as ref  # noqa: E402
 from tests.harness import (  # noqa: E402
     CPU_FP32,
     BadCase,
-    Target,
     assert_bytes_equal,
     check_bad_inputs,
     check_param_grad_fold,
@@ -34,7 +33,6 @@ from tests.harness import (  # noqa: E402
 )
 from tests.kernels.test_triton_norms import accuracy  # noqa: E402
 
-interp = pytest.mark.skipif(not INTERPRET, reason="interpreter (CPU FP32) test; CUDA runs the gpu tests")
 EPS = 1e-6
 H, DH = 3, 12  # interpreter heads and head width (d/2 = 6: not a power of two)
 SEQ = (5, 0, 19, 33)
@@ -430,21 +428,14 @@ def test_kernel_variants_are_documented():
 # GPU: 24 heads × 128 (never in CI)
 # ------------------------------------------------------------------------------------------------
 
-GPU_TARGETS = [Target("cuda", torch.bfloat16), Target("cuda", torch.float32)]
 QH, QDH = 24, 128
-
-
-def _gpu(target: Target) -> None:
-    target.skip_unless_available()
-    if INTERPRET:
-        pytest.skip("TRITON_INTERPRET=1: the GPU tests need compiled kernels")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
 @pytest.mark.parametrize("layout", R.QK_LAYOUTS)
 def test_gpu_accuracy(target, layout):
-    _gpu(target)
+    skip_unless_compiled(target)
     with R.qk_layout(layout):
         check_accuracy(QH, QDH, (300, 0, 77), target)
 
@@ -453,7 +444,7 @@ def test_gpu_accuracy(target, layout):
 @pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
 @pytest.mark.parametrize("layout", R.QK_LAYOUTS)
 def test_gpu_fused_equals_unfused(target, layout):
-    _gpu(target)
+    skip_unless_compiled(target)
     with R.qk_layout(layout):
         check_fused_equals_unfused(QH, QDH, (4096, 0, 256, 77), target)
 
@@ -462,7 +453,7 @@ def test_gpu_fused_equals_unfused(target, layout):
 @pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
 @pytest.mark.parametrize("layout", R.QK_LAYOUTS)
 def test_gpu_batch_invariance(target, layout):
-    _gpu(target)
+    skip_unless_compiled(target)
     with R.qk_layout(layout):
         check_invariance(QH, QDH, target, (2, 3, 8, 64), 1, 40)
 
@@ -471,7 +462,7 @@ def test_gpu_batch_invariance(target, layout):
 @pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
 @pytest.mark.parametrize("layout", R.QK_LAYOUTS)
 def test_gpu_token_sweep(target, layout):
-    _gpu(target)
+    skip_unless_compiled(target)
     with R.qk_layout(layout):
         check_sweep(QH, QDH, target, (1, 7, 15, 16, 17, 100, 1025))
 
@@ -480,7 +471,7 @@ def test_gpu_token_sweep(target, layout):
 @pytest.mark.parametrize("layout", R.QK_LAYOUTS)
 def test_gpu_fp32_gain_grad_fold(layout):
     target = GPU_TARGETS[1]
-    _gpu(target)
+    skip_unless_compiled(target)
     with R.qk_layout(layout):
         check_gain_fold(QH, QDH, target, (7, 1, 130, 0, 1100))
 
@@ -497,7 +488,7 @@ def test_gpu_contiguous_one_binary_for_norm_rope_and_fused(target):
     compiled forward kernel and qk_rmsnorm / fused share ONE compiled backward kernel (runtime flags, no
     specialization on them): one layout, so one summation tree, for the fused and the unfused path.
     A head shape no other test uses (5 × 40), so every compile counted here is this test's."""
-    _gpu(target)
+    skip_unless_compiled(target)
     h, d, seq = 5, 40, (33, 1, 16)
     gen = generator(24)
     m = sum(seq)
@@ -522,7 +513,7 @@ def test_gpu_contiguous_one_binary_for_norm_rope_and_fused(target):
 @pytest.mark.gpu
 @pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
 def test_gpu_no_host_sync_on_repeat(target):
-    _gpu(target)
+    skip_unless_compiled(target)
     gen = generator(19)
     seq = (100, 3)
     x = randn(103, QH, QDH, gen=gen, target=target).requires_grad_(True)
@@ -544,7 +535,7 @@ def test_gpu_no_host_sync_on_repeat(target):
 def test_gpu_bwd_variant(target, bwd):
     """The backward variant at 24 × 128: accuracy vs FP64, forward and dx = the default's bytes, fused =
     unfused (forward, dx, d_gain), samples alone vs batched, chunk boundaries, d_gain fold."""
-    _gpu(target)
+    skip_unless_compiled(target)
     check_variant_dx_equals_default(QH, QDH, (4096, 0, 256, 77), target, bwd)
     check_variant_dx_equals_default(1, 3584, (256, 0, 77), target, bwd)  # txt_in's one head: d_gain equal too
     with R.qk_bwd(bwd):
@@ -561,7 +552,7 @@ def test_gpu_bwd_variant(target, bwd):
 def test_gpu_chunk_heads_one_binary_for_norm_and_fused(target):
     """qk_rmsnorm and the fused op share ONE compiled "chunk_heads" backward (runtime flags): one tree.
     A head shape no other test uses (5 × 44)."""
-    _gpu(target)
+    skip_unless_compiled(target)
     h, d, seq = 5, 44, (33, 1, 16)
     gen = generator(29)
     m = sum(seq)
