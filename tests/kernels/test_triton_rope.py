@@ -20,6 +20,7 @@ from mmdit_strict.reference import ops as ref  # noqa: E402
 from tests.harness import (  # noqa: E402
     CPU_FP32,
     BadCase,
+    Target,
     assert_bytes_equal,
     check_bad_inputs,
     check_param_grad_fold,
@@ -48,6 +49,22 @@ def _gain(d: int, gen) -> torch.Tensor:
     return 1 + randn(d, gen=gen, scale=0.1)
 
 
+def _qk_case(h: int, d: int, m: int, gen: torch.Generator, target: Target) -> tuple[torch.Tensor, ...]:
+    """(x, gain, cos, sin, gy) on ``target``, drawn in that order: x and gy (m, h, d) and the gain in the
+    target dtype, the FP32 tables moved to its device."""
+    x, gain = randn(m, h, d, gen=gen, target=target), _gain(d, gen).to(target.device, target.dtype)
+    cos, sin = (t.to(target.device) for t in _tables(m, d, gen))
+    gy = randn(m, h, d, gen=gen, target=target)
+    return x, gain, cos, sin, gy
+
+
+def _qk_ops(cos: torch.Tensor, sin: torch.Tensor, seq) -> dict:
+    """``fn(x, gain)`` for the norm alone, the unfused pair (norm then rope) and the fused op over ``seq``."""
+    return {"qk_rmsnorm": lambda a, g: R.qk_rmsnorm(a, g, seqlens=seq, eps=EPS),
+            "unfused": lambda a, g: R.multi_axis_rope(R.qk_rmsnorm(a, g, seqlens=seq, eps=EPS), cos, sin),
+            "fused": lambda a, g: R.qk_rmsnorm_rope(a, g, cos, sin, seqlens=seq, eps=EPS)}
+
+
 def check_accuracy(h, d, seq, target):
     gen = generator(11)
     m = sum(seq)
@@ -68,18 +85,9 @@ def check_accuracy(h, d, seq, target):
 
 def check_fused_equals_unfused(h, d, seq, target):
     """Forward, dx and d_gain of the fused op are the unfused pair's bytes."""
-    gen = generator(12)
-    m = sum(seq)
-    x, gain = randn(m, h, d, gen=gen, target=target), _gain(d, gen).to(target.device, target.dtype)
-    cos, sin = (t.to(target.device) for t in _tables(m, d, gen))
-    gy = randn(m, h, d, gen=gen, target=target)
-
-    def unfused(a, g):
-        return R.multi_axis_rope(R.qk_rmsnorm(a, g, seqlens=seq, eps=EPS), cos, sin)
-
-    def fused(a, g):
-        return R.qk_rmsnorm_rope(a, g, cos, sin, seqlens=seq, eps=EPS)
-
+    x, gain, cos, sin, gy = _qk_case(h, d, sum(seq), generator(12), target)
+    ops = _qk_ops(cos, sin, seq)
+    unfused, fused = ops["unfused"], ops["fused"]
     out_u, grads_u = run_with_grads(unfused, [x, gain], gy)
     out_f, grads_f = run_with_grads(fused, [x, gain], gy)
     assert_bytes_equal(out_f, out_u, f"fused vs unfused forward {target.label}")
@@ -294,15 +302,8 @@ def check_variant_dx_equals_default(h, d, seq, target, bwd):
     """The variant's forward and dx are the default backward's bytes (norm alone, unfused pair, fused);
     its d_gain (another fixed tree) is checked against FP64 by the accuracy test instead, except with one
     head (txt_in's RMSNorm), where the sum over heads is the single head and both trees are the token chain."""
-    gen = generator(25)
-    m = sum(seq)
-    x, gain = randn(m, h, d, gen=gen, target=target), _gain(d, gen).to(target.device, target.dtype)
-    cos, sin = (t.to(target.device) for t in _tables(m, d, gen))
-    gy = randn(m, h, d, gen=gen, target=target)
-    ops = {"qk_rmsnorm": lambda a, g: R.qk_rmsnorm(a, g, seqlens=seq, eps=EPS),
-           "unfused": lambda a, g: R.multi_axis_rope(R.qk_rmsnorm(a, g, seqlens=seq, eps=EPS), cos, sin),
-           "fused": lambda a, g: R.qk_rmsnorm_rope(a, g, cos, sin, seqlens=seq, eps=EPS)}
-    for name, op in ops.items():
+    x, gain, cos, sin, gy = _qk_case(h, d, sum(seq), generator(25), target)
+    for name, op in _qk_ops(cos, sin, seq).items():
         want_y, (want_dx, want_dg) = run_with_grads(op, [x, gain], gy)
         with R.qk_bwd(bwd):
             got_y, (got_dx, got_dg) = run_with_grads(op, [x, gain], gy)
@@ -431,40 +432,23 @@ def test_kernel_variants_are_documented():
 QH, QDH = 24, 128
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
-@pytest.mark.parametrize("layout", R.QK_LAYOUTS)
-def test_gpu_accuracy(target, layout):
-    skip_unless_compiled(target)
-    with R.qk_layout(layout):
-        check_accuracy(QH, QDH, (300, 0, 77), target)
+# each check at 24 × 128 in both layouts and both dtypes
+GPU_LAYOUT_CHECKS = {
+    "accuracy": lambda t: check_accuracy(QH, QDH, (300, 0, 77), t),
+    "fused_equals_unfused": lambda t: check_fused_equals_unfused(QH, QDH, (4096, 0, 256, 77), t),
+    "batch_invariance": lambda t: check_invariance(QH, QDH, t, (2, 3, 8, 64), 1, 40),
+    "token_sweep": lambda t: check_sweep(QH, QDH, t, (1, 7, 15, 16, 17, 100, 1025)),
+}
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
 @pytest.mark.parametrize("layout", R.QK_LAYOUTS)
-def test_gpu_fused_equals_unfused(target, layout):
+@pytest.mark.parametrize("check", GPU_LAYOUT_CHECKS)
+def test_gpu_layout_check(target, layout, check):
     skip_unless_compiled(target)
     with R.qk_layout(layout):
-        check_fused_equals_unfused(QH, QDH, (4096, 0, 256, 77), target)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
-@pytest.mark.parametrize("layout", R.QK_LAYOUTS)
-def test_gpu_batch_invariance(target, layout):
-    skip_unless_compiled(target)
-    with R.qk_layout(layout):
-        check_invariance(QH, QDH, target, (2, 3, 8, 64), 1, 40)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
-@pytest.mark.parametrize("layout", R.QK_LAYOUTS)
-def test_gpu_token_sweep(target, layout):
-    skip_unless_compiled(target)
-    with R.qk_layout(layout):
-        check_sweep(QH, QDH, target, (1, 7, 15, 16, 17, 100, 1025))
+        GPU_LAYOUT_CHECKS[check](target)
 
 
 @pytest.mark.gpu
@@ -489,21 +473,16 @@ def test_gpu_contiguous_one_binary_for_norm_rope_and_fused(target):
     specialization on them): one layout, so one summation tree, for the fused and the unfused path.
     A head shape no other test uses (5 × 40), so every compile counted here is this test's."""
     skip_unless_compiled(target)
-    h, d, seq = 5, 40, (33, 1, 16)
-    gen = generator(24)
-    m = sum(seq)
-    x = randn(m, h, d, gen=gen, target=target)
-    gain = _gain(d, gen).to("cuda", target.dtype)
-    cos, sin = (t.cuda() for t in _tables(m, d, gen))
-    gy = randn(m, h, d, gen=gen, target=target)
+    seq = (33, 1, 16)
+    x, gain, cos, sin, gy = _qk_case(5, 40, sum(seq), generator(24), target)
+    ops = _qk_ops(cos, sin, seq)
     before = _compiled(R._qk_fwd_kernel), _compiled(R._qk_bwd_kernel)
     with R.qk_layout("contiguous"):
-        out_u, grads_u = run_with_grads(
-            lambda a, g: R.multi_axis_rope(R.qk_rmsnorm(a, g, seqlens=seq, eps=EPS), cos, sin), [x, gain], gy)
-        out_f, grads_f = run_with_grads(lambda a, g: R.qk_rmsnorm_rope(a, g, cos, sin, seqlens=seq, eps=EPS), [x, gain], gy)
+        out_u, grads_u = run_with_grads(ops["unfused"], [x, gain], gy)
+        out_f, grads_f = run_with_grads(ops["fused"], [x, gain], gy)
         with torch.no_grad():
-            R.qk_rmsnorm(x, gain, seqlens=seq, eps=EPS)
-            R.qk_rmsnorm_rope(x, gain, cos, sin, seqlens=seq, eps=EPS)
+            ops["qk_rmsnorm"](x, gain)
+            ops["fused"](x, gain)
     after = _compiled(R._qk_fwd_kernel), _compiled(R._qk_bwd_kernel)
     assert (after[0] - before[0], after[1] - before[1]) == (1, 1), (before, after)
     assert_bytes_equal(out_f, out_u, f"fused vs unfused forward 5x40 {target.label}")
@@ -553,18 +532,13 @@ def test_gpu_chunk_heads_one_binary_for_norm_and_fused(target):
     """qk_rmsnorm and the fused op share ONE compiled "chunk_heads" backward (runtime flags): one tree.
     A head shape no other test uses (5 × 44)."""
     skip_unless_compiled(target)
-    h, d, seq = 5, 44, (33, 1, 16)
-    gen = generator(29)
-    m = sum(seq)
-    x = randn(m, h, d, gen=gen, target=target)
-    gain = _gain(d, gen).to("cuda", target.dtype)
-    cos, sin = (t.cuda() for t in _tables(m, d, gen))
-    gy = randn(m, h, d, gen=gen, target=target)
+    seq = (33, 1, 16)
+    x, gain, cos, sin, gy = _qk_case(5, 44, sum(seq), generator(29), target)
+    ops = _qk_ops(cos, sin, seq)
     before = _compiled(R._qk_bwd_chunk_kernel)
     with R.qk_bwd("chunk_heads"):
-        _, grads_u = run_with_grads(
-            lambda a, g: R.multi_axis_rope(R.qk_rmsnorm(a, g, seqlens=seq, eps=EPS), cos, sin), [x, gain], gy)
-        _, grads_f = run_with_grads(lambda a, g: R.qk_rmsnorm_rope(a, g, cos, sin, seqlens=seq, eps=EPS), [x, gain], gy)
-        run_with_grads(lambda a, g: R.qk_rmsnorm(a, g, seqlens=seq, eps=EPS), [x, gain], gy)
+        _, grads_u = run_with_grads(ops["unfused"], [x, gain], gy)
+        _, grads_f = run_with_grads(ops["fused"], [x, gain], gy)
+        run_with_grads(ops["qk_rmsnorm"], [x, gain], gy)
     assert _compiled(R._qk_bwd_chunk_kernel) - before == 1
     assert_bytes_equal(grads_f, grads_u, f"chunk_heads fused vs unfused dx, d_gain 5x44 {target.label}")
