@@ -2,66 +2,14 @@
 
 Shares no code with :mod:`mmdit_strict.kernels` or :mod:`mmdit_strict.model` (docs/design.md §3, §10): tests
 check kernels and models against these. Written for clarity, not speed.
+
+The package exports what its modules export: the operators (:mod:`.ops`), the RoPE positions and tables
+(:mod:`.rope`) and the whole forward (:mod:`.model`); each module's ``__all__`` is the one list of its names.
 """
 
-from mmdit_strict.reference.model import reference_forward
-from mmdit_strict.reference.ops import (
-    adaln_gate_residual,
-    adaln_modulation,
-    final_adaln_out,
-    gelu_tanh,
-    joint_attention,
-    latent_denormalize,
-    latent_normalize,
-    latent_pack,
-    latent_unpack,
-    layernorm,
-    linear,
-    multi_axis_rope,
-    qk_rmsnorm,
-    reference_grads,
-    rmsnorm,
-    row_sample_index,
-    silu,
-    timestep_embed_mlp,
-    timestep_embedding,
-    txt_in_rmsnorm_linear,
-)
-from mmdit_strict.reference.rope import (
-    axis_inverse_frequencies,
-    image_positions,
-    image_token_count,
-    rope_angles,
-    rope_tables,
-    text_positions,
-)
+from mmdit_strict.reference import model, ops, rope
+from mmdit_strict.reference.model import *  # the names in model.__all__
+from mmdit_strict.reference.ops import *  # the names in ops.__all__
+from mmdit_strict.reference.rope import *  # the names in rope.__all__
 
-__all__ = [
-    "adaln_gate_residual",
-    "adaln_modulation",
-    "axis_inverse_frequencies",
-    "final_adaln_out",
-    "gelu_tanh",
-    "image_positions",
-    "image_token_count",
-    "joint_attention",
-    "latent_denormalize",
-    "latent_normalize",
-    "latent_pack",
-    "latent_unpack",
-    "layernorm",
-    "linear",
-    "multi_axis_rope",
-    "qk_rmsnorm",
-    "reference_forward",
-    "reference_grads",
-    "rmsnorm",
-    "rope_angles",
-    "rope_tables",
-    "row_sample_index",
-    "silu",
-    "text_positions",
-    "timestep_embed_mlp",
-    "timestep_embedding",
-    "txt_in_rmsnorm_linear",
-]
+__all__ = model.__all__ + ops.__all__ + rope.__all__

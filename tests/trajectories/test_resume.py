@@ -18,7 +18,9 @@ class Killed(RuntimeError):
     pass
 
 
-def _kill_at(monkeypatch: pytest.MonkeyPatch, module, at_step: int) -> None:
+def _run_killed(monkeypatch: pytest.MonkeyPatch, module, at_step: int, run, *args) -> None:
+    """``run(*args, progress=False)`` with ``module.step_latents`` killed at step ``at_step``: the run must
+    raise :class:`Killed`, leaving its checkpoint behind; the patch is undone afterwards."""
     real = module.step_latents
 
     def step_latents(cfg, v, x, sigmas, step, ids, prev_sample=None):
@@ -27,6 +29,9 @@ def _kill_at(monkeypatch: pytest.MonkeyPatch, module, at_step: int) -> None:
         return real(cfg, v, x, sigmas, step, ids, prev_sample=prev_sample)
 
     monkeypatch.setattr(module, "step_latents", step_latents)
+    with pytest.raises(Killed):
+        run(*args, progress=False)
+    monkeypatch.undo()
 
 
 def _hashes(traj):
@@ -37,11 +42,8 @@ def test_killed_rollout_resumes_with_identical_bytes(tmp_path: Path, monkeypatch
     cfg = compose([f"output_dir={tmp_path}", *BASE])
     whole = run_rollout(cfg, tmp_path / "whole", progress=False)
 
-    _kill_at(monkeypatch, rollout_mod, 2)
-    with pytest.raises(Killed):
-        run_rollout(cfg, tmp_path / "killed", progress=False)
+    _run_killed(monkeypatch, rollout_mod, 2, run_rollout, cfg, tmp_path / "killed")
     assert (tmp_path / "killed.partial" / "state.json").exists() and not (tmp_path / "killed").exists()
-    monkeypatch.undo()
 
     resumed = run_rollout(cfg, tmp_path / "killed", progress=False)
     assert resumed.manifest["side"]["resumed_after_step"] == 2
@@ -55,32 +57,23 @@ def test_killed_recompute_resumes_with_identical_bytes(tmp_path: Path, monkeypat
     rollout = run_rollout(cfg, tmp_path / "rollout", progress=False)
     whole = run_recompute(cfg, rollout, tmp_path / "whole", progress=False)
 
-    _kill_at(monkeypatch, recompute_mod, 3)
-    with pytest.raises(Killed):
-        run_recompute(cfg, rollout, tmp_path / "killed", progress=False)
-    monkeypatch.undo()
+    _run_killed(monkeypatch, recompute_mod, 3, run_recompute, cfg, rollout, tmp_path / "killed")
     resumed = run_recompute(cfg, rollout, tmp_path / "killed", progress=False)
     assert resumed.manifest["side"]["resumed_after_step"] == 3
     assert _hashes(resumed) == _hashes(whole)
-    grads = lambda t: [g["sample_order_sha256"] for g in t.manifest["side"]["lora_grads_per_step"]]  # noqa: E731
+    grads = lambda t: [g["sample_order_sha256"] for g in t.manifest["side"]["lora_grads_per_step"]]
     assert grads(resumed) == grads(whole)
     assert resumed.manifest["trace"]["calls"] == whole.manifest["trace"]["calls"]
 
 
 def test_checkpoint_of_other_settings_is_not_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = compose([f"output_dir={tmp_path}", *BASE])
-    _kill_at(monkeypatch, rollout_mod, 2)
-    with pytest.raises(Killed):
-        run_rollout(cfg, tmp_path / "r", progress=False)
-    monkeypatch.undo()
+    _run_killed(monkeypatch, rollout_mod, 2, run_rollout, cfg, tmp_path / "r")
     other = compose([f"output_dir={tmp_path}", *BASE, "sampler.cfg_scale=3.0"])
     traj = run_rollout(other, tmp_path / "r", progress=False)
     assert traj.manifest["side"]["resumed_after_step"] is None
     # a corrupt checkpoint is dropped, not trusted
-    _kill_at(monkeypatch, rollout_mod, 2)
-    with pytest.raises(Killed):
-        run_rollout(cfg, tmp_path / "c", progress=False)
-    monkeypatch.undo()
+    _run_killed(monkeypatch, rollout_mod, 2, run_rollout, cfg, tmp_path / "c")
     step_file = tmp_path / "c.partial" / "step_00001.safetensors"
     step_file.write_bytes(step_file.read_bytes()[:40])
     traj = run_rollout(cfg, tmp_path / "c", progress=False)
@@ -99,10 +92,7 @@ def test_flipped_bit_in_a_step_checkpoint_is_recomputed(tmp_path: Path, monkeypa
     cfg = compose([f"output_dir={tmp_path}", *BASE])
     rollout = run_rollout(cfg, tmp_path / "rollout", progress=False)
     whole = run_recompute(cfg, rollout, tmp_path / "whole", progress=False)
-    _kill_at(monkeypatch, recompute_mod, 3)
-    with pytest.raises(Killed):
-        run_recompute(cfg, rollout, tmp_path / "killed", progress=False)
-    monkeypatch.undo()
+    _run_killed(monkeypatch, recompute_mod, 3, run_recompute, cfg, rollout, tmp_path / "killed")
     _flip_data_bit(tmp_path / "killed.partial" / "step_00001.safetensors")
     resumed = run_recompute(cfg, rollout, tmp_path / "killed", progress=False)
     assert resumed.manifest["side"]["resumed_after_step"] == 1
@@ -113,10 +103,7 @@ def test_flipped_bit_in_a_step_checkpoint_is_recomputed(tmp_path: Path, monkeypa
 def test_swapped_step_checkpoints_are_recomputed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = compose([f"output_dir={tmp_path}", *BASE])
     whole = run_rollout(cfg, tmp_path / "whole", progress=False)
-    _kill_at(monkeypatch, rollout_mod, 3)
-    with pytest.raises(Killed):
-        run_rollout(cfg, tmp_path / "killed", progress=False)
-    monkeypatch.undo()
+    _run_killed(monkeypatch, rollout_mod, 3, run_rollout, cfg, tmp_path / "killed")
     d = tmp_path / "killed.partial"
     one, two = d / "step_00001.safetensors", d / "step_00002.safetensors"
     a, b = one.read_bytes(), two.read_bytes()
@@ -137,10 +124,7 @@ def test_step_checkpoint_metadata_grows_linearly(tmp_path: Path, monkeypatch: py
     rollout = run_rollout(cfg, tmp_path / "rollout", progress=False)
     sizes = {}
     for k in (1, 4):
-        _kill_at(monkeypatch, recompute_mod, k)
-        with pytest.raises(Killed):
-            run_recompute(cfg, rollout, tmp_path / f"k{k}", progress=False)
-        monkeypatch.undo()
+        _run_killed(monkeypatch, recompute_mod, k, run_recompute, cfg, rollout, tmp_path / f"k{k}")
         sizes[k] = _checkpoint_meta_bytes(tmp_path / f"k{k}.partial")
     assert sizes[1]["state.json"] == sizes[4]["state.json"], sizes
     assert sum(sizes[4].values()) <= 4 * sum(sizes[1].values()), sizes
