@@ -48,6 +48,7 @@ from typing import Sequence
 
 import torch
 
+from . import markdown as md
 from .environment import environment_line, gpu_environment
 import torch.nn.functional as F
 
@@ -381,6 +382,40 @@ def candidates(A) -> list[dict]:
 # ----------------------------------------------------------------------------------------- report
 
 
+def _speed_row(r: dict) -> str:
+    if "error" in r:
+        return f"| {r.get('dtype')} | {r.get('B')} | {r.get('image')} | | error: {r['error'][:80]} |||||||"
+    nan = float("nan")
+    return md.row(r["dtype"], r["B"], r["image"], ",".join(map(str, r["texts"])), f"{r['ours_fwd']['ms']:.3f}",
+                  f"{r['ours_fwd']['tflops']:.0f}", f"{r.get('sdpa_fwd', {}).get('tflops', nan):.0f}", f"{r.get('fwd_ratio', nan):.2f}",
+                  f"{r['ours_bwd']['ms']:.3f}", f"{r['ours_bwd']['tflops']:.0f}", f"{r.get('sdpa_bwd', {}).get('tflops', nan):.0f}",
+                  f"{r.get('bwd_ratio', nan):.2f}")
+
+
+def _accuracy_rows(r: dict) -> list[str]:
+    if "error" in r:
+        return [f"| {r.get('dtype')} | | error: {r['error'][:100]} ||||||"]
+    return [md.row(r["dtype"], f"{r['text']}+{r['image']}", name, f"{c['max_abs_err']:.3e}", f"{c['sdpa_max_abs_err']:.3e}",
+                   f"{c['ratio_to_sdpa']:.2f}", "pass" if c["tolerance_pass"] else "FAIL", "yes" if c["le_2x_sdpa"] else "NO")
+            for name, c in r["checks"].items()]
+
+
+def _invariance_row(r: dict) -> str:
+    if "error" in r:
+        return f"| {r.get('dtype')} | error: {r['error'][:100]} ||||||"
+    b = ", ".join(f"B={k}: {v['equal']}/{v['positions']}" for k, v in r["batched"].items())
+    return md.row(r["dtype"], tuple(r["probe"]), " ".join(str(tuple(n)) for n in r["neighbours"]), b,
+                  "equal" if r["nan_neighbours_equal"] else "DIFFER",
+                  f"{r['repeated_backward']['equal']}/{r['repeated_backward']['runs']}", "yes" if r["pass"] else "NO")
+
+
+def _candidate_row(r: dict) -> str:
+    if "error" in r:
+        return f"| {r.get('dtype')} | {r['part']} | {r['config']} | error: {r['error'][:80]} | | | |"
+    return md.row(r.get("dtype"), r["part"], r["config"], f"{r['fwd_tflops']:.0f}", f"{r['bwd_tflops']:.0f}",
+                  r.get("fwd_bytes_equal_frozen", "—"), r.get("bwd_bytes_equal_frozen", "—"))
+
+
 def _markdown(rep: dict) -> str:
     env = rep.get("env", {})
     lines = ["# Strict joint attention — H200 qualification", "",
@@ -389,55 +424,24 @@ def _markdown(rep: dict) -> str:
     if rep.get("overrides"):
         lines += [f"**Candidate under qualification** (frozen configuration updated by): `{rep['overrides']}`", ""]
     if "speed" in rep:
-        lines += ["## Speed (24 heads × 128; SDPA = cuDNN backend for bf16, same run)", "",
-                  "| dtype | B | image | texts | fwd ms | fwd TFLOP/s | SDPA fwd TFLOP/s | fwd ratio | bwd ms | bwd TFLOP/s | SDPA bwd TFLOP/s | bwd ratio |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in rep["speed"]:
-            if "error" in r:
-                lines.append(f"| {r.get('dtype')} | {r.get('B')} | {r.get('image')} | | error: {r['error'][:80]} |||||||")
-                continue
-            lines.append(
-                f"| {r['dtype']} | {r['B']} | {r['image']} | {','.join(map(str, r['texts']))} | {r['ours_fwd']['ms']:.3f} | "
-                f"{r['ours_fwd']['tflops']:.0f} | {r.get('sdpa_fwd', {}).get('tflops', float('nan')):.0f} | {r.get('fwd_ratio', float('nan')):.2f} | "
-                f"{r['ours_bwd']['ms']:.3f} | {r['ours_bwd']['tflops']:.0f} | {r.get('sdpa_bwd', {}).get('tflops', float('nan')):.0f} | "
-                f"{r.get('bwd_ratio', float('nan')):.2f} |")
-        lines.append("")
+        lines += md.section("Speed (24 heads × 128; SDPA = cuDNN backend for bf16, same run)",
+                            ("dtype", "B", "image", "texts", "fwd ms", "fwd TFLOP/s", "SDPA fwd TFLOP/s", "fwd ratio",
+                             "bwd ms", "bwd TFLOP/s", "SDPA bwd TFLOP/s", "bwd ratio"),
+                            [_speed_row(r) for r in rep["speed"]])
     if "accuracy" in rep:
-        lines += ["## Accuracy vs FP64 (heads 0–1), beside SDPA's own error", "",
-                  "| dtype | text+image | check | max abs err | SDPA max abs err | ratio | tolerance | ≤ 2× SDPA |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for r in rep["accuracy"]:
-            if "error" in r:
-                lines.append(f"| {r.get('dtype')} | | error: {r['error'][:100]} ||||||")
-                continue
-            for name, c in r["checks"].items():
-                lines.append(f"| {r['dtype']} | {r['text']}+{r['image']} | {name} | {c['max_abs_err']:.3e} | {c['sdpa_max_abs_err']:.3e} | "
-                             f"{c['ratio_to_sdpa']:.2f} | {'pass' if c['tolerance_pass'] else 'FAIL'} | {'yes' if c['le_2x_sdpa'] else 'NO'} |")
-        lines.append("")
+        lines += md.section("Accuracy vs FP64 (heads 0–1), beside SDPA's own error",
+                            ("dtype", "text+image", "check", "max abs err", "SDPA max abs err", "ratio", "tolerance", "≤ 2× SDPA"),
+                            [line for r in rep["accuracy"] for line in _accuracy_rows(r)])
     if "invariance" in rep:
-        lines += ["## Raw-byte invariance (fwd outputs and all six input gradients of the probe's rows)", "",
-                  "| dtype | probe (text, image) | neighbours | batched (equal/positions) | NaN neighbours | repeated backward | pass |",
-                  "|---|---|---|---|---|---|---|"]
-        for r in rep["invariance"]:
-            if "error" in r:
-                lines.append(f"| {r.get('dtype')} | error: {r['error'][:100]} ||||||")
-                continue
-            b = ", ".join(f"B={k}: {v['equal']}/{v['positions']}" for k, v in r["batched"].items())
-            lines.append(f"| {r['dtype']} | {tuple(r['probe'])} | {' '.join(str(tuple(n)) for n in r['neighbours'])} | {b} | "
-                         f"{'equal' if r['nan_neighbours_equal'] else 'DIFFER'} | "
-                         f"{r['repeated_backward']['equal']}/{r['repeated_backward']['runs']} | {'yes' if r['pass'] else 'NO'} |")
-        lines.append("")
+        lines += md.section("Raw-byte invariance (fwd outputs and all six input gradients of the probe's rows)",
+                            ("dtype", "probe (text, image)", "neighbours", "batched (equal/positions)", "NaN neighbours",
+                             "repeated backward", "pass"),
+                            [_invariance_row(r) for r in rep["invariance"]])
     if "candidates" in rep:
-        lines += ["## Candidate overrides of the frozen configuration (4096 + 128, B = 1; informational)", "",
-                  "| dtype | part | override (BM, BN, warps, stages) | fwd TFLOP/s | bwd TFLOP/s | fwd bytes = frozen | bwd bytes = frozen |",
-                  "|---|---|---|---|---|---|---|"]
-        for r in rep["candidates"]:
-            if "error" in r:
-                lines.append(f"| {r.get('dtype')} | {r['part']} | {r['config']} | error: {r['error'][:80]} | | | |")
-            else:
-                lines.append(f"| {r.get('dtype')} | {r['part']} | {r['config']} | {r['fwd_tflops']:.0f} | {r['bwd_tflops']:.0f} | "
-                             f"{r.get('fwd_bytes_equal_frozen', '—')} | {r.get('bwd_bytes_equal_frozen', '—')} |")
-        lines.append("")
+        lines += md.section("Candidate overrides of the frozen configuration (4096 + 128, B = 1; informational)",
+                            ("dtype", "part", "override (BM, BN, warps, stages)", "fwd TFLOP/s", "bwd TFLOP/s",
+                             "fwd bytes = frozen", "bwd bytes = frozen"),
+                            [_candidate_row(r) for r in rep["candidates"]])
     return "\n".join(lines) + "\n"
 
 

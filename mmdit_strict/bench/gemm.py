@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from . import markdown as md
 from .environment import environment_line, gpu_environment
 
 LAYERS = [
@@ -382,10 +383,7 @@ def cuda_setup(what: str) -> None:
     torch.backends.cudnn.allow_tf32 = False
 
 
-def md_footer(report: dict) -> list[str]:
-    """The closing lines every GEMM report shares: errors and skipped sections, wall time."""
-    lines = ["## Errors", ""] + [f"- {x}" for x in report["errors"]] + [""] if report.get("errors") else []
-    return lines + [f"Wall time {report.get('wall_s', 0):.0f} s."]
+md_footer = md.errors_and_wall_time  # the closing lines every GEMM report shares
 
 
 def _cfg_str(c: dict) -> str:
@@ -397,74 +395,80 @@ def _cfg_str(c: dict) -> str:
             f"{c['weight_layout']}" + "".join(" " + f for f in flags))
 
 
+def _opt(v, spec: str) -> str:
+    return format(v, spec) if v is not None else "—"
+
+
+def _accuracy_row(a: dict) -> str:
+    mr = a.get("max_ref", 0.0) or 1e-300
+    return md.row(a["layer"], a["dtype"], a["seqlens"], a["lora_r"], a["check"], f"{a['kernel_max_abs']:.3e}",
+                  f"{a.get('max_ref', 0.0):.3e}", f"{a['kernel_max_abs'] / mr:.2e}", f"{a['torch_max_abs']:.3e}",
+                  f"{a['kernel_rel_fro']:.2e}", f"{a['torch_rel_fro']:.2e}", "PASS" if a["pass"] else "FAIL",
+                  "pass" if a.get("torch_pass") else "fail", "yes" if a.get("pass_2x_torch") else "no")
+
+
+def _speed_row(s: dict) -> str:
+    return md.row(s["layer"], s["kind"], s["dtype"], s["M"], f"{s['ours_ms']:.4f}", f"{s['cublas_ms']:.4f}",
+                  f"{s['ours_tflops']:.1f}", f"{s['cublas_tflops']:.1f}", f"{s['speed_vs_cublas']:.2f}",
+                  _opt(s.get("ours_graph_ms"), ".4f"), _opt(s.get("cublas_graph_ms"), ".4f"),
+                  _opt(s.get("speed_vs_cublas_graph"), ".2f"))
+
+
+def _layout_row(r: dict) -> str:
+    tk = r["timed_by"]
+    return md.row(r["layer"], r["dtype"], r["M"], f"{r['N']}×{r['K']}", r["variant"], _cfg_str(r["config"]),
+                  f"{r[tk]:.4f}", f"{r[f'cublas_{tk}'] or r['cublas_ms']:.4f}", f"{r['speed_vs_kn']:.3f}",
+                  f"{r['speed_vs_cublas']:.2f}", "equal" if r["bytes_equal_kn"] else "DIFFER",
+                  f"{r['regs_spills'][0]} / {r['regs_spills'][1]}", f"{r['weight_copy_bytes'] / 2**20:.1f}")
+
+
 def _md(report) -> str:
     e = report["env"]
     lines = ["# Strict GEMM engine — H200 qualification report", "",
              environment_line(e, f"TF32 {e.get('tf32')}"), ""]
     if report.get("model_layers"):
-        lines += ["## GEMM classes read from the model's strict forward", "",
-                  "| class | N×K | bias | prologue | epilogue | rows seen |", "|---|---|---|---|---|---|"]
-        lines += [f"| {nm} | {n}×{k} | {b} | {p} | {ep} | {', '.join(map(str, ms))} |"
-                  for nm, n, k, b, p, ep, ms in report["model_layers"]]
-        lines.append("")
+        lines += md.section("GEMM classes read from the model's strict forward",
+                            ("class", "N×K", "bias", "prologue", "epilogue", "rows seen"),
+                            [md.row(nm, f"{n}×{k}", b, p, ep, ", ".join(map(str, ms)))
+                             for nm, n, k, b, p, ep, ms in report["model_layers"]])
     acc = report.get("accuracy", [])
     if acc:
-        npass = sum(a["pass"] for a in acc)
-        lines += [f"## Accuracy vs FP64 CPU reference ({npass}/{len(acc)} pass)", "",
-                  "Rule (tolerances.yaml `gemm.<check>.<dtype>`): `|kernel−ref| ≤ rtol·|ref| + atol_max·max|ref|` elementwise. "
-                  "Informational: torch (cuBLAS TF32-off + eager epilogue, same dtype) under the same rule, and flash-attention's "
-                  "`max|kernel−ref| ≤ 2·max|torch−ref| + 1e-6·max|ref|`.", "",
-                  "| layer | dtype | seqlens | LoRA r | check | max abs | max\\|ref\\| | kernel max abs / max\\|ref\\| | torch max abs | kernel rel-fro | torch rel-fro | pass | torch pass | ≤2×torch |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for a in acc:
-            mr = a.get("max_ref", 0.0) or 1e-300
-            lines.append(f"| {a['layer']} | {a['dtype']} | {a['seqlens']} | {a['lora_r']} | {a['check']} | {a['kernel_max_abs']:.3e} | "
-                         f"{a.get('max_ref', 0.0):.3e} | {a['kernel_max_abs'] / mr:.2e} | "
-                         f"{a['torch_max_abs']:.3e} | {a['kernel_rel_fro']:.2e} | {a['torch_rel_fro']:.2e} | {'PASS' if a['pass'] else 'FAIL'} | "
-                         f"{'pass' if a.get('torch_pass') else 'fail'} | {'yes' if a.get('pass_2x_torch') else 'no'} |")
-        lines.append("")
+        lines += md.section(
+            f"Accuracy vs FP64 CPU reference ({sum(a['pass'] for a in acc)}/{len(acc)} pass)",
+            ("layer", "dtype", "seqlens", "LoRA r", "check", "max abs", "max\\|ref\\|", "kernel max abs / max\\|ref\\|",
+             "torch max abs", "kernel rel-fro", "torch rel-fro", "pass", "torch pass", "≤2×torch"),
+            [_accuracy_row(a) for a in acc],
+            ["Rule (tolerances.yaml `gemm.<check>.<dtype>`): `|kernel−ref| ≤ rtol·|ref| + atol_max·max|ref|` elementwise. "
+             "Informational: torch (cuBLAS TF32-off + eager epilogue, same dtype) under the same rule, and flash-attention's "
+             "`max|kernel−ref| ≤ 2·max|torch−ref| + 1e-6·max|ref|`."])
     inv = report.get("invariance", [])
     if inv:
-        npass = sum(a["pass"] for a in inv)
-        lines += [f"## Raw-byte batch invariance ({npass}/{len(inv)} pass)", "",
-                  f"M ∈ {list(INVARIANCE_M)}, rows at batch start / end / offset 37 vs the M=8448 run (torch.equal); "
-                  "dW/db: one call over seqlens (4096,127,1000,1,3200) vs 3 micro-batches folded through FP32 buffers.", "",
-                  "| layer | dtype | LoRA r | checked | pass | failures |", "|---|---|---|---|---|---|"]
-        for a in inv:
-            lines.append(f"| {a['layer']} | {a['dtype']} | {a['lora_r']} | {a['checked']} | {'PASS' if a['pass'] else 'FAIL'} | {', '.join(a['failures'][:4])} |")
-        lines.append("")
+        lines += md.section(
+            f"Raw-byte batch invariance ({sum(a['pass'] for a in inv)}/{len(inv)} pass)",
+            ("layer", "dtype", "LoRA r", "checked", "pass", "failures"),
+            [md.row(a["layer"], a["dtype"], a["lora_r"], a["checked"], "PASS" if a["pass"] else "FAIL", ", ".join(a["failures"][:4]))
+             for a in inv],
+            [f"M ∈ {list(INVARIANCE_M)}, rows at batch start / end / offset 37 vs the M=8448 run (torch.equal); "
+             "dW/db: one call over seqlens (4096,127,1000,1,3200) vs 3 micro-batches folded through FP32 buffers."])
     sp = report.get("speed", [])
     if sp:
-        lines += ["## Speed vs cuBLAS (ratio = cuBLAS time / ours, >1 is faster)", "",
-                  "`do_bench` medians include the host's launch cost (the engine launches from Python); the "
-                  "graph columns replay one CUDA graph, i.e. GPU time only (— where capture was not possible).", "",
-                  "| layer | kind | dtype | M | ours ms | cuBLAS ms | ours TFLOP/s | cuBLAS TFLOP/s | ratio | ours graph ms | cuBLAS graph ms | graph ratio |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-
-        def fmt(v, spec):
-            return format(v, spec) if v is not None else "—"
-
-        for s in sp:
-            lines.append(f"| {s['layer']} | {s['kind']} | {s['dtype']} | {s['M']} | {s['ours_ms']:.4f} | {s['cublas_ms']:.4f} | "
-                         f"{s['ours_tflops']:.1f} | {s['cublas_tflops']:.1f} | {s['speed_vs_cublas']:.2f} | "
-                         f"{fmt(s.get('ours_graph_ms'), '.4f')} | {fmt(s.get('cublas_graph_ms'), '.4f')} | "
-                         f"{fmt(s.get('speed_vs_cublas_graph'), '.2f')} |")
-        lines.append("")
+        lines += md.section(
+            "Speed vs cuBLAS (ratio = cuBLAS time / ours, >1 is faster)",
+            ("layer", "kind", "dtype", "M", "ours ms", "cuBLAS ms", "ours TFLOP/s", "cuBLAS TFLOP/s", "ratio",
+             "ours graph ms", "cuBLAS graph ms", "graph ratio"),
+            [_speed_row(s) for s in sp],
+            ["`do_bench` medians include the host's launch cost (the engine launches from Python); the "
+             "graph columns replay one CUDA graph, i.e. GPU time only (— where capture was not possible)."])
     lay = report.get("layouts", [])
     if lay:
-        lines += ["## Weight read: Wᵀ copy (kn) vs W in place (nk, nk+tma), forward", "",
-                  "Each class's configuration with only the weight read changed; times are CUDA-graph medians where "
-                  "capture worked (`do_bench` otherwise); speed ratios are kn (or cuBLAS) time / this time, >1 is faster; "
-                  "bytes: this output vs the kn output with torch.equal; the Wᵀ copy is the memory the kn read adds per weight.", "",
-                  "| layer | dtype | M | N×K | variant | config | ms | cuBLAS ms | vs kn | vs cuBLAS | bytes | regs/spills | Wᵀ copy MiB |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in lay:
-            tk = r["timed_by"]
-            lines.append(f"| {r['layer']} | {r['dtype']} | {r['M']} | {r['N']}×{r['K']} | {r['variant']} | {_cfg_str(r['config'])} | "
-                         f"{r[tk]:.4f} | {r[f'cublas_{tk}'] or r['cublas_ms']:.4f} | {r['speed_vs_kn']:.3f} | {r['speed_vs_cublas']:.2f} | "
-                         f"{'equal' if r['bytes_equal_kn'] else 'DIFFER'} | {r['regs_spills'][0]} / {r['regs_spills'][1]} | "
-                         f"{r['weight_copy_bytes'] / 2**20:.1f} |")
-        lines.append("")
+        lines += md.section(
+            "Weight read: Wᵀ copy (kn) vs W in place (nk, nk+tma), forward",
+            ("layer", "dtype", "M", "N×K", "variant", "config", "ms", "cuBLAS ms", "vs kn", "vs cuBLAS", "bytes",
+             "regs/spills", "Wᵀ copy MiB"),
+            [_layout_row(r) for r in lay],
+            ["Each class's configuration with only the weight read changed; times are CUDA-graph medians where "
+             "capture worked (`do_bench` otherwise); speed ratios are kn (or cuBLAS) time / this time, >1 is faster; "
+             "bytes: this output vs the kn output with torch.equal; the Wᵀ copy is the memory the kn read adds per weight."])
     return "\n".join(lines + md_footer(report)) + "\n"
 
 

@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from . import markdown as md
 from .environment import environment_line, gpu_environment
 
 from mmdit_strict.tolerances import Tolerance, tolerance
@@ -569,78 +570,75 @@ def _label(row: dict) -> str:
     return row["op"] if v == "default" else f"{row['op']} [{v}]"
 
 
+def _speed_row(s: dict) -> str:
+    def bw(kind):
+        if f"{kind}_gbps" not in s:
+            return "—"
+        return f"{s[kind + '_gbps']:.0f} ({s[kind + '_copy_gbps']:.0f}, {s[kind + '_fraction']:.2f})"
+
+    return md.row(_label(s), s["dtype"], s["rows"], _f(s.get("fwd_ms"), ".4f"), bw("fwd"), _f(s.get("bwd_ms"), ".4f"), bw("bwd"),
+                  _f(s.get("torch_fwd_ms"), ".4f"), _f(s.get("fwd_speedup_vs_torch"), ".2f"), _f(s.get("fwd_bwd_ms"), ".4f"),
+                  _f(s.get("torch_fwd_bwd_ms"), ".4f"), _f(s.get("fwd_bwd_speedup_vs_torch"), ".2f"),
+                  f"{_f(s.get('fwd_plain_ms'), '.4f')} ({_f(s.get('torch_fwd_plain_ms'), '.4f')}), "
+                  f"{_f(s.get('fwd_bwd_plain_ms'), '.4f')} ({_f(s.get('torch_fwd_bwd_plain_ms'), '.4f')})")
+
+
+def _variant_row(v: dict) -> str:
+    eq = [t["tensor"] for t in v["tensors"] if t["equal"]]
+    ne = [f"{t['tensor']}{'*' if t['may_differ'] else ''} ({t['max_abs_diff']:.2e})" for t in v["tensors"] if not t["equal"]]
+    return md.row(v["op"], v["dtype"], v["variant"], v["seqlens"], ", ".join(eq) or "—", ", ".join(ne) or "—",
+                  "PASS" if v["pass"] else "FAIL")
+
+
 def render(report: dict) -> str:
     e = report["env"]
     lines = ["# Strict row operators — GPU qualification report", "",
              environment_line(e, f"QK layout {e.get('qk_layout', 'pairs')}; kernel variants {', '.join(e.get('variants', ['default']))}"), ""]
     acc = report.get("accuracy", [])
     if acc:
-        n = sum(a["pass"] for a in acc)
-        lines += [f"## Accuracy vs the FP64 CPU reference ({n}/{len(acc)} pass)", "",
-                  "Rule (tolerances.yaml `row_ops.<op>[_grad].<dtype>`): `|kernel−ref| ≤ rtol·|ref| + atol_max·max|ref|` per tensor. "
-                  "`torch` = the production PyTorch op in the same dtype, for comparison.", "",
-                  "| op | dtype | rows | tensor | max abs | max\\|ref\\| | rel-fro | torch max abs | pass |", "|---|---|---|---|---|---|---|---|---|"]
-        for a in acc:
-            lines.append(f"| {_label(a)} | {a['dtype']} | {a['rows']} | {a['tensor']} | {_f(a['max_abs'])} | {_f(a['max_ref'])} | "
-                         f"{_f(a['rel_fro'], '.2e')} | {_f(a.get('torch_max_abs'))} | {'PASS' if a['pass'] else 'FAIL'} |")
-        lines.append("")
+        lines += md.section(
+            f"Accuracy vs the FP64 CPU reference ({sum(a['pass'] for a in acc)}/{len(acc)} pass)",
+            ("op", "dtype", "rows", "tensor", "max abs", "max\\|ref\\|", "rel-fro", "torch max abs", "pass"),
+            [md.row(_label(a), a["dtype"], a["rows"], a["tensor"], _f(a["max_abs"]), _f(a["max_ref"]), _f(a["rel_fro"], ".2e"),
+                    _f(a.get("torch_max_abs")), "PASS" if a["pass"] else "FAIL") for a in acc],
+            ["Rule (tolerances.yaml `row_ops.<op>[_grad].<dtype>`): `|kernel−ref| ≤ rtol·|ref| + atol_max·max|ref|` per tensor. "
+             "`torch` = the production PyTorch op in the same dtype, for comparison."])
     inv = report.get("invariance", [])
     if inv:
-        tot = sum(a["checked"] for a in inv)
-        eq = sum(a["equal"] for a in inv)
-        lines += [f"## Raw-byte invariance ({eq}/{tot} tensors equal)", "",
-                  f"Every sample of batches B ∈ {list(BATCHES)} (the probe first, middle and last among random companions) vs the same "
-                  f"sample alone, and the probe with companions {list(PADS)} rows longer: forward output and every per-row / per-sample "
-                  "gradient, `torch.equal`.", "",
-                  "| op | dtype | probe rows | companion rows | equal / checked | failures |", "|---|---|---|---|---|---|"]
-        for a in inv:
-            lo_hi = a.get("companion_rows", ["?", "?"])
-            lines.append(f"| {_label(a)} | {a['dtype']} | {a['probe_rows']} | {lo_hi[0]}..{lo_hi[1]} | {a['equal']}/{a['checked']} | "
-                         f"{', '.join(a['failures'][:3])} |")
-        lines.append("")
+        lines += md.section(
+            f"Raw-byte invariance ({sum(a['equal'] for a in inv)}/{sum(a['checked'] for a in inv)} tensors equal)",
+            ("op", "dtype", "probe rows", "companion rows", "equal / checked", "failures"),
+            [md.row(_label(a), a["dtype"], a["probe_rows"], "{}..{}".format(*a.get("companion_rows", ["?", "?"])),
+                    f"{a['equal']}/{a['checked']}", ", ".join(a["failures"][:3])) for a in inv],
+            [f"Every sample of batches B ∈ {list(BATCHES)} (the probe first, middle and last among random companions) vs the same "
+             f"sample alone, and the probe with companions {list(PADS)} rows longer: forward output and every per-row / per-sample "
+             "gradient, `torch.equal`."])
     sp = report.get("speed", [])
     if sp:
-        lines += ["## Speed (B = 1; CUDA-graph replay, GPU time)", "",
-                  "GB/s = bytes the kernel must move (reads + writes of its row tensors; weights for the GEMM ones) / time; "
-                  "copy = `dst.copy_(src)` moving the same number of bytes, same run. fwd+bwd and the eager PyTorch composition "
-                  "(`kernels/production.py`) both through autograd; speedup = torch ms / ours ms.", "",
-                  "| op | dtype | rows | fwd ms | fwd GB/s (copy, fraction) | bwd ms | bwd GB/s (copy, fraction) | torch fwd ms | fwd speedup | "
-                  "fwd+bwd ms | torch fwd+bwd ms | fwd+bwd speedup | without graph: fwd ms (torch), fwd+bwd ms (torch) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for s in sp:
-            def bw(kind):
-                if f"{kind}_gbps" not in s:
-                    return "—"
-                return f"{s[kind + '_gbps']:.0f} ({s[kind + '_copy_gbps']:.0f}, {s[kind + '_fraction']:.2f})"
-            lines.append(f"| {_label(s)} | {s['dtype']} | {s['rows']} | {_f(s.get('fwd_ms'), '.4f')} | {bw('fwd')} | {_f(s.get('bwd_ms'), '.4f')} | "
-                         f"{bw('bwd')} | {_f(s.get('torch_fwd_ms'), '.4f')} | {_f(s.get('fwd_speedup_vs_torch'), '.2f')} | "
-                         f"{_f(s.get('fwd_bwd_ms'), '.4f')} | {_f(s.get('torch_fwd_bwd_ms'), '.4f')} | {_f(s.get('fwd_bwd_speedup_vs_torch'), '.2f')} | "
-                         f"{_f(s.get('fwd_plain_ms'), '.4f')} ({_f(s.get('torch_fwd_plain_ms'), '.4f')}), "
-                         f"{_f(s.get('fwd_bwd_plain_ms'), '.4f')} ({_f(s.get('torch_fwd_bwd_plain_ms'), '.4f')}) |")
-        lines.append("")
+        lines += md.section(
+            "Speed (B = 1; CUDA-graph replay, GPU time)",
+            ("op", "dtype", "rows", "fwd ms", "fwd GB/s (copy, fraction)", "bwd ms", "bwd GB/s (copy, fraction)", "torch fwd ms",
+             "fwd speedup", "fwd+bwd ms", "torch fwd+bwd ms", "fwd+bwd speedup",
+             "without graph: fwd ms (torch), fwd+bwd ms (torch)"),
+            [_speed_row(s) for s in sp],
+            ["GB/s = bytes the kernel must move (reads + writes of its row tensors; weights for the GEMM ones) / time; "
+             "copy = `dst.copy_(src)` moving the same number of bytes, same run. fwd+bwd and the eager PyTorch composition "
+             "(`kernels/production.py`) both through autograd; speedup = torch ms / ours ms."])
     vb = report.get("variant_bytes", [])
     if vb:
-        n = sum(v["pass"] for v in vb)
-        lines += [f"## Kernel variants vs the default's bytes ({n}/{len(vb)} pass)", "",
-                  "One batch through the default kernels and through the variant: forward and every gradient, `torch.equal`; "
-                  "tensors marked * are expected to change (another summation tree) and are not required equal.", "",
-                  "| op | dtype | variant | seqlens | tensors equal | differing (max abs diff) | pass |", "|---|---|---|---|---|---|---|"]
-        for v in vb:
-            eq = [t["tensor"] for t in v["tensors"] if t["equal"]]
-            ne = [f"{t['tensor']}{'*' if t['may_differ'] else ''} ({t['max_abs_diff']:.2e})" for t in v["tensors"] if not t["equal"]]
-            lines.append(f"| {v['op']} | {v['dtype']} | {v['variant']} | {v['seqlens']} | {', '.join(eq) or '—'} | "
-                         f"{', '.join(ne) or '—'} | {'PASS' if v['pass'] else 'FAIL'} |")
-        lines.append("")
+        lines += md.section(
+            f"Kernel variants vs the default's bytes ({sum(v['pass'] for v in vb)}/{len(vb)} pass)",
+            ("op", "dtype", "variant", "seqlens", "tensors equal", "differing (max abs diff)", "pass"),
+            [_variant_row(v) for v in vb],
+            ["One batch through the default kernels and through the variant: forward and every gradient, `torch.equal`; "
+             "tensors marked * are expected to change (another summation tree) and are not required equal."])
     mt = report.get("model_trace")
     if mt:
         lines += [f"## qwen-image architecture, runtime=auto ({mt['layers']} blocks, grid {mt['grid']}, text {mt['txt_lens']}, {mt.get('dtype')})", "",
                   f"- forward fallbacks: {', '.join(mt['forward']) or 'none'}",
                   f"- forward + backward fallbacks: {', '.join(mt['forward+backward']) or 'none'}",
                   f"- backends: {', '.join(mt['forward_backends'])}", ""]
-    if report.get("errors"):
-        lines += ["## Errors", ""] + [f"- {x}" for x in report["errors"]] + [""]
-    lines.append(f"Wall time {report.get('wall_s', 0):.0f} s.")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + md.errors_and_wall_time(report)) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
