@@ -44,7 +44,8 @@ import json
 import time
 import traceback
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Callable
+from typing import Any, Sequence
 
 import torch
 
@@ -462,6 +463,15 @@ def _parse_override(text: str | None, flag: str) -> dict:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in items}
 
 
+def _case_or_error(error_fields: dict, case: Callable[..., dict], *args: Any) -> dict:
+    """``case(*args)``'s report row, or, when it raises, an error row: ``error_fields``, the exception and the
+    end of its traceback (a failing case is reported in its section and fails the run, it does not stop it)."""
+    try:
+        return case(*args)
+    except Exception as exc:
+        return {**error_fields, "error": repr(exc)[:500], "trace": traceback.format_exc()[-2000:]}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="experiments/local")
@@ -492,32 +502,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             rep["speed"] = []
             cases = [("bf16", ni, TEXTS[B]) for ni in IMAGES for B in (1, 2, 8)] + [("fp32", IMAGES[0], TEXTS[1])]
             for dt, ni, texts in cases:
-                try:
-                    rep["speed"].append(speed_case(A, dt, ni, texts, configs[dt]))
-                except Exception as exc:
-                    rep["speed"].append({"dtype": dt, "B": len(texts), "image": ni, "error": repr(exc)[:500],
-                                         "trace": traceback.format_exc()[-2000:]})
-                    failed = True
+                r = _case_or_error({"dtype": dt, "B": len(texts), "image": ni}, speed_case, A, dt, ni, texts, configs[dt])
+                failed |= "error" in r
+                rep["speed"].append(r)
         elif section == "accuracy":
             rep["accuracy"] = []
             for dt in ("bf16", "fp32"):
                 for nt, ni in ((128, 4096), (77, 6889)):
-                    try:
-                        r = accuracy_case(A, ref_ops, dt, nt, ni, configs[dt])
-                        failed |= not r["pass"]
-                    except Exception as exc:
-                        r = {"dtype": dt, "error": repr(exc)[:500], "trace": traceback.format_exc()[-2000:]}
-                        failed = True
+                    r = _case_or_error({"dtype": dt}, accuracy_case, A, ref_ops, dt, nt, ni, configs[dt])
+                    failed |= "error" in r or not r["pass"]
                     rep["accuracy"].append(r)
         elif section == "invariance":
             rep["invariance"] = []
             for dt, sizes, repeats in (("bf16", (2, 3, 8), args.repeats), ("fp32", (2, 3), 3)):
-                try:
-                    r = invariance(A, dt, sizes, repeats, configs[dt])
-                    failed |= not r["pass"]
-                except Exception as exc:
-                    r = {"dtype": dt, "error": repr(exc)[:500], "trace": traceback.format_exc()[-2000:]}
-                    failed = True
+                r = _case_or_error({"dtype": dt}, invariance, A, dt, sizes, repeats, configs[dt])
+                failed |= "error" in r or not r["pass"]
                 rep["invariance"].append(r)
         elif section == "candidates":
             rep["candidates"] = candidates(A)
