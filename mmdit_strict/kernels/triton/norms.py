@@ -43,6 +43,7 @@ from ..registry import KernelImpl, register
 from . import segments as seg
 from .gemm import _DTYPES, _interpreting, gemm
 from .rope import check_gain, rms_norm_rows
+from .segments import check_seqlens
 
 FWD_ROWS = 4  # rows per forward program (row-local math: no effect on bytes)
 MAX_WIDTH = 16384
@@ -392,15 +393,6 @@ def check_vectors(op: str, name: str, v: object, ref: torch.Tensor, samples: int
     if samples and (v.stride(1) != 1 or v.stride(0) < width):
         raise ValueError(f"{op}: expected {name} with unit column stride, got strides {tuple(v.stride())}")
     return v
-
-
-def check_seqlens(op: str, seqlens: object, rows: int) -> tuple[int, ...]:
-    if not isinstance(seqlens, Sequence) or isinstance(seqlens, (str, bytes)):
-        raise ValueError(f"{op}: expected seqlens as a sequence of non-negative ints, got {seqlens!r}")
-    seq = tuple(int(s) for s in seqlens)
-    if any(s < 0 for s in seq) or sum(seq) != rows:
-        raise ValueError(f"{op}: seqlens {seq} must be non-negative and sum to the {rows} rows of x")
-    return seq
 
 
 def _stride0(v: torch.Tensor) -> int:

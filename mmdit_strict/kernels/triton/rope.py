@@ -63,6 +63,7 @@ from ..choice import KernelChoice
 from ..registry import KernelImpl, register
 from . import segments as seg
 from .gemm import _DTYPES, _interpreting
+from .segments import check_seqlens
 
 MAX_HEAD_WIDTH = 8192  # d (the even/odd tiles hold d/2 lanes)
 
@@ -484,15 +485,6 @@ def check_tables(op: str, cos: object, sin: object, x: torch.Tensor) -> None:
         if t.dtype not in (torch.float32, x.dtype) or t.device != x.device or not t.is_contiguous():
             raise ValueError(f"{op}: expected a contiguous {name} table of dtype float32 (or {x.dtype}) on {x.device}, "
                              f"got {t.dtype} on {t.device}")
-
-
-def check_seqlens(op: str, seqlens: object, rows: int) -> tuple[int, ...]:
-    if not isinstance(seqlens, Sequence) or isinstance(seqlens, (str, bytes)):
-        raise ValueError(f"{op}: expected seqlens as a sequence of non-negative ints, got {seqlens!r}")
-    seq = tuple(int(s) for s in seqlens)
-    if any(s < 0 for s in seq) or sum(seq) != rows:
-        raise ValueError(f"{op}: seqlens {seq} must be non-negative and sum to the {rows} rows of x")
-    return seq
 
 
 def _contig_blocks(h: int, d: int) -> tuple[int, int]:

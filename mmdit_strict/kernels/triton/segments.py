@@ -23,6 +23,7 @@ so a repeated call with the same ``seqlens`` does no host-to-device copy.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +91,16 @@ class ChunkTables:
 
 
 TABLES = ChunkTables()
+
+
+def check_seqlens(op: str, seqlens: object, rows: int) -> tuple[int, ...]:
+    """``seqlens`` as a tuple of ints, checked to be non-negative and to sum to ``rows`` (ValueError naming ``op``)."""
+    if not isinstance(seqlens, Sequence) or isinstance(seqlens, (str, bytes)):
+        raise ValueError(f"{op}: expected seqlens as a sequence of non-negative ints, got {seqlens!r}")
+    seq = tuple(int(s) for s in seqlens)
+    if any(s < 0 for s in seq) or sum(seq) != rows:
+        raise ValueError(f"{op}: seqlens {seq} must be non-negative and sum to the {rows} rows of x")
+    return seq
 
 
 def chunks(seqlens: tuple[int, ...], device: torch.device, rows: int = CHUNK_ROWS) -> Chunks:
