@@ -95,20 +95,41 @@ def _layer_norm_row(x, mask, d_float, eps):
 
 
 @triton.jit
+def _program_chunk(table_ptr, n_chunks):
+    """This program's chunk of a :class:`.segments.Chunks` table: (c, first row, end row, sample as int64)."""
+    c = tl.program_id(0)
+    r0 = tl.load(table_ptr + c)
+    r1 = tl.load(table_ptr + n_chunks + c)
+    s = tl.load(table_ptr + 2 * n_chunks + c).to(tl.int64)
+    return c, r0, r1, s
+
+
+@triton.jit
+def _sample_vector(v_ptr, s, stride_v, cols, mask):
+    """Sample s's row of a per-sample (B, D) vector in FP32 (masked lanes 0)."""
+    return tl.load(v_ptr + s * stride_v + cols, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_scale_shift_partials(part_ptr, c, stride_part, D, cols, mask, p_scale, p_shift):
+    """Chunk c's partial row: part[c, :D] = the scale partials, part[c, D:] = the shift partials."""
+    base = part_ptr + c.to(tl.int64) * stride_part
+    tl.store(base + cols, p_scale, mask=mask)
+    tl.store(base + D + cols, p_shift, mask=mask)
+
+
+@triton.jit
 def _adaln_mod_fwd_kernel(
     x_ptr, shift_ptr, scale_ptr, table_ptr, y_ptr, mean_ptr, rstd_ptr,
     n_chunks, D, d_float, eps, stride_x, stride_y, stride_shift, stride_scale,
     STORE_STATS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """y = x̂·(1 + scale[s]) + shift[s] for the rows of one chunk (all of sample s); one cast at the store."""
-    c = tl.program_id(0)
-    r0 = tl.load(table_ptr + c)
-    r1 = tl.load(table_ptr + n_chunks + c)
-    s = tl.load(table_ptr + 2 * n_chunks + c).to(tl.int64)
+    _, r0, r1, s = _program_chunk(table_ptr, n_chunks)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
-    scale1 = 1.0 + tl.load(scale_ptr + s * stride_scale + cols, mask=mask, other=0.0).to(tl.float32)
-    shift = tl.load(shift_ptr + s * stride_shift + cols, mask=mask, other=0.0).to(tl.float32)
+    scale1 = 1.0 + _sample_vector(scale_ptr, s, stride_scale, cols, mask)
+    shift = _sample_vector(shift_ptr, s, stride_shift, cols, mask)
     first = r0.to(tl.int64)
     for i in range(0, r1 - r0):
         row = first + i
@@ -130,13 +151,10 @@ def _adaln_mod_bwd_kernel(
     """One chunk (≤ CHUNK_ROWS rows of sample s): dx per row, and the chunk's partials
     part[c, :D] = Σ dy·x̂, part[c, D:] = Σ dy chained in row order (FP32). The next row's x and dy are
     loaded before the current row is reduced (a register double buffer; no effect on the arithmetic)."""
-    c = tl.program_id(0)
-    r0 = tl.load(table_ptr + c)
-    r1 = tl.load(table_ptr + n_chunks + c)
-    s = tl.load(table_ptr + 2 * n_chunks + c).to(tl.int64)
+    c, r0, r1, s = _program_chunk(table_ptr, n_chunks)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
-    scale1 = 1.0 + tl.load(scale_ptr + s * stride_scale + cols, mask=mask, other=0.0).to(tl.float32)
+    scale1 = 1.0 + _sample_vector(scale_ptr, s, stride_scale, cols, mask)
     p_scale = tl.zeros((BLOCK_D,), dtype=tl.float32)
     p_shift = tl.zeros((BLOCK_D,), dtype=tl.float32)
     row = r0.to(tl.int64)
@@ -166,9 +184,7 @@ def _adaln_mod_bwd_kernel(
             p_shift = p_shift + dyf
         x, dy, mean, rstd = x_n, dy_n, mean_n, rstd_n
     if NEED_VEC:
-        base = part_ptr + c.to(tl.int64) * stride_part
-        tl.store(base + cols, p_scale, mask=mask)
-        tl.store(base + D + cols, p_shift, mask=mask)
+        _store_scale_shift_partials(part_ptr, c, stride_part, D, cols, mask, p_scale, p_shift)
 
 
 # ---- the "two_rows" LayerNorm variant --------------------------------------------------------
@@ -206,14 +222,12 @@ def _adaln_mod_fwd2_kernel(
     STORE_STATS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """:func:`_adaln_mod_fwd_kernel`'s rows two at a time (row b masked off past the chunk)."""
-    c = tl.program_id(0)
-    r0 = tl.load(table_ptr + c)
-    n = tl.load(table_ptr + n_chunks + c) - r0
-    s = tl.load(table_ptr + 2 * n_chunks + c).to(tl.int64)
+    _, r0, r1, s = _program_chunk(table_ptr, n_chunks)
+    n = r1 - r0
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
-    scale1 = 1.0 + tl.load(scale_ptr + s * stride_scale + cols, mask=mask, other=0.0).to(tl.float32)
-    shift = tl.load(shift_ptr + s * stride_shift + cols, mask=mask, other=0.0).to(tl.float32)
+    scale1 = 1.0 + _sample_vector(scale_ptr, s, stride_scale, cols, mask)
+    shift = _sample_vector(shift_ptr, s, stride_shift, cols, mask)
     first = r0.to(tl.int64)
     for i in range(0, n, 2):
         row = first + i
@@ -251,13 +265,11 @@ def _adaln_mod_bwd2_kernel(
     """:func:`_adaln_mod_bwd_kernel`'s arithmetic with the rows two at a time (a, b): the four row sums
     Σg·x̂ and Σg of both rows are ONE four-operand ``tl.reduce``, the partials still chain
     acc + t_a, then + t_b (row b skipped past the chunk), and the next pair is read meanwhile."""
-    c = tl.program_id(0)
-    r0 = tl.load(table_ptr + c)
-    n = tl.load(table_ptr + n_chunks + c) - r0
-    s = tl.load(table_ptr + 2 * n_chunks + c).to(tl.int64)
+    c, r0, r1, s = _program_chunk(table_ptr, n_chunks)
+    n = r1 - r0
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
-    scale1 = 1.0 + tl.load(scale_ptr + s * stride_scale + cols, mask=mask, other=0.0).to(tl.float32)
+    scale1 = 1.0 + _sample_vector(scale_ptr, s, stride_scale, cols, mask)
     p_scale = tl.zeros((BLOCK_D,), dtype=tl.float32)
     p_shift = tl.zeros((BLOCK_D,), dtype=tl.float32)
     first = r0.to(tl.int64)
@@ -289,9 +301,7 @@ def _adaln_mod_bwd2_kernel(
         xa, dya, ma, ra = xa_n, dya_n, ma_n, ra_n
         xb, dyb, mb, rb = xb_n, dyb_n, mb_n, rb_n
     if NEED_VEC:
-        base = part_ptr + c.to(tl.int64) * stride_part
-        tl.store(base + cols, p_scale, mask=mask)
-        tl.store(base + D + cols, p_shift, mask=mask)
+        _store_scale_shift_partials(part_ptr, c, stride_part, D, cols, mask, p_scale, p_shift)
 
 
 @triton.jit
@@ -301,13 +311,10 @@ def _gate_residual_fwd_kernel(
     BLOCK_D: tl.constexpr,
 ):
     """out = x + gate[s]·y for the rows of one chunk; one cast at the store."""
-    c = tl.program_id(0)
-    r0 = tl.load(table_ptr + c)
-    r1 = tl.load(table_ptr + n_chunks + c)
-    s = tl.load(table_ptr + 2 * n_chunks + c).to(tl.int64)
+    _, r0, r1, s = _program_chunk(table_ptr, n_chunks)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
-    gate = tl.load(gate_ptr + s * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = _sample_vector(gate_ptr, s, stride_gate, cols, mask)
     first = r0.to(tl.int64)
     for i in range(0, r1 - r0):
         row = first + i
@@ -323,13 +330,10 @@ def _gate_residual_bwd_kernel(
     NEED_DY: tl.constexpr, NEED_VEC: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One chunk of sample s: dy = dout·gate[s] per row; part[c] = Σ dout·y chained in row order (FP32)."""
-    c = tl.program_id(0)
-    r0 = tl.load(table_ptr + c)
-    r1 = tl.load(table_ptr + n_chunks + c)
-    s = tl.load(table_ptr + 2 * n_chunks + c).to(tl.int64)
+    c, r0, r1, s = _program_chunk(table_ptr, n_chunks)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
-    gate = tl.load(gate_ptr + s * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = _sample_vector(gate_ptr, s, stride_gate, cols, mask)
     p = tl.zeros((BLOCK_D,), dtype=tl.float32)
     ylim = D
     if not NEED_VEC:  # y is read only for the gate's partials
