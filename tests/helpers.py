@@ -51,3 +51,19 @@ def make_inputs(
         hidden_states=hs, encoder_hidden_states=ehs, encoder_hidden_states_mask=mask,
         timestep=sig.to(dtype), img_shapes=[[(1, h, w)]] * batch,
     )
+
+
+def strict_qwen_image_cuda(num_layers: int) -> tuple[Any, torch.nn.Module]:
+    """(arch, model): Qwen-Image's widths with ``num_layers`` blocks, built with seed 0 for the strict runtime
+    in BF16 on CUDA. Skips the calling test when there is no CUDA device."""
+    import dataclasses
+
+    import pytest
+
+    from mmdit_strict.config.arch import preset
+    from mmdit_strict.model.init import build_model
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    arch = dataclasses.replace(preset("qwen-image"), num_layers=num_layers)
+    return arch, build_model(arch, seed=0, runtime="strict", dtype=torch.bfloat16, device="cuda")

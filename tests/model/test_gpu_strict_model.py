@@ -9,16 +9,13 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
-from mmdit_strict.config.arch import preset
 from mmdit_strict.kernels.trace import capture_trace
-from mmdit_strict.model.init import build_model
 from mmdit_strict.model.inputs import random_inputs
 from mmdit_strict.model.strict import capture_operators
+from tests.helpers import strict_qwen_image_cuda
 
 pytestmark = pytest.mark.gpu
 GRID = (12, 20)
@@ -26,10 +23,7 @@ GRID = (12, 20)
 
 @pytest.fixture(scope="module")
 def model():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    arch = dataclasses.replace(preset("qwen-image"), num_layers=2)
-    return build_model(arch, seed=0, runtime="strict", dtype=torch.bfloat16, device="cuda")
+    return strict_qwen_image_cuda(num_layers=2)[1]
 
 
 def _cuda(inp: dict) -> dict:

@@ -7,17 +7,14 @@ block and cached per batch layout, so a block — forward, and forward + backwar
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
-from mmdit_strict.config.arch import preset
 from mmdit_strict.kernels.runtime import Runtime, runtime_mode
 from mmdit_strict.model import strict
-from mmdit_strict.model.init import build_model
 from mmdit_strict.model.rope import packed_rope_tables
 from tests.harness import run_without_host_sync
+from tests.helpers import strict_qwen_image_cuda
 
 pytestmark = pytest.mark.gpu
 
@@ -27,10 +24,7 @@ TXT = (77, 20)
 
 @pytest.fixture(scope="module")
 def block_args():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    arch = dataclasses.replace(preset("qwen-image"), num_layers=1)
-    model = build_model(arch, seed=0, runtime="strict", dtype=torch.bfloat16, device="cuda")
+    arch, model = strict_qwen_image_cuda(num_layers=1)
     D, dev = arch.hidden_size, torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     iseq = (GRID[0] * GRID[1],) * len(TXT)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -11,6 +9,7 @@ from mmdit_strict.config.arch import preset
 from mmdit_strict.kernels.trace import capture_trace
 from mmdit_strict.model.init import build_model
 from mmdit_strict.model.inputs import random_inputs
+from tests.helpers import strict_qwen_image_cuda
 
 
 def _on(inp: dict, device: str, dtype: torch.dtype) -> dict:
@@ -44,10 +43,7 @@ def test_graphs_are_bypassed_on_the_cpu_and_with_autograd() -> None:
 
 @pytest.mark.gpu
 def test_graph_replay_equals_eager_strict_forward_bytes() -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    arch = dataclasses.replace(preset("qwen-image"), num_layers=2)
-    model = build_model(arch, seed=0, runtime="strict", dtype=torch.bfloat16, device="cuda")
+    arch, model = strict_qwen_image_cuda(num_layers=2)
     layouts = [random_inputs(arch, (16, 16), [77, 20], seed=1), random_inputs(arch, (16, 16), [77, 20], seed=2),
                random_inputs(arch, (8, 24), [5], seed=3)]
     layouts = [_on(i, "cuda", torch.bfloat16) for i in layouts]
