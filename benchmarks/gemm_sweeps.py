@@ -36,28 +36,30 @@ from mmdit_strict.bench.gemm import (
 )
 from mmdit_strict.kernels.triton.configs import FwdConfig
 
+
+def _cand(bm, bn, bk, warps, stages, group_m=8, layout="kn", **extra) -> FwdConfig:
+    """A forward candidate: BLOCK_M, BLOCK_N, BLOCK_K, warps, stages (GROUP_M 8 and the Wᵀ-copy read unless given)."""
+    return FwdConfig(bm, bn, bk, warps, stages, weight_layout=layout, GROUP_M=group_m, **extra)
+
+
 SWEEP = [
-    FwdConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, weight_layout="kn"),
-    FwdConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, weight_layout="kn"),
-    FwdConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, weight_layout="nk"),
-    FwdConfig(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, weight_layout="kn"),
-    FwdConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4, weight_layout="kn"),
-    FwdConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, weight_layout="kn"),
+    _cand(128, 256, 64, 8, 3),
+    _cand(128, 256, 64, 8, 4),
+    _cand(128, 256, 64, 8, 3, layout="nk"),
+    _cand(256, 128, 64, 8, 3),
+    _cand(128, 128, 64, 4, 4),
+    _cand(128, 128, 64, 8, 4),
 ]
 
 
 SWEEP_SMALL = [  # weight-streaming classes (modulation fwd/dX at M = 8, N = 64 at M = 4224)
-    FwdConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4, weight_layout="kn"),
-    FwdConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4, weight_layout="kn"),
-    FwdConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3, weight_layout="kn"),
-    FwdConfig(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4, weight_layout="kn"),
-    FwdConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4, weight_layout="nk"),
-    FwdConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4, weight_layout="kn"),
+    _cand(16, 64, 64, 4, 4),
+    _cand(16, 32, 128, 4, 4),
+    _cand(16, 64, 128, 4, 3),
+    _cand(16, 128, 64, 4, 4),
+    _cand(16, 64, 64, 4, 4, layout="nk"),
+    _cand(32, 64, 64, 4, 4),
 ]
-
-
-def _cand(bm, bn, bk, warps, stages, group_m=8, layout="kn", **extra) -> FwdConfig:
-    return FwdConfig(bm, bn, bk, warps, stages, weight_layout=layout, GROUP_M=group_m, **extra)
 
 
 # Round 2 (experiments/gemm/NOTES.md): M = 4224 classes (fwd and dX), the first entry is the incumbent.
