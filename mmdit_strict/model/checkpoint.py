@@ -17,7 +17,7 @@ import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -106,20 +106,33 @@ def _weight_files(folder: Path) -> list[Path]:
     raise CheckpointError(f"no safetensors weights in {folder} (expected {WEIGHTS_NAME} or {INDEX_NAME})")
 
 
-def read_state_dict(files: Iterable[Path]) -> dict[str, torch.Tensor]:
-    """Read every tensor; a corrupt or truncated file raises :class:`CheckpointError` naming it."""
-    state: dict[str, torch.Tensor] = {}
+def _each_tensor(files: Iterable[Path], visit: Callable[[Path, Any, str], None]) -> None:
+    """``visit(file, open safetensors handle, key)`` for every tensor of every file, files in order, keys in
+    header order. Raises :class:`CheckpointError` for a key in more than one file, and, naming the file,
+    for a corrupt, truncated or unreadable one (also when ``visit`` hits it while reading)."""
+    seen: set[str] = set()
     for f in files:
         try:
             with safe_open(str(f), framework="pt", device="cpu") as fh:
                 for key in fh.keys():
-                    if key in state:
+                    if key in seen:
                         raise CheckpointError(f"tensor {key} appears in more than one shard ({f.name})")
-                    state[key] = fh.get_tensor(key)
+                    seen.add(key)
+                    visit(f, fh, key)
         except SafetensorError as exc:
             raise CheckpointError(f"{f} is corrupt or truncated: {exc}") from exc
         except (OSError, RuntimeError) as exc:
             raise CheckpointError(f"could not read {f}: {exc}") from exc
+
+
+def read_state_dict(files: Iterable[Path]) -> dict[str, torch.Tensor]:
+    """Read every tensor; a corrupt or truncated file raises :class:`CheckpointError` naming it."""
+    state: dict[str, torch.Tensor] = {}
+
+    def read(_f: Path, fh: Any, key: str) -> None:
+        state[key] = fh.get_tensor(key)
+
+    _each_tensor(files, read)
     return state
 
 
@@ -159,21 +172,15 @@ def check_headers(model: torch.nn.Module, files: Iterable[Path]) -> dict[str, Pa
     where: dict[str, Path] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     bad_dtype: list[str] = []
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt", device="cpu") as fh:
-                for key in fh.keys():
-                    if key in where:
-                        raise CheckpointError(f"tensor {key} appears in more than one shard ({f.name})")
-                    sl = fh.get_slice(key)
-                    where[key] = f
-                    shapes[key] = tuple(int(n) for n in sl.get_shape())
-                    if sl.get_dtype() not in _FLOAT_DTYPES:
-                        bad_dtype.append(key)
-        except SafetensorError as exc:
-            raise CheckpointError(f"{f} is corrupt or truncated: {exc}") from exc
-        except (OSError, RuntimeError) as exc:
-            raise CheckpointError(f"could not read {f}: {exc}") from exc
+
+    def header(f: Path, fh: Any, key: str) -> None:
+        sl = fh.get_slice(key)
+        where[key] = f
+        shapes[key] = tuple(int(n) for n in sl.get_shape())
+        if sl.get_dtype() not in _FLOAT_DTYPES:
+            bad_dtype.append(key)
+
+    _each_tensor(files, header)
     _require_match(model, shapes, bad_dtype)
     return where
 

@@ -176,6 +176,26 @@ def test_truncated_file(tiny_ckpt, tmp_path):
         MMDiT.from_pretrained(ckpt)
 
 
+def test_tensor_in_two_shards_and_truncated_shard_are_named(tmp_path):
+    """Both shard readers (headers only, and every tensor) refuse a tensor stored twice and name a truncated file."""
+    from mmdit_strict.model.checkpoint import check_headers, read_state_dict
+
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file({"w": torch.zeros(2), "u": torch.ones(3)}, str(a))
+    save_file({"w": torch.ones(2)}, str(b))
+    with pytest.raises(CheckpointError, match=r"tensor w appears in more than one shard \(b\.safetensors\)"):
+        check_headers(torch.nn.Linear(2, 2), [a, b])
+    with pytest.raises(CheckpointError, match=r"tensor w appears in more than one shard \(b\.safetensors\)"):
+        read_state_dict([a, b])
+    assert_bytes_equal(read_state_dict([a])["u"], torch.ones(3), "u read back")
+    data = b.read_bytes()
+    b.write_bytes(data[: len(data) - 4])
+    with pytest.raises(CheckpointError, match=r"b\.safetensors is corrupt or truncated"):
+        read_state_dict([a, b])
+    with pytest.raises(CheckpointError, match=r"b\.safetensors is corrupt or truncated"):
+        check_headers(torch.nn.Linear(2, 2), [a, b])
+
+
 def test_missing_shard(sharded_ckpt, tmp_path):
     ckpt = _copy(sharded_ckpt[0], tmp_path)
     shard = sorted(ckpt.glob("*-of-*.safetensors"))[1]
