@@ -6,6 +6,8 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 
+from ..context import bound
+
 
 class KernelChoice:
     """``current()`` is the innermost ``use(name)`` in force, else ``default``; unknown names are refused."""
@@ -23,8 +25,5 @@ class KernelChoice:
     def use(self, name: str) -> Iterator[None]:
         if name not in self.options:
             raise ValueError(f"{self.what} must be one of {self.options}, got {name!r}")
-        token = self._var.set(name)
-        try:
+        with bound(self._var, name):
             yield
-        finally:
-            self._var.reset(token)

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..context import bound
+
 _KEYS: contextvars.ContextVar[tuple[Hashable, ...] | None] = contextvars.ContextVar("mmdit_sample_keys", default=None)
 _SINK: contextvars.ContextVar[SampleGradSink | None] = contextvars.ContextVar("mmdit_grad_sink", default=None)
 
@@ -257,22 +259,15 @@ def execution_order(batches: Sequence[Sequence[Hashable]]) -> list[int]:
 @contextlib.contextmanager
 def collect_sample_grads(sink: SampleGradSink | None = None) -> Iterator[SampleGradSink]:
     """Forward and backward passes inside the block deposit per-sample partials into ``sink``."""
-    sink = sink if sink is not None else SampleGradSink()
-    token = _SINK.set(sink)
-    try:
-        yield sink
-    finally:
-        _SINK.reset(token)
+    with bound(_SINK, sink if sink is not None else SampleGradSink()) as active_sink:
+        yield active_sink
 
 
 @contextlib.contextmanager
 def sample_keys(keys: Sequence[Hashable]) -> Iterator[None]:
     """Declare the sample key of each sample of the forward(s) run inside the block, in batch order."""
-    token = _KEYS.set(tuple(keys))
-    try:
+    with bound(_KEYS, tuple(keys)):
         yield
-    finally:
-        _KEYS.reset(token)
 
 
 def active() -> tuple[SampleGradSink | None, tuple[Hashable, ...] | None]:
@@ -283,9 +278,5 @@ def active() -> tuple[SampleGradSink | None, tuple[Hashable, ...] | None]:
 @contextlib.contextmanager
 def restore(state: tuple[SampleGradSink | None, tuple[Hashable, ...] | None]) -> Iterator[None]:
     """Re-establish a sink/keys state captured with :func:`active` (for checkpoint recomputation)."""
-    t1, t2 = _SINK.set(state[0]), _KEYS.set(state[1])
-    try:
+    with bound(_SINK, state[0]), bound(_KEYS, state[1]):
         yield
-    finally:
-        _KEYS.reset(t2)
-        _SINK.reset(t1)

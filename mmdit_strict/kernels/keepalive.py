@@ -13,6 +13,8 @@ import contextlib
 import contextvars
 from typing import Any, Iterator, TypeVar
 
+from ..context import bound
+
 T = TypeVar("T")
 _SINK: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar("mmdit_keepalive", default=None)
 
@@ -28,9 +30,5 @@ def retain(obj: T) -> T:
 @contextlib.contextmanager
 def retaining() -> Iterator[list[Any]]:
     """Collect every object passed to :func:`retain` inside the block."""
-    held: list[Any] = []
-    token = _SINK.set(held)
-    try:
+    with bound(_SINK, []) as held:
         yield held
-    finally:
-        _SINK.reset(token)

@@ -13,6 +13,8 @@ from typing import Iterator
 
 import torch
 
+from ..context import bound
+
 
 class Runtime(str, Enum):
     """How operators are chosen.
@@ -75,15 +77,12 @@ def strict_math() -> Iterator[None]:
 def runtime_mode(mode: "str | Runtime") -> Iterator[Runtime]:
     """Run the enclosed code in ``mode``; strict-like modes also pin the math policy."""
     mode = Runtime.parse(mode)
-    token = _MODE.set(mode)
-    try:
+    with bound(_MODE, mode):
         if mode is Runtime.OFF:
             yield mode
         else:
             with strict_math():
                 yield mode
-    finally:
-        _MODE.reset(token)
 
 
 def tf32_state() -> dict[str, bool]:

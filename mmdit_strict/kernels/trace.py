@@ -14,6 +14,7 @@ from typing import Any, Iterator
 
 import torch
 
+from ..context import bound
 from .runtime import Runtime, tf32_state
 
 
@@ -132,12 +133,8 @@ _TRACE: contextvars.ContextVar[OperatorTrace | None] = contextvars.ContextVar("m
 @contextlib.contextmanager
 def capture_trace(trace: OperatorTrace | None = None) -> Iterator[OperatorTrace]:
     """Record every dispatched operator inside the block into ``trace`` (a new one by default)."""
-    trace = trace if trace is not None else OperatorTrace()
-    token = _TRACE.set(trace)
-    try:
-        yield trace
-    finally:
-        _TRACE.reset(token)
+    with bound(_TRACE, trace if trace is not None else OperatorTrace()) as active:
+        yield active
 
 
 def active_trace() -> OperatorTrace | None:

@@ -17,6 +17,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from ..context import bound
 from ..kernels.registry import dispatch, resolve
 from ..kernels.trace import record
 from ..kernels.runtime import current_runtime, runtime_mode
@@ -46,12 +47,8 @@ class GemmCall:
 @contextlib.contextmanager
 def record_gemms() -> Iterator[list[GemmCall]]:
     """List every GEMM the strict forwards inside the block run (shapes only; nothing else changes)."""
-    calls: list[GemmCall] = []
-    token = _GEMMS.set(calls)
-    try:
+    with bound(_GEMMS, []) as calls:
         yield calls
-    finally:
-        _GEMMS.reset(token)
 
 
 def _note_gemm(op: str, where: str, rows: int, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -72,11 +69,8 @@ def inject_fault(key: str | None) -> Iterator[None]:
     A deliberate, known mismatch: it validates that compare/localize name the right step, block and
     operator. ``None`` does nothing.
     """
-    token = _FAULT.set(key)
-    try:
+    with bound(_FAULT, key):
         yield
-    finally:
-        _FAULT.reset(token)
 
 
 def _bump(out: torch.Tensor) -> torch.Tensor:
@@ -92,23 +86,15 @@ def capture_operators() -> Iterator[dict[str, torch.Tensor]]:
 
     Strict forwards record packed rows; the production forward (runtime ``off``) records its padded
     ``(B, T, ...)`` tensors (per-sample vectors ``(B, ...)`` in both), under the same keys."""
-    store: dict[str, torch.Tensor] = {}
-    token = _CAPTURE.set(store)
-    try:
+    with bound(_CAPTURE, {}) as store:
         yield store
-    finally:
-        _CAPTURE.reset(token)
 
 
 @contextlib.contextmanager
 def uninstrumented() -> Iterator[None]:
     """Neither capture nor fault injection inside the block (audit's side run of the production forward)."""
-    capture, fault = _CAPTURE.set(None), _FAULT.set(None)
-    try:
+    with bound(_CAPTURE, None), bound(_FAULT, None):
         yield
-    finally:
-        _FAULT.reset(fault)
-        _CAPTURE.reset(capture)
 
 
 def _op(name: str, where: str, ref: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
