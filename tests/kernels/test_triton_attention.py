@@ -408,6 +408,25 @@ def test_gpu_unfused_trio_24x128(dtype: str) -> None:
 
 
 @gpu
+def test_gpu_other_thread_same_bytes() -> None:
+    """A forward + backward on a fresh thread (autograd's device thread, a checkpointed recomputation) runs the
+    frozen configuration's TMA loads and gives the main thread's bytes (Triton's allocator is per context)."""
+    import threading
+
+    if not torch.cuda.is_available() or INTERPRET:
+        pytest.skip("no CUDA device")
+    s = bench.make_sample(77, 1999, heads=24, head_dim=128, dtype=torch.bfloat16, seed=90)
+    g = bench.make_grad(s, 91)
+    here = bench.run_batch(A.joint_attention_fused, [s], [g])
+    there: list = []
+    worker = threading.Thread(target=lambda: there.append(bench.run_batch(A.joint_attention_fused, [s], [g])))
+    worker.start()
+    worker.join()
+    assert there, "the forward + backward on another thread raised (see the thread's traceback above)"
+    assert_bytes_equal(there[0], here, "fresh thread vs main thread")
+
+
+@gpu
 def test_gpu_one_compiled_variant_per_config() -> None:
     """Batches of other sizes and lengths reuse the compiled kernels (no batch-derived specialization)."""
     if not torch.cuda.is_available() or INTERPRET:

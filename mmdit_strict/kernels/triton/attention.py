@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 from typing import Sequence
 
 import torch
@@ -462,8 +463,12 @@ CONFIGS: dict[tuple[int, torch.dtype], dict] = {
     # bf16 d=128 from the H200 candidate runs at 90d39bb and f02d17b (4096 + 128 tokens, B = 1): fwd 128x64/8w/3s
     # (128x128/8w 283 TFLOP/s, 4 warps 222, 2 stages 302); backward dkdv 32x128/8w/4s and dq 128x64/8w/3s: 275 TFLOP/s
     # (4-warp tiles 88). TMA descriptor loads reached 459 TFLOP/s forward vs 412 with the same bytes at f02d17b, but only
-    # at a shape with no partial tile: "fwd_loads": "tma" waits for a GPU run over tails and mixed batches.
-    (128, torch.bfloat16): {"fwd": (128, 64, 8, 3), "dkdv": (32, 128, 8, 4), "dq": (128, 64, 8, 3), "delta": 64},
+    # at a shape with no partial tile. At c68c981 (experiments/attention/c68c981) the resident tiles read directly,
+    # the LSE/Δ entries through base pointers and the forward's K/V through TMA gave the frozen bytes at every
+    # candidate row and passed accuracy and invariance over tails and mixed batches: fwd 416 -> 474 TFLOP/s, bwd
+    # 263 -> 347 at 4096 + 128 (0.74-0.85x / 0.65-0.70x cuDNN over nine shapes). bwd_loads "tma" was slower (339).
+    (128, torch.bfloat16): {"fwd": (128, 64, 8, 3), "dkdv": (32, 128, 8, 4), "dq": (128, 64, 8, 3), "delta": 64,
+                            "resident_loads": "direct", "stat_loads": "base", "fwd_loads": "tma"},
     # fp32 (IEEE FMA dots, no tensor cores): the backward's FP32 dK/dV and dQ accumulators take 8 warps
     # (4-warp tiles spilled in the bf16 candidates at 90d39bb; fp32 ran 1 TFLOP/s there with 4 warps).
     (128, torch.float32): {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 8, 2), "dq": (64, 32, 8, 2), "delta": 64},
@@ -527,15 +532,18 @@ def _tile_table(tseq: tuple[int, ...], iseq: tuple[int, ...], block: int, device
     return retain(_TABLES[key])
 
 
-_ALLOCATOR_SET = False
+_ALLOCATOR_SET = threading.local()
 
 
 def _ensure_allocator() -> None:
-    """Device-side tensor descriptors need global scratch: give Triton a torch-backed allocator once."""
-    global _ALLOCATOR_SET
-    if not _ALLOCATOR_SET and not _interpreting():
+    """Device-side tensor descriptors need global scratch: give Triton a torch-backed allocator.
+
+    Triton keeps the allocator in a context variable, which a new thread does not inherit; autograd runs the
+    backward (and a checkpointed forward's recomputation) on its own device thread, so set it once per thread.
+    """
+    if not getattr(_ALLOCATOR_SET, "done", False) and not _interpreting():
         triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-        _ALLOCATOR_SET = True
+        _ALLOCATOR_SET.done = True
 
 
 def _load_path(name: str, *tensors: torch.Tensor) -> int:
