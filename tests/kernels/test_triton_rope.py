@@ -295,7 +295,7 @@ def test_registered_for_cuda_strict_fp32_and_bf16():
         assert impls[0].dtypes == frozenset({torch.float32, torch.bfloat16}), op
 
 
-# ---- the "chunk_heads" backward variant (rope.qk_bwd; off by default) ----------------------------
+# ---- the non-default backward variants (rope.qk_bwd) ---------------------------------------------
 
 
 def check_variant_dx_equals_default(h, d, seq, target, bwd):
@@ -361,18 +361,19 @@ def test_bwd_variant_is_kept_and_checked_interpreter():
     x = randn(21, H, DH, gen=generator(26)).requires_grad_(True)
     gain = _gain(DH, generator(27)).requires_grad_(True)
     gy = randn(21, H, DH, gen=generator(28))
-    with R.qk_bwd("chunk_heads"):
+    other = VARIANTS[0]  # a backward other than the default, so that keeping it is observable
+    with R.qk_bwd(other):
         want = torch.autograd.grad(R.qk_rmsnorm(x, gain, seqlens=(21,), eps=EPS), [x, gain], gy)
         y = R.qk_rmsnorm(x, gain, seqlens=(21,), eps=EPS)
     got = torch.autograd.grad(y, [x, gain], gy)  # backward outside the block
-    assert_bytes_equal(got, want, "chunk_heads backward run outside the block")
+    assert_bytes_equal(got, want, f"{other} backward run outside the block")
     default = torch.autograd.grad(R.qk_rmsnorm(x, gain, seqlens=(21,), eps=EPS), [x, gain], gy)
-    assert_bytes_equal(got[0], default[0], "chunk_heads dx vs the default")
+    assert_bytes_equal(got[0], default[0], f"{other} dx vs the default")
     with R.qk_layout("pairs"):
         pairs = torch.autograd.grad(R.qk_rmsnorm(x, gain, seqlens=(21,), eps=EPS), [x, gain], gy)
-        with R.qk_bwd("chunk_heads"):
+        with R.qk_bwd(other):
             assert_bytes_equal(torch.autograd.grad(R.qk_rmsnorm(x, gain, seqlens=(21,), eps=EPS), [x, gain], gy), pairs,
-                               "pairs layout inside qk_bwd('chunk_heads')")
+                               f"pairs layout inside qk_bwd({other!r})")
             (impl,) = [i for i in implementations("qk_rmsnorm") if i.backend == "triton"]
             assert impl.identity()["variant"] == "pairs/token_heads"
     with pytest.raises(ValueError, match="qk backward variant"), R.qk_bwd("heads"):
@@ -392,12 +393,14 @@ def test_bwd_variant_identity_and_trace():
     assert (default["kernel"], default["reduction_order"]) == (impl.kernel_name, impl.reduction_order)
     trace = OperatorTrace()
     with R.qk_bwd("token_heads"):
+        token = impl.identity()
         trace.add("qk_rmsnorm", impl, Runtime.STRICT, "cuda", torch.float32, False)
     with R.qk_bwd("chunk_heads"):
         chunk = impl.identity()
         trace.add("qk_rmsnorm", impl, Runtime.STRICT, "cuda", torch.float32, False)
     assert chunk["variant"] == "contiguous/chunk_heads" and "_qk_bwd_chunk_kernel" in chunk["kernel"]
-    assert "once per chunk" in chunk["reduction_order"] and chunk["reduction_order"] != default["reduction_order"]
+    assert token["variant"] == "contiguous/token_heads" and "_qk_bwd_chunk_kernel" not in token["kernel"]
+    assert "once per chunk" in chunk["reduction_order"] and chunk["reduction_order"] != token["reduction_order"]
     assert sorted(r.kernel["variant"] for r in trace.records.values()) == ["contiguous/chunk_heads", "contiguous/token_heads"]
     again = OperatorTrace.from_records(trace.record_dicts())
     assert set(again.records) == set(trace.records)

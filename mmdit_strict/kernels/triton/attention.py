@@ -467,7 +467,9 @@ CONFIGS: dict[tuple[int, torch.dtype], dict] = {
     # the LSE/Δ entries through base pointers and the forward's K/V through TMA gave the frozen bytes at every
     # candidate row and passed accuracy and invariance over tails and mixed batches: fwd 416 -> 474 TFLOP/s, bwd
     # 263 -> 347 at 4096 + 128 (0.74-0.85x / 0.65-0.70x cuDNN over nine shapes). bwd_loads "tma" was slower (339).
-    (128, torch.bfloat16): {"fwd": (128, 64, 8, 3), "dkdv": (32, 128, 8, 4), "dq": (128, 64, 8, 3), "delta": 64,
+    # With those, the 128x128 forward tile (new bytes: 128-key steps) qualified at 6ab3b56 (experiments/attention/
+    # 6ab3b56/q3: accuracy, invariance pass): 474 -> 499 TFLOP/s at 4096 + 128, 0.78-0.88x cuDNN; 2 stages 375.
+    (128, torch.bfloat16): {"fwd": (128, 128, 8, 3), "dkdv": (32, 128, 8, 4), "dq": (128, 64, 8, 3), "delta": 64,
                             "resident_loads": "direct", "stat_loads": "base", "fwd_loads": "tma"},
     # fp32 (IEEE FMA dots, no tensor cores): the backward's FP32 dK/dV and dQ accumulators take 8 warps
     # (4-warp tiles spilled in the bf16 candidates at 90d39bb; fp32 ran 1 TFLOP/s there with 4 warps).
