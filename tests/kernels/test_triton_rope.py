@@ -472,7 +472,7 @@ def _compiled(fn) -> int:
 @pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
 def test_gpu_contiguous_one_binary_for_norm_rope_and_fused(target):
     """In the contiguous layout qk_rmsnorm, multi_axis_rope (both directions) and the fused op run ONE
-    compiled forward kernel and qk_rmsnorm / fused share ONE compiled backward kernel (runtime flags, no
+    compiled forward kernel and qk_rmsnorm / fused share ONE compiled "token_heads" backward (runtime flags, no
     specialization on them): one layout, so one summation tree, for the fused and the unfused path.
     A head shape no other test uses (5 × 40), so every compile counted here is this test's."""
     skip_unless_compiled(target)
@@ -480,7 +480,7 @@ def test_gpu_contiguous_one_binary_for_norm_rope_and_fused(target):
     x, gain, cos, sin, gy = _qk_case(5, 40, sum(seq), generator(24), target)
     ops = _qk_ops(cos, sin, seq)
     before = _compiled(R._qk_fwd_kernel), _compiled(R._qk_bwd_kernel)
-    with R.qk_layout("contiguous"):
+    with R.qk_layout("contiguous"), R.qk_bwd("token_heads"):  # the per-token backward, counted below
         out_u, grads_u = run_with_grads(ops["unfused"], [x, gain], gy)
         out_f, grads_f = run_with_grads(ops["fused"], [x, gain], gy)
         with torch.no_grad():
