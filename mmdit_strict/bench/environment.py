@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import time
 from pathlib import Path
@@ -41,8 +42,19 @@ def gpu_environment() -> dict[str, Any]:
     }
 
 
+def run_environment(device: str) -> dict[str, Any]:
+    """Where a run executed: :func:`gpu_environment` on a CUDA device, else the CPU, torch, commit and date."""
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        return gpu_environment()
+    return {"gpu": None, "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+            "commit": commit(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
 def environment_line(env: dict[str, Any], *extra: str) -> str:
     """The one-line header every report prints: GPU, driver, versions, commit, date, then ``extra`` items."""
+    if not env.get("gpu") and env.get("cpu"):
+        return " · ".join([f"CPU {env['cpu']}", f"torch {env.get('torch', '—')}", f"commit `{env.get('commit', '—')}`",
+                           str(env.get("date_utc", "—")), *extra])
     items = [f"GPU {env.get('gpu', '—')}", f"driver {env.get('driver', '—')}", f"torch {env.get('torch', '—')}",
              f"Triton {env.get('triton', '—')}", f"CUDA {env.get('cuda', '—')}", f"commit `{env.get('commit', '—')}`",
              str(env.get("date_utc", "—")), *extra]

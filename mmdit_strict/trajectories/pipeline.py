@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from ..bench.environment import run_environment
 from ..config.compose import save_resolved
 from . import artifact
 from .compare import Comparison, compare
@@ -116,7 +117,8 @@ def compare_stage(cfg: DictConfig, rollout: artifact.Trajectory, recompute: arti
         loc = localize(rollout, recompute, comp.first)
     if phases is not None:
         phases["compare"] = time.perf_counter() - t0
-    report = write_report(out / "report", rollout, recompute, comp, loc, phases=phases, peer=peer)
+    report = write_report(out / "report", rollout, recompute, comp, loc, phases=phases, peer=peer,
+                          environment=run_environment(str(cfg.model.device)))
     return RunResult(comp, loc, report, out)
 
 

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..bench.environment import environment_line
 from ..io import atomic_write_text
 from .artifact import Trajectory
 from .compare import Comparison
@@ -133,11 +134,12 @@ def _peer_summary(peer: dict[str, Any] | None, rollout: Trajectory, phases: dict
 
 def write_report(out_dir: str | Path, rollout: Trajectory, recompute: Trajectory, comp: Comparison,
                  loc: Localization | None = None, *, phases: dict[str, float] | None = None,
-                 peer: dict[str, Any] | None = None) -> dict[str, Any]:
+                 peer: dict[str, Any] | None = None, environment: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write ``report.md``, ``report.json`` and plots into ``out_dir``; return the JSON payload.
 
     ``phases``: wall seconds per phase of the run (build, hash_weights, rollout, peer_rollout,
-    recompute, compare); ``peer``: :func:`~mmdit_strict.trajectories.peer.peer_rollout`'s result."""
+    recompute, compare); ``peer``: :func:`~mmdit_strict.trajectories.peer.peer_rollout`'s result;
+    ``environment``: where the run executed (:func:`~mmdit_strict.bench.environment.run_environment`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for name in PLOTS:  # a plot this comparison does not draw must not survive from an earlier one
@@ -165,6 +167,7 @@ def write_report(out_dir: str | Path, rollout: Trajectory, recompute: Trajectory
         "sigma_table": ra["sigma_table"],
         "phases": {k: round(v, 3) for k, v in (phases or {}).items()},
         "peer": _peer_summary(peer, rollout, phases or {}),
+        "environment": environment,
     }
     atomic_write_text(out / "report.json", json.dumps(payload, indent=2, default=str))
     atomic_write_text(out / "report.md", render_markdown(payload, comp))
@@ -173,6 +176,8 @@ def write_report(out_dir: str | Path, rollout: Trajectory, recompute: Trajectory
 
 def render_markdown(p: dict[str, Any], comp: Comparison) -> str:
     lines = ["# mmdit-strict: rollout vs recompute", "", f"**{p['summary']}**", ""]
+    if p.get("environment"):
+        lines += [f"Ran on: {environment_line(p['environment'])}", ""]
     lines += ["| | rollout | recompute |", "|---|---|---|"]
     ra, rb = p["sides"]["rollout"], p["sides"]["recompute"]
     lines.append(f"| runtime | {ra['runtime']} | {rb['runtime']} |")

@@ -29,6 +29,12 @@ def test_strict_run_is_byte_identical(tmp_path: Path) -> None:
     assert (tmp_path / "strict" / "report" / "report.md").read_text().startswith("# mmdit-strict")
     assert (tmp_path / "strict" / "report" / "drift_per_step.png").stat().st_size > 1000
     assert (tmp_path / "strict" / "config.yaml").exists()
+    # the report says where it ran: this machine's torch, and no GPU for a CPU run
+    import torch
+
+    env = report["environment"]
+    assert env["torch"] == torch.__version__ and env["gpu"] is None and env["commit"]
+    assert f"torch {torch.__version__}" in (tmp_path / "strict" / "report" / "report.md").read_text()
     # both sides ran only strict kernels, with no fallback
     for side in report["sides"].values():
         assert side["trace"]["backends"] == ["cpu_strict"] and side["trace"]["fallbacks"] == []
