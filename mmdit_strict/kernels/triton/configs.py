@@ -15,13 +15,10 @@ the ``config=`` argument of ``gemm_fwd`` / ``gemm_bwd`` / ``gemm_dw`` and never 
   nn.Linear's stored ``(N, K)`` read in place — with ``tma`` through a tensor descriptor whose
   ``(BLOCK_N, BLOCK_K)`` boxes are transposed in shared memory before the same ``tl.dot``, so the
   bytes equal the ``"kn"`` bytes of the same tile (tests/kernels/test_triton_gemm.py checks this);
-  without ``tma`` through strides. docs/design.md §8 measured the strided N×K read at 0.64–0.74×
-  cuBLAS against 0.82–0.96× for K×N, hence ``"kn"`` for the pointer-load classes. The descriptor
-  form of ``"nk"`` compiles for sm_90 to the same ``HGMMA`` instructions with a K-major B operand;
-  until the H200 times it (``python -m mmdit_strict.bench.gemm --sections layouts``: both layouts per
-  class beside cuBLAS, outputs compared in bytes) every class here reads ``"kn"``, at the cost of one
-  extra copy of each such weight. A class moves to ``"nk"`` when its in-place forward is within ~3 %
-  of ``"kn"``.
+  without ``tma`` through strides. The forward of every Qwen-Image class but ``img_in`` / ``proj_out``
+  reads ``"nk"`` (timed on the H200 against the copy, same bytes, 0.91–1.03× its speed; see the
+  ``_IN_PLACE_BF16`` table below), so no second copy of those weights exists; ``img_in`` and
+  ``proj_out`` keep their 0.4 MiB copies (``"nk"`` measured 0.97–0.98×).
 * :data:`DW` — :class:`DwConfig` of the weight-gradient kernel ``dW(N, K) = Σ_samples Σ_rows dZᵀ p(x)``:
   output tile ``(BLOCK_N, BLOCK_K)``, rows consumed ``BLOCK_M`` at a time from each sample's first row.
 * Generic fallbacks by size class of ``(N, K)`` when a shape has no exact entry, and the fixed
