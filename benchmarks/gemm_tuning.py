@@ -39,6 +39,7 @@ from mmdit_strict.bench.gemm import (
 )
 from mmdit_strict.kernels.triton.configs import DwConfig, FwdConfig
 
+# the probes' shapes as they ran (qkv: the concatenated 9216-wide product; the model runs three 3072-wide ones)
 BIG = [("qkv", 9216, 3072), ("attn_out", 3072, 3072), ("mlp_up", 12288, 3072), ("mlp_down", 3072, 12288)]
 
 
@@ -172,8 +173,7 @@ def main(argv=None) -> int:
     for what in args.what.split(","):
         report[what] = run.guarded(what, probes[what])
         run.save()
-    print(_md(report))
-    return 0
+    return run.finish()
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ cut short still leaves what it measured):
 
 Every launch uses ``configs`` as committed or a configuration passed explicitly (``config=``); the
 tables are never edited. Configuration sweeps and tuning probes live outside the package, in the
-repository's ``benchmarks/`` folder (they keep the historical hand list :data:`LAYERS`).
+repository's ``benchmarks/`` folder (with the hand list of shapes the tuning rounds swept).
 
 The qualified classes are read from the model (:mod:`.gemm_shapes`): a one-block model of
 ``--preset`` runs its strict forward at 1024² with one 128-token prompt, alone and beside a 16-token
@@ -47,19 +47,6 @@ import torch.nn.functional as F
 from . import markdown as md
 from .environment import environment_line, gpu_environment
 
-LAYERS = [
-    # name, N, K, bias, prologue, epilogue, speed M values
-    ("qkv", 9216, 3072, True, "none", "none", (4224,)),
-    ("attn_out", 3072, 3072, True, "none", "none", (4224,)),
-    ("mlp_up", 12288, 3072, True, "none", "gelu_tanh", (4224,)),
-    ("mlp_down", 3072, 12288, True, "none", "none", (4224,)),
-    ("mod", 18432, 3072, True, "silu", "none", (1, 8)),
-    ("final_mod", 6144, 3072, True, "silu", "none", (1, 8)),
-    ("txt_in", 3072, 3584, True, "none", "none", (4224,)),
-    ("img_in", 3072, 64, True, "none", "none", (4224,)),
-    ("proj_out", 64, 3072, True, "none", "none", (4224,)),
-    ("temb_1", 3072, 256, True, "none", "silu", (1, 8)),  # timestep MLP linear_1 (+ SiLU), one row per sample
-]
 # the batch layouts the qualification reads the model's GEMM classes from: (latent grid, prompt tokens
 # per sample) — one 1024² image with a 128-token prompt, then with its 16-token negative prompt (CFG)
 MODEL_LAYOUTS = (((64, 64), (128,)), ((64, 64), (128, 16)))
@@ -358,6 +345,12 @@ class ReportWriter:
         (self.out / f"{self.stem}.json").write_text(json.dumps(self.report, indent=1))
         (self.out / f"{self.stem}.md").write_text(self.render(self.report))
 
+    def finish(self) -> int:
+        """The last save, the Markdown report on stdout; the exit status of a run that got this far (0)."""
+        self.save()
+        print(self.render(self.report))
+        return 0
+
     def guarded(self, what: str, fn):
         if not self.budget_ok():
             self.report["errors"].append(f"skipped (time budget): {what}")
@@ -543,9 +536,7 @@ def main(argv=None) -> int:
             report["accuracy"] += guarded(f"accuracy {name} {dname} {_fmt_seqlens(s)} r={r}",
                                           lambda: accuracy_case(G, ref_ops, name, n, k, bias, pro, epi, DTYPES[dname], s, lora_r=r))
         save()
-    save()
-    print(_md(report))
-    return 0
+    return run.finish()
 
 
 if __name__ == "__main__":

@@ -64,3 +64,19 @@ def test_model_bench_counts_qwen_image_flops() -> None:
     assert 70e12 < one < 72e12
     two = model.forward_flops(preset("qwen-image"), [4096, 4096], [128, 64])
     assert two < 2 * one
+
+
+def test_report_writer_finish_writes_both_files_and_prints_the_markdown(tmp_path, capsys) -> None:
+    """The end of every GEMM bench / sweep / tuning run: the report on disk as it stands, its Markdown on
+    stdout, exit status 0; a section recorded after an earlier save is in both."""
+    import json
+
+    report = {"env": {}, "rows": [1]}
+    run = gemm.ReportWriter(str(tmp_path / "out"), "r", report, lambda r: f"rows {r['rows']} errors {r['errors']}")
+    run.save()
+    report["rows"].append(2)
+    assert run.finish() == 0
+    on_disk = json.loads((tmp_path / "out" / "r.json").read_text())
+    assert on_disk["rows"] == [1, 2] and on_disk["errors"] == [] and "wall_s" in on_disk
+    assert (tmp_path / "out" / "r.md").read_text() == "rows [1, 2] errors []"
+    assert capsys.readouterr().out == "rows [1, 2] errors []\n"
