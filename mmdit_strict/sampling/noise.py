@@ -25,25 +25,19 @@ from typing import Sequence
 
 import torch
 
+from ._checks import check_int
+
 __all__ = ["noise_key", "initial_latents", "step_noise", "KEY_VERSION"]
 
 KEY_VERSION = "mmdit_strict.noise.v1"
 _MASK63 = (1 << 63) - 1
 
 
-def _check_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return value
-
-
 def noise_key(seed: int, sample_id: int, step: int, purpose: str) -> int:
     """63-bit generator seed for one (seed, sample, step, purpose); see the module docstring."""
-    _check_int("seed", seed)
-    _check_int("sample_id", sample_id)
-    _check_int("step", step)
+    check_int("seed", seed, 0)
+    check_int("sample_id", sample_id, 0)
+    check_int("step", step, 0)
     if not isinstance(purpose, str) or not purpose or "|" in purpose or "=" in purpose:
         raise ValueError(f"purpose must be a non-empty string without '|' or '=', got {purpose!r}")
     text = f"{KEY_VERSION}|seed={seed}|sample={sample_id}|step={step}|purpose={purpose}"
@@ -66,7 +60,7 @@ def _check_ids(sample_ids: Sequence[int]) -> list[int]:
     if not ids:
         raise ValueError("sample_ids is empty")
     for i in ids:
-        _check_int("sample_id", i)
+        check_int("sample_id", i, 0)
     return ids
 
 
@@ -95,7 +89,7 @@ def initial_latents(
         device: target device (the draw is always on the CPU).
         dtype: output dtype (drawn in FP32, cast once).
     """
-    _check_int("seed", seed)
+    check_int("seed", seed, 0)
     ids = _check_ids(sample_ids)
     shape = _check_shape(shape_per_sample)
     return _draw(seed, ids, 0, "initial_latents", shape).to(device=device, dtype=dtype)
@@ -112,8 +106,8 @@ def step_noise(
 
     Sample ``i`` depends only on ``(seed, sample_ids[i], step)``.
     """
-    _check_int("seed", seed)
-    _check_int("step", step)
+    check_int("seed", seed, 0)
+    check_int("step", step, 0)
     ids = _check_ids(sample_ids)
     shape = _check_shape(shape_per_sample)
     return _draw(seed, ids, step, "sde", shape).to(device=device)

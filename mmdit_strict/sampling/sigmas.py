@@ -32,18 +32,10 @@ import math
 
 import torch
 
+from ._checks import check_int
 from ._register import register_sampling_op
 
 __all__ = ["sigma_table", "mu_for"]
-
-
-
-def _check_positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
 
 
 def mu_for(
@@ -60,7 +52,7 @@ def mu_for(
     ``max_seq_len`` (extrapolated outside that range, as diffusers does). Python float64, with the
     same expression order as diffusers' ``calculate_shift``.
     """
-    _check_positive_int("image_seq_len", image_seq_len)
+    check_int("image_seq_len", image_seq_len, 1)
     if max_seq_len == base_seq_len:
         raise ValueError(f"max_seq_len and base_seq_len must differ, both are {base_seq_len}")
     m = (max_shift - base_shift) / (max_seq_len - base_seq_len)
@@ -111,7 +103,7 @@ def sigma_table(
     Returns:
         ``(num_steps + 1,)`` FP32 tensor, decreasing from 1.0, last entry 0.0.
     """
-    _check_positive_int("num_steps", num_steps)
+    check_int("num_steps", num_steps, 1)
     mu = mu_for(
         image_seq_len,
         base_seq_len=base_seq_len,

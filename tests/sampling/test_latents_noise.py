@@ -144,6 +144,7 @@ def test_noise_matches_documented_pins():
     [
         (lambda: noise_key(-1, 0, 0, "sde"), ValueError, "seed must be >= 0"),
         (lambda: noise_key(0, 1.5, 0, "sde"), TypeError, "sample_id must be an int"),
+        (lambda: noise_key(0, 0, True, "sde"), TypeError, "step must be an int, got bool"),
         (lambda: noise_key(0, 0, 0, ""), ValueError, "purpose"),
         (lambda: noise_key(0, 0, 0, "a|b"), ValueError, "purpose"),
         (lambda: step_noise(0, [], 0, (4,), "cpu"), ValueError, "sample_ids is empty"),
