@@ -128,17 +128,23 @@ def ref_denormalize_latents(x: torch.Tensor, mean: Sequence[float], std: Sequenc
     return xx * torch.tensor(list(std), dtype=F64).view(shape) + torch.tensor(list(mean), dtype=F64).view(shape)
 
 
+def _packed_positions(c: int, h: int, w: int):
+    """Every (token, its 4c-wide slots of one 2x2 offset, latent row, latent column) of the 2x2 packing:
+    token i*(w/2)+j, slots 4ch + 2dy + dx over the channels ch, pixel (2i+dy, 2j+dx)."""
+    for i in range(h // 2):
+        for j in range(w // 2):
+            for dy in range(2):
+                for dx in range(2):
+                    yield i * (w // 2) + j, [4 * ch + 2 * dy + dx for ch in range(c)], 2 * i + dy, 2 * j + dx
+
+
 def ref_pack_latents(z: torch.Tensor) -> torch.Tensor:
     """Index-by-index 2x2 packing: out[b, i*(W/2)+j, 4c + 2dy + dx] = z[b, c, 2i+dy, 2j+dx] (dtype kept)."""
     b, c, h, w = z.shape
     out = torch.empty((b, (h // 2) * (w // 2), 4 * c), dtype=z.dtype)
     src = z.detach().cpu()
-    for i in range(h // 2):
-        for j in range(w // 2):
-            tok = i * (w // 2) + j
-            for dy in range(2):
-                for dx in range(2):
-                    out[:, tok, [4 * ch + 2 * dy + dx for ch in range(c)]] = src[:, :, 2 * i + dy, 2 * j + dx]
+    for tok, slots, y, x in _packed_positions(c, h, w):
+        out[:, tok, slots] = src[:, :, y, x]
     return out
 
 
@@ -148,12 +154,8 @@ def ref_unpack_latents(x: torch.Tensor, height: int, width: int) -> torch.Tensor
     c = packed // 4
     out = torch.empty((b, c, height, width), dtype=x.dtype)
     src = x.detach().cpu()
-    for i in range(height // 2):
-        for j in range(width // 2):
-            tok = i * (width // 2) + j
-            for dy in range(2):
-                for dx in range(2):
-                    out[:, :, 2 * i + dy, 2 * j + dx] = src[:, tok, [4 * ch + 2 * dy + dx for ch in range(c)]]
+    for tok, slots, y, px in _packed_positions(c, height, width):
+        out[:, :, y, px] = src[:, tok, slots]
     return out
 
 
