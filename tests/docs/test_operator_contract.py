@@ -6,6 +6,9 @@
   defaults (and no default the docs do not state). A backend may add keyword-only parameters that have
   defaults; it may not add a required one or drop a documented one.
 * Every operator with a production, CPU strict or Triton implementation is documented there.
+* The shapes in the "Other operators" table are the shapes the code takes and returns: every CPU
+  implementation (production and CPU strict) is called with tensors of the documented input shapes
+  (each dimension letter a distinct size) and must return the documented output shapes.
 * Every tolerance entry loads under one meaning per key (``rtol``, ``atol`` absolute, ``atol_max`` a
   fraction of max|expected|) and states a reason.
 """
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from mmdit_strict.kernels import registry
 from mmdit_strict.tolerances import all_entries, from_entry
@@ -176,6 +180,98 @@ def test_the_signature_check_catches_drift() -> None:
         return None
 
     assert "required keyword-only parameter 'tile'" in " ".join(signature_problems("g", parse_signature(f"({doc})"), strict_gemm))
+
+
+# One size per dimension letter of docs/operators.md, all different, so a documented dimension the code
+# reads as another one shows. Packed rows: M = sum(SEQLENS) over B samples; joint attention: Mt / Mi
+# text / image rows; the unfused trio: one sample of L tokens.
+DIMS = {"B": 2, "M": 5, "Mt": 3, "Mi": 7, "L": 11, "H": 2, "d": 4, "D": 6, "N": 10, "Ct": 9, "C": 8}
+SHAPE_KWARGS = {"seqlens": (2, 3), "txt_seqlens": (1, 2), "img_seqlens": (3, 4), "eps": 1e-6, "channels": DIMS["C"],
+                "scale": 1000.0}
+
+
+def _dims(text: str) -> tuple[int, ...]:
+    """``"M, H·d"`` → sizes under :data:`DIMS` (``2D`` = 2·D, ``d/2``, ``H·d``)."""
+    out = []
+    for expr in filter(None, (e.strip() for e in text.split(","))):
+        py = re.sub(r"(\d)([A-Za-z])", r"\1*\2", expr.replace("·", "*").replace("/", "//"))
+        if not re.fullmatch(r"[A-Za-z0-9*/ ]+", py):
+            raise ValueError(f"cannot read dimension {expr!r}")
+        out.append(eval(py, {"__builtins__": {}}, dict(DIMS)))
+    return tuple(out)
+
+
+def documented_shapes(sig: str) -> tuple[dict[str, tuple[int, ...]], list[tuple[int, ...]]]:
+    """``"(x (M, D), a, b (B, D), *, eps) -> (M, D)"`` → ({input: shape}, [output shapes]) under :data:`DIMS`.
+
+    Names listed before a shape share it (``q, k (M, H, d)``); the outputs are the one shape after
+    ``->`` or, for a tuple, each named part's shape."""
+    params, ret = sig.split("->")
+    inputs, pending = {}, []
+    for piece in _split_top_level(params.strip()[1:-1]):
+        if piece == "*":
+            break
+        m = re.match(r"^(\w+)\s*(?:\(([^)]*)\))?", piece)
+        pending.append(m.group(1))
+        if m.group(2) is not None:
+            inputs.update({name: _dims(m.group(2)) for name in pending})
+            pending = []
+    if pending:
+        raise ValueError(f"no documented shape for {pending} in {sig!r}")
+    ret = ret.strip()
+    parts = _split_top_level(ret[1:-1]) if re.match(r"^\(\w+ \(", ret) else [ret]
+    return inputs, [_dims(re.search(r"\(([^()]*)\)\s*$", p).group(1)) for p in parts]
+
+
+def shape_problems(op: str, sig: str, fn) -> list[str]:
+    """Where ``fn`` called with the documented input shapes fails or returns other than the documented shapes."""
+    inputs, outputs = documented_shapes(sig)
+    gen = torch.Generator().manual_seed(0)
+    args = [torch.rand(shape, generator=gen) for shape in inputs.values()]
+    wanted = {n for n, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    kwargs = {k: v for k, v in SHAPE_KWARGS.items() if k in wanted}
+    where = f"{op} ({getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)})"
+    try:
+        out = fn(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001  (the documented shapes do not run: that is the finding)
+        return [f"{where}: raises with the documented input shapes {list(inputs.values())}: {type(exc).__name__}: {exc}"]
+    got = [tuple(t.shape) for t in (out if isinstance(out, tuple) else (out,))]
+    return [] if got == outputs else [f"{where}: returns shapes {got}, documented {outputs}"]
+
+
+def _other_operators(text: str) -> dict[str, str]:
+    other = next(s for s in re.split(r"^## ", text, flags=re.M) if s.startswith("Other operators"))
+    return dict(re.findall(r"^\| `(\w+)` \| `([^`]+)` \|", other, flags=re.M))
+
+
+def test_documented_shapes_are_what_every_cpu_implementation_takes_and_returns() -> None:
+    table = _other_operators(OPERATORS_MD.read_text(encoding="utf-8"))
+    assert len(table) >= 10, f"parsed only {sorted(table)} from {OPERATORS_MD.name}"
+    problems, ran = [], 0
+    for op, sig in sorted(table.items()):
+        impls = [i for i in registry.implementations(op) if i.device == "cpu" and torch.float32 in i.dtypes]
+        if not impls:
+            problems.append(f"{op}: no CPU fp32 implementation to check the documented shapes on")
+        for impl in impls:
+            problems += shape_problems(op, sig, impl.fn)
+            ran += 1
+    assert not problems, "docs/operators.md shapes disagree with the code:\n" + "\n".join(problems)
+    assert ran >= 2 * len(table), f"only {ran} implementations checked for {len(table)} operators"
+
+
+def test_the_shape_check_catches_drift() -> None:
+    """A documented output shape the code does not return, and a documented input shape it cannot take, are
+    reported; the table's own signature passes."""
+    from mmdit_strict.kernels import production as P
+
+    sig = _other_operators(OPERATORS_MD.read_text(encoding="utf-8"))["txt_in_rmsnorm_linear"]
+    assert not shape_problems("t", sig, P.txt_in_rmsnorm_linear)
+    assert "returns shapes [(5, 10)], documented [(5, 6)]" in " ".join(
+        shape_problems("t", sig.replace("-> (M, N)", "-> (M, D)"), P.txt_in_rmsnorm_linear))
+    assert "raises with the documented input shapes" in " ".join(
+        shape_problems("t", sig.replace("gain (Ct,)", "gain (D,)"), P.txt_in_rmsnorm_linear))
+    inputs, outputs = documented_shapes("(q, k (H, L, d), w (2D, d/2)) -> (a (M, H·d), b (Mi,))")
+    assert inputs == {"q": (2, 11, 4), "k": (2, 11, 4), "w": (12, 2)} and outputs == [(5, 8), (7,)]
 
 
 def _tolerance_entries() -> list[tuple[str, object]]:
