@@ -28,11 +28,8 @@ from mmdit_strict.kernels.grad_sink import (
     collect_sample_grads,
     sample_keys,
 )
-from mmdit_strict.kernels.triton import gemm as G
 from tests.harness import Target, assert_bytes_equal, generator, left_fold, randn
-
-INTERPRET = G._interpreting()
-interp = pytest.mark.skipif(not INTERPRET, reason="interpreter (CPU FP32) test; CUDA runs the gpu test")
+from tests.kernels.triton_rows import G, interp, skip_unless_compiled  # (mode: tests/conftest.py)
 
 # (micro-batch samples, shuffle seed, CFG layout, sink): every row must give the same bytes. The interpreter
 # runs the first three (each kernel launch costs it ~20 ms), the GPU all of them.
@@ -160,9 +157,7 @@ def test_sink_partials_of_one_sample_are_its_autograd_gradient_and_keys_must_mat
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_gpu_lora_grads_through_the_sink_do_not_depend_on_the_split(dtype: torch.dtype) -> None:
     target = Target("cuda", dtype)
-    target.skip_unless_available()
-    if INTERPRET:
-        pytest.skip("TRITON_INTERPRET=1: the GPU test needs compiled kernels")
+    skip_unless_compiled(target)
     # odd sample lengths (non-multiples of every BLOCK_M); the attn_out+lora layer of test_triton_gemm.py
     # (3072 → 3072, bias, rank 16), so a whole `-m gpu` run reuses most of its compiled kernels
     _check(target, (3072, 3072), 16, (7, 1, 33, 100, 16, 129, 2, 57), LAYOUTS, epilogue="none")
