@@ -9,6 +9,7 @@ implementation and records the fallback.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 from dataclasses import dataclass, field
@@ -118,20 +119,26 @@ class KernelImpl:
         return ident
 
 
-_HASH_CACHE: dict[int, str] = {}
+def _hash_of_source(obj: Any) -> str:
+    parts = []
+    for part in obj if isinstance(obj, tuple) else (obj,):  # a tuple: the modules of one engine
+        try:
+            parts.append(inspect.getsource(part))
+        except (OSError, TypeError):
+            parts.append(repr(part))
+    return hashlib.sha256("".join(parts).encode()).hexdigest()[:16]
+
+
+# Keyed by the object itself, which the cache keeps alive: an id() key would hand a freed object's hash
+# to the next object allocated at its address.
+_cached_hash_of_source = functools.cache(_hash_of_source)
 
 
 def _source_hash(obj: Any) -> str:
-    key = id(obj)
-    if key not in _HASH_CACHE:
-        parts = []
-        for part in obj if isinstance(obj, tuple) else (obj,):  # a tuple: the modules of one engine
-            try:
-                parts.append(inspect.getsource(part))
-            except (OSError, TypeError):
-                parts.append(repr(part))
-        _HASH_CACHE[key] = hashlib.sha256("".join(parts).encode()).hexdigest()[:16]
-    return _HASH_CACHE[key]
+    try:
+        return _cached_hash_of_source(obj)
+    except TypeError:  # an unhashable callable: hashed at every call
+        return _hash_of_source(obj)
 
 
 _REGISTRY: dict[tuple[str, str, str], list[KernelImpl]] = {}

@@ -49,3 +49,24 @@ def test_identity_reports_the_declared_field() -> None:
     impl = _impl(strict=False, split_k=False)
     assert impl.identity()["split_k"] is False and impl.identity()["strict"] is False
     assert dataclasses.replace(impl, split_k=True).identity()["split_k"] is True
+
+
+def test_source_hash_is_the_hash_of_each_objects_own_source() -> None:
+    """Functions made and dropped one after another (each at an address a freed one may have had) each get
+    the hash of their own source, never a cached hash of an earlier object."""
+    import hashlib
+    import linecache
+
+    wrong = []
+    for i in range(50):
+        src = f"def f(x):\n    return x + {i}\n"
+        name = f"<test_source_hash {i}>"
+        linecache.cache[name] = (len(src), None, src.splitlines(True), name)
+        ns: dict = {}
+        exec(compile(src, name, "exec"), ns)
+        if registry._source_hash(ns.pop("f")) != hashlib.sha256(src.encode()).hexdigest()[:16]:
+            wrong.append(i)
+        del linecache.cache[name]
+    assert not wrong, f"functions {wrong} got another object's source hash"
+    unhashable = type("Unhashable", (), {"__eq__": lambda self, other: self is other, "__hash__": None})()
+    assert registry._source_hash(unhashable) == hashlib.sha256(repr(unhashable).encode()).hexdigest()[:16]
