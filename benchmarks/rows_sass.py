@@ -1,4 +1,4 @@
-"""Offline sm_90 compile of the row operators' kernel variants: registers, spills, barriers per loop iteration.
+"""Offline sm_90 compile of the row operators' launch candidates: registers, spills, barriers per loop iteration.
 
     python -m benchmarks.rows_sass --triton DIR [--sass-dir OUT]
 
@@ -78,28 +78,35 @@ def _compiler(triton_dir: Path, sass_dir: Path | None, rows: list[dict]):
 
 
 def _cases(torch, R, N):
-    """(label, module, kernel attribute, host call) for every kernel variant at the bench's shapes."""
-    def qk(h, d, dt, rope, bwd):
+    """(label, module, kernel attribute, host call) for every launch candidate at the bench's shapes."""
+    def qk(h, d, dt, rope, launch):
         x = torch.zeros(64, h, d, dtype=dt)
         gain, rstd = torch.ones(d, dtype=dt), torch.zeros(64, h)
         cs = torch.zeros(64, d // 2) if rope else None
-        return lambda: R.qk_norm_bwd(x, x, gain, rstd, cs, cs, (64,), True, layout="contiguous", bwd=bwd)
+        return lambda: R.qk_norm_bwd(x, x, gain, rstd, cs, cs, (64,), True, layout="contiguous", launch=launch)
 
-    def ln(dt, fwd, variant):
+    def ln(dt, fwd, launch):
         x, v, st = torch.zeros(64, 3072, dtype=dt), torch.zeros(1, 3072, dtype=dt), torch.zeros(64)
         if fwd:
-            return lambda: N.adaln_modulation_fwd(x, v, v, (64,), 1e-6, True, variant=variant)
-        return lambda: N.adaln_modulation_bwd(x, x, v, st, st, (64,), True, variant=variant)
+            return lambda: N.adaln_modulation_fwd(x, v, v, (64,), 1e-6, True, launch=launch)
+        return lambda: N.adaln_modulation_bwd(x, x, v, st, st, (64,), True, launch=launch)
 
     cases = []
     for dn, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-        for bwd, attr in (("token_heads", "_qk_bwd_kernel"), ("chunk_heads", "_qk_bwd_chunk_kernel")):
-            cases.append((f"qk_bwd 24x128 {bwd} {dn}", R, attr, qk(24, 128, dt, True, bwd)))
-            cases.append((f"qk_bwd 1x3584 (txt_in) {bwd} {dn}", R, attr, qk(1, 3584, dt, False, bwd)))
-        for variant, fwd_attr, bwd_attr in (("one_row", "_adaln_mod_fwd_kernel", "_adaln_mod_bwd_kernel"),
-                                            ("two_rows", "_adaln_mod_fwd2_kernel", "_adaln_mod_bwd2_kernel")):
-            cases.append((f"ln_fwd 3072 {variant} {dn}", N, fwd_attr, ln(dt, True, variant)))
-            cases.append((f"ln_bwd 3072 {variant} {dn}", N, bwd_attr, ln(dt, False, variant)))
+        for launch in R.QK_BWD_CANDIDATES:
+            cases.append((f"qk_bwd 24x128 [{launch.label()}] {dn}", R, "_qk_bwd_chunk_kernel", qk(24, 128, dt, True, launch)))
+            cases.append((f"qk_bwd 1x3584 (txt_in) [{launch.label()}] {dn}", R, "_qk_bwd_chunk_kernel", qk(1, 3584, dt, False, launch)))
+        fwd_seen, bwd_seen = set(), set()
+        for launch in N.LN_CANDIDATES:  # the row grouping does not change the binary: one compile per (ahead, maxnreg)
+            if (launch.fwd_ahead, launch.fwd_maxnreg) not in fwd_seen:
+                fwd_seen.add((launch.fwd_ahead, launch.fwd_maxnreg))
+                cases.append((f"ln_fwd 3072 [ahead {launch.fwd_ahead}, maxnreg {launch.fwd_maxnreg or '-'}] {dn}", N,
+                              "_adaln_mod_fwd_kernel", ln(dt, True, launch)))
+            if (launch.bwd_ahead, launch.bwd_maxnreg) not in bwd_seen:
+                bwd_seen.add((launch.bwd_ahead, launch.bwd_maxnreg))
+                cases.append((f"ln_bwd 3072 [ahead {launch.bwd_ahead}, maxnreg {launch.bwd_maxnreg or '-'}] {dn}", N,
+                              "_adaln_mod_bwd_kernel",
+                              ln(dt, False, launch)))
     return cases
 
 

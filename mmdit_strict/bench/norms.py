@@ -17,13 +17,14 @@
   against the eager PyTorch composition it replaces (``kernels/production.py``), both graph-replayed;
 * the environment: GPU, driver, torch, Triton, CUDA, git commit.
 
-``--variants default,chunk_heads,two_rows`` runs the speed / accuracy / invariance sections again for
-kernel variants (:data:`VARIANTS`: the QK norm backward ``"token_heads"`` / ``"chunk_heads"``, the
-LayerNorm ``"one_row"`` / ``"two_rows"``; ``default`` = the library's defaults), each for the operators
-whose kernels it changes, timed right after the default row of the same case; the ``variant_bytes``
-section compares each variant's forward and gradients with the default's raw bytes on one batch (every
-tensor must be equal except those :data:`VARIANTS` allows to change: the QK gain gradient between the two
-QK backwards, which sum it on different trees).
+``--variants default,reference`` runs the speed / accuracy / invariance sections again for the kernels
+launched as the H200 measured them at 6ab3b56 (:data:`VARIANTS`; ``reference`` = ``norms.LN_REFERENCE`` and
+``rope.QK_BWD_REFERENCE``: same kernels, same arithmetic, other launch settings), each for the operators whose
+launches it changes, timed right after the default row of the same case; the ``variant_bytes`` section
+compares each variant's forward and gradients with the default's raw bytes on one batch (every tensor must
+be equal). The ``tune`` section times the LayerNorm forward / backward and the QK backward kernels alone for
+every launch candidate (``norms.LN_CANDIDATES``, ``rope.QK_BWD_CANDIDATES``) and checks each candidate's bytes
+against the reference launch on one batch.
 """
 
 from __future__ import annotations
@@ -54,40 +55,41 @@ DEVICE = "cuda"  # a CPU dry run of the accuracy / invariance logic (interpreter
 
 @dataclass(frozen=True)
 class Variant:
-    """A kernel variant the bench runs beside the library's defaults.
+    """Launch settings the bench runs beside the library's defaults.
 
-    ``qk_bwd`` / ``ln``: the setting of ``rope.qk_bwd`` / ``norms.ln_variant`` (``None``: the library's
-    default); ``ops``: the operators whose kernels it changes (``None``: all); ``may_differ``: the tensors
-    whose bytes it may change against the default ("d_shared0": the first shared input's gradient, the QK
-    gain: the two QK backwards sum it on different trees)."""
+    ``ln`` / ``qk``: the name of a ``norms.LnLaunch`` / ``rope.QkBwdLaunch`` of those modules (``None``: the
+    library's default, ``LN_DEFAULT`` / ``QK_BWD_DEFAULT``); ``ops``:
+    the operators whose launches it changes (``None``: all); ``may_differ``: tensors whose bytes it may
+    change against the default (none: launch settings never change bytes)."""
 
-    qk_bwd: str | None = None
     ln: str | None = None
+    qk: str | None = None
     ops: tuple[str, ...] | None = None
     may_differ: tuple[str, ...] = ()
 
 
 _QK_OPS = ("qk_rmsnorm", "qk_rmsnorm_rope (fused)", "txt_in_rmsnorm_linear")  # txt_in: the one-head norm's backward
 _LN_OPS = ("adaln_modulation", "final_adaln_out")
+
+
 VARIANTS = {
     "default": Variant(),
-    "token_heads": Variant(qk_bwd="token_heads", ops=_QK_OPS, may_differ=("d_shared0",)),
-    "chunk_heads": Variant(qk_bwd="chunk_heads", ops=_QK_OPS, may_differ=("d_shared0",)),
-    "one_row": Variant(ln="one_row", ops=_LN_OPS),
-    "two_rows": Variant(ln="two_rows", ops=_LN_OPS),
+    "reference": Variant(ln="LN_REFERENCE", qk="QK_BWD_REFERENCE", ops=_LN_OPS + _QK_OPS),  # the 6ab3b56 launches
 }
 
 
 @contextlib.contextmanager
 def variant(name: str) -> Iterator[Variant]:
-    """Run the row operators inside the block as kernel variant ``name`` of :data:`VARIANTS`."""
+    """Run the row operators inside the block as variant ``name`` of :data:`VARIANTS`."""
     from mmdit_strict.kernels.triton import norms as N
     from mmdit_strict.kernels.triton import rope as R
 
     if name not in VARIANTS:
         raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {name!r}")
     v = VARIANTS[name]
-    with R.qk_bwd(v.qk_bwd or R.DEFAULT_QK_BWD), N.ln_variant(v.ln or N.DEFAULT_LN_VARIANT):
+    qk = getattr(R, v.qk) if v.qk else R.QK_BWD_DEFAULT
+    ln = getattr(N, v.ln) if v.ln else N.LN_DEFAULT
+    with R.qk_bwd_launch(qk), N.ln_launch(ln):
         yield v
 
 
@@ -520,6 +522,80 @@ def speed_case(spec: Spec, dname: str, rows: int, seed: int) -> dict:
     return row
 
 
+def _bytes_equal(got, want) -> bool:
+    return all(a is None and b is None or (a is not None and b is not None and a.dtype == b.dtype and a.shape == b.shape
+                                            and torch.equal(a, b)) for a, b in zip(got, want))
+
+
+def _tune_ms(fn) -> float | None:
+    from triton.testing import do_bench_cudagraph
+
+    try:
+        fn()
+        torch.cuda.synchronize()
+        r = do_bench_cudagraph(fn, rep=30, quantiles=[0.5])
+        return float(r[0] if isinstance(r, (list, tuple)) else r)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def tune_case(kind: str, dname: str, rows: int, seed: int) -> list[dict]:
+    """Every launch candidate of one kernel family on one single-sample case: kernel time (CUDA-graph replay),
+    GB/s and fraction of the same-size copy, and whether its outputs equal the reference launch's bytes.
+
+    kind: "ln" (adaln_modulation's forward — no statistics stored, as under no_grad — and backward),
+    "qk" / "qk_rope" (the QK norm backward without / with the rotation, 24 × 128), "txt" (one head of 3584)."""
+    from mmdit_strict.kernels.triton import norms as N
+    from mmdit_strict.kernels.triton import rope as R
+
+    dt = DTYPES[dname]
+    es = torch.empty((), dtype=dt).element_size()
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    seq = (rows,)
+    out: list[dict] = []
+
+    def record(kernel, launch, ms, nbytes, equal, ref):
+        row = {"kernel": kernel, "dtype": dname, "rows": rows, "launch": launch.label(), "reference": launch == ref,
+               "ms": ms, "bytes": nbytes, "equal_reference": bool(equal)}
+        if ms:
+            row["gbps"] = nbytes / (ms * 1e-3) / 1e9
+            row["copy_gbps"] = copy_gbps(nbytes)
+            row["fraction"] = row["gbps"] / row["copy_gbps"]
+        out.append(row)
+
+    if kind == "ln":
+        x, gy = _randn((rows, D), g, dt), _randn((rows, D), g, dt)
+        sh, sc = _randn((1, D), g, dt, 0.5), _randn((1, D), g, dt, 0.5)
+        want_f = N.adaln_modulation_fwd(x, sh, sc, seq, EPS, True, launch=N.LN_REFERENCE)
+        want_b = N.adaln_modulation_bwd(gy, x, sc, want_f[1], want_f[2], seq, True, launch=N.LN_REFERENCE)
+        for c in N.LN_CANDIDATES:
+            got_f = N.adaln_modulation_fwd(x, sh, sc, seq, EPS, True, launch=c)
+            got_b = N.adaln_modulation_bwd(gy, x, sc, want_f[1], want_f[2], seq, True, launch=c)
+            ms_f = _tune_ms(lambda: N.adaln_modulation_fwd(x, sh, sc, seq, EPS, False, launch=c))
+            ms_b = _tune_ms(lambda: N.adaln_modulation_bwd(gy, x, sc, want_f[1], want_f[2], seq, True, launch=c))
+            record("adaln_modulation fwd", c, ms_f, 2 * rows * D * es, _bytes_equal(got_f, want_f), N.LN_REFERENCE)
+            record("adaln_modulation bwd", c, ms_b, 3 * rows * D * es, _bytes_equal(got_b, want_b), N.LN_REFERENCE)
+        return out
+    h, d = (1, CT) if kind == "txt" else (HEADS, HEAD_DIM)
+    x, gy = _randn((rows, h, d), g, dt), _randn((rows, h, d), g, dt)
+    gain = (1 + _randn((d,), g, torch.float32, 0.1)).to(dt)
+    c, s = _tables(rows, g) if kind == "qk_rope" else (None, None)
+    _, rstd = R.qk_norm_fwd(x, gain, c, s, EPS, store_rstd=True)
+    want = R.qk_norm_bwd(gy, x, gain, rstd, c, s, seq, True, launch=R.QK_BWD_REFERENCE)
+    name = {"qk": "qk_rmsnorm bwd", "qk_rope": "qk_rmsnorm_rope (fused) bwd", "txt": "txt_in rmsnorm bwd (1 x 3584)"}[kind]
+    for cand in R.QK_BWD_CANDIDATES:
+        got = R.qk_norm_bwd(gy, x, gain, rstd, c, s, seq, True, launch=cand)
+        ms = _tune_ms(lambda: R.qk_norm_bwd(gy, x, gain, rstd, c, s, seq, True, launch=cand))
+        record(name, cand, ms, 3 * rows * h * d * es, _bytes_equal(got, want), R.QK_BWD_REFERENCE)
+    return out
+
+
+TUNE_CASES = (("ln", "bf16", 4096), ("ln", "bf16", 6889), ("ln", "fp32", 4096),
+              ("qk", "bf16", 4096), ("qk", "bf16", 6889), ("qk", "fp32", 4096),
+              ("qk_rope", "bf16", 4096), ("qk_rope", "bf16", 6889), ("qk_rope", "fp32", 4096),
+              ("txt", "bf16", 256), ("txt", "fp32", 256))
+
+
 def model_trace_case(layers: int = 2, grid: tuple[int, int] = (32, 32), txt_lens: tuple[int, ...] = (77, 5),
                      arch_name: str = "qwen-image", dtype: torch.dtype = torch.bfloat16) -> dict:
     """The qwen-image architecture (``layers`` blocks, random bf16 weights) in ``runtime=auto``: which
@@ -632,6 +708,18 @@ def render(report: dict) -> str:
             [_variant_row(v) for v in vb],
             ["One batch through the default kernels and through the variant: forward and every gradient, `torch.equal`; "
              "tensors marked * are expected to change (another summation tree) and are not required equal."])
+    tu = report.get("tune", [])
+    if tu:
+        lines += md.section(
+            f"Launch candidates ({sum(t['equal_reference'] for t in tu)}/{len(tu)} byte-equal to the reference launch)",
+            ("kernel", "dtype", "rows", "launch", "ms", "GB/s (copy, fraction)", "bytes = reference"),
+            [md.row(t["kernel"], t["dtype"], t["rows"], t["launch"] + (" (reference)" if t["reference"] else ""),
+                    _f(t.get("ms"), ".4f"),
+                    f"{t['gbps']:.0f} ({t['copy_gbps']:.0f}, {t['fraction']:.2f})" if "gbps" in t else "—",
+                    "yes" if t["equal_reference"] else "NO") for t in tu],
+            ["The kernel alone, B = 1, CUDA-graph replay (median of 30 ms of replays); bytes as in the speed table; "
+             "the reference launch is the kernels as measured at 6ab3b56. `bytes = reference`: every output of the "
+             "launch on that case equals the reference launch's, `torch.equal`."])
     mt = report.get("model_trace")
     if mt:
         lines += [f"## qwen-image architecture, runtime=auto ({mt['layers']} blocks, grid {mt['grid']}, text {mt['txt_lens']}, {mt.get('dtype')})", "",
@@ -645,7 +733,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--sections", default="speed,accuracy,invariance,variant_bytes,model",
-                    help="comma list of speed, accuracy, invariance, variant_bytes (each --variants entry vs the default's bytes), "
+                    help="comma list of tune (every launch candidate, kernels alone), speed, accuracy, invariance, "
+                         "variant_bytes (each --variants entry vs the default's bytes), "
                          "model (the qwen-image architecture's fallbacks in runtime=auto)")
     ap.add_argument("--ops", default=None, help="comma list of operator names (default: all)")
     ap.add_argument("--budget-s", type=float, default=300.0, help="skip remaining cases past this wall time")
@@ -674,7 +763,7 @@ def _main(args: argparse.Namespace) -> int:
     specs = [s for s in _specs() if args.ops is None or s.name in args.ops.split(",")]
     sections = args.sections.split(",")
     report: dict[str, Any] = {"env": {**_env(), "qk_layout": args.qk_layout, "variants": args.variants.split(",")},
-                              "accuracy": [], "invariance": [], "speed": [], "variant_bytes": [], "errors": []}
+                              "accuracy": [], "invariance": [], "speed": [], "variant_bytes": [], "tune": [], "errors": []}
 
     def guarded(what: str, fn: Callable[[], Any]) -> Any:
         if time.time() - t0 > args.budget_s:
@@ -688,6 +777,12 @@ def _main(args: argparse.Namespace) -> int:
 
     names = args.variants.split(",")
 
+    def flush() -> None:
+        """Write the report as it stands (after each section and operator: a run cut short keeps what it measured)."""
+        report["wall_s"] = time.time() - t0
+        (out_dir / "norms.json").write_text(json.dumps(report, indent=1))
+        (out_dir / "norms.md").write_text(render(report))
+
     def variants_of(spec: Spec) -> list[str]:
         """The requested variants that change ``spec``'s kernels (the default always), default first."""
         return [n for n in names if n == "default" or (VARIANTS[n].ops is None or spec.name in VARIANTS[n].ops)]
@@ -699,6 +794,12 @@ def _main(args: argparse.Namespace) -> int:
             row["variant"] = name
         return r
 
+    if "tune" in sections:
+        for kind, dname, rows in TUNE_CASES:
+            r = guarded(f"tune {kind} {dname} {rows}", lambda: tune_case(kind, dname, rows, 50))
+            report["tune"] += r or []
+            torch.cuda.empty_cache()
+            flush()
     if "speed" in sections:
         for spec in specs:
             for dname in DTYPES:
@@ -707,6 +808,7 @@ def _main(args: argparse.Namespace) -> int:
                         r = in_variant(name, f"speed {spec.name} {dname} {rows}", lambda: speed_case(spec, dname, rows, 30))
                         if r:
                             report["speed"].append(r)
+            flush()
     for spec in specs:
         for dname in DTYPES:
             for name in variants_of(spec):
@@ -727,15 +829,14 @@ def _main(args: argparse.Namespace) -> int:
                     if r:
                         report["variant_bytes"].append(r)
                 torch.cuda.empty_cache()
+        flush()
     if "model" in sections:
         mt = guarded("model trace", model_trace_case)
         if mt:
             report["model_trace"] = mt
-    report["wall_s"] = time.time() - t0
-    (out_dir / "norms.json").write_text(json.dumps(report, indent=1))
-    (out_dir / "norms.md").write_text(render(report))
+    flush()
     ok = (all(a["pass"] for a in report["accuracy"] + report["invariance"] + report["variant_bytes"])
-          and not report["errors"])
+          and all(t["equal_reference"] for t in report["tune"]) and not report["errors"])
     return 0 if ok else 1
 
 

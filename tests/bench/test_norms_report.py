@@ -42,14 +42,24 @@ def test_norms_report_renders_variants() -> None:
 
 
 def test_norms_variants_name_the_library_settings() -> None:
-    """Every bench variant names settings the kernel modules accept, and the default is the library's default."""
+    """Every bench variant names launch settings the kernel modules hold, and the default is the library's default."""
     from mmdit_strict.kernels.triton import norms as N
     from mmdit_strict.kernels.triton import rope as R
 
-    defaults = (R.DEFAULT_QK_BWD, N.DEFAULT_LN_VARIANT)
+    defaults = (R.QK_BWD_DEFAULT, N.LN_DEFAULT)
     assert norms.VARIANTS["default"] == norms.Variant()
-    assert set(R.QK_BWD_VARIANTS) | set(N.LN_VARIANTS) <= set(norms.VARIANTS)  # each setting can be timed by name
     for name, v in norms.VARIANTS.items():
+        want = (getattr(R, v.qk) if v.qk else defaults[0], getattr(N, v.ln) if v.ln else defaults[1])
+        assert want[0] in R.QK_BWD_CANDIDATES and want[1] in N.LN_CANDIDATES, name
         with norms.variant(name):
-            assert (R.current_qk_bwd(), N.current_ln_variant()) == (v.qk_bwd or defaults[0], v.ln or defaults[1]), name
-    assert (R.current_qk_bwd(), N.current_ln_variant()) == defaults
+            assert (R.current_qk_bwd_launch(), N.current_ln_launch()) == want, name
+    assert (R.current_qk_bwd_launch(), N.current_ln_launch()) == defaults
+
+
+def test_norms_report_renders_tune() -> None:
+    """The launch-candidate table: fractions, the reference marked, byte equality counted."""
+    row = {"kernel": "adaln_modulation fwd", "dtype": "bf16", "rows": 4096, "launch": "fwd rows 4", "reference": True,
+           "ms": 0.02, "bytes": 1, "equal_reference": True, "gbps": 3000.0, "copy_gbps": 4000.0, "fraction": 0.75}
+    md = norms.render({"env": {}, "tune": [row, {**row, "reference": False, "equal_reference": False}], "errors": [], "wall_s": 1.0})
+    assert "(1/2 byte-equal to the reference launch)" in md and "fwd rows 4 (reference)" in md and "3000 (4000, 0.75)" in md
+    assert "| NO |" in md

@@ -289,76 +289,81 @@ def test_bad_inputs_raise_clear_errors():
     ])
 
 
-# ---- the "two_rows" LayerNorm variant (norms.ln_variant; off by default) ---------------------------
-# On the GPU it must give the default ("one_row") bytes (each row sum an operand of a multi-operand tl.reduce in the
-# same layout as its tl.sum: test_gpu_ln_variant_bytes_equal_default). The interpreter cannot show that:
-# it evaluates tl.sum with numpy's pairwise sum but a multi-operand tl.reduce as a sequential fold, so
-# there the row statistics (and y, dx, d_scale) differ in the last bits; d_shift (no row sum) is exact.
+# ---- LayerNorm launch settings (norms.LnLaunch: rows per forward program, read-ahead, register cap) -----------
+# None of them touches the arithmetic: every candidate must give the reference launch's bytes (the kernels as the
+# H200 measured them at 6ab3b56). The interpreter checks the row grouping and the read-ahead paths (it ignores
+# the register cap); the GPU test checks every candidate as compiled.
 
-LN_VARIANTS = [v for v in N.LN_VARIANTS if v != N.DEFAULT_LN_VARIANT]  # every non-default LayerNorm variant
+LN_OTHERS = [c for c in N.LN_CANDIDATES if c != N.LN_REFERENCE]
+_INTERP_LN = list(dict.fromkeys(N.LnLaunch(c.fwd_rows, c.fwd_ahead, None, c.bwd_ahead, None) for c in LN_OTHERS))
 
 
 def _mod_grads(x, sh, sc, gy, seq):
     return run_with_grads(lambda a, b, c: N.adaln_modulation(a, b, c, seqlens=seq, eps=EPS), [x, sh, sc], gy)
 
 
+def check_ln_launch_bytes(launch, d, seq, target, final=True):
+    """y, the saved mean / rstd, dx, d_shift, d_scale (and final_adaln_out's every gradient) under ``launch``
+    equal the reference launch's bytes."""
+    gen = generator(12)
+    b, m = len(seq), sum(seq)
+    x, gy = randn(m, d, gen=gen, target=target), randn(m, d, gen=gen, target=target)
+    sh, sc = _vec(b, d, gen, target), _vec(b, d, gen, target)
+    want_stats = N.adaln_modulation_fwd(x, sh, sc, seq, EPS, store_stats=True, launch=N.LN_REFERENCE)
+    got_stats = N.adaln_modulation_fwd(x, sh, sc, seq, EPS, store_stats=True, launch=launch)
+    assert_bytes_equal(got_stats, want_stats, f"{launch.label()}: y, mean, rstd vs the reference {target.label}")
+    with N.ln_launch(N.LN_REFERENCE):
+        want = _mod_grads(x, sh, sc, gy, seq)
+    with N.ln_launch(launch):
+        got = _mod_grads(x, sh, sc, gy, seq)
+    assert_bytes_equal(got[0], want[0], f"{launch.label()}: y vs the reference {target.label}")
+    assert_bytes_equal(got[1], want[1], f"{launch.label()}: dx, d_shift, d_scale vs the reference {target.label}")
+    if not final:
+        return
+    temb = randn(b, d, gen=gen, target=target)
+    w, bias = randn(2 * d, d, gen=gen, target=target, scale=d**-0.5), randn(2 * d, gen=gen, target=target, scale=0.1)
+
+    def fin(a, t, ww, bb):
+        return N.final_adaln_out(a, t, ww, bb, seqlens=seq, eps=EPS)
+
+    with N.ln_launch(N.LN_REFERENCE):
+        want_f = run_with_grads(fin, [x, temb, w, bias], gy)
+    with N.ln_launch(launch):
+        got_f = run_with_grads(fin, [x, temb, w, bias], gy)
+    assert_bytes_equal(got_f[0], want_f[0], f"{launch.label()}: final_adaln_out vs the reference {target.label}")
+    assert_bytes_equal(got_f[1], want_f[1], f"{launch.label()}: final_adaln_out grads vs the reference {target.label}")
+
+
 @interp
-@pytest.mark.parametrize("variant", LN_VARIANTS)
-def test_ln_variant_accuracy_interpreter(variant):
-    with N.ln_variant(variant):
-        check_modulation_accuracy(D, SEQ, CPU_FP32)
-        check_final_accuracy(D, (7, 0, 20), CPU_FP32)
+@pytest.mark.parametrize("launch", _INTERP_LN, ids=lambda c: c.label())
+def test_ln_launch_bytes_equal_reference_interpreter(launch):
+    """Row groupings 1..8, with and without read-ahead, across chunk ends (1-, 16-, 17-row samples, an empty one)."""
+    check_ln_launch_bytes(launch, D, (5, 0, 19, 33, 1, 16, 17), CPU_FP32, final=launch == _INTERP_LN[0])
 
 
 @interp
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", LN_VARIANTS)
-def test_ln_variant_batch_invariance_interpreter(variant):
-    """Forward, dx, d_shift, d_scale alone vs batched at every position; odd and even row counts across the
-    16-row chunk boundary (row b masked at a chunk's end); d_shift equals the default's bytes."""
-    with N.ln_variant(variant):
-        check_row_invariance(_with_grads(_mod, 3), modulation_item(D, 1, 9), (2, 3, 8), target=CPU_FP32,
-                             what=f"triton adaln_modulation {variant} fwd+bwd")
-        check_sweep(D, CPU_FP32, (1, 2, 17))
-    gen = generator(10)
-    seq = (5, 0, 19, 33, 1)
-    x, sh, sc, gy = randn(sum(seq), D, gen=gen), _vec(5, D, gen, CPU_FP32), _vec(5, D, gen, CPU_FP32), randn(sum(seq), D, gen=gen)
-    want = _mod_grads(x, sh, sc, gy, seq)
-    with N.ln_variant(variant):
-        got = _mod_grads(x, sh, sc, gy, seq)
-    assert_bytes_equal(got[1][1], want[1][1], f"{variant} d_shift vs the default")
+def test_ln_launch_batch_invariance_interpreter():
+    """The reference launch and a one-row / no-read-ahead launch: alone vs batched at every position."""
+    for launch in (N.LN_REFERENCE, N.LnLaunch(fwd_rows=1, fwd_ahead=0, bwd_ahead=0)):
+        with N.ln_launch(launch):
+            check_row_invariance(_with_grads(_mod, 3), modulation_item(D, 1, 9), (2, 3, 8), target=CPU_FP32,
+                                 what=f"triton adaln_modulation [{launch.label()}] fwd+bwd")
 
 
-@interp
-def test_ln_variant_is_kept_and_checked_interpreter():
-    """A node keeps the LayerNorm variant of its forward (the saved mean/rstd are that variant's); bad names raise."""
-    gen = generator(11)
-    x, sh, sc, gy = randn(21, D, gen=gen), _vec(1, D, gen, CPU_FP32), _vec(1, D, gen, CPU_FP32), randn(21, D, gen=gen)
-    with N.ln_variant("two_rows"):
-        want = _mod_grads(x, sh, sc, gy, (21,))
-        leaves = [t.clone().requires_grad_(True) for t in (x, sh, sc)]
-        y = N.adaln_modulation(*leaves, seqlens=(21,), eps=EPS)
-    got = torch.autograd.grad(y, leaves, gy)  # backward outside the block
-    assert_bytes_equal(got, want[1], "two_rows backward run outside the block")
-    with pytest.raises(ValueError, match="LayerNorm variant"), N.ln_variant("rows2"):
-        pass
-    with pytest.raises(ValueError, match="LayerNorm variant"):
-        N.adaln_modulation_fwd(x, sh, sc, (21,), EPS, store_stats=False, variant="rows2")
-    assert N.current_ln_variant() == N.DEFAULT_LN_VARIANT
-
-
-def test_ln_variant_identity():
-    """adaln_modulation and final_adaln_out name the kernels and tree of the variant in force."""
+def test_ln_launch_is_checked_and_restored():
+    assert N.current_ln_launch() == N.LN_DEFAULT and N.LN_DEFAULT in N.LN_CANDIDATES and N.LN_REFERENCE in N.LN_CANDIDATES
+    with N.ln_launch(N.LN_REFERENCE):
+        assert N.current_ln_launch() == N.LN_REFERENCE
+    assert N.current_ln_launch() == N.LN_DEFAULT
+    for bad in (N.LnLaunch(fwd_rows=0), N.LnLaunch(fwd_ahead=2), N.LnLaunch(bwd_ahead=3), "one_row"):
+        with pytest.raises(ValueError, match="LnLaunch"), N.ln_launch(bad):
+            pass
+    assert N.current_ln_launch() == N.LN_DEFAULT
     from mmdit_strict.kernels.registry import implementations
 
-    for op in ("adaln_modulation", "final_adaln_out"):
-        (impl,) = [i for i in implementations(op) if i.backend == "triton"]
-        default = impl.identity()
-        assert default["variant"] == N.DEFAULT_LN_VARIANT
-        assert (default["kernel"], default["reduction_order"]) == (impl.kernel_name, impl.reduction_order)
-        with N.ln_variant("two_rows"):
-            two = impl.identity()
-        assert two["variant"] == "two_rows" and "_adaln_mod_bwd2_kernel" in two["kernel"] and "tl.reduce" in two["reduction_order"]
+    (impl,) = [i for i in implementations("adaln_modulation") if i.backend == "triton"]
+    assert impl.config["ln_fwd_rows_per_program"] == N.LN_DEFAULT.fwd_rows and impl.variant is None
 
 
 def test_registered_for_cuda_strict_fp32_and_bf16():
@@ -436,37 +441,13 @@ def test_gpu_no_host_sync_on_repeat(target):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
-@pytest.mark.parametrize("variant", LN_VARIANTS)
-def test_gpu_ln_variant_bytes_equal_default(target, variant):
-    """At D = 3072 the variant gives the default's bytes: y, the saved mean / rstd, dx, d_shift, d_scale
-    (odd and even row counts, an empty sample, a one-row sample), and final_adaln_out's every gradient;
-    then alone vs batched and the row-count sweep under the variant."""
+@pytest.mark.parametrize("launch", LN_OTHERS, ids=lambda c: c.label())
+def test_gpu_ln_launch_bytes_equal_reference(target, launch):
+    """At D = 3072 every launch candidate gives the reference launch's bytes (odd and even row counts, an
+    empty sample, one-row and 16/17-row samples), final_adaln_out's gradients included, and keeps a sample's
+    bytes alone vs in batches of 2, 3 and 8 (the default's full invariance and row sweep are the tests above)."""
     skip_unless_compiled(target)
-    gen = generator(12)
-    seq = (300, 0, 77, 1, 16, 17)
-    b, m = len(seq), sum(seq)
-    x, gy = randn(m, QD, gen=gen, target=target), randn(m, QD, gen=gen, target=target)
-    sh, sc = _vec(b, QD, gen, target), _vec(b, QD, gen, target)
-    want_stats = N.adaln_modulation_fwd(x, sh, sc, seq, EPS, store_stats=True, variant=N.DEFAULT_LN_VARIANT)
-    got_stats = N.adaln_modulation_fwd(x, sh, sc, seq, EPS, store_stats=True, variant=variant)
-    assert_bytes_equal(got_stats, want_stats, f"{variant} y, mean, rstd vs the default {target.label}")
-    want = _mod_grads(x, sh, sc, gy, seq)
-    with N.ln_variant(variant):
-        got = _mod_grads(x, sh, sc, gy, seq)
-    assert_bytes_equal(got[0], want[0], f"{variant} y vs the default {target.label}")
-    assert_bytes_equal(got[1], want[1], f"{variant} dx, d_shift, d_scale vs the default {target.label}")
-    temb = randn(b, QD, gen=gen, target=target)
-    w, bias = randn(2 * QD, QD, gen=gen, target=target, scale=QD**-0.5), randn(2 * QD, gen=gen, target=target, scale=0.1)
-
-    def final(a, t, ww, bb):
-        return N.final_adaln_out(a, t, ww, bb, seqlens=seq, eps=EPS)
-
-    want_f = run_with_grads(final, [x, temb, w, bias], gy)
-    with N.ln_variant(variant):
-        got_f = run_with_grads(final, [x, temb, w, bias], gy)
-    assert_bytes_equal(got_f[0], want_f[0], f"{variant} final_adaln_out vs the default {target.label}")
-    assert_bytes_equal(got_f[1], want_f[1], f"{variant} final_adaln_out grads vs the default {target.label}")
-    with N.ln_variant(variant):
-        check_row_invariance(_with_grads(_mod, 3), modulation_item(QD, 1, 40), (2, 3, 8, 64), target=target,
-                             what=f"triton adaln_modulation {variant} fwd+bwd {target.label}")
-        check_sweep(QD, target, (1, 2, 7, 15, 16, 17, 100, S.CHUNK_ROWS * S.FOLD_TILE + 1))
+    check_ln_launch_bytes(launch, QD, (300, 0, 77, 1, 16, 17), target)
+    with N.ln_launch(launch):
+        check_row_invariance(_with_grads(_mod, 3), modulation_item(QD, 1, 40), (2, 3, 8), target=target,
+                             what=f"triton adaln_modulation [{launch.label()}] fwd+bwd {target.label}")

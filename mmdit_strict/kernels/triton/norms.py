@@ -24,7 +24,8 @@ Arithmetic (FP32 inside, every operation one IEEE rounding in the order written:
   ``d_gate[s] = Σ_rows dout·y`` (per-sample tree).
 
 A row's forward bytes depend only on the row and its sample's vectors; the per-sample sums depend only on
-that sample's rows. Per-sample vectors are read through their row stride (views such as the halves of
+that sample's rows. How the LayerNorm kernels are launched (rows per forward program, read-ahead, register
+cap: :class:`LnLaunch`) changes no byte. Per-sample vectors are read through their row stride (views such as the halves of
 the final modulation need no copy); rows must be contiguous.
 """
 
@@ -32,42 +33,78 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from ..choice import KernelChoice
 from ..registry import KernelImpl, register
 from . import segments as seg
 from .gemm import _DTYPES, _interpreting, gemm
 from .rope import check_gain, rms_norm_rows
 from .segments import check_seqlens
 
-FWD_ROWS = 4  # rows per forward program (row-local math: no effect on bytes)
+FWD_ROWS = 4  # rows per gated-residual forward program (row-local math: no effect on bytes)
 MAX_WIDTH = 16384
 
 
-# How the LayerNorm kernels of adaln_modulation / final_adaln_out walk a chunk (chosen with :func:`ln_variant`):
-# "one_row" (the default, DEFAULT_LN_VARIANT): a row at a time, each row sum its own tl.sum (a shared-memory round trip each);
-# "two_rows": rows two at a time, the sums of both rows in ONE multi-operand tl.reduce (the backward's four
-# sums Σg·x̂, Σg of both rows in one), each operand combined by the same ``a + b`` over the same layout as
-# its tl.sum would be, the per-sample chains still row after row. Meant to give the same bytes (the GPU
-# test compares them with "one_row"); off until the H200 qualifies it. An autograd node keeps its forward's.
-LN_VARIANTS = ("one_row", "two_rows")
-DEFAULT_LN_VARIANT = "one_row"
-_LN_VAR = KernelChoice("LayerNorm variant", LN_VARIANTS, DEFAULT_LN_VARIANT)
+@dataclass(frozen=True)
+class LnLaunch:
+    """How the LayerNorm kernels of adaln_modulation / final_adaln_out are launched. None of it touches the
+    arithmetic: the same formulas, the same tile (pow2(D) lanes, warps from D only), hence the same register
+    layout and tree for every tl.sum (GPU test ``test_gpu_ln_launch_bytes_equal_reference``); none of it is
+    chosen from the number of rows.
+
+    fwd_rows: rows per forward program (the forward has no cross-row sum: any grouping gives the same bytes);
+    fwd_ahead / bwd_ahead: 1 = the kernel reads row r+1 while it reduces row r (a register double buffer), 0 = not;
+    fwd_maxnreg / bwd_maxnreg: a register cap for ptxas (more programs resident per SM; may spill), None = none.
+    The backward's chunks stay segments.CHUNK_ROWS rows (they are the d_scale / d_shift tree)."""
+
+    fwd_rows: int = 4
+    fwd_ahead: int = 1
+    fwd_maxnreg: int | None = None
+    bwd_ahead: int = 1
+    bwd_maxnreg: int | None = None
+
+    def label(self) -> str:
+        return (f"fwd rows {self.fwd_rows}, ahead {self.fwd_ahead}, maxnreg {self.fwd_maxnreg or '-'}; "
+                f"bwd ahead {self.bwd_ahead}, maxnreg {self.bwd_maxnreg or '-'}")
 
 
-def current_ln_variant() -> str:
-    """The LayerNorm kernel variant in force (the innermost :func:`ln_variant`, else :data:`DEFAULT_LN_VARIANT`)."""
-    return _LN_VAR.current()
+# The kernels as the H200 measured them at 6ab3b56 (4-row forward programs, no read-ahead): the reference
+# the GPU tests and the bench compare every launch with, byte for byte.
+LN_REFERENCE = LnLaunch(fwd_rows=4, fwd_ahead=0)
+# The default (see docs/operators.md for the measurement that chose it).
+LN_DEFAULT = LnLaunch(fwd_rows=4, fwd_ahead=1, fwd_maxnreg=80, bwd_ahead=0)
+# What the bench's "tune" section and the GPU byte test run: the reference, the default and these.
+LN_CANDIDATES = tuple(dict.fromkeys([
+    LN_REFERENCE, LN_DEFAULT,
+    *(LnLaunch(fwd_rows=r, fwd_ahead=a, fwd_maxnreg=m, bwd_ahead=ba, bwd_maxnreg=bm)
+      for r, a, m, ba, bm in ((4, 1, None, 1, None), (1, 0, None, 0, None), (1, 1, None, 1, 128), (8, 1, None, 0, None),
+                              (2, 1, 80, 0, None), (1, 0, 64, 0, None), (8, 0, 64, 1, 128))),
+]))
+_LN_LAUNCH = [LN_DEFAULT]
 
 
-def ln_variant(name: str) -> contextlib.AbstractContextManager[None]:
-    """Run adaln_modulation / final_adaln_out inside the block with LayerNorm variant ``name`` (:data:`LN_VARIANTS`)."""
-    return _LN_VAR.use(name)
+def current_ln_launch() -> LnLaunch:
+    """The LayerNorm launch settings in force (the innermost :func:`ln_launch`, else :data:`LN_DEFAULT`)."""
+    return _LN_LAUNCH[-1]
+
+
+@contextlib.contextmanager
+def ln_launch(launch: LnLaunch) -> Iterator[None]:
+    """Launch the LayerNorm kernels with ``launch`` inside the block (bench and tests; process-wide, so a
+    backward that autograd runs on another thread sees it too)."""
+    if not isinstance(launch, LnLaunch) or launch.fwd_rows < 1 or {launch.fwd_ahead, launch.bwd_ahead} - {0, 1}:
+        raise ValueError(f"expected an LnLaunch with fwd_rows >= 1 and fwd_ahead / bwd_ahead 0 or 1, got {launch!r}")
+    _LN_LAUNCH.append(launch)
+    try:
+        yield
+    finally:
+        _LN_LAUNCH.pop()
 
 
 def num_warps_for(block: int) -> int:
@@ -75,8 +112,13 @@ def num_warps_for(block: int) -> int:
     return 4 if block <= 1024 else 8 if block <= 4096 else 16
 
 
-def _opts(block: int) -> dict:
-    return {} if _interpreting() else {"num_warps": num_warps_for(block), "enable_fp_fusion": False}
+def _opts(block: int, maxnreg: int | None = None) -> dict:
+    if _interpreting():
+        return {}
+    opts = {"num_warps": num_warps_for(block), "enable_fp_fusion": False}
+    if maxnreg is not None:
+        opts["maxnreg"] = maxnreg
+    return opts
 
 
 # ----------------------------------------------------------------------------------------------
@@ -122,56 +164,75 @@ def _store_scale_shift_partials(part_ptr, c, stride_part, D, cols, mask, p_scale
 def _adaln_mod_fwd_kernel(
     x_ptr, shift_ptr, scale_ptr, table_ptr, y_ptr, mean_ptr, rstd_ptr,
     n_chunks, D, d_float, eps, stride_x, stride_y, stride_shift, stride_scale,
-    STORE_STATS: tl.constexpr, BLOCK_D: tl.constexpr,
+    STORE_STATS: tl.constexpr, AHEAD: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """y = x̂·(1 + scale[s]) + shift[s] for the rows of one chunk (all of sample s); one cast at the store."""
+    """y = x̂·(1 + scale[s]) + shift[s] for the rows of one chunk (all of sample s); one cast at the store.
+    AHEAD: row r+1 is read (in the storage dtype) before row r is reduced; nothing past the chunk is read.
+    The row's arithmetic is the same either way."""
     _, r0, r1, s = _program_chunk(table_ptr, n_chunks)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
+    first = r0.to(tl.int64)
+    if AHEAD:
+        x_cur = tl.load(x_ptr + first * stride_x + cols, mask=mask, other=0.0)  # a chunk has >= 1 row
     scale1 = 1.0 + _sample_vector(scale_ptr, s, stride_scale, cols, mask)
     shift = _sample_vector(shift_ptr, s, stride_shift, cols, mask)
-    first = r0.to(tl.int64)
     for i in range(0, r1 - r0):
         row = first + i
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        if AHEAD:
+            nxt = row + 1
+            x_nxt = tl.load(x_ptr + nxt * stride_x + cols, mask=cols < tl.where(nxt < r1, D, 0), other=0.0)
+            x = x_cur.to(tl.float32)
+        else:
+            x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         mean, rstd, xhat = _layer_norm_row(x, mask, d_float, eps)
         y = xhat * scale1 + shift
         tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
         if STORE_STATS:
             tl.store(mean_ptr + row, mean)
             tl.store(rstd_ptr + row, rstd)
+        if AHEAD:
+            x_cur = x_nxt
 
 
 @triton.jit
 def _adaln_mod_bwd_kernel(
     x_ptr, scale_ptr, dy_ptr, mean_ptr, rstd_ptr, table_ptr, dx_ptr, part_ptr,
     n_chunks, D, d_float, stride_x, stride_dy, stride_dx, stride_scale, stride_part,
-    NEED_VEC: tl.constexpr, BLOCK_D: tl.constexpr,
+    NEED_VEC: tl.constexpr, AHEAD: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One chunk (≤ CHUNK_ROWS rows of sample s): dx per row, and the chunk's partials
-    part[c, :D] = Σ dy·x̂, part[c, D:] = Σ dy chained in row order (FP32). The next row's x and dy are
-    loaded before the current row is reduced (a register double buffer; no effect on the arithmetic)."""
+    part[c, :D] = Σ dy·x̂, part[c, D:] = Σ dy chained in row order (FP32). AHEAD: the next row's x, dy,
+    mean and rstd are loaded before the current row is reduced (a register double buffer); 0: each row is
+    read when it is processed. No effect on the arithmetic."""
     c, r0, r1, s = _program_chunk(table_ptr, n_chunks)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
     scale1 = 1.0 + _sample_vector(scale_ptr, s, stride_scale, cols, mask)
     p_scale = tl.zeros((BLOCK_D,), dtype=tl.float32)
     p_shift = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    row = r0.to(tl.int64)
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    dy = tl.load(dy_ptr + row * stride_dy + cols, mask=mask, other=0.0)
-    mean = tl.load(mean_ptr + row)
-    rstd = tl.load(rstd_ptr + row)
     first = r0.to(tl.int64)
+    if AHEAD:
+        x_c = tl.load(x_ptr + first * stride_x + cols, mask=mask, other=0.0)
+        dy_c = tl.load(dy_ptr + first * stride_dy + cols, mask=mask, other=0.0)
+        mean_c = tl.load(mean_ptr + first)
+        rstd_c = tl.load(rstd_ptr + first)
     for i in range(0, r1 - r0):
         row = first + i
-        nxt = row + 1
-        nmask = cols < tl.where(nxt < r1, D, 0)  # nothing past the chunk's last row is read
-        nclamp = tl.minimum(nxt, r1 - 1)
-        x_n = tl.load(x_ptr + nxt * stride_x + cols, mask=nmask, other=0.0)
-        dy_n = tl.load(dy_ptr + nxt * stride_dy + cols, mask=nmask, other=0.0)
-        mean_n = tl.load(mean_ptr + nclamp)
-        rstd_n = tl.load(rstd_ptr + nclamp)
+        if AHEAD:
+            nxt = row + 1
+            nmask = cols < tl.where(nxt < r1, D, 0)  # nothing past the chunk's last row is read
+            nclamp = tl.minimum(nxt, r1 - 1)
+            x_n = tl.load(x_ptr + nxt * stride_x + cols, mask=nmask, other=0.0)
+            dy_n = tl.load(dy_ptr + nxt * stride_dy + cols, mask=nmask, other=0.0)
+            mean_n = tl.load(mean_ptr + nclamp)
+            rstd_n = tl.load(rstd_ptr + nclamp)
+            x, dy, mean, rstd = x_c, dy_c, mean_c, rstd_c
+        else:
+            x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+            dy = tl.load(dy_ptr + row * stride_dy + cols, mask=mask, other=0.0)
+            mean = tl.load(mean_ptr + row)
+            rstd = tl.load(rstd_ptr + row)
         xhat = tl.where(mask, x.to(tl.float32) - mean, 0.0) * rstd
         dyf = dy.to(tl.float32)
         g = dyf * scale1
@@ -182,124 +243,8 @@ def _adaln_mod_bwd_kernel(
         if NEED_VEC:
             p_scale = p_scale + dyf * xhat
             p_shift = p_shift + dyf
-        x, dy, mean, rstd = x_n, dy_n, mean_n, rstd_n
-    if NEED_VEC:
-        _store_scale_shift_partials(part_ptr, c, stride_part, D, cols, mask, p_scale, p_shift)
-
-
-# ---- the "two_rows" LayerNorm variant --------------------------------------------------------
-
-
-@triton.jit
-def _add2(a0, a1, b0, b1):
-    return a0 + b0, a1 + b1
-
-
-@triton.jit
-def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
-    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
-
-
-@triton.jit
-def _layer_norm_rows2(xa, xb, mask, d_float, eps):
-    """(mean, rstd, x̂) of two FP32 rows a and b (masked lanes 0), the formulas of :func:`_layer_norm_row`;
-    each Σ pairs the two rows in one two-operand ``tl.reduce`` (per operand the ``a + b`` of ``tl.sum``)."""
-    sa, sb = tl.reduce((xa, xb), 0, _add2)
-    mean_a = tl.div_rn(sa, d_float)
-    mean_b = tl.div_rn(sb, d_float)
-    xca = tl.where(mask, xa - mean_a, 0.0)
-    xcb = tl.where(mask, xb - mean_b, 0.0)
-    qa, qb = tl.reduce((xca * xca, xcb * xcb), 0, _add2)
-    rstd_a = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(qa, d_float) + eps))
-    rstd_b = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(qb, d_float) + eps))
-    return mean_a, rstd_a, xca * rstd_a, mean_b, rstd_b, xcb * rstd_b
-
-
-@triton.jit
-def _adaln_mod_fwd2_kernel(
-    x_ptr, shift_ptr, scale_ptr, table_ptr, y_ptr, mean_ptr, rstd_ptr,
-    n_chunks, D, d_float, eps, stride_x, stride_y, stride_shift, stride_scale,
-    STORE_STATS: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """:func:`_adaln_mod_fwd_kernel`'s rows two at a time (row b masked off past the chunk)."""
-    _, r0, r1, s = _program_chunk(table_ptr, n_chunks)
-    n = r1 - r0
-    cols = tl.arange(0, BLOCK_D)
-    mask = cols < D
-    scale1 = 1.0 + _sample_vector(scale_ptr, s, stride_scale, cols, mask)
-    shift = _sample_vector(shift_ptr, s, stride_shift, cols, mask)
-    first = r0.to(tl.int64)
-    for i in range(0, n, 2):
-        row = first + i
-        has_b = i + 1 < n
-        mask_b = cols < tl.where(has_b, D, 0)
-        xa = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        xb = tl.load(x_ptr + (row + 1) * stride_x + cols, mask=mask_b, other=0.0).to(tl.float32)
-        mean_a, rstd_a, xhat_a, mean_b, rstd_b, xhat_b = _layer_norm_rows2(xa, xb, mask, d_float, eps)
-        tl.store(y_ptr + row * stride_y + cols, (xhat_a * scale1 + shift).to(y_ptr.dtype.element_ty), mask=mask)
-        tl.store(y_ptr + (row + 1) * stride_y + cols, (xhat_b * scale1 + shift).to(y_ptr.dtype.element_ty), mask=mask_b)
-        if STORE_STATS:
-            tl.store(mean_ptr + row, mean_a)
-            tl.store(rstd_ptr + row, rstd_a)
-            tl.store(mean_ptr + row + 1, mean_b, mask=has_b)
-            tl.store(rstd_ptr + row + 1, rstd_b, mask=has_b)
-
-
-@triton.jit
-def _ln_bwd_row_load(x_ptr, dy_ptr, mean_ptr, rstd_ptr, row, live, cols, D, stride_x, stride_dy):
-    """x and dy (storage dtype), mean and rstd of ``row``; zeros (nothing read) when not ``live``."""
-    m = cols < tl.where(live, D, 0)
-    x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0)
-    dy = tl.load(dy_ptr + row * stride_dy + cols, mask=m, other=0.0)
-    mean = tl.load(mean_ptr + row, mask=live, other=0.0)
-    rstd = tl.load(rstd_ptr + row, mask=live, other=0.0)
-    return x, dy, mean, rstd
-
-
-@triton.jit
-def _adaln_mod_bwd2_kernel(
-    x_ptr, scale_ptr, dy_ptr, mean_ptr, rstd_ptr, table_ptr, dx_ptr, part_ptr,
-    n_chunks, D, d_float, stride_x, stride_dy, stride_dx, stride_scale, stride_part,
-    NEED_VEC: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """:func:`_adaln_mod_bwd_kernel`'s arithmetic with the rows two at a time (a, b): the four row sums
-    Σg·x̂ and Σg of both rows are ONE four-operand ``tl.reduce``, the partials still chain
-    acc + t_a, then + t_b (row b skipped past the chunk), and the next pair is read meanwhile."""
-    c, r0, r1, s = _program_chunk(table_ptr, n_chunks)
-    n = r1 - r0
-    cols = tl.arange(0, BLOCK_D)
-    mask = cols < D
-    scale1 = 1.0 + _sample_vector(scale_ptr, s, stride_scale, cols, mask)
-    p_scale = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    p_shift = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    first = r0.to(tl.int64)
-    xa, dya, ma, ra = _ln_bwd_row_load(x_ptr, dy_ptr, mean_ptr, rstd_ptr, first, n > 0, cols, D, stride_x, stride_dy)
-    xb, dyb, mb, rb = _ln_bwd_row_load(x_ptr, dy_ptr, mean_ptr, rstd_ptr, first + 1, n > 1, cols, D, stride_x, stride_dy)
-    for i in range(0, n, 2):
-        row = first + i
-        has_b = i + 1 < n
-        xa_n, dya_n, ma_n, ra_n = _ln_bwd_row_load(x_ptr, dy_ptr, mean_ptr, rstd_ptr, row + 2, i + 2 < n, cols, D,
-                                                   stride_x, stride_dy)
-        xb_n, dyb_n, mb_n, rb_n = _ln_bwd_row_load(x_ptr, dy_ptr, mean_ptr, rstd_ptr, row + 3, i + 3 < n, cols, D,
-                                                   stride_x, stride_dy)
-        xhat_a = tl.where(mask, xa.to(tl.float32) - ma, 0.0) * ra
-        xhat_b = tl.where(mask, xb.to(tl.float32) - mb, 0.0) * rb
-        dyf_a = dya.to(tl.float32)
-        dyf_b = dyb.to(tl.float32)
-        g_a = dyf_a * scale1
-        g_b = dyf_b * scale1
-        s1a, s2a, s1b, s2b = tl.reduce((g_a * xhat_a, g_a, g_b * xhat_b, g_b), 0, _add4)
-        dx_a = ((g_a - tl.div_rn(s2a, d_float)) - xhat_a * tl.div_rn(s1a, d_float)) * ra
-        dx_b = ((g_b - tl.div_rn(s2b, d_float)) - xhat_b * tl.div_rn(s1b, d_float)) * rb
-        tl.store(dx_ptr + row * stride_dx + cols, dx_a.to(dx_ptr.dtype.element_ty), mask=mask)
-        tl.store(dx_ptr + (row + 1) * stride_dx + cols, dx_b.to(dx_ptr.dtype.element_ty), mask=cols < tl.where(has_b, D, 0))
-        if NEED_VEC:
-            p_scale = p_scale + dyf_a * xhat_a
-            p_shift = p_shift + dyf_a
-            p_scale = tl.where(has_b, p_scale + dyf_b * xhat_b, p_scale)
-            p_shift = tl.where(has_b, p_shift + dyf_b, p_shift)
-        xa, dya, ma, ra = xa_n, dya_n, ma_n, ra_n
-        xb, dyb, mb, rb = xb_n, dyb_n, mb_n, rb_n
+        if AHEAD:
+            x_c, dy_c, mean_c, rstd_c = x_n, dy_n, mean_n, rstd_n
     if NEED_VEC:
         _store_scale_shift_partials(part_ptr, c, stride_part, D, cols, mask, p_scale, p_shift)
 
@@ -403,50 +348,43 @@ def _stride0(v: torch.Tensor) -> int:
     return v.stride(0) if v.shape[0] else 0
 
 
-def _check_ln_variant(variant: str | None) -> str:
-    variant = variant or _LN_VAR.current()
-    if variant not in LN_VARIANTS:
-        raise ValueError(f"LayerNorm variant must be one of {LN_VARIANTS}, got {variant!r}")
-    return variant
-
-
 def adaln_modulation_fwd(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, seqlens: tuple[int, ...], eps: float,
-                         store_stats: bool, variant: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                         store_stats: bool, launch: LnLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """x (M, D), shift/scale (B, D) → (y (M, D) x's dtype, mean (M,) fp32 | None, rstd (M,) fp32 | None).
-    ``variant`` (:data:`LN_VARIANTS`) defaults to the one in force (:func:`ln_variant`)."""
-    kernel = _adaln_mod_fwd2_kernel if _check_ln_variant(variant) == "two_rows" else _adaln_mod_fwd_kernel
+    ``launch`` defaults to the one in force (:func:`ln_launch`)."""
+    launch = launch or current_ln_launch()
     m, d = x.shape
     y = torch.empty_like(x)
     mean = torch.empty((m,), dtype=torch.float32, device=x.device) if store_stats else None
     rstd = torch.empty((m,), dtype=torch.float32, device=x.device) if store_stats else None
     if m == 0:
         return y, mean, rstd
-    ch = seg.chunks(seqlens, x.device, FWD_ROWS)
+    ch = seg.chunks(seqlens, x.device, launch.fwd_rows)
     block = triton.next_power_of_2(d)
-    kernel[(ch.n,)](
+    _adaln_mod_fwd_kernel[(ch.n,)](
         x, shift, scale, ch.table, y, mean if store_stats else y, rstd if store_stats else y,
         ch.n, d, float(d), float(eps), x.stride(0), y.stride(0), _stride0(shift), _stride0(scale),
-        STORE_STATS=store_stats, BLOCK_D=block, **_opts(block),
+        STORE_STATS=store_stats, AHEAD=launch.fwd_ahead, BLOCK_D=block, **_opts(block, launch.fwd_maxnreg),
     )
     return y, mean, rstd
 
 
 def adaln_modulation_bwd(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
                          seqlens: tuple[int, ...], need_vec: bool,
-                         variant: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Returns (dx (M, D), d_shift (B, D) | None, d_scale (B, D) | None), all in x's dtype; ``variant`` as in
+                         launch: LnLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Returns (dx (M, D), d_shift (B, D) | None, d_scale (B, D) | None), all in x's dtype; ``launch`` as in
     :func:`adaln_modulation_fwd`."""
-    kernel = _adaln_mod_bwd2_kernel if _check_ln_variant(variant) == "two_rows" else _adaln_mod_bwd_kernel
+    launch = launch or current_ln_launch()
     m, d = x.shape
     dx = torch.empty_like(x)
     ch = seg.chunks(seqlens, x.device)
     part = torch.empty((ch.n, 2 * d), dtype=torch.float32, device=x.device) if need_vec else None
     if m:
         block = triton.next_power_of_2(d)
-        kernel[(ch.n,)](
+        _adaln_mod_bwd_kernel[(ch.n,)](
             x, scale, dy, mean, rstd, ch.table, dx, part if need_vec else dx,
             ch.n, d, float(d), x.stride(0), dy.stride(0), dx.stride(0), _stride0(scale), 2 * d,
-            NEED_VEC=need_vec, BLOCK_D=block, **_opts(block),
+            NEED_VEC=need_vec, AHEAD=launch.bwd_ahead, BLOCK_D=block, **_opts(block, launch.bwd_maxnreg),
         )
     if not need_vec:
         return dx, None, None
@@ -459,8 +397,7 @@ class AdalnModulationFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, shift, scale, seqlens, eps):  # type: ignore[override]
-        ctx.variant = _LN_VAR.current()
-        y, mean, rstd = adaln_modulation_fwd(x, shift, scale, seqlens, eps, store_stats=True, variant=ctx.variant)
+        y, mean, rstd = adaln_modulation_fwd(x, shift, scale, seqlens, eps, store_stats=True)
         ctx.save_for_backward(x, scale, mean, rstd)
         ctx.seqlens = seqlens
         return y
@@ -469,8 +406,7 @@ class AdalnModulationFunction(torch.autograd.Function):
     def backward(ctx, dy):  # type: ignore[override]
         x, scale, mean, rstd = ctx.saved_tensors
         need_vec = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-        dx, dshift, dscale = adaln_modulation_bwd(dy.contiguous(), x, scale, mean, rstd, ctx.seqlens, need_vec,
-                                                    variant=ctx.variant)
+        dx, dshift, dscale = adaln_modulation_bwd(dy.contiguous(), x, scale, mean, rstd, ctx.seqlens, need_vec)
         return dx, dshift, dscale, None, None
 
 
@@ -595,30 +531,12 @@ def txt_in_rmsnorm_linear(x: torch.Tensor, gain: torch.Tensor, weight: torch.Ten
 _TREE = (f"per sample: rows chained in {seg.CHUNK_ROWS}-row chunks from the sample's first row, chunk partials "
          f"summed {seg.FOLD_TILE} per tl.sum tile, tiles chained; FP32")
 _LN = "row: tl.sum over D (fixed for the compiled kernel; warps from D only), div_rn/sqrt_rn"
-_CONFIG = {"fwd_rows_per_program": FWD_ROWS, "chunk_rows": seg.CHUNK_ROWS, "fold_tile": seg.FOLD_TILE,
+_CONFIG = {"ln_fwd_rows_per_program": LN_DEFAULT.fwd_rows, "ln_fwd_read_ahead": LN_DEFAULT.fwd_ahead,
+           "ln_bwd_read_ahead": LN_DEFAULT.bwd_ahead, "ln_maxnreg": f"fwd {LN_DEFAULT.fwd_maxnreg}, bwd {LN_DEFAULT.bwd_maxnreg}",
+           "gate_fwd_rows_per_program": FWD_ROWS, "chunk_rows": seg.CHUNK_ROWS, "fold_tile": seg.FOLD_TILE,
            "warps": "4 if pow2(D) <= 1024, 8 if <= 4096, else 16", "fp_fusion": False}
 _SOURCE = sys.modules[__name__]
 _DT = frozenset(_DTYPES)
-_LN2 = ("row pairs: both rows' Σ in one multi-operand tl.reduce (per operand tl.sum's a + b, same layout), "
-        "fixed for the compiled kernel; warps from D only; div_rn/sqrt_rn")
-
-
-def _ln_identity(op: str):
-    """The registry's ``variant`` hook of a LayerNorm operator: its kernels and tree under :func:`ln_variant`."""
-    gemm_part = "_gemm_fwd_kernel (silu prologue) + " if op == "final_adaln_out" else ""
-    gemm_order = "modulation GEMM as the strict GEMM engine (one row per sample); " if op == "final_adaln_out" else ""
-    tail = "/_segment_fold_kernel" if op == "adaln_modulation" else ""
-
-    def identity() -> dict:
-        name = _LN_VAR.current()
-        two = name == "two_rows"
-        kernels = "_adaln_mod_fwd2_kernel/_adaln_mod_bwd2_kernel" if two else "_adaln_mod_fwd_kernel/_adaln_mod_bwd_kernel"
-        return {"variant": name, "kernel": f"{gemm_part}{kernels}{tail}",
-                "reduction_order": f"{gemm_order}{_LN2 if two else _LN}; d_scale/d_shift {_TREE}"}
-
-    return identity
-
-
 for _op, _fn, _kernel, _order in (
     ("adaln_modulation", adaln_modulation, "_adaln_mod_fwd_kernel/_adaln_mod_bwd_kernel/_segment_fold_kernel",
      f"{_LN}; d_scale/d_shift {_TREE}"),
@@ -630,9 +548,5 @@ for _op, _fn, _kernel, _order in (
      f"RMSNorm row: tl.sum of squares over Ct, div_rn/sqrt_rn, gain gradient {_TREE}, samples folded left in order; "
      "then the strict GEMM engine"),
 ):
-    _pick = _ln_identity(_op) if _op in ("adaln_modulation", "final_adaln_out") else None
-    if _pick is not None:  # the registered kernels and tree are the default variant's
-        with ln_variant(DEFAULT_LN_VARIANT):
-            _kernel, _order = _pick()["kernel"], _pick()["reduction_order"]
     register(KernelImpl(op=_op, backend="triton", device="cuda", dtypes=_DT, fn=_fn, strict=True, split_k=False, kernel_name=_kernel,
-                        source=_SOURCE, config=dict(_CONFIG), reduction_order=_order, accumulator="fp32", variant=_pick))
+                        source=_SOURCE, config=dict(_CONFIG), reduction_order=_order, accumulator="fp32"))

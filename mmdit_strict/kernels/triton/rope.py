@@ -15,7 +15,7 @@ selectable) reads a head as its even and odd lanes, two ``(H, d/2)`` tiles with 
 default) reads a token's heads as one ``(H, d)`` tile with
 16-byte vector loads and stores and forms the rotation pairs in registers (``tl.reshape`` to
 ``(H, d/2, 2)`` + ``tl.split``, rotated, ``tl.join`` back). It has ONE forward kernel
-(:func:`_qk_fwd_kernel`: norm, rotation by θ or −θ, both) and ONE backward kernel (:func:`_qk_bwd_kernel`:
+(:func:`_qk_fwd_kernel`: norm, rotation by θ or −θ, both) and ONE backward kernel (:func:`_qk_bwd_chunk_kernel`:
 the norm's, with or without the rotation back first); the operator is chosen by runtime flags that Triton
 does not specialize on, so ``qk_rmsnorm`` and the fused op run the same compiled binary (one register
 layout, one tree for every ``tl.sum``) and share the arithmetic of the ``@triton.jit`` helpers
@@ -33,10 +33,10 @@ Arithmetic (FP32, one IEEE rounding per operation as written; ``enable_fp_fusion
   ``(y_e·c − y_o·s, y_e·s + y_o·c)``. ``rstd`` (M, H) FP32 is saved for backward.
 * backward: rotation by −θ ``(d_e·c + d_o·s, d_o·c − d_e·s)`` (contiguous: the forward rotation with
   ``s·(−1)``, the same values); ``g = dy·gain``, ``x̂ = x·rstd``,
-  ``dx = (g − x̂·(Σ g·x̂ ⊘ d))·rstd``; ``d_gain = Σ_rows Σ_heads dy·x̂``: per token a ``tl.sum`` over heads,
-  tokens chained in the per-sample chunks of :mod:`.segments`, samples folded left in sample order. The
-  contiguous layout's ``"chunk_heads"`` backward (:func:`qk_bwd`, off by default) keeps dx and changes only
-  this tree: per (head, lane) the chunk's tokens chained, then one ``tl.sum`` over heads per chunk.
+  ``dx = (g − x̂·(Σ g·x̂ ⊘ d))·rstd``; ``d_gain = Σ_rows Σ_heads dy·x̂`` in the per-sample chunks of
+  :mod:`.segments` — contiguous (``"chunk_heads"``): per (head, lane) the chunk's tokens chained, then one
+  ``tl.sum`` over heads per chunk; pairs: per token a ``tl.sum`` over heads, tokens chained — samples folded
+  left in sample order.
 
 Cast points. The unfused pair stores ``qk_rmsnorm``'s output in the storage dtype (its declared output)
 and RoPE reads it back; its backward stores RoPE's input gradient in the storage dtype and the norm's
@@ -53,6 +53,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -86,33 +88,57 @@ def qk_layout(name: str) -> contextlib.AbstractContextManager[None]:
     return _LAYOUT.use(name)
 
 
-# How the contiguous layout's backward reduces d_gain (chosen with :func:`qk_bwd`; the "pairs" layout has one
-# backward, its own, whatever is chosen here):
-# "token_heads": per token a tl.sum over heads of dy·x̂, tokens chained in each chunk;
-# "chunk_heads" (the default, DEFAULT_QK_BWD): per (head, lane) the chunk's tokens chained, then ONE tl.sum over
-# heads per chunk (no cross-warp reduction per token), with rstd and the −θ tables prefetched alongside x and dy.
-# dx is the same formula with the same per-(token, head) tl.sum; d_gain has another fixed tree, hence other bytes.
-# H200 at 6ab3b56 (experiments/norms/6ab3b56): bwd 860 -> 1570 GB/s (bf16, 4096 tokens), 761 -> 1439 (6889),
-# fp32 1448 -> 2221; dx and the forward byte-equal to token_heads. An autograd node keeps the variant of its forward.
-QK_BWD_VARIANTS = ("token_heads", "chunk_heads")
-DEFAULT_QK_BWD = "chunk_heads"  # changing it is a versioned change of d_gain's bytes (docs/operators.md)
-_BWD = KernelChoice("qk backward variant", QK_BWD_VARIANTS, DEFAULT_QK_BWD)
+# The contiguous layout's backward (:func:`_qk_bwd_chunk_kernel`, identity "chunk_heads"): per (head, lane) the
+# chunk's tokens chained, then ONE tl.sum over heads per chunk for d_gain, everything a token needs read ahead.
+# It replaced the per-token head sum ("token_heads", removed after the H200 run at 6ab3b56: bwd 860 -> 1570 GB/s
+# bf16 4096 tokens, same dx and forward bytes, d_gain on this other fixed tree; experiments/norms/6ab3b56).
 
 
-def current_qk_bwd() -> str:
-    """The QK norm backward variant in force (the innermost :func:`qk_bwd`, else :data:`DEFAULT_QK_BWD`)."""
-    return _BWD.current()
+@dataclass(frozen=True)
+class QkBwdLaunch:
+    """How :func:`_qk_bwd_chunk_kernel` is launched; none of it touches the arithmetic (same tile, same
+    layout, same trees: GPU test ``test_gpu_qk_bwd_launch_bytes_equal_reference``), none is chosen from the
+    number of tokens. ahead: tokens read ahead (1..3); maxnreg: a register cap for ptxas (None = none)."""
+
+    ahead: int = 3
+    maxnreg: int | None = None
+
+    def label(self) -> str:
+        return f"ahead {self.ahead}, maxnreg {self.maxnreg or '-'}"
 
 
-def qk_bwd(name: str) -> contextlib.AbstractContextManager[None]:
-    """Run the contiguous layout's QK norm backward of nodes created inside the block as variant ``name``
-    (:data:`QK_BWD_VARIANTS`)."""
-    return _BWD.use(name)
+QK_BWD_REFERENCE = QkBwdLaunch(ahead=3)  # as measured at 6ab3b56
+QK_BWD_DEFAULT = QkBwdLaunch(ahead=1)
+QK_BWD_CANDIDATES = tuple(dict.fromkeys([QK_BWD_REFERENCE, QK_BWD_DEFAULT, QkBwdLaunch(1), QkBwdLaunch(2),
+                                         QkBwdLaunch(1, 128)]))
+_QK_BWD_LAUNCH = [QK_BWD_DEFAULT]
 
 
-def _opts(elems: int) -> dict:
+def current_qk_bwd_launch() -> QkBwdLaunch:
+    """The QK backward launch in force (the innermost :func:`qk_bwd_launch`, else :data:`QK_BWD_DEFAULT`)."""
+    return _QK_BWD_LAUNCH[-1]
+
+
+@contextlib.contextmanager
+def qk_bwd_launch(launch: QkBwdLaunch) -> Iterator[None]:
+    """Launch the contiguous QK backward with ``launch`` inside the block (bench and tests; process-wide)."""
+    if not isinstance(launch, QkBwdLaunch) or launch.ahead not in (1, 2, 3):
+        raise ValueError(f"expected a QkBwdLaunch with ahead 1, 2 or 3, got {launch!r}")
+    _QK_BWD_LAUNCH.append(launch)
+    try:
+        yield
+    finally:
+        _QK_BWD_LAUNCH.pop()
+
+
+def _opts(elems: int, maxnreg: int | None = None) -> dict:
     w = 4 if elems <= 1024 else 8 if elems <= 4096 else 16
-    return {} if _interpreting() else {"num_warps": w, "enable_fp_fusion": False}
+    if _interpreting():
+        return {}
+    opts = {"num_warps": w, "enable_fp_fusion": False}
+    if maxnreg is not None:
+        opts["maxnreg"] = maxnreg
+    return opts
 
 
 def _blocks(h: int, d: int) -> tuple[int, int]:
@@ -329,58 +355,6 @@ def _qk_fwd_kernel(
     tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["n_chunks", "rope", "need_gain"])
-def _qk_bwd_kernel(
-    x_ptr, gain_ptr, cos_ptr, sin_ptr, dy_ptr, rstd_ptr, table_ptr, dx_ptr, part_ptr,
-    n_chunks, H, D, d_float, stride_x, stride_dy, stride_dx, stride_cs, stride_part,
-    rope, need_gain,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """One chunk of tokens of one sample, tokens in order (the next three tokens' x and dy in flight).
-    rope: dy rotated by −θ and rounded to the storage dtype (the unfused pair's cast point); then
-    dx = (g − x̂·(Σ g·x̂ ⊘ d))·rstd per (token, head); need_gain: part[c] = Σ_tokens (tl.sum over heads of
-    dy·x̂), chained in token order from acc = 0."""
-    c = tl.program_id(0)
-    r0 = tl.load(table_ptr + c)
-    r1 = tl.load(table_ptr + n_chunks + c)
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_j = tl.arange(0, BLOCK_D)
-    mask_h = offs_h < H
-    mask_j = offs_j < D
-    mask = mask_h[:, None] & mask_j[None, :]
-    offs = offs_h[:, None] * D + offs_j[None, :]
-    g = tl.load(gain_ptr + offs_j, mask=mask_j, other=0.0).to(tl.float32)[None, :]
-    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    first = r0.to(tl.int64)
-    n = r1 - r0
-    x0 = tl.load(x_ptr + first * stride_x + offs, mask=mask, other=0.0)
-    d0 = tl.load(dy_ptr + first * stride_dy + offs, mask=mask, other=0.0)
-    m1 = (offs_h < tl.where(n > 1, H, 0))[:, None] & mask_j[None, :]  # nothing past the chunk
-    x1 = tl.load(x_ptr + (first + 1) * stride_x + offs, mask=m1, other=0.0)
-    d1 = tl.load(dy_ptr + (first + 1) * stride_dy + offs, mask=m1, other=0.0)
-    m2 = (offs_h < tl.where(n > 2, H, 0))[:, None] & mask_j[None, :]
-    x2 = tl.load(x_ptr + (first + 2) * stride_x + offs, mask=m2, other=0.0)
-    d2 = tl.load(dy_ptr + (first + 2) * stride_dy + offs, mask=m2, other=0.0)
-    for i in range(n):
-        row = first + i
-        m3 = (offs_h < tl.where(i + 3 < n, H, 0))[:, None] & mask_j[None, :]
-        x3 = tl.load(x_ptr + (row + 3) * stride_x + offs, mask=m3, other=0.0)
-        d3 = tl.load(dy_ptr + (row + 3) * stride_dy + offs, mask=m3, other=0.0)
-        rstd = tl.load(rstd_ptr + row * H + offs_h, mask=mask_h, other=0.0)
-        dy = d0.to(tl.float32)
-        if rope:
-            cs, sn = _pair_tables(cos_ptr, sin_ptr, row, stride_cs, D // 2, -1.0, BLOCK_D)
-            dy = _rotate_pairs(dy, cs, sn, BLOCK_H, BLOCK_D)
-            dy = dy.to(dx_ptr.dtype.element_ty).to(tl.float32)  # the unfused pair's cast point
-        dx, term = _rms_bwd(x0.to(tl.float32), dy, rstd, g, d_float)
-        tl.store(dx_ptr + row * stride_dx + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-        if need_gain:
-            acc = acc + tl.sum(term, axis=0)
-        x0, d0, x1, d1, x2, d2 = x1, d1, x2, d2, x3, d3
-    if need_gain:
-        tl.store(part_ptr + c.to(tl.int64) * stride_part + offs_j, acc, mask=mask_j)
-
-
 @triton.jit
 def _bwd_token(x_ptr, dy_ptr, rstd_ptr, cos_ptr, sin_ptr, row, live, rope, H, D, stride_x, stride_dy, stride_cs,
                offs, offs_h, mask_j, BLOCK_D: tl.constexpr):
@@ -401,13 +375,14 @@ def _qk_bwd_chunk_kernel(
     x_ptr, gain_ptr, cos_ptr, sin_ptr, dy_ptr, rstd_ptr, table_ptr, dx_ptr, part_ptr,
     n_chunks, H, D, d_float, stride_x, stride_dy, stride_dx, stride_cs, stride_part,
     rope, need_gain,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    AHEAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """The ``"chunk_heads"`` backward: one chunk of tokens of one sample, tokens in order, everything a
-    token needs (x, dy, rstd, tables) read three tokens ahead. rope: dy rotated by −θ and rounded to the
-    storage dtype (the unfused pair's cast point); dx = (g − x̂·(Σ g·x̂ ⊘ d))·rstd per (token, head), as in
-    :func:`_qk_bwd_kernel`; need_gain: per (head, lane) acc = 0, acc = acc + dy·x̂ over the chunk's tokens
-    in order, then part[c] = tl.sum of acc over heads (one cross-warp reduction per chunk, none per token)."""
+    """The contiguous layout's backward (identity ``"chunk_heads"``): one chunk of tokens of one sample,
+    tokens in order, everything a token needs (x, dy, rstd, tables) read AHEAD (1..3) tokens ahead. rope: dy
+    rotated by −θ and rounded to the storage dtype (the unfused pair's cast point); dx = (g − x̂·(Σ g·x̂ ⊘ d))·rstd
+    per (token, head); need_gain: per (head, lane) acc = 0, acc = acc + dy·x̂ over the chunk's tokens in
+    order, then part[c] = tl.sum of acc over heads (one cross-warp reduction per chunk, none per token).
+    AHEAD changes when a token is read, not what is computed."""
     c = tl.program_id(0)
     start = tl.load(table_ptr + c)
     n = tl.load(table_ptr + n_chunks + c) - start
@@ -421,13 +396,15 @@ def _qk_bwd_chunk_kernel(
     first = start.to(tl.int64)
     x0, d0, r0, c0, s0 = _bwd_token(x_ptr, dy_ptr, rstd_ptr, cos_ptr, sin_ptr, first, n > 0, rope, H, D,
                                     stride_x, stride_dy, stride_cs, offs, offs_h, mask_j, BLOCK_D)
-    x1, d1, r1, c1, s1 = _bwd_token(x_ptr, dy_ptr, rstd_ptr, cos_ptr, sin_ptr, first + 1, n > 1, rope, H, D,
-                                    stride_x, stride_dy, stride_cs, offs, offs_h, mask_j, BLOCK_D)
-    x2, d2, r2, c2, s2 = _bwd_token(x_ptr, dy_ptr, rstd_ptr, cos_ptr, sin_ptr, first + 2, n > 2, rope, H, D,
-                                    stride_x, stride_dy, stride_cs, offs, offs_h, mask_j, BLOCK_D)
+    if AHEAD >= 2:
+        x1, d1, r1, c1, s1 = _bwd_token(x_ptr, dy_ptr, rstd_ptr, cos_ptr, sin_ptr, first + 1, n > 1, rope, H, D,
+                                        stride_x, stride_dy, stride_cs, offs, offs_h, mask_j, BLOCK_D)
+    if AHEAD >= 3:
+        x2, d2, r2, c2, s2 = _bwd_token(x_ptr, dy_ptr, rstd_ptr, cos_ptr, sin_ptr, first + 2, n > 2, rope, H, D,
+                                        stride_x, stride_dy, stride_cs, offs, offs_h, mask_j, BLOCK_D)
     for i in range(n):
         row = first + i
-        x3, d3, r3, c3, s3 = _bwd_token(x_ptr, dy_ptr, rstd_ptr, cos_ptr, sin_ptr, row + 3, i + 3 < n, rope, H, D,
+        xn, dn, rn, cn, sn = _bwd_token(x_ptr, dy_ptr, rstd_ptr, cos_ptr, sin_ptr, row + AHEAD, i + AHEAD < n, rope, H, D,
                                         stride_x, stride_dy, stride_cs, offs, offs_h, mask_j, BLOCK_D)
         dy = d0.to(tl.float32)
         if rope:
@@ -437,9 +414,15 @@ def _qk_bwd_chunk_kernel(
         tl.store(dx_ptr + row * stride_dx + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         if need_gain:
             acc = acc + term
-        x0, d0, r0, c0, s0 = x1, d1, r1, c1, s1
-        x1, d1, r1, c1, s1 = x2, d2, r2, c2, s2
-        x2, d2, r2, c2, s2 = x3, d3, r3, c3, s3
+        if AHEAD == 1:
+            x0, d0, r0, c0, s0 = xn, dn, rn, cn, sn
+        elif AHEAD == 2:
+            x0, d0, r0, c0, s0 = x1, d1, r1, c1, s1
+            x1, d1, r1, c1, s1 = xn, dn, rn, cn, sn
+        else:
+            x0, d0, r0, c0, s0 = x1, d1, r1, c1, s1
+            x1, d1, r1, c1, s1 = x2, d2, r2, c2, s2
+            x2, d2, r2, c2, s2 = xn, dn, rn, cn, sn
     if need_gain:
         tl.store(part_ptr + c.to(tl.int64) * stride_part + offs_j, tl.sum(acc, axis=0), mask=mask_j)
 
@@ -543,22 +526,14 @@ def qk_norm_fwd(x: torch.Tensor, gain: torch.Tensor, cos: torch.Tensor | None, s
     return y, rstd
 
 
-def _effective_bwd(layout: str, bwd: str) -> str:
-    """The backward that runs: ``bwd`` in the contiguous layout; the pairs layout has only its own
-    (per-token head sums, ``"token_heads"``)."""
-    if bwd not in QK_BWD_VARIANTS:
-        raise ValueError(f"qk backward variant must be one of {QK_BWD_VARIANTS}, got {bwd!r}")
-    return bwd if layout == "contiguous" else "token_heads"
-
-
 def qk_norm_bwd(dy: torch.Tensor, x: torch.Tensor, gain: torch.Tensor, rstd: torch.Tensor, cos: torch.Tensor | None,
                 sin: torch.Tensor | None, seqlens: tuple[int, ...], need_gain: bool,
-                layout: str | None = None, bwd: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Returns (dx (M, H, d), d_gain (d,) | None) in x's dtype. ``layout`` / ``bwd`` default to the ones in
-    force (:func:`qk_layout`, :func:`qk_bwd`; ``bwd`` concerns the contiguous layout only)."""
+                layout: str | None = None, launch: QkBwdLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Returns (dx (M, H, d), d_gain (d,) | None) in x's dtype. ``layout`` defaults to the one in force
+    (:func:`qk_layout`), ``launch`` (contiguous layout only) to :func:`qk_bwd_launch`'s."""
     m, h, d = x.shape
     layout = layout or _LAYOUT.current()
-    bwd = _effective_bwd(layout, bwd or _BWD.current())
+    launch = launch or current_qk_bwd_launch()
     dx = torch.empty_like(x)
     ch = seg.chunks(seqlens, x.device)
     part = torch.empty((ch.n, d), dtype=torch.float32, device=x.device) if need_gain else None
@@ -566,13 +541,12 @@ def qk_norm_bwd(dy: torch.Tensor, x: torch.Tensor, gain: torch.Tensor, rstd: tor
     if m and layout == "contiguous":
         bh, bd = _contig_blocks(h, d)
         dummy = torch.empty(1, dtype=torch.float32, device=x.device)
-        kernel = _qk_bwd_chunk_kernel if bwd == "chunk_heads" else _qk_bwd_kernel
-        kernel[(ch.n,)](
+        _qk_bwd_chunk_kernel[(ch.n,)](
             _aligned(x), _aligned(gain), _f32(cos) if rope else dummy, _f32(sin) if rope else dummy, _aligned(dy), rstd, ch.table,
             dx, part if need_gain else dummy,
             ch.n, h, d, float(d), h * d, h * d, h * d, d // 2, d,
             int(rope), int(need_gain),
-            BLOCK_H=bh, BLOCK_D=bd, **_opts(bh * bd),
+            AHEAD=launch.ahead, BLOCK_H=bh, BLOCK_D=bd, **_opts(bh * bd, launch.maxnreg),
         )
     elif m:
         bh, bp = _blocks(h, d)
@@ -605,7 +579,6 @@ class QkNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gain, cos, sin, seqlens, eps):  # type: ignore[override]
         ctx.layout = _LAYOUT.current()
-        ctx.bwd = _effective_bwd(ctx.layout, _BWD.current())
         y, rstd = qk_norm_fwd(x, gain, cos, sin, eps, store_rstd=True, layout=ctx.layout)
         ctx.save_for_backward(x, gain, rstd, cos, sin)
         ctx.seqlens = seqlens
@@ -615,7 +588,7 @@ class QkNormFunction(torch.autograd.Function):
     def backward(ctx, dy):  # type: ignore[override]
         x, gain, rstd, cos, sin = ctx.saved_tensors
         dx, dgain = qk_norm_bwd(dy.contiguous(), x, gain, rstd, cos, sin, ctx.seqlens, ctx.needs_input_grad[1],
-                                 layout=ctx.layout, bwd=ctx.bwd)
+                                 layout=ctx.layout)
         return dx, dgain, None, None, None, None
 
 
@@ -689,26 +662,23 @@ def rms_norm_rows(x: torch.Tensor, gain: torch.Tensor, *, seqlens: tuple[int, ..
 
 _SOURCE = sys.modules[__name__]
 _DT = frozenset(_DTYPES)
-_CONFIG = {"programs": "one token per forward program; backward chunks of segments.CHUNK_ROWS tokens, x/dy of three tokens in flight",
+_CONFIG = {"programs": ("one token per forward program; backward chunks of segments.CHUNK_ROWS tokens, "
+                        f"{QK_BWD_DEFAULT.ahead} token(s) read ahead, maxnreg {QK_BWD_DEFAULT.maxnreg}"),
            "tiles": "(pow2(H), pow2(d)) contiguous heads; rotation pairs by reshape + split/join in registers",
            "warps": "from pow2(H)·pow2(d) only", "fp_fusion": False,
            "flags": "norm / rope / rstd / d_gain are runtime arguments (do_not_specialize): one binary per dtype and head shape",
            "chunk_rows": seg.CHUNK_ROWS, "fold_tile": seg.FOLD_TILE,
            "qk_layout": "contiguous (the earlier 'pairs' layout runs only inside rope.qk_layout('pairs'))",
-           "qk_bwd": f"{DEFAULT_QK_BWD} (the other contiguous backward runs only inside rope.qk_bwd(name))"}
+           "qk_bwd": f"chunk_heads ({QK_BWD_DEFAULT.label()})"}
 _FOLD = (f"chunk partials summed {seg.FOLD_TILE} per tl.sum tile, tiles chained, samples folded left in order; FP32")
 _CHUNKS = f"in {seg.CHUNK_ROWS}-token chunks from the sample's first token"
-# (layout, backward variant) → the kernels that run and their trees (the registry identity of each variant)
+# layout → (backward variant, the kernels that run, their trees): the registry identity of each layout
 _QK_VARIANTS = {
-    ("contiguous", "token_heads"): (
-        "_qk_fwd_kernel/_qk_bwd_kernel/_segment_fold_kernel",
-        (f"per (token, head): tl.sum over the d lanes of x², div_rn/sqrt_rn; d_gain: tl.sum over heads per token, "
-         f"tokens chained {_CHUNKS}, {_FOLD}")),
-    ("contiguous", "chunk_heads"): (
+    "contiguous": ("chunk_heads",
         "_qk_fwd_kernel/_qk_bwd_chunk_kernel/_segment_fold_kernel",
         (f"per (token, head): tl.sum over the d lanes of x², div_rn/sqrt_rn; d_gain: per (head, lane) tokens chained "
          f"{_CHUNKS}, then tl.sum over heads once per chunk, {_FOLD}")),
-    ("pairs", "token_heads"): (
+    "pairs": ("token_heads",
         "_qk_norm_fwd_kernel/_qk_norm_bwd_kernel/_segment_fold_kernel",
         (f"per (token, head): x_e² + x_o² per pair, tl.sum over the d/2 pairs, div_rn/sqrt_rn; d_gain: even and odd "
          f"lanes each a tl.sum over heads per token, tokens chained {_CHUNKS}, {_FOLD}")),
@@ -717,8 +687,7 @@ _QK_VARIANTS = {
 
 def _qk_variant() -> dict:
     layout = _LAYOUT.current()
-    bwd = _effective_bwd(layout, _BWD.current())
-    kernel, order = _QK_VARIANTS[layout, bwd]
+    bwd, kernel, order = _QK_VARIANTS[layout]
     return {"variant": f"{layout}/{bwd}", "kernel": kernel, "reduction_order": order}
 
 
@@ -730,8 +699,8 @@ def _rope_variant() -> dict:
 register(KernelImpl(
     op="qk_rmsnorm", backend="triton", device="cuda", dtypes=_DT, fn=qk_rmsnorm, strict=True, split_k=False,
     fusions={"multi_axis_rope": qk_rmsnorm_rope},
-    kernel_name=_QK_VARIANTS["contiguous", DEFAULT_QK_BWD][0], source=_SOURCE, config=dict(_CONFIG),
-    reduction_order=_QK_VARIANTS["contiguous", DEFAULT_QK_BWD][1], accumulator="fp32", variant=_qk_variant,
+    kernel_name=_QK_VARIANTS["contiguous"][1], source=_SOURCE, config=dict(_CONFIG),
+    reduction_order=_QK_VARIANTS["contiguous"][2], accumulator="fp32", variant=_qk_variant,
 ))
 register(KernelImpl(
     op="multi_axis_rope", backend="triton", device="cuda", dtypes=_DT, fn=multi_axis_rope, strict=True, split_k=False,
