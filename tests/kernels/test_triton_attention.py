@@ -84,7 +84,7 @@ def test_nan_neighbours_are_never_read() -> None:
 
 
 @interp
-@pytest.mark.parametrize("option", ["frozen", "direct+tma+stat_base"])
+@pytest.mark.parametrize("option", ["frozen", "direct+tma+stat_base", "direct+tma+stat_base+pv_async"])
 def test_tail_tiles_never_write_over_neighbour_rows(option: str) -> None:
     """Launch one sample's tiles only, into outputs prefilled with a sentinel: every other row keeps it
     (the frozen configuration, and with every load option on)."""
@@ -120,6 +120,10 @@ LOAD_OPTIONS = {
     "stat_base": {"stat_loads": "base"},
     "direct+tma": {"fwd_loads": "tma", "bwd_loads": "tma", "resident_loads": "direct"},
     "direct+tma+stat_base": {"fwd_loads": "tma", "bwd_loads": "tma", "resident_loads": "direct", "stat_loads": "base"},
+    # not a load path: the forward's issue order (P V left running under the next tile's softmax), same values
+    "tma+pv_async": {"fwd_loads": "tma", "fwd_overlap": "pv_async"},
+    "direct+tma+stat_base+pv_async": {"fwd_loads": "tma", "bwd_loads": "tma", "resident_loads": "direct",
+                                      "stat_loads": "base", "fwd_overlap": "pv_async"},
 }
 
 
@@ -156,7 +160,7 @@ def test_load_options_equal_frozen_bytes_on_partial_tiles(option: str) -> None:
 
 
 @interp
-@pytest.mark.parametrize("option", ["tma", "direct+tma+stat_base"])
+@pytest.mark.parametrize("option", ["tma", "direct+tma+stat_base", "direct+tma+stat_base+pv_async"])
 def test_tma_probe_alone_equals_batched_at_every_position(option: str) -> None:
     """Under TMA loads a probe whose lengths divide no tile keeps its bytes (== the frozen path's, alone) in
     batches of 2 and 3 at every position beside neighbours of other lengths."""
@@ -170,7 +174,7 @@ def test_tma_probe_alone_equals_batched_at_every_position(option: str) -> None:
 
 
 @interp
-@pytest.mark.parametrize("option", ["tma", "direct+tma+stat_base"])
+@pytest.mark.parametrize("option", ["tma", "direct+tma+stat_base", "direct+tma+stat_base+pv_async"])
 def test_tma_boxes_never_carry_neighbour_rows(option: str) -> None:
     """A probe packed between NaN rows (neighbours longer than a tile on both sides, in both streams) keeps the
     frozen path's bytes: a descriptor box that carried a neighbour's row into a used position would turn
@@ -179,6 +183,22 @@ def test_tma_boxes_never_carry_neighbour_rows(option: str) -> None:
     (alone,) = _run_cfg([probe], {})
     nan = [(tuple(torch.full_like(t, float("nan")) for t in s), g) for s, g in (_sample(20, 37, 99), _sample(19, 40, 100))]
     assert_bytes_equal(_run_cfg([nan[0], probe, nan[1]], LOAD_OPTIONS[option])[1], alone, f"{option}: probe between NaN rows")
+
+
+@interp
+def test_pv_async_equals_frozen_bytes_at_every_tile_count() -> None:
+    """``fwd_overlap = "pv_async"`` (peeled first tile, loop from the second full tile, last P V after the loop,
+    peeled tail) == the frozen forward's bytes (outputs and LSE; the backward is untouched) for segments of
+    0..4 full tiles with and without a tail, text and image alike."""
+    lengths = (0, 1, 15, 16, 17, 31, 32, 33, 48, 50, 64, 71)
+    batch = [_sample(nt, ni, 200 + i) for i, (nt, ni) in enumerate(zip(lengths, reversed(lengths))) if nt + ni]
+    override = {"fwd_loads": "tma", "fwd_overlap": "pv_async"}
+    for b, (got, ref) in enumerate(zip(_run_cfg(batch, override), _run_cfg(batch, {}))):
+        assert_bytes_equal(got[:4], ref[:4], f"pv_async vs frozen forward, sample {b}")
+    s, _ = _sample(3, 5, 51)
+    packed, tseq, iseq = bench.pack([s])
+    with pytest.raises(ValueError, match="fwd_overlap"):
+        A.attention_fwd(*packed, tseq, iseq, {**A.config_for(D, torch.float32), "fwd_overlap": "always"})
 
 
 def test_bad_load_option() -> None:
@@ -197,7 +217,8 @@ def test_bench_candidates_name_known_options() -> None:
     for dtype, part, override in bench.CANDIDATES:
         assert dtype in bench.DTYPES and part in ("fwd", "bwd", "both"), (dtype, part)
         assert isinstance(override, dict), override
-        assert set(override) <= tiles | {"delta", "fwd_loads", "bwd_loads", "resident_loads", "stat_loads"}, override
+        assert set(override) <= tiles | {"delta", "fwd_loads", "bwd_loads", "resident_loads", "stat_loads", "fwd_overlap"}, override
+        assert override.get("fwd_overlap", "off") in A._OVERLAP, override
         for key in ("fwd_loads", "bwd_loads"):
             assert override.get(key, "pointer") in A._LOADS, override
         assert override.get("resident_loads", "select") in A._RESIDENT, override
@@ -424,6 +445,22 @@ def test_gpu_other_thread_same_bytes() -> None:
     worker.join()
     assert there, "the forward + backward on another thread raised (see the thread's traceback above)"
     assert_bytes_equal(there[0], here, "fresh thread vs main thread")
+
+
+@gpu
+@pytest.mark.parametrize("overlap", ["off", "pv_async"])
+def test_gpu_forward_issue_order_keeps_bytes(overlap: str) -> None:
+    """bf16 24 × 128 with TMA forward loads: ``fwd_overlap`` "off" and "pv_async" give the pointer path's forward bytes
+    (outputs and LSE) on a batch of segments of 0, 1, exact, and partial tiles."""
+    if not torch.cuda.is_available() or INTERPRET:
+        pytest.skip("no CUDA device")
+    batch = [bench.make_sample(nt, ni, heads=24, head_dim=128, dtype=torch.bfloat16, seed=60 + i)
+             for i, (nt, ni) in enumerate(((77, 6889), (0, 128), (128, 4096), (256, 1), (13, 200)))]
+    packed, tseq, iseq = bench.pack(batch)
+    base = {**A.config_for(128, torch.bfloat16), "fwd_loads": "pointer", "fwd_overlap": "off"}
+    ref = A.attention_fwd(*packed, tseq, iseq, base)
+    got = A.attention_fwd(*packed, tseq, iseq, {**base, "fwd_loads": "tma", "fwd_overlap": overlap})
+    assert_bytes_equal(got, ref, f"fwd_overlap={overlap} (TMA) vs pointer loads")
 
 
 @gpu

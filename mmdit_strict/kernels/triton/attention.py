@@ -87,6 +87,24 @@ def _stream_masks(row_ok, stream):
 
 
 @triton.jit
+def _program_tile(tiles_ptr, row_stride, D: tl.constexpr, ROWS: tl.constexpr):
+    """Where this program works (grid (tiles, heads)): its head ``h`` and the head's first column ``col``, its tile's
+    table entry less the first row and segment end (stream, first stat row, text start and rows, image start and
+    rows, first image stat row), the row index vector ``0 .. ROWS``, the valid-row mask, the ``(ROWS, D)`` element
+    offsets of the tile's rows in its stream buffer (64-bit rows) and the text/image store masks."""
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    stream, row0, seg_end, stat0, t_start, nt, i_start, ni, i_stat0 = _tile_entry(tiles_ptr, tile)
+    col = h * D
+    offs_m = tl.arange(0, ROWS)
+    rows = row0 + offs_m
+    row_ok = rows < seg_end
+    offs = rows.to(tl.int64)[:, None] * row_stride + col + tl.arange(0, D)[None, :]
+    txt_ok, img_ok = _stream_masks(row_ok, stream)
+    return h, col, stream, stat0, t_start, nt, i_start, ni, i_stat0, offs_m, row_ok, offs, txt_ok, img_ok
+
+
+@triton.jit
 def _load_resident(txt_ptr, img_ptr, offs, row_ok, stream, DIRECT: tl.constexpr):
     """A tile's resident rows (loaded once per program) from the stream the tile lies in; rows past the segment read 0.
 
@@ -116,19 +134,82 @@ def _segment_desc(base_ptr, row0, n, row_stride, col, ROWS: tl.constexpr, D: tl.
 
 
 @triton.jit
-def _fwd_tile(acc, m_i, l_i, q, k, v, qk_scale, n_valid,
-              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One key tile of the online softmax (see the module docstring for the formulas)."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BM, BN) FP32
+def _fwd_stats(m_i, l_i, s, qk_scale, n_valid, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """The online-softmax statistics of one key tile's scores ``s`` (module docstring): the FP32 probabilities
+    ``p``, the rescale ``α`` of the accumulator, and the new row max and sum."""
     if MASKED:
         s = tl.where(tl.arange(0, BLOCK_N)[None, :] < n_valid, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     p = tl.math.exp2(tl.fma(s, qk_scale, -m_new[:, None]))
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@triton.jit
+def _fwd_tile(acc, m_i, l_i, q, k, v, qk_scale, n_valid,
+              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One key tile of the online softmax (see the module docstring for the formulas)."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BM, BN) FP32
+    p, alpha, m_i, l_i = _fwd_stats(m_i, l_i, s, qk_scale, n_valid, BLOCK_N, MASKED)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _segment_descs(a_ptr, b_ptr, row0, n, row_stride, col, ROWS: tl.constexpr, D: tl.constexpr):
+    """The two streamed operands' TMA descriptors over one segment (:func:`_segment_desc`), e.g. K and V."""
+    return (_segment_desc(a_ptr, row0, n, row_stride, col, ROWS, D),
+            _segment_desc(b_ptr, row0, n, row_stride, col, ROWS, D))
+
+
+@triton.jit
+def _load_pair(a_desc, b_desc, row):
+    """One box of each descriptor at segment row ``row`` (rows past the segment arrive as zeros)."""
+    return a_desc.load([row, 0]), b_desc.load([row, 0])
+
+
+@triton.jit
+def _segment_ptrs(a_ptr, b_ptr, row0, row_stride, col, ROWS: tl.constexpr, D: tl.constexpr):
+    """Pointer tiles of the two streamed operands at a segment's first row, and the 64-bit step of one tile."""
+    return (_row_ptrs(a_ptr, row0, row_stride, col, ROWS, D), _row_ptrs(b_ptr, row0, row_stride, col, ROWS, D),
+            ROWS * row_stride.to(tl.int64))
+
+
+@triton.jit
+def _fwd_segment_ahead(acc, m_i, l_i, q, k_ptr, v_ptr, row0, n, row_stride, col, qk_scale,
+                       D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``_fwd_segment`` with TMA loads and ``P̃ V`` left running under the next tile's softmax (config
+    ``fwd_overlap = "pv_async"``).
+
+    Same tiles, same order and the same operations per tile as ``_fwd_segment`` (so the same bytes); only the
+    issue order differs. Iteration ``j`` of the full-tile loop computes ``S_{j+1} = Q K_{j+1}ᵀ`` (waited on,
+    which also completes the previous ``P̃ V``), rescales ``acc`` by ``αⱼ``, issues ``acc += P̃ⱼ Vⱼ`` and computes
+    the statistics of ``S_{j+1}`` while the tensor cores run it (Triton leaves a dot asynchronous when its
+    result is next read after a completed wait). Tile 0's scores are computed before the loop, the last full
+    tile's ``P̃ V`` after it; the tail is peeled as in ``_fwd_segment``.
+    """
+    n_full = n // BLOCK_N
+    tail = n - n_full * BLOCK_N
+    k_desc, v_desc = _segment_descs(k_ptr, v_ptr, row0, n, row_stride, col, BLOCK_N, D)
+    row = 0
+    if n_full > 0:
+        s = tl.dot(q, tl.trans(k_desc.load([0, 0])), input_precision=DOT_PRECISION)
+        p, alpha, m_i, l_i = _fwd_stats(m_i, l_i, s, qk_scale, BLOCK_N, BLOCK_N, False)
+        for _ in range(1, n_full):
+            s = tl.dot(q, tl.trans(k_desc.load([row + BLOCK_N, 0])), input_precision=DOT_PRECISION)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(q.dtype), v_desc.load([row, 0]), acc, input_precision=DOT_PRECISION)
+            p, alpha, m_i, l_i = _fwd_stats(m_i, l_i, s, qk_scale, BLOCK_N, BLOCK_N, False)
+            row += BLOCK_N
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(q.dtype), v_desc.load([row, 0]), acc, input_precision=DOT_PRECISION)
+        row += BLOCK_N
+    if tail > 0:
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_desc.load([row, 0]), v_desc.load([row, 0]), qk_scale, tail,
+                                  BLOCK_N, True, DOT_PRECISION)
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -166,22 +247,17 @@ def _fwd_segment(acc, m_i, l_i, q, k_ptr, v_ptr, row0, n, row_stride, col, qk_sc
             v = tl.load(v_bp, boundary_check=(0,), padding_option="zero")
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k, v, qk_scale, tail, BLOCK_N, True, DOT_PRECISION)
     elif LOADS == 1:
-        k_desc = _segment_desc(k_ptr, row0, n, row_stride, col, BLOCK_N, D)
-        v_desc = _segment_desc(v_ptr, row0, n, row_stride, col, BLOCK_N, D)
+        k_desc, v_desc = _segment_descs(k_ptr, v_ptr, row0, n, row_stride, col, BLOCK_N, D)
         row = 0
         for _ in range(0, n_full):
-            k = k_desc.load([row, 0])
-            v = v_desc.load([row, 0])
+            k, v = _load_pair(k_desc, v_desc, row)
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k, v, qk_scale, BLOCK_N, BLOCK_N, False, DOT_PRECISION)
             row += BLOCK_N
         if tail > 0:
-            k = k_desc.load([row, 0])
-            v = v_desc.load([row, 0])
+            k, v = _load_pair(k_desc, v_desc, row)
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k, v, qk_scale, tail, BLOCK_N, True, DOT_PRECISION)
     else:
-        k_ptrs = _row_ptrs(k_ptr, row0, row_stride, col, BLOCK_N, D)
-        v_ptrs = _row_ptrs(v_ptr, row0, row_stride, col, BLOCK_N, D)
-        step = BLOCK_N * row_stride.to(tl.int64)
+        k_ptrs, v_ptrs, step = _segment_ptrs(k_ptr, v_ptr, row0, row_stride, col, BLOCK_N, D)
         for _ in range(0, n_full):
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
@@ -201,28 +277,29 @@ def _attn_fwd_kernel(
     q_txt_ptr, k_txt_ptr, v_txt_ptr, q_img_ptr, k_img_ptr, v_img_ptr, o_txt_ptr, o_img_ptr, lse_ptr, tiles_ptr,
     row_stride, n_heads, qk_scale,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr,
-    RESIDENT_DIRECT: tl.constexpr,
+    RESIDENT_DIRECT: tl.constexpr, AHEAD: tl.constexpr,
 ):
-    """One (query tile, head): O rows and their base-2 LSE. Grid (query tiles, heads)."""
-    tile = tl.program_id(0)
-    h = tl.program_id(1)
-    stream, row0, seg_end, stat0, t_start, nt, i_start, ni, _ = _tile_entry(tiles_ptr, tile)
-    col = h * D
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D)
-    rows = row0 + offs_m
-    row_ok = rows < seg_end
-    offs = rows.to(tl.int64)[:, None] * row_stride + col + offs_d[None, :]
-    txt_ok, img_ok = _stream_masks(row_ok, stream)
+    """One (query tile, head): O rows and their base-2 LSE. Grid (query tiles, heads).
+
+    ``AHEAD`` (config ``fwd_overlap``, see ``_OVERLAP``; TMA loads only): the key loops of
+    :func:`_fwd_segment_ahead` instead of :func:`_fwd_segment` (same arithmetic, same bytes)."""
+    h, col, stream, stat0, t_start, nt, i_start, ni, _, offs_m, row_ok, offs, txt_ok, img_ok = _program_tile(
+        tiles_ptr, row_stride, D, BLOCK_M)
     q = _load_resident(q_txt_ptr, q_img_ptr, offs, row_ok, stream, RESIDENT_DIRECT)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    acc, m_i, l_i = _fwd_segment(acc, m_i, l_i, q, k_txt_ptr, v_txt_ptr, t_start, nt, row_stride, col, qk_scale,
-                                 D, BLOCK_N, DOT_PRECISION, LOADS)
-    acc, m_i, l_i = _fwd_segment(acc, m_i, l_i, q, k_img_ptr, v_img_ptr, i_start, ni, row_stride, col, qk_scale,
-                                 D, BLOCK_N, DOT_PRECISION, LOADS)
+    if AHEAD and LOADS == 1:
+        acc, m_i, l_i = _fwd_segment_ahead(acc, m_i, l_i, q, k_txt_ptr, v_txt_ptr, t_start, nt, row_stride, col,
+                                           qk_scale, D, BLOCK_N, DOT_PRECISION)
+        acc, m_i, l_i = _fwd_segment_ahead(acc, m_i, l_i, q, k_img_ptr, v_img_ptr, i_start, ni, row_stride, col,
+                                           qk_scale, D, BLOCK_N, DOT_PRECISION)
+    else:
+        acc, m_i, l_i = _fwd_segment(acc, m_i, l_i, q, k_txt_ptr, v_txt_ptr, t_start, nt, row_stride, col, qk_scale,
+                                     D, BLOCK_N, DOT_PRECISION, LOADS)
+        acc, m_i, l_i = _fwd_segment(acc, m_i, l_i, q, k_img_ptr, v_img_ptr, i_start, ni, row_stride, col, qk_scale,
+                                     D, BLOCK_N, DOT_PRECISION, LOADS)
 
     o = tl.math.div_rn(acc, l_i[:, None]).to(o_txt_ptr.dtype.element_ty)
     tl.store(o_txt_ptr + offs, o, mask=txt_ok)
@@ -235,14 +312,7 @@ def _attn_fwd_kernel(
 def _bwd_delta_kernel(o_txt_ptr, o_img_ptr, do_txt_ptr, do_img_ptr, delta_ptr, tiles_ptr, row_stride, n_heads,
                       D: tl.constexpr, BLOCK_M: tl.constexpr):
     """Δ = rowsum(dO ∘ O) in FP32 for one (query tile, head); the row sum is tl.sum over d."""
-    tile = tl.program_id(0)
-    h = tl.program_id(1)
-    stream, row0, seg_end, stat0, _, _, _, _, _ = _tile_entry(tiles_ptr, tile)
-    offs_m = tl.arange(0, BLOCK_M)
-    rows = row0 + offs_m
-    row_ok = rows < seg_end
-    offs = rows.to(tl.int64)[:, None] * row_stride + h * D + tl.arange(0, D)[None, :]
-    txt_ok, img_ok = _stream_masks(row_ok, stream)
+    h, _, _, stat0, _, _, _, _, _, offs_m, row_ok, offs, txt_ok, img_ok = _program_tile(tiles_ptr, row_stride, D, BLOCK_M)
     o = tl.where(txt_ok, tl.load(o_txt_ptr + offs, mask=txt_ok, other=0.0), tl.load(o_img_ptr + offs, mask=img_ok, other=0.0)).to(tl.float32)
     do = tl.where(txt_ok, tl.load(do_txt_ptr + offs, mask=txt_ok, other=0.0), tl.load(do_img_ptr + offs, mask=img_ok, other=0.0)).to(tl.float32)
     tl.store(delta_ptr + (stat0 + offs_m).to(tl.int64) * n_heads + h, tl.sum(o * do, 1), mask=row_ok)
@@ -282,12 +352,10 @@ def _dkdv_segment(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, row0, n, stat
     n_full = n // BLOCK_M
     tail = n - n_full * BLOCK_M
     if LOADS == 1:
-        q_desc = _segment_desc(q_ptr, row0, n, row_stride, col, BLOCK_M, D)
-        do_desc = _segment_desc(do_ptr, row0, n, row_stride, col, BLOCK_M, D)
+        q_desc, do_desc = _segment_descs(q_ptr, do_ptr, row0, n, row_stride, col, BLOCK_M, D)
         row = 0
         for _ in range(0, n_full):
-            q = q_desc.load([row, 0])
-            do = do_desc.load([row, 0])
+            q, do = _load_pair(q_desc, do_desc, row)
             lse = tl.load(lse_ptr + stat)
             delta = tl.load(delta_ptr + stat)
             dk, dv = _dkdv_tile(dk, dv, k, v, q, do, lse, delta, qk_scale, DOT_PRECISION)
@@ -299,15 +367,12 @@ def _dkdv_segment(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, row0, n, stat
                 stat += BLOCK_M * n_heads
         if tail > 0:
             ok = offs_m < tail
-            q = q_desc.load([row, 0])
-            do = do_desc.load([row, 0])
+            q, do = _load_pair(q_desc, do_desc, row)
             lse = tl.load(lse_ptr + stat, mask=ok, other=float("inf"))
             delta = tl.load(delta_ptr + stat, mask=ok, other=0.0)
             dk, dv = _dkdv_tile(dk, dv, k, v, q, do, lse, delta, qk_scale, DOT_PRECISION)
     else:
-        q_ptrs = _row_ptrs(q_ptr, row0, row_stride, col, BLOCK_M, D)
-        do_ptrs = _row_ptrs(do_ptr, row0, row_stride, col, BLOCK_M, D)
-        step = BLOCK_M * row_stride.to(tl.int64)
+        q_ptrs, do_ptrs, step = _segment_ptrs(q_ptr, do_ptr, row0, row_stride, col, BLOCK_M, D)
         for _ in range(0, n_full):
             q = tl.load(q_ptrs)
             do = tl.load(do_ptrs)
@@ -340,14 +405,8 @@ def _attn_bwd_dkdv_kernel(
     RESIDENT_DIRECT: tl.constexpr, STAT_BASE: tl.constexpr,
 ):
     """One (key tile, head): dK and dV over the sample's query tiles (text, then image). Grid (key tiles, heads)."""
-    tile = tl.program_id(0)
-    h = tl.program_id(1)
-    stream, row0, seg_end, _, t_start, nt, i_start, ni, i_stat0 = _tile_entry(tiles_ptr, tile)
-    col = h * D
-    rows = row0 + tl.arange(0, BLOCK_N)
-    row_ok = rows < seg_end
-    offs = rows.to(tl.int64)[:, None] * row_stride + col + tl.arange(0, D)[None, :]
-    txt_ok, img_ok = _stream_masks(row_ok, stream)
+    h, col, stream, _, t_start, nt, i_start, ni, i_stat0, _, row_ok, offs, txt_ok, img_ok = _program_tile(
+        tiles_ptr, row_stride, D, BLOCK_N)
     k = _load_resident(k_txt_ptr, k_img_ptr, offs, row_ok, stream, RESIDENT_DIRECT)
     v = _load_resident(v_txt_ptr, v_img_ptr, offs, row_ok, stream, RESIDENT_DIRECT)
     dk = tl.zeros([BLOCK_N, D], tl.float32)
@@ -387,22 +446,17 @@ def _dq_segment(dq, q, do, lse, delta, k_ptr, v_ptr, row0, n, row_stride, col, q
     n_full = n // BLOCK_N
     tail = n - n_full * BLOCK_N
     if LOADS == 1:
-        k_desc = _segment_desc(k_ptr, row0, n, row_stride, col, BLOCK_N, D)
-        v_desc = _segment_desc(v_ptr, row0, n, row_stride, col, BLOCK_N, D)
+        k_desc, v_desc = _segment_descs(k_ptr, v_ptr, row0, n, row_stride, col, BLOCK_N, D)
         row = 0
         for _ in range(0, n_full):
-            k = k_desc.load([row, 0])
-            v = v_desc.load([row, 0])
+            k, v = _load_pair(k_desc, v_desc, row)
             dq = _dq_tile(dq, q, do, k, v, lse, delta, qk_scale, BLOCK_N, BLOCK_N, False, DOT_PRECISION)
             row += BLOCK_N
         if tail > 0:
-            k = k_desc.load([row, 0])
-            v = v_desc.load([row, 0])
+            k, v = _load_pair(k_desc, v_desc, row)
             dq = _dq_tile(dq, q, do, k, v, lse, delta, qk_scale, tail, BLOCK_N, True, DOT_PRECISION)
     else:
-        k_ptrs = _row_ptrs(k_ptr, row0, row_stride, col, BLOCK_N, D)
-        v_ptrs = _row_ptrs(v_ptr, row0, row_stride, col, BLOCK_N, D)
-        step = BLOCK_N * row_stride.to(tl.int64)
+        k_ptrs, v_ptrs, step = _segment_ptrs(k_ptr, v_ptr, row0, row_stride, col, BLOCK_N, D)
         for _ in range(0, n_full):
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
@@ -426,15 +480,8 @@ def _attn_bwd_dq_kernel(
     RESIDENT_DIRECT: tl.constexpr,
 ):
     """One (query tile, head): dQ over the sample's key tiles in the forward's order. Grid (query tiles, heads)."""
-    tile = tl.program_id(0)
-    h = tl.program_id(1)
-    stream, row0, seg_end, stat0, t_start, nt, i_start, ni, _ = _tile_entry(tiles_ptr, tile)
-    col = h * D
-    offs_m = tl.arange(0, BLOCK_M)
-    rows = row0 + offs_m
-    row_ok = rows < seg_end
-    offs = rows.to(tl.int64)[:, None] * row_stride + col + tl.arange(0, D)[None, :]
-    txt_ok, img_ok = _stream_masks(row_ok, stream)
+    h, col, stream, stat0, t_start, nt, i_start, ni, _, offs_m, row_ok, offs, txt_ok, img_ok = _program_tile(
+        tiles_ptr, row_stride, D, BLOCK_M)
     q = _load_resident(q_txt_ptr, q_img_ptr, offs, row_ok, stream, RESIDENT_DIRECT)
     do = _load_resident(do_txt_ptr, do_img_ptr, offs, row_ok, stream, RESIDENT_DIRECT)
     stat = (stat0 + offs_m).to(tl.int64) * n_heads + h
@@ -488,6 +535,10 @@ _RESIDENT = {"select": False, "direct": True}
 # Addressing of the LSE/Δ entries in the dK/dV kernel's query loop (config key "stat_loads", default "tensor"):
 # STAT_BASE of _dkdv_segment. The same entries are read, so the same bytes.
 _STAT = {"tensor": False, "base": True}
+# Issue order of the forward's key loop (config key "fwd_overlap", default "off"; TMA forward loads only, other load
+# paths ignore it): AHEAD of _attn_fwd_kernel. "pv_async" leaves each tile's P V running under the next tile's
+# softmax (_fwd_segment_ahead). Same operations on the same values in the same order per tile, so the same bytes.
+_OVERLAP = {"off": False, "pv_async": True}
 _DOT_PRECISION = "ieee"
 
 
@@ -661,7 +712,8 @@ def attention_fwd(q_txt, k_txt, v_txt, q_img, k_img, v_img, tseq, iseq, cfg: dic
             q_txt, k_txt, v_txt, q_img, k_img, v_img, o_txt, o_img, lse, table,
             heads * d, heads, qk_scale,
             D=d, BLOCK_M=bm, BLOCK_N=bn, DOT_PRECISION=_DOT_PRECISION, LOADS=loads,
-            RESIDENT_DIRECT=_resident_direct(cfg), **_launch_opts(warps, stages))
+            RESIDENT_DIRECT=_resident_direct(cfg), AHEAD=_option(cfg, "fwd_overlap", _OVERLAP, "off"),
+            **_launch_opts(warps, stages))
     return o_txt, o_img, lse
 
 
