@@ -58,7 +58,7 @@ class Variant:
     """Launch settings the bench runs beside the library's defaults.
 
     ``ln`` / ``qk``: the name of a ``norms.LnLaunch`` / ``rope.QkBwdLaunch`` of those modules (``None``: the
-    library's default, ``LN_DEFAULT`` / ``QK_BWD_DEFAULT``); ``ops``:
+    library's per-dtype defaults, ``LN_DEFAULTS`` / ``QK_BWD_DEFAULTS``); ``ops``:
     the operators whose launches it changes (``None``: all); ``may_differ``: tensors whose bytes it may
     change against the default (none: launch settings never change bytes)."""
 
@@ -87,9 +87,11 @@ def variant(name: str) -> Iterator[Variant]:
     if name not in VARIANTS:
         raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {name!r}")
     v = VARIANTS[name]
-    qk = getattr(R, v.qk) if v.qk else R.QK_BWD_DEFAULT
-    ln = getattr(N, v.ln) if v.ln else N.LN_DEFAULT
-    with R.qk_bwd_launch(qk), N.ln_launch(ln):
+    with contextlib.ExitStack() as stack:
+        if v.qk:
+            stack.enter_context(R.qk_bwd_launch(getattr(R, v.qk)))
+        if v.ln:
+            stack.enter_context(N.ln_launch(getattr(N, v.ln)))
         yield v
 
 

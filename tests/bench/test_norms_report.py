@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from mmdit_strict.bench import norms
 
 
@@ -46,14 +48,18 @@ def test_norms_variants_name_the_library_settings() -> None:
     from mmdit_strict.kernels.triton import norms as N
     from mmdit_strict.kernels.triton import rope as R
 
-    defaults = (R.QK_BWD_DEFAULT, N.LN_DEFAULT)
+    def current(dt):
+        return R.current_qk_bwd_launch(dt, 24), N.current_ln_launch(dt)
+
     assert norms.VARIANTS["default"] == norms.Variant()
-    for name, v in norms.VARIANTS.items():
-        want = (getattr(R, v.qk) if v.qk else defaults[0], getattr(N, v.ln) if v.ln else defaults[1])
-        assert want[0] in R.QK_BWD_CANDIDATES and want[1] in N.LN_CANDIDATES, name
-        with norms.variant(name):
-            assert (R.current_qk_bwd_launch(), N.current_ln_launch()) == want, name
-    assert (R.current_qk_bwd_launch(), N.current_ln_launch()) == defaults
+    for dt in (torch.bfloat16, torch.float32):
+        defaults = (R.QK_BWD_DEFAULTS[dt, False], N.LN_DEFAULTS[dt])
+        for name, v in norms.VARIANTS.items():
+            want = (getattr(R, v.qk) if v.qk else defaults[0], getattr(N, v.ln) if v.ln else defaults[1])
+            assert want[0] in R.QK_BWD_CANDIDATES and want[1] in N.LN_CANDIDATES, name
+            with norms.variant(name):
+                assert current(dt) == want, name
+        assert current(dt) == defaults
 
 
 def test_norms_report_renders_tune() -> None:

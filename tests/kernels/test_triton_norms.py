@@ -352,18 +352,19 @@ def test_ln_launch_batch_invariance_interpreter():
 
 
 def test_ln_launch_is_checked_and_restored():
-    assert N.current_ln_launch() == N.LN_DEFAULT and N.LN_DEFAULT in N.LN_CANDIDATES and N.LN_REFERENCE in N.LN_CANDIDATES
+    defaults = {dt: N.current_ln_launch(dt) for dt in (torch.bfloat16, torch.float32)}
+    assert defaults == N.LN_DEFAULTS and set(defaults.values()) <= set(N.LN_CANDIDATES) and N.LN_REFERENCE in N.LN_CANDIDATES
     with N.ln_launch(N.LN_REFERENCE):
-        assert N.current_ln_launch() == N.LN_REFERENCE
-    assert N.current_ln_launch() == N.LN_DEFAULT
+        assert N.current_ln_launch(torch.bfloat16) == N.current_ln_launch(torch.float32) == N.LN_REFERENCE
+    assert N.current_ln_launch(torch.bfloat16) == N.LN_DEFAULTS[torch.bfloat16]
     for bad in (N.LnLaunch(fwd_rows=0), N.LnLaunch(fwd_ahead=2), N.LnLaunch(bwd_ahead=3), "one_row"):
         with pytest.raises(ValueError, match="LnLaunch"), N.ln_launch(bad):
             pass
-    assert N.current_ln_launch() == N.LN_DEFAULT
+    assert N.current_ln_launch(torch.float32) == N.LN_DEFAULTS[torch.float32]
     from mmdit_strict.kernels.registry import implementations
 
     (impl,) = [i for i in implementations("adaln_modulation") if i.backend == "triton"]
-    assert impl.config["ln_fwd_rows_per_program"] == N.LN_DEFAULT.fwd_rows and impl.variant is None
+    assert impl.config["ln_launch"]["bfloat16"] == N.LN_DEFAULTS[torch.bfloat16].label() and impl.variant is None
 
 
 def test_registered_for_cuda_strict_fp32_and_bf16():

@@ -333,13 +333,15 @@ def test_bwd_launch_batch_invariance_interpreter():
 
 
 def test_bwd_launch_is_checked_and_restored():
-    assert R.current_qk_bwd_launch() == R.QK_BWD_DEFAULT and R.QK_BWD_DEFAULT in R.QK_BWD_CANDIDATES
+    keys = [(dt, one) for dt in (torch.bfloat16, torch.float32) for one in (False, True)]
+    defaults = {(dt, one): R.current_qk_bwd_launch(dt, 1 if one else 24) for dt, one in keys}
+    assert defaults == R.QK_BWD_DEFAULTS and set(defaults.values()) <= set(R.QK_BWD_CANDIDATES)
     with R.qk_bwd_launch(R.QK_BWD_REFERENCE):
-        assert R.current_qk_bwd_launch() == R.QK_BWD_REFERENCE
+        assert R.current_qk_bwd_launch(torch.bfloat16, 24) == R.current_qk_bwd_launch(torch.float32, 1) == R.QK_BWD_REFERENCE
     for bad in (R.QkBwdLaunch(0), R.QkBwdLaunch(4), "chunk_heads"):
         with pytest.raises(ValueError, match="QkBwdLaunch"), R.qk_bwd_launch(bad):
             pass
-    assert R.current_qk_bwd_launch() == R.QK_BWD_DEFAULT
+    assert {(dt, one): R.current_qk_bwd_launch(dt, 1 if one else 24) for dt, one in keys} == R.QK_BWD_DEFAULTS
 
 
 def test_layout_identity_and_trace():

@@ -77,27 +77,38 @@ class LnLaunch:
 # The kernels as the H200 measured them at 6ab3b56 (4-row forward programs, no read-ahead): the reference
 # the GPU tests and the bench compare every launch with, byte for byte.
 LN_REFERENCE = LnLaunch(fwd_rows=4, fwd_ahead=0)
-# The default (see docs/operators.md for the measurement that chose it).
-LN_DEFAULT = LnLaunch(fwd_rows=4, fwd_ahead=1, fwd_maxnreg=80, bwd_ahead=0)
-# What the bench's "tune" section and the GPU byte test run: the reference, the default and these.
+# The defaults, per execution dtype (not per row count), picked from the H200 sweep at c893898
+# (experiments/norms/c893898: every candidate byte-equal to the reference). Forward, both dtypes: 4-row
+# programs, one row read ahead, at most 80 registers (three programs per SM): 4096 / 6889 rows
+# 0.0240 -> 0.0197 / 0.0387 -> 0.0314 ms bf16, fp32 0.0335 -> 0.0294. Backward: bf16 one row ahead capped
+# at 128 registers (two programs per SM, 16 B spilled): 0.0415 -> 0.032 / 0.0764 -> 0.0585 ms; fp32 no
+# read-ahead (123 registers, two per SM without a cap; the capped read-ahead spills 80 B): 0.0586 -> 0.0525.
+LN_DEFAULTS = {
+    torch.bfloat16: LnLaunch(fwd_rows=4, fwd_ahead=1, fwd_maxnreg=80, bwd_ahead=1, bwd_maxnreg=128),
+    torch.float32: LnLaunch(fwd_rows=4, fwd_ahead=1, fwd_maxnreg=80, bwd_ahead=0),
+}
+# What the bench's "tune" section and the GPU byte test run: the reference, the defaults and these (the
+# list the H200 swept at c893898, plus the bf16 default, whose forward and backward settings it measured
+# in separate candidates).
 LN_CANDIDATES = tuple(dict.fromkeys([
-    LN_REFERENCE, LN_DEFAULT,
+    LN_REFERENCE, *LN_DEFAULTS.values(), LnLaunch(fwd_rows=4, fwd_ahead=1, fwd_maxnreg=80, bwd_ahead=0),
     *(LnLaunch(fwd_rows=r, fwd_ahead=a, fwd_maxnreg=m, bwd_ahead=ba, bwd_maxnreg=bm)
       for r, a, m, ba, bm in ((4, 1, None, 1, None), (1, 0, None, 0, None), (1, 1, None, 1, 128), (8, 1, None, 0, None),
                               (2, 1, 80, 0, None), (1, 0, 64, 0, None), (8, 0, 64, 1, 128))),
 ]))
-_LN_LAUNCH = [LN_DEFAULT]
+_LN_LAUNCH: list[LnLaunch] = []  # overrides (ln_launch), innermost last
 
 
-def current_ln_launch() -> LnLaunch:
-    """The LayerNorm launch settings in force (the innermost :func:`ln_launch`, else :data:`LN_DEFAULT`)."""
-    return _LN_LAUNCH[-1]
+def current_ln_launch(dtype: torch.dtype) -> LnLaunch:
+    """The LayerNorm launch settings in force for ``dtype`` (the innermost :func:`ln_launch`, else
+    :data:`LN_DEFAULTS`)."""
+    return _LN_LAUNCH[-1] if _LN_LAUNCH else LN_DEFAULTS[dtype]
 
 
 @contextlib.contextmanager
 def ln_launch(launch: LnLaunch) -> Iterator[None]:
-    """Launch the LayerNorm kernels with ``launch`` inside the block (bench and tests; process-wide, so a
-    backward that autograd runs on another thread sees it too)."""
+    """Launch the LayerNorm kernels with ``launch`` inside the block, whatever the dtype (bench and tests;
+    process-wide, so a backward that autograd runs on another thread sees it too)."""
     if not isinstance(launch, LnLaunch) or launch.fwd_rows < 1 or {launch.fwd_ahead, launch.bwd_ahead} - {0, 1}:
         raise ValueError(f"expected an LnLaunch with fwd_rows >= 1 and fwd_ahead / bwd_ahead 0 or 1, got {launch!r}")
     _LN_LAUNCH.append(launch)
@@ -352,7 +363,7 @@ def adaln_modulation_fwd(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tens
                          store_stats: bool, launch: LnLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """x (M, D), shift/scale (B, D) → (y (M, D) x's dtype, mean (M,) fp32 | None, rstd (M,) fp32 | None).
     ``launch`` defaults to the one in force (:func:`ln_launch`)."""
-    launch = launch or current_ln_launch()
+    launch = launch or current_ln_launch(x.dtype)
     m, d = x.shape
     y = torch.empty_like(x)
     mean = torch.empty((m,), dtype=torch.float32, device=x.device) if store_stats else None
@@ -374,7 +385,7 @@ def adaln_modulation_bwd(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor,
                          launch: LnLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Returns (dx (M, D), d_shift (B, D) | None, d_scale (B, D) | None), all in x's dtype; ``launch`` as in
     :func:`adaln_modulation_fwd`."""
-    launch = launch or current_ln_launch()
+    launch = launch or current_ln_launch(x.dtype)
     m, d = x.shape
     dx = torch.empty_like(x)
     ch = seg.chunks(seqlens, x.device)
@@ -531,8 +542,7 @@ def txt_in_rmsnorm_linear(x: torch.Tensor, gain: torch.Tensor, weight: torch.Ten
 _TREE = (f"per sample: rows chained in {seg.CHUNK_ROWS}-row chunks from the sample's first row, chunk partials "
          f"summed {seg.FOLD_TILE} per tl.sum tile, tiles chained; FP32")
 _LN = "row: tl.sum over D (fixed for the compiled kernel; warps from D only), div_rn/sqrt_rn"
-_CONFIG = {"ln_fwd_rows_per_program": LN_DEFAULT.fwd_rows, "ln_fwd_read_ahead": LN_DEFAULT.fwd_ahead,
-           "ln_bwd_read_ahead": LN_DEFAULT.bwd_ahead, "ln_maxnreg": f"fwd {LN_DEFAULT.fwd_maxnreg}, bwd {LN_DEFAULT.bwd_maxnreg}",
+_CONFIG = {"ln_launch": {str(dt).replace("torch.", ""): launch.label() for dt, launch in LN_DEFAULTS.items()},
            "gate_fwd_rows_per_program": FWD_ROWS, "chunk_rows": seg.CHUNK_ROWS, "fold_tile": seg.FOLD_TILE,
            "warps": "4 if pow2(D) <= 1024, 8 if <= 4096, else 16", "fp_fusion": False}
 _SOURCE = sys.modules[__name__]

@@ -108,20 +108,29 @@ class QkBwdLaunch:
 
 
 QK_BWD_REFERENCE = QkBwdLaunch(ahead=3)  # as measured at 6ab3b56
-QK_BWD_DEFAULT = QkBwdLaunch(ahead=1)
-QK_BWD_CANDIDATES = tuple(dict.fromkeys([QK_BWD_REFERENCE, QK_BWD_DEFAULT, QkBwdLaunch(1), QkBwdLaunch(2),
+# The defaults, per execution dtype and whether the tile holds one head (never per token count), picked from
+# the H200 sweep at c893898 (experiments/norms/c893898; every candidate byte-equal to the reference): one token
+# ahead (bf16: 127 registers, two programs per SM) — 24 × 128 bf16 0.0479 -> 0.0340 ms (4096 tokens),
+# 0.0886 -> 0.0618 (6889); fp32 24 × 128 also capped at 128 registers (24 B spilled; two programs per SM):
+# 0.0684 -> 0.0592. The one head of 3584 (txt_in's RMSNorm) in fp32 runs uncapped (0.0199 -> 0.0184 ms; the
+# cap spills 88 B there and took 0.0238).
+QK_BWD_DEFAULTS = {(torch.bfloat16, False): QkBwdLaunch(ahead=1), (torch.bfloat16, True): QkBwdLaunch(ahead=1),
+                   (torch.float32, False): QkBwdLaunch(ahead=1, maxnreg=128), (torch.float32, True): QkBwdLaunch(ahead=1)}
+QK_BWD_CANDIDATES = tuple(dict.fromkeys([QK_BWD_REFERENCE, *QK_BWD_DEFAULTS.values(), QkBwdLaunch(1), QkBwdLaunch(2),
                                          QkBwdLaunch(1, 128)]))
-_QK_BWD_LAUNCH = [QK_BWD_DEFAULT]
+_QK_BWD_LAUNCH: list[QkBwdLaunch] = []  # overrides (qk_bwd_launch), innermost last
 
 
-def current_qk_bwd_launch() -> QkBwdLaunch:
-    """The QK backward launch in force (the innermost :func:`qk_bwd_launch`, else :data:`QK_BWD_DEFAULT`)."""
-    return _QK_BWD_LAUNCH[-1]
+def current_qk_bwd_launch(dtype: torch.dtype, heads: int) -> QkBwdLaunch:
+    """The QK backward launch in force for ``dtype`` and ``heads`` per token (the innermost
+    :func:`qk_bwd_launch`, else :data:`QK_BWD_DEFAULTS`, keyed by the dtype and whether ``heads == 1``)."""
+    return _QK_BWD_LAUNCH[-1] if _QK_BWD_LAUNCH else QK_BWD_DEFAULTS[dtype, heads == 1]
 
 
 @contextlib.contextmanager
 def qk_bwd_launch(launch: QkBwdLaunch) -> Iterator[None]:
-    """Launch the contiguous QK backward with ``launch`` inside the block (bench and tests; process-wide)."""
+    """Launch the contiguous QK backward with ``launch`` inside the block, whatever the dtype (bench and
+    tests; process-wide)."""
     if not isinstance(launch, QkBwdLaunch) or launch.ahead not in (1, 2, 3):
         raise ValueError(f"expected a QkBwdLaunch with ahead 1, 2 or 3, got {launch!r}")
     _QK_BWD_LAUNCH.append(launch)
@@ -533,7 +542,7 @@ def qk_norm_bwd(dy: torch.Tensor, x: torch.Tensor, gain: torch.Tensor, rstd: tor
     (:func:`qk_layout`), ``launch`` (contiguous layout only) to :func:`qk_bwd_launch`'s."""
     m, h, d = x.shape
     layout = layout or _LAYOUT.current()
-    launch = launch or current_qk_bwd_launch()
+    launch = launch or current_qk_bwd_launch(x.dtype, h)
     dx = torch.empty_like(x)
     ch = seg.chunks(seqlens, x.device)
     part = torch.empty((ch.n, d), dtype=torch.float32, device=x.device) if need_gain else None
@@ -662,14 +671,15 @@ def rms_norm_rows(x: torch.Tensor, gain: torch.Tensor, *, seqlens: tuple[int, ..
 
 _SOURCE = sys.modules[__name__]
 _DT = frozenset(_DTYPES)
-_CONFIG = {"programs": ("one token per forward program; backward chunks of segments.CHUNK_ROWS tokens, "
-                        f"{QK_BWD_DEFAULT.ahead} token(s) read ahead, maxnreg {QK_BWD_DEFAULT.maxnreg}"),
+_CONFIG = {"programs": "one token per forward program; backward chunks of segments.CHUNK_ROWS tokens",
            "tiles": "(pow2(H), pow2(d)) contiguous heads; rotation pairs by reshape + split/join in registers",
            "warps": "from pow2(H)·pow2(d) only", "fp_fusion": False,
            "flags": "norm / rope / rstd / d_gain are runtime arguments (do_not_specialize): one binary per dtype and head shape",
            "chunk_rows": seg.CHUNK_ROWS, "fold_tile": seg.FOLD_TILE,
            "qk_layout": "contiguous (the earlier 'pairs' layout runs only inside rope.qk_layout('pairs'))",
-           "qk_bwd": f"chunk_heads ({QK_BWD_DEFAULT.label()})"}
+           "qk_bwd": "chunk_heads",
+           "qk_bwd_launch": {f"{str(dt).replace('torch.', '')}{', one head' if one else ''}": launch.label()
+                             for (dt, one), launch in QK_BWD_DEFAULTS.items()}}
 _FOLD = (f"chunk partials summed {seg.FOLD_TILE} per tl.sum tile, tiles chained, samples folded left in order; FP32")
 _CHUNKS = f"in {seg.CHUNK_ROWS}-token chunks from the sample's first token"
 # layout → (backward variant, the kernels that run, their trees): the registry identity of each layout
