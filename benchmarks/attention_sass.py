@@ -10,7 +10,9 @@ and its ``cuobjdump`` reads the resource usage and the SASS. Each ``--override``
 the bench's (24 heads × 128, 77 text + 6889 image tokens); the tile table is a dummy (the kernels read it
 at run time only).
 
-Per kernel and configuration one row: registers, stack bytes (spill space), and counts of the SASS
+Per kernel and configuration one row: registers, stack bytes (spill space), shared memory (Triton's
+``metadata.shared``; a kernel over the H200's 227 KiB per block is flagged: it compiles, but its first launch
+raises OutOfResources, as the 3-stage ``pv_async`` forward did at 5656ade), and counts of the SASS
 instructions that tell where time goes without a GPU: local stores/loads (spills), ``LDSM`` (shared →
 registers, e.g. a tensor-core operand reloaded every iteration), ``HGMMA`` (wgmma), ``WARPGROUP``
 (wgmma fences and waits), 128-bit global loads, cp.async and TMA copies. ``--sass-dir`` also writes
@@ -56,6 +58,7 @@ def _compile_all(A, torch, triton_dir: Path, override: dict, sass_dir: Path | No
             loops = _loop_bodies(b.sass)
             body = max(loops, key=len) if loops else []
             rows.append({"config": tag, "kernel": name, "tiles": tiles, "regs": b.regs, "stack": b.stack,
+                         "smem": int(b.kernel.metadata.shared),
                          **_counts(b.sass), "loop": {"instructions": len(body), **count_ops(body, COUNTED)}})
 
         return on_build
@@ -83,6 +86,14 @@ def _compile_all(A, torch, triton_dir: Path, override: dict, sass_dir: Path | No
     return rows
 
 
+SMEM_LIMIT = 232448  # bytes of shared memory one block may use on the H200 (sm_90: 227 KiB)
+
+
+def over(smem: int) -> str:
+    """A flag for a kernel that would not launch on the H200 (Triton raises OutOfResources at the first launch)."""
+    return " (over the 227 KiB limit)" if smem > SMEM_LIMIT else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--triton", required=True, help="an unpacked Triton 3.6 wheel (the directory holding triton/)")
@@ -100,14 +111,14 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [("frozen", {})] + [(o, _parse_override(o, "--override")) for o in args.override]
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     print(f"Triton {triton.__version__} from {triton_dir}, sm_90; {args.dtype} d=128, 24 heads, 77 + 6889 tokens")
-    print("| config | kernel | (BM, BN) | regs | stack B | " + " | ".join(COUNTED) + " |")
-    print("|---|---|---|---|---|" + "---|" * len(COUNTED))
+    print("| config | kernel | (BM, BN) | regs | stack B | smem B | " + " | ".join(COUNTED) + " |")
+    print("|---|---|---|---|---|---|" + "---|" * len(COUNTED))
     rows = []
     for n, (tag, override) in enumerate(overrides):
         label = "frozen" if not override else json.dumps(json.loads(tag), separators=(",", ":"))
         for r in _compile_all(A, torch, triton_dir, override, Path(args.sass_dir) if args.sass_dir else None, f"cfg{n}", dtype):
             rows.append((label, r))
-            print(f"| {label} | {r['kernel']} | {r['tiles']} | {r['regs']} | {r['stack']} | "
+            print(f"| {label} | {r['kernel']} | {r['tiles']} | {r['regs']} | {r['stack']} | {r['smem']}{over(r['smem'])} | "
                   + " | ".join(str(r[c]) for c in COUNTED) + " |")
     print("\nOne iteration of the longest per-tile loop (the image segment's full tiles):\n")
     print("| config | kernel | instructions | " + " | ".join(COUNTED) + " |")
