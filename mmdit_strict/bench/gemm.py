@@ -408,53 +408,49 @@ def _layout_row(r: dict) -> str:
                   f"{r['regs_spills'][0]} / {r['regs_spills'][1]}", f"{r['weight_copy_bytes'] / 2**20:.1f}")
 
 
+def _class_row(c: tuple) -> str:
+    nm, n, k, b, p, ep, ms = c
+    return md.row(nm, f"{n}×{k}", b, p, ep, ", ".join(map(str, ms)))
+
+
 def _md(report) -> str:
     e = report["env"]
     lines = ["# Strict GEMM engine — H200 qualification report", "",
              environment_line(e, f"TF32 {e.get('tf32')}"), ""]
-    if report.get("model_layers"):
-        lines += md.section("GEMM classes read from the model's strict forward",
-                            ("class", "N×K", "bias", "prologue", "epilogue", "rows seen"),
-                            [md.row(nm, f"{n}×{k}", b, p, ep, ", ".join(map(str, ms)))
-                             for nm, n, k, b, p, ep, ms in report["model_layers"]])
-    acc = report.get("accuracy", [])
-    if acc:
-        lines += md.section(
-            f"Accuracy vs FP64 CPU reference ({sum(a['pass'] for a in acc)}/{len(acc)} pass)",
-            ("layer", "dtype", "seqlens", "LoRA r", "check", "max abs", "max\\|ref\\|", "kernel max abs / max\\|ref\\|",
-             "torch max abs", "kernel rel-fro", "torch rel-fro", "pass", "torch pass", "≤2×torch"),
-            [_accuracy_row(a) for a in acc],
-            ["Rule (tolerances.yaml `gemm.<check>.<dtype>`): `|kernel−ref| ≤ rtol·|ref| + atol_max·max|ref|` elementwise. "
-             "Informational: torch (cuBLAS TF32-off + eager epilogue, same dtype) under the same rule, and flash-attention's "
-             "`max|kernel−ref| ≤ 2·max|torch−ref| + 1e-6·max|ref|`."])
-    inv = report.get("invariance", [])
-    if inv:
-        lines += md.section(
-            f"Raw-byte batch invariance ({sum(a['pass'] for a in inv)}/{len(inv)} pass)",
-            ("layer", "dtype", "LoRA r", "checked", "pass", "failures"),
-            [md.row(a["layer"], a["dtype"], a["lora_r"], a["checked"], "PASS" if a["pass"] else "FAIL", ", ".join(a["failures"][:4]))
-             for a in inv],
-            [f"M ∈ {list(INVARIANCE_M)}, rows at batch start / end / offset 37 vs the M=8448 run (torch.equal); "
-             "dW/db: one call over seqlens (4096,127,1000,1,3200) vs 3 micro-batches folded through FP32 buffers."])
-    sp = report.get("speed", [])
-    if sp:
-        lines += md.section(
-            "Speed vs cuBLAS (ratio = cuBLAS time / ours, >1 is faster)",
-            ("layer", "kind", "dtype", "M", "ours ms", "cuBLAS ms", "ours TFLOP/s", "cuBLAS TFLOP/s", "ratio",
-             "ours graph ms", "cuBLAS graph ms", "graph ratio"),
-            [_speed_row(s) for s in sp],
-            ["`do_bench` medians include the host's launch cost (the engine launches from Python); the "
-             "graph columns replay one CUDA graph, i.e. GPU time only (— where capture was not possible)."])
-    lay = report.get("layouts", [])
-    if lay:
-        lines += md.section(
-            "Weight read: Wᵀ copy (kn) vs W in place (nk, nk+tma), forward",
-            ("layer", "dtype", "M", "N×K", "variant", "config", "ms", "cuBLAS ms", "vs kn", "vs cuBLAS", "bytes",
-             "regs/spills", "Wᵀ copy MiB"),
-            [_layout_row(r) for r in lay],
-            ["Each class's configuration with only the weight read changed; times are CUDA-graph medians where "
-             "capture worked (`do_bench` otherwise); speed ratios are kn (or cuBLAS) time / this time, >1 is faster; "
-             "bytes: this output vs the kn output with torch.equal; the Wᵀ copy is the memory the kn read adds per weight."])
+    lines += md.rows_section(
+        report.get("model_layers"), "GEMM classes read from the model's strict forward",
+        ("class", "N×K", "bias", "prologue", "epilogue", "rows seen"),
+        _class_row)
+    lines += md.rows_section(
+        report.get("accuracy"), lambda acc: f"Accuracy vs FP64 CPU reference ({md.passed(acc)})",
+        ("layer", "dtype", "seqlens", "LoRA r", "check", "max abs", "max\\|ref\\|", "kernel max abs / max\\|ref\\|",
+         "torch max abs", "kernel rel-fro", "torch rel-fro", "pass", "torch pass", "≤2×torch"),
+        _accuracy_row,
+        ["Rule (tolerances.yaml `gemm.<check>.<dtype>`): `|kernel−ref| ≤ rtol·|ref| + atol_max·max|ref|` elementwise. "
+         "Informational: torch (cuBLAS TF32-off + eager epilogue, same dtype) under the same rule, and flash-attention's "
+         "`max|kernel−ref| ≤ 2·max|torch−ref| + 1e-6·max|ref|`."])
+    lines += md.rows_section(
+        report.get("invariance"), lambda inv: f"Raw-byte batch invariance ({md.passed(inv)})",
+        ("layer", "dtype", "LoRA r", "checked", "pass", "failures"),
+        lambda a: md.row(a["layer"], a["dtype"], a["lora_r"], a["checked"], "PASS" if a["pass"] else "FAIL",
+                         ", ".join(a["failures"][:4])),
+        [f"M ∈ {list(INVARIANCE_M)}, rows at batch start / end / offset 37 vs the M=8448 run (torch.equal); "
+         "dW/db: one call over seqlens (4096,127,1000,1,3200) vs 3 micro-batches folded through FP32 buffers."])
+    lines += md.rows_section(
+        report.get("speed"), "Speed vs cuBLAS (ratio = cuBLAS time / ours, >1 is faster)",
+        ("layer", "kind", "dtype", "M", "ours ms", "cuBLAS ms", "ours TFLOP/s", "cuBLAS TFLOP/s", "ratio",
+         "ours graph ms", "cuBLAS graph ms", "graph ratio"),
+        _speed_row,
+        ["`do_bench` medians include the host's launch cost (the engine launches from Python); the "
+         "graph columns replay one CUDA graph, i.e. GPU time only (— where capture was not possible)."])
+    lines += md.rows_section(
+        report.get("layouts"), "Weight read: Wᵀ copy (kn) vs W in place (nk, nk+tma), forward",
+        ("layer", "dtype", "M", "N×K", "variant", "config", "ms", "cuBLAS ms", "vs kn", "vs cuBLAS", "bytes",
+         "regs/spills", "Wᵀ copy MiB"),
+        _layout_row,
+        ["Each class's configuration with only the weight read changed; times are CUDA-graph medians where "
+         "capture worked (`do_bench` otherwise); speed ratios are kn (or cuBLAS) time / this time, >1 is faster; "
+         "bytes: this output vs the kn output with torch.equal; the Wᵀ copy is the memory the kn read adds per weight."])
     return "\n".join(lines + md_footer(report)) + "\n"
 
 

@@ -15,7 +15,7 @@ report lays a section out the same way::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 
@@ -31,6 +31,21 @@ def section(title: str, columns: Sequence[str], rows: Iterable[str], notes: Sequ
     for note in notes:
         lines += [note, ""]
     return [*lines, row(*columns), "|" + "---|" * len(columns), *rows, ""]
+
+
+def rows_section(rows: Sequence[Any] | None, title: str | Callable[[Sequence[Any]], str], columns: Sequence[str],
+                 cells: Callable[[Any], str], notes: Sequence[str] = ()) -> list[str]:
+    """The :func:`section` of one of a report's row lists: ``cells`` turns each row into its table line;
+    ``title`` is a string or a function of the rows (for a count in the heading, see :func:`passed`).
+    No lines where ``rows`` is empty or None: a report without that section renders without it."""
+    if not rows:
+        return []
+    return section(title(rows) if callable(title) else title, columns, [cells(r) for r in rows], notes)
+
+
+def passed(rows: Sequence[dict], key: str = "pass") -> str:
+    """``"<k>/<n> pass"``: how many of the ``n`` rows have a true ``key``."""
+    return f"{sum(r[key] for r in rows)}/{len(rows)} pass"
 
 
 def errors_and_wall_time(report: dict) -> list[str]:

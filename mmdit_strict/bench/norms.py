@@ -652,60 +652,56 @@ def _variant_row(v: dict) -> str:
                   "PASS" if v["pass"] else "FAIL")
 
 
+def _tune_row(t: dict) -> str:
+    return md.row(t["kernel"], t["dtype"], t["rows"], t["launch"] + (" (reference)" if t["reference"] else ""),
+                  _f(t.get("ms"), ".4f"),
+                  f"{t['gbps']:.0f} ({t['copy_gbps']:.0f}, {t['fraction']:.2f})" if "gbps" in t else "—",
+                  "yes" if t["equal_reference"] else "NO")
+
+
 def render(report: dict) -> str:
     e = report["env"]
     lines = ["# Strict row operators — GPU qualification report", "",
              environment_line(e, f"QK layout {e.get('qk_layout', 'pairs')}; kernel variants {', '.join(e.get('variants', ['default']))}"), ""]
-    acc = report.get("accuracy", [])
-    if acc:
-        lines += md.section(
-            f"Accuracy vs the FP64 CPU reference ({sum(a['pass'] for a in acc)}/{len(acc)} pass)",
-            ("op", "dtype", "rows", "tensor", "max abs", "max\\|ref\\|", "rel-fro", "torch max abs", "pass"),
-            [md.row(_label(a), a["dtype"], a["rows"], a["tensor"], _f(a["max_abs"]), _f(a["max_ref"]), _f(a["rel_fro"], ".2e"),
-                    _f(a.get("torch_max_abs")), "PASS" if a["pass"] else "FAIL") for a in acc],
-            ["Rule (tolerances.yaml `row_ops.<op>[_grad].<dtype>`): `|kernel−ref| ≤ rtol·|ref| + atol_max·max|ref|` per tensor. "
-             "`torch` = the production PyTorch op in the same dtype, for comparison."])
-    inv = report.get("invariance", [])
-    if inv:
-        lines += md.section(
-            f"Raw-byte invariance ({sum(a['equal'] for a in inv)}/{sum(a['checked'] for a in inv)} tensors equal)",
-            ("op", "dtype", "probe rows", "companion rows", "equal / checked", "failures"),
-            [md.row(_label(a), a["dtype"], a["probe_rows"], "{}..{}".format(*a.get("companion_rows", ["?", "?"])),
-                    f"{a['equal']}/{a['checked']}", ", ".join(a["failures"][:3])) for a in inv],
-            [f"Every sample of batches B ∈ {list(BATCHES)} (the probe first, middle and last among random companions) vs the same "
-             f"sample alone, and the probe with companions {list(PADS)} rows longer: forward output and every per-row / per-sample "
-             "gradient, `torch.equal`."])
-    sp = report.get("speed", [])
-    if sp:
-        lines += md.section(
-            "Speed (B = 1; CUDA-graph replay, GPU time)",
-            ("op", "dtype", "rows", "fwd ms", "fwd GB/s (copy, fraction)", "bwd ms", "bwd GB/s (copy, fraction)", "torch fwd ms",
-             "fwd speedup", "fwd+bwd ms", "torch fwd+bwd ms", "fwd+bwd speedup",
-             "without graph: fwd ms (torch), fwd+bwd ms (torch)"),
-            [_speed_row(s) for s in sp],
-            ["GB/s = bytes the kernel must move (reads + writes of its row tensors; weights for the GEMM ones) / time; "
-             "copy = `dst.copy_(src)` moving the same number of bytes, same run. fwd+bwd and the eager PyTorch composition "
-             "(`kernels/production.py`) both through autograd; speedup = torch ms / ours ms."])
-    vb = report.get("variant_bytes", [])
-    if vb:
-        lines += md.section(
-            f"Kernel variants vs the default's bytes ({sum(v['pass'] for v in vb)}/{len(vb)} pass)",
-            ("op", "dtype", "variant", "seqlens", "tensors equal", "differing (max abs diff)", "pass"),
-            [_variant_row(v) for v in vb],
-            ["One batch through the default kernels and through the variant: forward and every gradient, `torch.equal`; "
-             "tensors marked * are expected to change (another summation tree) and are not required equal."])
-    tu = report.get("tune", [])
-    if tu:
-        lines += md.section(
-            f"Launch candidates ({sum(t['equal_reference'] for t in tu)}/{len(tu)} byte-equal to the reference launch)",
-            ("kernel", "dtype", "rows", "launch", "ms", "GB/s (copy, fraction)", "bytes = reference"),
-            [md.row(t["kernel"], t["dtype"], t["rows"], t["launch"] + (" (reference)" if t["reference"] else ""),
-                    _f(t.get("ms"), ".4f"),
-                    f"{t['gbps']:.0f} ({t['copy_gbps']:.0f}, {t['fraction']:.2f})" if "gbps" in t else "—",
-                    "yes" if t["equal_reference"] else "NO") for t in tu],
-            ["The kernel alone, B = 1, CUDA-graph replay (median of 30 ms of replays); bytes as in the speed table; "
-             "the reference launch is the kernels as measured at 6ab3b56. `bytes = reference`: every output of the "
-             "launch on that case equals the reference launch's, `torch.equal`."])
+    lines += md.rows_section(
+        report.get("accuracy"), lambda acc: f"Accuracy vs the FP64 CPU reference ({md.passed(acc)})",
+        ("op", "dtype", "rows", "tensor", "max abs", "max\\|ref\\|", "rel-fro", "torch max abs", "pass"),
+        lambda a: md.row(_label(a), a["dtype"], a["rows"], a["tensor"], _f(a["max_abs"]), _f(a["max_ref"]),
+                         _f(a["rel_fro"], ".2e"), _f(a.get("torch_max_abs")), "PASS" if a["pass"] else "FAIL"),
+        ["Rule (tolerances.yaml `row_ops.<op>[_grad].<dtype>`): `|kernel−ref| ≤ rtol·|ref| + atol_max·max|ref|` per tensor. "
+         "`torch` = the production PyTorch op in the same dtype, for comparison."])
+    lines += md.rows_section(
+        report.get("invariance"),
+        lambda inv: f"Raw-byte invariance ({sum(a['equal'] for a in inv)}/{sum(a['checked'] for a in inv)} tensors equal)",
+        ("op", "dtype", "probe rows", "companion rows", "equal / checked", "failures"),
+        lambda a: md.row(_label(a), a["dtype"], a["probe_rows"], "{}..{}".format(*a.get("companion_rows", ["?", "?"])),
+                         f"{a['equal']}/{a['checked']}", ", ".join(a["failures"][:3])),
+        [f"Every sample of batches B ∈ {list(BATCHES)} (the probe first, middle and last among random companions) vs the same "
+         f"sample alone, and the probe with companions {list(PADS)} rows longer: forward output and every per-row / per-sample "
+         "gradient, `torch.equal`."])
+    lines += md.rows_section(
+        report.get("speed"), "Speed (B = 1; CUDA-graph replay, GPU time)",
+        ("op", "dtype", "rows", "fwd ms", "fwd GB/s (copy, fraction)", "bwd ms", "bwd GB/s (copy, fraction)", "torch fwd ms",
+         "fwd speedup", "fwd+bwd ms", "torch fwd+bwd ms", "fwd+bwd speedup",
+         "without graph: fwd ms (torch), fwd+bwd ms (torch)"),
+        _speed_row,
+        ["GB/s = bytes the kernel must move (reads + writes of its row tensors; weights for the GEMM ones) / time; "
+         "copy = `dst.copy_(src)` moving the same number of bytes, same run. fwd+bwd and the eager PyTorch composition "
+         "(`kernels/production.py`) both through autograd; speedup = torch ms / ours ms."])
+    lines += md.rows_section(
+        report.get("variant_bytes"), lambda vb: f"Kernel variants vs the default's bytes ({md.passed(vb)})",
+        ("op", "dtype", "variant", "seqlens", "tensors equal", "differing (max abs diff)", "pass"),
+        _variant_row,
+        ["One batch through the default kernels and through the variant: forward and every gradient, `torch.equal`; "
+         "tensors marked * are expected to change (another summation tree) and are not required equal."])
+    lines += md.rows_section(
+        report.get("tune"),
+        lambda tu: f"Launch candidates ({sum(t['equal_reference'] for t in tu)}/{len(tu)} byte-equal to the reference launch)",
+        ("kernel", "dtype", "rows", "launch", "ms", "GB/s (copy, fraction)", "bytes = reference"),
+        _tune_row,
+        ["The kernel alone, B = 1, CUDA-graph replay (median of 30 ms of replays); bytes as in the speed table; "
+         "the reference launch is the kernels as measured at 6ab3b56. `bytes = reference`: every output of the "
+         "launch on that case equals the reference launch's, `torch.equal`."])
     mt = report.get("model_trace")
     if mt:
         lines += [f"## qwen-image architecture, runtime=auto ({mt['layers']} blocks, grid {mt['grid']}, text {mt['txt_lens']}, {mt.get('dtype')})", "",
