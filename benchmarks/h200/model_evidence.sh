@@ -8,19 +8,14 @@
 #   MMDIT_COMMIT=<hash> bash benchmarks/h200/model_evidence.sh OUT_DIR
 # Everything lands in OUT_DIR/model_evidence.tgz (one file: device transfers limit the file count).
 set -uo pipefail
-out=${1:?usage: model_evidence.sh OUT_DIR}
-work=$(mktemp -d)
-ev="$work/model_evidence"
-mkdir -p "$ev"
-export PYTHONUNBUFFERED=1
+source "$(dirname "${BASH_SOURCE[0]}")/evidence_common.sh"
+evidence_begin model_evidence "${1:-}"
 {
-  nvidia-smi --query-gpu=name,driver_version --format=csv
-  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.version.cuda)'
-  echo "commit ${MMDIT_COMMIT:-unset}"
+  evidence_header
   time python3 -m mmdit_strict.bench.model --out "$ev/bench" --layers 60 --reps 3 --warmup 1
   time python3 -m mmdit_strict.bench.model_qualify --out "$ev/qualify" --block-error-layers 4 --quiet
   time python3 -m mmdit_strict run experiment=gpu_main_job output_dir="$work/run" progress=false wandb.mode=disabled
   echo "main job exit $?"
   cp -r "$work/run/report" "$ev/main_job"
 } 2>&1 | tee "$ev/log.txt"
-tar -C "$work" -czf "$out/model_evidence.tgz" model_evidence
+evidence_pack

@@ -6,17 +6,12 @@
 # Run from the repository root on the GPU machine:  MMDIT_COMMIT=<hash> bash benchmarks/h200/suite_evidence.sh OUT_DIR
 # Everything lands in OUT_DIR/suite_evidence.tgz.
 set -uo pipefail
-out=${1:?usage: suite_evidence.sh OUT_DIR}
-work=$(mktemp -d)
-ev="$work/suite_evidence"
-mkdir -p "$ev"
-export PYTHONUNBUFFERED=1
+source "$(dirname "${BASH_SOURCE[0]}")/evidence_common.sh"
+evidence_begin suite_evidence "${1:-}"
 {
-  nvidia-smi --query-gpu=name,driver_version --format=csv
-  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.version.cuda)'
-  echo "commit ${MMDIT_COMMIT:-unset}"
+  evidence_header
   time timeout 330 python3 -m pytest -q -n 8 -m "gpu or not gpu" -p no:cacheprovider -rfE >"$ev/pytest.txt" 2>&1
   echo "pytest exit $?"; tail -40 "$ev/pytest.txt"
   time python3 -m mmdit_strict.bench.gemm --out "$ev/gemm" --sections speed,invariance --budget-s 200
 } 2>&1 | tee "$ev/log.txt"
-tar -C "$work" -czf "$out/suite_evidence.tgz" suite_evidence
+evidence_pack

@@ -1,0 +1,24 @@
+# Sourced (never run) by the *_evidence.sh scripts of this folder: what every evidence call does the same way.
+#   evidence_begin NAME OUT_DIR   out=OUT_DIR (required), work=a fresh temporary folder, ev=$work/NAME (made);
+#                                 unbuffered Python output
+#   evidence_header               the GPU and driver, torch / triton / CUDA versions, the commit (MMDIT_COMMIT)
+#   evidence_pack                 OUT_DIR/NAME.tgz: the NAME folder, one file (device transfers limit the file count)
+
+evidence_begin() {
+  name=$1
+  out=${2:?usage: $1.sh OUT_DIR}
+  work=$(mktemp -d)
+  ev="$work/$name"
+  mkdir -p "$ev"
+  export PYTHONUNBUFFERED=1
+}
+
+evidence_header() {
+  nvidia-smi --query-gpu=name,driver_version --format=csv
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.version.cuda)'
+  echo "commit ${MMDIT_COMMIT:-unset}"
+}
+
+evidence_pack() {
+  tar -C "$work" -czf "$out/$name.tgz" "$name"
+}
