@@ -80,3 +80,25 @@ def test_report_writer_finish_writes_both_files_and_prints_the_markdown(tmp_path
     assert on_disk["rows"] == [1, 2] and on_disk["errors"] == [] and "wall_s" in on_disk
     assert (tmp_path / "out" / "r.md").read_text() == "rows [1, 2] errors []"
     assert capsys.readouterr().out == "rows [1, 2] errors []\n"
+
+
+def test_gemm_qualification_report_renders_every_section_and_skips_empty_ones() -> None:
+    """bench.gemm's own report: each non-empty list a table with its pass count; an empty or missing list no
+    section at all."""
+    cfg = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "GROUP_M": 8, "weight_layout": "nk"}
+    acc = {"layer": "qkv", "dtype": "bf16", "seqlens": [1, 2], "lora_r": 0, "check": "fwd", "kernel_max_abs": 1e-3, "max_ref": 2.0,
+           "torch_max_abs": 2e-3, "kernel_rel_fro": 1e-4, "torch_rel_fro": 2e-4, "pass": True, "torch_pass": True, "pass_2x_torch": False}
+    inv = {"layer": "qkv", "dtype": "fp32", "lora_r": 16, "checked": "fwd", "pass": False, "failures": list("abcdef")}
+    sp = {"layer": "qkv", "kind": "fwd", "dtype": "bf16", "M": 4224, "ours_ms": 0.1, "cublas_ms": 0.12, "ours_tflops": 600.0,
+          "cublas_tflops": 550.0, "speed_vs_cublas": 1.1, "ours_graph_ms": None, "cublas_graph_ms": 0.11}
+    lay = {"layer": "qkv", "dtype": "bf16", "M": 4224, "N": 3072, "K": 3072, "variant": "nk", "config": cfg, "timed_by": "graph_ms",
+           "graph_ms": 0.1, "cublas_graph_ms": None, "cublas_ms": 0.2, "speed_vs_kn": 1.01, "speed_vs_cublas": 0.9,
+           "bytes_equal_kn": True, "regs_spills": [255, 0], "weight_copy_bytes": 2**24}
+    report = {"env": {"tf32": False}, "model_layers": [("qkv", 3072, 3072, True, "none", "none", [4224, 8448])],
+              "accuracy": [acc, {**acc, "pass": False}], "invariance": [inv], "speed": [sp], "layouts": [lay], "errors": [], "wall_s": 5}
+    md = gemm._md(report)
+    assert "| qkv | 3072×3072 | True | none | none | 4224, 8448 |" in md
+    assert "## Accuracy vs FP64 CPU reference (1/2 pass)" in md and "## Raw-byte batch invariance (0/1 pass)" in md
+    assert "| qkv | fp32 | 16 | fwd | FAIL | a, b, c, d |" in md and "| 0.1000 | 0.2000 |" in md and "| 16.0 |" in md
+    empty = gemm._md({"env": {}, "model_layers": [], "accuracy": [], "invariance": None, "speed": []})
+    assert "## " not in empty.replace("## Errors", "") and empty.endswith("Wall time 0 s.\n")
