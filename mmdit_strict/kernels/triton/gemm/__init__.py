@@ -60,13 +60,11 @@ from .launch import (
     _interpreting,
     act_bwd,
     act_fwd,
-    check_dtype_device,
     check_inputs,
     gemm_bwd,
     gemm_db,
     gemm_dw,
     gemm_fwd,
-    launch_opts,
 )
 from .weights import drop_prepacked, prepacked_bytes, prepacked_weight
 
@@ -80,7 +78,6 @@ __all__ = [
     "_interpreting",
     "act_bwd",
     "act_fwd",
-    "check_dtype_device",
     "check_inputs",
     "drop_prepacked",
     "gemm",
@@ -88,7 +85,6 @@ __all__ = [
     "gemm_db",
     "gemm_dw",
     "gemm_fwd",
-    "launch_opts",
     "prepacked_bytes",
     "prepacked_weight",
 ]
