@@ -1,6 +1,6 @@
 """Configuration sweeps of the strict GEMM engine on a CUDA GPU (tuning history; informational).
 
-    python -m benchmarks.gemm_sweeps --out DIR --sweep big|small|round2|round3|round5 [--classes NxK,...]
+    python -m benchmarks.gemm_sweeps --out DIR --sweep big|small|round2|round3|round5|text [--classes NxK,...]
 
 Run from the repository root (this folder is not part of the installed package). Each candidate is a
 :class:`~mmdit_strict.kernels.triton.configs.FwdConfig` passed to the engine explicitly
@@ -11,6 +11,7 @@ experiments/gemm/ (NOTES.md tells the story):
 
 * ``big``: six tiles for the four M = 4224 layers (run 1); ``small``: the weight-streaming classes;
 * ``round2``: per (N, K) class, fwd and dX uses scored together (the first candidate is the incumbent);
+  ``text``: the text stream's products at prompt-sized row counts, candidates vs the incumbent's bytes;
   ``round3``: the tanh-GELU class; ``round5``: the persistent tile walk. Writes ``sweeps.json`` / ``sweeps.md``.
 """
 
@@ -114,6 +115,66 @@ ROUND5_BIG = [
     _cand(128, 256, 64, 8, 4, persistent=True, epi_split=2, **_T),
     _cand(128, 256, 64, 8, 3, persistent=True, epi_split=2, tma_store=True, **_T),
 ]
+
+
+# Text-stream rows (acf771d, experiments/gemm/NOTES.md): every block runs its text-stream products on the
+# prompt's 128-256 rows with the big-class tile, 12 programs on 132 SMs at 128 rows, 0.24-0.26x cuBLAS.
+# A configuration for those products would be chosen by the layer's stream, never by the row count.
+# Candidates with more programs at 128 rows; BLOCK_K stays 64 (the K steps of the incumbent), and the
+# sweep compares every candidate's output bytes with the incumbent's.
+TEXT_LAYERS = [  # (name, N, K, bias, prologue, epilogue): the text stream's per-block products and txt_in
+    ("qkv", 3072, 3072, True, "none", "none"),
+    ("attn_out", 3072, 3072, True, "none", "none"),
+    ("mlp_up", 12288, 3072, True, "none", "gelu_tanh"),
+    ("mlp_down", 3072, 12288, True, "none", "none"),
+    ("txt_in", 3072, 3584, True, "none", "none"),
+]
+TEXT_ROWS = (128, 144, 256)
+_NK_TMA = dict(layout="nk", tma=True)
+TEXT_SWEEP = [
+    _cand(64, 128, 64, 4, 4, **_NK_TMA),
+    _cand(64, 64, 64, 4, 4, **_NK_TMA),
+    _cand(128, 64, 64, 4, 4, **_NK_TMA),
+    _cand(64, 256, 64, 8, 3, **_NK_TMA),
+    _cand(64, 128, 64, 4, 3, layout="nk"),
+    _cand(32, 128, 64, 4, 4, layout="nk"),
+]
+
+
+def text_sweep(G, C, report, save, budget_ok, candidates=None, rows=TEXT_ROWS) -> None:
+    """Time the text-stream products (forward) at prompt-sized ``rows`` for the incumbent configuration
+    and each candidate, beside cuBLAS, all in CUDA-graph time; record whether each candidate's output
+    equals the incumbent's in bytes (``bytes_equal_incumbent``). Informational: adopting a candidate is a
+    stream-keyed configuration, an edit of the engine and a qualification run."""
+    dt = torch.bfloat16
+    for (name, n, k, bias, pro, epi) in TEXT_LAYERS:
+        if not budget_ok():
+            report["errors"].append(f"text sweep: budget reached before {name}")
+            break
+        w, b, _ = _weights(n, k, dt, bias, gen_seed=11)
+        incumbent = C.fwd_config(n, k, dt)
+        for m in rows:
+            x = torch.randn(m, k, device=DEVICE).to(dt)
+            with torch.no_grad():
+                base = G.gemm_fwd(x, w, b, prologue=pro, epilogue=epi, config=incumbent)[0]
+                ref_ms = _bench_graph(lambda: _torch_linear(x, w, b, pro, epi))
+                for cand in [incumbent, *(candidates or TEXT_SWEEP)]:
+                    fn = lambda c=cand: G.gemm_fwd(x, w, b, prologue=pro, epilogue=epi, config=c)  # noqa: E731
+                    try:
+                        same = bool(torch.equal(fn()[0], base))
+                        ms = _bench_graph(fn)
+                    except Exception as exc:  # a candidate that does not compile/run is recorded, not fatal
+                        report["errors"].append(f"text {name} M={m} {cand}: {type(exc).__name__}: {str(exc)[:300]}")
+                        continue
+                    if ms is None:
+                        report["errors"].append(f"text {name} M={m} {cand}: no CUDA-graph time (capture failed)")
+                        continue
+                    report["sweep"].append({
+                        "layer": f"{name} (text)", "kind": "fwd", "dtype": "bf16", "M": m, "config": cand.as_dict(),
+                        "ms": ms, "tflops": 2.0 * m * n * k / ms / 1e9, "graph_ms": ms,
+                        "cublas_graph_ms": ref_ms, "ratio_graph": (ref_ms / ms) if ms and ref_ms else None,
+                        "incumbent": cand == incumbent, "bytes_equal_incumbent": same})
+        save()
 
 
 def _kernel_stats(G, fn_with_hook) -> dict:
@@ -248,6 +309,15 @@ def sweep_case(G, C, name, n, k, bias, epilogue, dtype, m=4224, candidates=None,
     return out
 
 
+def _bytes_note(row: dict) -> str:
+    """The text sweep's byte comparison with the class's incumbent configuration, for the config cell."""
+    if "bytes_equal_incumbent" not in row:
+        return ""
+    if row.get("incumbent"):
+        return " (incumbent)"
+    return " (bytes = incumbent)" if row["bytes_equal_incumbent"] else " (new bytes)"
+
+
 def _md(report: dict) -> str:
     e = report["env"]
     lines = ["# Strict GEMM engine — configuration sweeps", "", environment_line(e, f"TF32 {e.get('tf32')}"), ""]
@@ -261,7 +331,7 @@ def _md(report: dict) -> str:
             graph = (f"{s['graph_ms']:.4f} ({s['cublas_graph_ms']:.4f}, {s['ratio_graph']:.2f})"
                      if s.get("ratio_graph") else "—")
             regs = f"{s.get('n_regs')} / {s.get('n_spills')}" if s.get("n_regs") is not None else "—"
-            lines.append(f"| {s['layer']} | {s['kind']} | {s['dtype']} | {s.get('M', 4224)} | {_cfg_str(s['config'])} | "
+            lines.append(f"| {s['layer']} | {s['kind']} | {s['dtype']} | {s.get('M', 4224)} | {_cfg_str(s['config'])}{_bytes_note(s)} | "
                          f"{s['ms']:.4f}{extra} | {s['tflops']:.1f} | {graph} | {regs} |")
         lines.append("")
     win = report.get("round2_winners")
@@ -286,7 +356,7 @@ def _md(report: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--sweep", choices=("big", "small", "round2", "round3", "round5"), default="big")
+    ap.add_argument("--sweep", choices=("big", "small", "round2", "round3", "round5", "text"), default="big")
     ap.add_argument("--classes", default=None, help="round2/3/5: comma list of NxK classes to sweep (default: all)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop sweeping past this wall time")
     args = ap.parse_args(argv)
@@ -302,6 +372,8 @@ def main(argv=None) -> int:
         guarded(f"{args.sweep} sweep", lambda: round2_sweep(
             G, C, report, save, run.budget_ok, classes=classes,
             big_candidates={"round3": ROUND3_BIG, "round5": ROUND5_BIG}.get(args.sweep)))
+    elif args.sweep == "text":
+        guarded("text sweep", lambda: text_sweep(G, C, report, save, run.budget_ok))
     elif args.sweep == "big":
         for (name, n, k, bias, _pro, epi, _) in LAYERS[:4]:
             report["sweep"] += guarded(f"sweep {name}", lambda: sweep_case(G, C, name, n, k, bias, epi, torch.bfloat16))

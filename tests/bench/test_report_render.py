@@ -102,3 +102,27 @@ def test_gemm_qualification_report_renders_every_section_and_skips_empty_ones() 
     assert "| qkv | fp32 | 16 | fwd | FAIL | a, b, c, d |" in md and "| 0.1000 | 0.2000 |" in md and "| 16.0 |" in md
     empty = gemm._md({"env": {}, "model_layers": [], "accuracy": [], "invariance": None, "speed": []})
     assert "## " not in empty.replace("## Errors", "") and empty.endswith("Wall time 0 s.\n")
+
+
+def test_text_sweep_rows_render_their_byte_comparison() -> None:
+    from mmdit_strict.kernels.triton import configs
+
+    base = {"kind": "fwd", "dtype": "bf16", "M": 128, "ms": 0.031, "tflops": 78.0, "graph_ms": 0.031,
+            "cublas_graph_ms": 0.008, "ratio_graph": 0.26}
+    inc = configs.FWD[(3072, 3072, "bf16")].as_dict()
+    rows = [dict(base, layer="qkv (text)", config=inc, incumbent=True, bytes_equal_incumbent=True),
+            dict(base, layer="qkv (text)", config=gemm_sweeps.TEXT_SWEEP[0].as_dict(), incumbent=False, bytes_equal_incumbent=True),
+            dict(base, layer="qkv (text)", config=gemm_sweeps.TEXT_SWEEP[1].as_dict(), incumbent=False, bytes_equal_incumbent=False)]
+    md = gemm_sweeps._md({"env": {}, "sweep": rows})
+    assert md.count("(incumbent)") == 1 and md.count("(bytes = incumbent)") == 1 and md.count("(new bytes)") == 1
+    assert "64x128x64 w4 s4 g8 nk tma (bytes = incumbent)" in md
+
+
+def test_text_sweep_candidates_keep_the_k_step_and_classes_have_incumbents() -> None:
+    from mmdit_strict.kernels.triton import configs
+
+    for name, n, k, *_ in gemm_sweeps.TEXT_LAYERS:
+        assert (n, k, "bf16") in configs.FWD, name  # the incumbent each candidate is compared with
+        assert configs.FWD[(n, k, "bf16")].BLOCK_K == 64
+    assert all(c.BLOCK_K == 64 and c.weight_layout == "nk" for c in gemm_sweeps.TEXT_SWEEP)
+    assert len(set(gemm_sweeps.TEXT_SWEEP)) == len(gemm_sweeps.TEXT_SWEEP)
