@@ -351,6 +351,27 @@ def test_ln_launch_batch_invariance_interpreter():
                                  what=f"triton adaln_modulation [{launch.label()}] fwd+bwd")
 
 
+@interp
+def test_ln_launch_is_context_local_and_kept_by_the_autograd_node():
+    """The launch in force at the forward is the one its backward uses (autograd may run the backward on
+    another thread, outside the block); a thread started in the block without its context sees the default."""
+    import threading
+
+    x = torch.randn(5, D, requires_grad=True)
+    shift, scale = torch.randn(1, D, requires_grad=True), torch.randn(1, D, requires_grad=True)
+    other = N.LnLaunch(fwd_rows=1, fwd_ahead=0, bwd_ahead=0)
+    seen = []
+    with N.ln_launch(other):
+        y = N.adaln_modulation(x, shift, scale, seqlens=(5,), eps=1e-6)
+        t = threading.Thread(target=lambda: seen.append(N.current_ln_launch(torch.float32)))
+        t.start()
+        t.join()
+    assert y.grad_fn.launch is other and seen == [N.LN_DEFAULTS[torch.float32]]
+    y.sum().backward()  # outside the block: the node's launch, not the default
+    assert x.grad is not None and scale.grad is not None
+    assert N.adaln_modulation(x, shift, scale, seqlens=(5,), eps=1e-6).grad_fn.launch == N.LN_DEFAULTS[torch.float32]
+
+
 def test_ln_launch_is_checked_and_restored():
     defaults = {dt: N.current_ln_launch(dt) for dt in (torch.bfloat16, torch.float32)}
     assert defaults == N.LN_DEFAULTS and set(defaults.values()) <= set(N.LN_CANDIDATES) and N.LN_REFERENCE in N.LN_CANDIDATES

@@ -332,6 +332,19 @@ def test_bwd_launch_batch_invariance_interpreter():
         check_gain_fold(H, DH, CPU_FP32, (7, 1, 20, 0, 16, 35))
 
 
+@interp
+def test_bwd_launch_is_kept_by_the_autograd_node():
+    """The QK backward launch in force at the forward travels with the autograd node to its backward."""
+    x = torch.randn(6, H, DH, requires_grad=True)
+    gain = torch.randn(DH, requires_grad=True)
+    with R.qk_bwd_launch(R.QK_BWD_REFERENCE):
+        y = R.qk_rmsnorm(x, gain, seqlens=(6,), eps=1e-6)
+    assert y.grad_fn.launch is R.QK_BWD_REFERENCE
+    y.sum().backward()
+    assert x.grad is not None and gain.grad is not None
+    assert R.qk_rmsnorm(x, gain, seqlens=(6,), eps=1e-6).grad_fn.launch == R.QK_BWD_DEFAULTS[torch.float32, H == 1]
+
+
 def test_bwd_launch_is_checked_and_restored():
     keys = [(dt, one) for dt in (torch.bfloat16, torch.float32) for one in (False, True)]
     defaults = {(dt, one): R.current_qk_bwd_launch(dt, 1 if one else 24) for dt, one in keys}

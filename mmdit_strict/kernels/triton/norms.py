@@ -32,6 +32,7 @@ the final modulation need no copy); rows must be contiguous.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...context import bound
 from ..registry import KernelImpl, register
 from . import segments as seg
 from .gemm import _DTYPES, _interpreting, gemm
@@ -96,26 +98,24 @@ LN_CANDIDATES = tuple(dict.fromkeys([
       for r, a, m, ba, bm in ((4, 1, None, 1, None), (1, 0, None, 0, None), (1, 1, None, 1, 128), (8, 1, None, 0, None),
                               (2, 1, 80, 0, None), (1, 0, 64, 0, None), (8, 0, 64, 1, 128))),
 ]))
-_LN_LAUNCH: list[LnLaunch] = []  # overrides (ln_launch), innermost last
+_LN_LAUNCH: contextvars.ContextVar[LnLaunch | None] = contextvars.ContextVar("mmdit_ln_launch", default=None)
 
 
 def current_ln_launch(dtype: torch.dtype) -> LnLaunch:
     """The LayerNorm launch settings in force for ``dtype`` (the innermost :func:`ln_launch`, else
     :data:`LN_DEFAULTS`)."""
-    return _LN_LAUNCH[-1] if _LN_LAUNCH else LN_DEFAULTS[dtype]
+    return _LN_LAUNCH.get() or LN_DEFAULTS[dtype]
 
 
 @contextlib.contextmanager
 def ln_launch(launch: LnLaunch) -> Iterator[None]:
-    """Launch the LayerNorm kernels with ``launch`` inside the block, whatever the dtype (bench and tests;
-    process-wide, so a backward that autograd runs on another thread sees it too)."""
+    """Launch the LayerNorm kernels with ``launch`` inside the block, whatever the dtype (bench and tests).
+    Context-local; the autograd node keeps the launch in force at its forward for its backward, which
+    autograd may run on another thread."""
     if not isinstance(launch, LnLaunch) or launch.fwd_rows < 1 or {launch.fwd_ahead, launch.bwd_ahead} - {0, 1}:
         raise ValueError(f"expected an LnLaunch with fwd_rows >= 1 and fwd_ahead / bwd_ahead 0 or 1, got {launch!r}")
-    _LN_LAUNCH.append(launch)
-    try:
+    with bound(_LN_LAUNCH, launch):
         yield
-    finally:
-        _LN_LAUNCH.pop()
 
 
 def num_warps_for(block: int) -> int:
@@ -408,7 +408,8 @@ class AdalnModulationFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, shift, scale, seqlens, eps):  # type: ignore[override]
-        y, mean, rstd = adaln_modulation_fwd(x, shift, scale, seqlens, eps, store_stats=True)
+        ctx.launch = current_ln_launch(x.dtype)
+        y, mean, rstd = adaln_modulation_fwd(x, shift, scale, seqlens, eps, store_stats=True, launch=ctx.launch)
         ctx.save_for_backward(x, scale, mean, rstd)
         ctx.seqlens = seqlens
         return y
@@ -417,7 +418,8 @@ class AdalnModulationFunction(torch.autograd.Function):
     def backward(ctx, dy):  # type: ignore[override]
         x, scale, mean, rstd = ctx.saved_tensors
         need_vec = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-        dx, dshift, dscale = adaln_modulation_bwd(dy.contiguous(), x, scale, mean, rstd, ctx.seqlens, need_vec)
+        dx, dshift, dscale = adaln_modulation_bwd(dy.contiguous(), x, scale, mean, rstd, ctx.seqlens, need_vec,
+                                                  launch=ctx.launch)
         return dx, dshift, dscale, None, None
 
 

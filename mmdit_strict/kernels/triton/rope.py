@@ -52,6 +52,7 @@ dtype, and are read in FP32.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...context import bound
 from ..choice import KernelChoice
 from ..registry import KernelImpl, register
 from . import segments as seg
@@ -118,26 +120,23 @@ QK_BWD_DEFAULTS = {(torch.bfloat16, False): QkBwdLaunch(ahead=1), (torch.bfloat1
                    (torch.float32, False): QkBwdLaunch(ahead=1, maxnreg=128), (torch.float32, True): QkBwdLaunch(ahead=1)}
 QK_BWD_CANDIDATES = tuple(dict.fromkeys([QK_BWD_REFERENCE, *QK_BWD_DEFAULTS.values(), QkBwdLaunch(1), QkBwdLaunch(2),
                                          QkBwdLaunch(1, 128)]))
-_QK_BWD_LAUNCH: list[QkBwdLaunch] = []  # overrides (qk_bwd_launch), innermost last
+_QK_BWD_LAUNCH: contextvars.ContextVar[QkBwdLaunch | None] = contextvars.ContextVar("mmdit_qk_bwd_launch", default=None)
 
 
 def current_qk_bwd_launch(dtype: torch.dtype, heads: int) -> QkBwdLaunch:
     """The QK backward launch in force for ``dtype`` and ``heads`` per token (the innermost
     :func:`qk_bwd_launch`, else :data:`QK_BWD_DEFAULTS`, keyed by the dtype and whether ``heads == 1``)."""
-    return _QK_BWD_LAUNCH[-1] if _QK_BWD_LAUNCH else QK_BWD_DEFAULTS[dtype, heads == 1]
+    return _QK_BWD_LAUNCH.get() or QK_BWD_DEFAULTS[dtype, heads == 1]
 
 
 @contextlib.contextmanager
 def qk_bwd_launch(launch: QkBwdLaunch) -> Iterator[None]:
     """Launch the contiguous QK backward with ``launch`` inside the block, whatever the dtype (bench and
-    tests; process-wide)."""
+    tests). Context-local; the autograd node keeps the launch in force at its forward for its backward."""
     if not isinstance(launch, QkBwdLaunch) or launch.ahead not in (1, 2, 3):
         raise ValueError(f"expected a QkBwdLaunch with ahead 1, 2 or 3, got {launch!r}")
-    _QK_BWD_LAUNCH.append(launch)
-    try:
+    with bound(_QK_BWD_LAUNCH, launch):
         yield
-    finally:
-        _QK_BWD_LAUNCH.pop()
 
 
 def _opts(elems: int, maxnreg: int | None = None) -> dict:
@@ -588,6 +587,7 @@ class QkNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gain, cos, sin, seqlens, eps):  # type: ignore[override]
         ctx.layout = _LAYOUT.current()
+        ctx.launch = current_qk_bwd_launch(x.dtype, x.shape[1])
         y, rstd = qk_norm_fwd(x, gain, cos, sin, eps, store_rstd=True, layout=ctx.layout)
         ctx.save_for_backward(x, gain, rstd, cos, sin)
         ctx.seqlens = seqlens
@@ -597,7 +597,7 @@ class QkNormFunction(torch.autograd.Function):
     def backward(ctx, dy):  # type: ignore[override]
         x, gain, rstd, cos, sin = ctx.saved_tensors
         dx, dgain = qk_norm_bwd(dy.contiguous(), x, gain, rstd, cos, sin, ctx.seqlens, ctx.needs_input_grad[1],
-                                 layout=ctx.layout)
+                                 layout=ctx.layout, launch=ctx.launch)
         return dx, dgain, None, None, None, None
 
 
