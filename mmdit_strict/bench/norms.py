@@ -415,13 +415,14 @@ def variant_bytes_case(spec: Spec, dname: str, name: str, seed: int) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 
-def _graph_ms(fn) -> float | None:
+def _graph_ms(fn, rep: int = 60) -> float | None:
+    """Median ms of ``fn`` replayed from a CUDA graph (``rep`` ms of replays); None where capture fails."""
     from triton.testing import do_bench_cudagraph
 
     try:
         fn()
         torch.cuda.synchronize()
-        r = do_bench_cudagraph(fn, rep=60, quantiles=[0.5])
+        r = do_bench_cudagraph(fn, rep=rep, quantiles=[0.5])
         return float(r[0] if isinstance(r, (list, tuple)) else r)
     except Exception:  # noqa: BLE001 - capture not possible: report plain timings only
         return None
@@ -529,18 +530,6 @@ def _bytes_equal(got, want) -> bool:
                                             and torch.equal(a, b)) for a, b in zip(got, want))
 
 
-def _tune_ms(fn) -> float | None:
-    from triton.testing import do_bench_cudagraph
-
-    try:
-        fn()
-        torch.cuda.synchronize()
-        r = do_bench_cudagraph(fn, rep=30, quantiles=[0.5])
-        return float(r[0] if isinstance(r, (list, tuple)) else r)
-    except Exception:  # noqa: BLE001
-        return None
-
-
 def tune_case(kind: str, dname: str, rows: int, seed: int) -> list[dict]:
     """Every launch candidate of one kernel family on one single-sample case: kernel time (CUDA-graph replay),
     GB/s and fraction of the same-size copy, and whether its outputs equal the reference launch's bytes.
@@ -573,8 +562,8 @@ def tune_case(kind: str, dname: str, rows: int, seed: int) -> list[dict]:
         for c in N.LN_CANDIDATES:
             got_f = N.adaln_modulation_fwd(x, sh, sc, seq, EPS, True, launch=c)
             got_b = N.adaln_modulation_bwd(gy, x, sc, want_f[1], want_f[2], seq, True, launch=c)
-            ms_f = _tune_ms(lambda: N.adaln_modulation_fwd(x, sh, sc, seq, EPS, False, launch=c))
-            ms_b = _tune_ms(lambda: N.adaln_modulation_bwd(gy, x, sc, want_f[1], want_f[2], seq, True, launch=c))
+            ms_f = _graph_ms(lambda: N.adaln_modulation_fwd(x, sh, sc, seq, EPS, False, launch=c), rep=30)
+            ms_b = _graph_ms(lambda: N.adaln_modulation_bwd(gy, x, sc, want_f[1], want_f[2], seq, True, launch=c), rep=30)
             record("adaln_modulation fwd", c, ms_f, 2 * rows * D * es, _bytes_equal(got_f, want_f), N.LN_REFERENCE)
             record("adaln_modulation bwd", c, ms_b, 3 * rows * D * es, _bytes_equal(got_b, want_b), N.LN_REFERENCE)
         return out
@@ -587,7 +576,7 @@ def tune_case(kind: str, dname: str, rows: int, seed: int) -> list[dict]:
     name = {"qk": "qk_rmsnorm bwd", "qk_rope": "qk_rmsnorm_rope (fused) bwd", "txt": "txt_in rmsnorm bwd (1 x 3584)"}[kind]
     for cand in R.QK_BWD_CANDIDATES:
         got = R.qk_norm_bwd(gy, x, gain, rstd, c, s, seq, True, launch=cand)
-        ms = _tune_ms(lambda: R.qk_norm_bwd(gy, x, gain, rstd, c, s, seq, True, launch=cand))
+        ms = _graph_ms(lambda: R.qk_norm_bwd(gy, x, gain, rstd, c, s, seq, True, launch=cand), rep=30)
         record(name, cand, ms, 3 * rows * h * d * es, _bytes_equal(got, want), R.QK_BWD_REFERENCE)
     return out
 
