@@ -25,6 +25,10 @@ def commit() -> str:
     return out or "unknown (no git, MMDIT_COMMIT unset)"
 
 
+def _utc_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
 def gpu_environment() -> dict[str, Any]:
     """GPU name, driver, torch / Triton / CUDA versions, TF32 switches, commit and UTC date (CUDA must be present)."""
     import triton
@@ -38,7 +42,7 @@ def gpu_environment() -> dict[str, Any]:
         "gpu": torch.cuda.get_device_name(0), "driver": driver, "torch": torch.__version__,
         "triton": triton.__version__, "cuda": torch.version.cuda, "commit": commit(),
         "tf32": {"matmul": torch.backends.cuda.matmul.allow_tf32, "cudnn": torch.backends.cudnn.allow_tf32},
-        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "date_utc": _utc_now(),
     }
 
 
@@ -47,15 +51,14 @@ def run_environment(device: str) -> dict[str, Any]:
     if str(device).startswith("cuda") and torch.cuda.is_available():
         return gpu_environment()
     return {"gpu": None, "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
-            "commit": commit(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "commit": commit(), "date_utc": _utc_now()}
 
 
 def environment_line(env: dict[str, Any], *extra: str) -> str:
     """The one-line header every report prints: GPU, driver, versions, commit, date, then ``extra`` items."""
     if not env.get("gpu") and env.get("cpu"):
-        return " · ".join([f"CPU {env['cpu']}", f"torch {env.get('torch', '—')}", f"commit `{env.get('commit', '—')}`",
-                           str(env.get("date_utc", "—")), *extra])
-    items = [f"GPU {env.get('gpu', '—')}", f"driver {env.get('driver', '—')}", f"torch {env.get('torch', '—')}",
-             f"Triton {env.get('triton', '—')}", f"CUDA {env.get('cuda', '—')}", f"commit `{env.get('commit', '—')}`",
-             str(env.get("date_utc", "—")), *extra]
-    return " · ".join(items)
+        where = [f"CPU {env['cpu']}", f"torch {env.get('torch', '—')}"]
+    else:
+        where = [f"GPU {env.get('gpu', '—')}", f"driver {env.get('driver', '—')}", f"torch {env.get('torch', '—')}",
+                 f"Triton {env.get('triton', '—')}", f"CUDA {env.get('cuda', '—')}"]
+    return " · ".join([*where, f"commit `{env.get('commit', '—')}`", str(env.get("date_utc", "—")), *extra])
