@@ -57,7 +57,7 @@ import triton.language as tl
 from ..checks import check_operand
 from ..keepalive import retain
 from ..registry import KernelImpl, register
-from .gemm import _DTYPES, _interpreting
+from .gemm import _DTYPES, _interpreting, launch_opts
 
 # ----------------------------------------------------------------------------------------------
 # Kernels
@@ -634,9 +634,7 @@ def _resident_direct(cfg: dict) -> bool:
 
 
 def _launch_opts(warps: int, stages: int) -> dict:
-    if _interpreting():
-        return {}
-    return {"num_warps": warps, "num_stages": stages, "enable_fp_fusion": False}
+    return launch_opts(warps, _interpreting(), num_stages=stages)
 
 
 def _scales(head_dim: int) -> tuple[float, float]:

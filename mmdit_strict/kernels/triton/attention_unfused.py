@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from ..registry import KernelImpl, register
-from .gemm import _DTYPES, _interpreting
+from .gemm import _DTYPES, _interpreting, launch_opts
 
 
 @triton.jit
@@ -118,7 +118,7 @@ _INTERPRET_SOFTMAX_BLOCK = 16
 
 
 def _opts(warps: int, stages: int) -> dict:
-    return {} if _interpreting() else {"num_warps": warps, "num_stages": stages, "enable_fp_fusion": False}
+    return launch_opts(warps, _interpreting(), num_stages=stages)
 
 
 def _bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, dot_dtype: torch.dtype, scale: float) -> torch.Tensor:

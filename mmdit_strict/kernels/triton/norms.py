@@ -45,8 +45,8 @@ import triton.language as tl
 from ...context import bound
 from ..registry import KernelImpl, register
 from . import segments as seg
-from .gemm import _DTYPES, _interpreting, gemm
-from .rope import check_gain, rms_norm_rows
+from .gemm import _DTYPES, _interpreting, check_dtype_device, gemm, launch_opts
+from .rope import check_gain, num_warps_for, rms_norm_rows
 from .segments import check_seqlens
 
 FWD_ROWS = 4  # rows per gated-residual forward program (row-local math: no effect on bytes)
@@ -118,18 +118,9 @@ def ln_launch(launch: LnLaunch) -> Iterator[None]:
         yield
 
 
-def num_warps_for(block: int) -> int:
-    """Warps per program from the padded row width (never from M): 4 up to 1024, 8 up to 4096, else 16."""
-    return 4 if block <= 1024 else 8 if block <= 4096 else 16
-
-
 def _opts(block: int, maxnreg: int | None = None) -> dict:
-    if _interpreting():
-        return {}
-    opts = {"num_warps": num_warps_for(block), "enable_fp_fusion": False}
-    if maxnreg is not None:
-        opts["maxnreg"] = maxnreg
-    return opts
+    """Warps from the padded row width (``rope.num_warps_for``, never from M)."""
+    return launch_opts(num_warps_for(block), _interpreting(), maxnreg=maxnreg)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -320,18 +311,11 @@ def _gate_residual_bwd_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-def _device_ok(t: torch.Tensor) -> bool:
-    return t.device.type == "cuda" or (_interpreting() and t.device.type == "cpu")
-
-
 def check_rows(op: str, name: str, t: object, width: int | None = None) -> torch.Tensor:
     """A (M, D) row tensor: fp32|bf16, contiguous, on CUDA (CPU only under TRITON_INTERPRET=1)."""
     if not isinstance(t, torch.Tensor) or t.dim() != 2:
         raise ValueError(f"{op}: expected {name} of shape (M, D), got {getattr(t, 'shape', type(t).__name__)}")
-    if t.dtype not in _DTYPES:
-        raise ValueError(f"{op}: strict kernels run fp32 or bf16, got {name} of dtype {t.dtype}")
-    if not _device_ok(t):
-        raise ValueError(f"{op}: the triton backend needs CUDA tensors (CPU only under TRITON_INTERPRET=1), got {name} on {t.device}")
+    check_dtype_device(op, name, t, _interpreting())
     if width is not None and t.shape[1] != width:
         raise ValueError(f"{op}: expected {name} of shape (M, {width}), got {tuple(t.shape)}")
     if not 1 <= t.shape[1] <= MAX_WIDTH:

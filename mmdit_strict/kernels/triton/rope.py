@@ -66,7 +66,7 @@ from ...context import bound
 from ..choice import KernelChoice
 from ..registry import KernelImpl, register
 from . import segments as seg
-from .gemm import _DTYPES, _interpreting
+from .gemm import _DTYPES, _interpreting, check_dtype_device, launch_opts
 from .segments import check_seqlens
 
 MAX_HEAD_WIDTH = 8192  # d (the even/odd tiles hold d/2 lanes)
@@ -139,14 +139,13 @@ def qk_bwd_launch(launch: QkBwdLaunch) -> Iterator[None]:
         yield
 
 
+def num_warps_for(elems: int) -> int:
+    """Warps per program from the padded tile size (never from M): 4 up to 1024, 8 up to 4096, else 16."""
+    return 4 if elems <= 1024 else 8 if elems <= 4096 else 16
+
+
 def _opts(elems: int, maxnreg: int | None = None) -> dict:
-    w = 4 if elems <= 1024 else 8 if elems <= 4096 else 16
-    if _interpreting():
-        return {}
-    opts = {"num_warps": w, "enable_fp_fusion": False}
-    if maxnreg is not None:
-        opts["maxnreg"] = maxnreg
-    return opts
+    return launch_opts(num_warps_for(elems), _interpreting(), maxnreg=maxnreg)
 
 
 def _blocks(h: int, d: int) -> tuple[int, int]:
@@ -440,18 +439,11 @@ def _qk_bwd_chunk_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-def _device_ok(t: torch.Tensor) -> bool:
-    return t.device.type == "cuda" or (_interpreting() and t.device.type == "cpu")
-
-
 def check_heads(op: str, x: object) -> torch.Tensor:
     """x (M, H, d): fp32|bf16, even d, contiguous, on CUDA (CPU only under TRITON_INTERPRET=1)."""
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
         raise ValueError(f"{op}: expected x of shape (M, H, d), got {getattr(x, 'shape', type(x).__name__)}")
-    if x.dtype not in _DTYPES:
-        raise ValueError(f"{op}: strict kernels run fp32 or bf16, got x of dtype {x.dtype}")
-    if not _device_ok(x):
-        raise ValueError(f"{op}: the triton backend needs CUDA tensors (CPU only under TRITON_INTERPRET=1), got x on {x.device}")
+    check_dtype_device(op, "x", x, _interpreting())
     m, h, d = x.shape
     if h < 1 or d < 2 or d % 2 or d > MAX_HEAD_WIDTH:
         raise ValueError(f"{op}: expected H >= 1 and an even head width 2..{MAX_HEAD_WIDTH}, got x of shape {tuple(x.shape)}")

@@ -60,11 +60,13 @@ from .launch import (
     _interpreting,
     act_bwd,
     act_fwd,
+    check_dtype_device,
     check_inputs,
     gemm_bwd,
     gemm_db,
     gemm_dw,
     gemm_fwd,
+    launch_opts,
 )
 from .weights import drop_prepacked, prepacked_bytes, prepacked_weight
 
@@ -78,6 +80,7 @@ __all__ = [
     "_interpreting",
     "act_bwd",
     "act_fwd",
+    "check_dtype_device",
     "check_inputs",
     "drop_prepacked",
     "gemm",
@@ -85,6 +88,7 @@ __all__ = [
     "gemm_db",
     "gemm_dw",
     "gemm_fwd",
+    "launch_opts",
     "prepacked_bytes",
     "prepacked_weight",
 ]

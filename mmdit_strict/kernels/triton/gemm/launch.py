@@ -33,13 +33,27 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-def _launch_opts(num_warps: int, num_stages: int | None = None) -> dict:
-    if _interpreting():
+def launch_opts(num_warps: int, interpreting: bool, **limits: int | None) -> dict:
+    """The compile options of every strict launch: none under the interpreter; else ``num_warps``,
+    ``enable_fp_fusion=False`` (no multiply-add contracted) and each of ``limits`` (``num_stages``,
+    ``maxnreg``) that is not None. ``interpreting`` is the calling module's own ``_interpreting()``: the
+    offline sm_90 compile tools (benchmarks/rows_sass.py, attention_sass.py) replace that per module."""
+    if interpreting:
         return {}
-    opts = {"num_warps": num_warps, "enable_fp_fusion": False}
-    if num_stages is not None:
-        opts["num_stages"] = num_stages
-    return opts
+    return {"num_warps": num_warps, "enable_fp_fusion": False, **{k: v for k, v in limits.items() if v is not None}}
+
+
+def check_dtype_device(op: str, name: str, t: torch.Tensor, interpreting: bool) -> None:
+    """A row kernel's operand ``t``: fp32|bf16, on CUDA (CPU only under the interpreter), else ValueError.
+    ``interpreting`` as in :func:`launch_opts`."""
+    if t.dtype not in _DTYPES:
+        raise ValueError(f"{op}: strict kernels run fp32 or bf16, got {name} of dtype {t.dtype}")
+    if not (t.device.type == "cuda" or (interpreting and t.device.type == "cpu")):
+        raise ValueError(f"{op}: the triton backend needs CUDA tensors (CPU only under TRITON_INTERPRET=1), got {name} on {t.device}")
+
+
+def _launch_opts(num_warps: int, num_stages: int | None = None) -> dict:
+    return launch_opts(num_warps, _interpreting(), num_stages=num_stages)
 
 
 def _pow2_at_least(n: int, lo: int = 16) -> int:
