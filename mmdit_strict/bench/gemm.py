@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from . import markdown as md
 from .environment import environment_line, gpu_environment
+from .timing import graph_ms
 
 # the batch layouts the qualification reads the model's GEMM classes from: (latent grid, prompt tokens
 # per sample) — one 1024² image with a 128-token prompt, then with its 16-token negative prompt (CFG)
@@ -242,15 +243,7 @@ def _bench_graph(fn):
     """
     if DEVICE != "cuda":
         return None
-    from triton.testing import do_bench_cudagraph
-
-    try:
-        fn()  # compile and fill caches outside the capture
-        torch.cuda.synchronize()
-        r = do_bench_cudagraph(fn, rep=100, quantiles=[0.5])
-        return float(r[0] if isinstance(r, (list, tuple)) else r)
-    except Exception:  # capture-unsafe path (host sync inside): report plain timings only
-        return None
+    return graph_ms(fn, rep=100)
 
 
 def speed_case(G, name, n, k, bias, prologue, epilogue, dtype, m):

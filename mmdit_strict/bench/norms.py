@@ -41,6 +41,7 @@ import torch
 
 from . import markdown as md
 from .environment import environment_line, gpu_environment
+from .timing import graph_ms, median_ms
 
 from mmdit_strict.tolerances import Tolerance, tolerance
 
@@ -416,23 +417,13 @@ def variant_bytes_case(spec: Spec, dname: str, name: str, seed: int) -> dict:
 
 
 def _graph_ms(fn, rep: int = 60) -> float | None:
-    """Median ms of ``fn`` replayed from a CUDA graph (``rep`` ms of replays); None where capture fails."""
-    from triton.testing import do_bench_cudagraph
-
-    try:
-        fn()
-        torch.cuda.synchronize()
-        r = do_bench_cudagraph(fn, rep=rep, quantiles=[0.5])
-        return float(r[0] if isinstance(r, (list, tuple)) else r)
-    except Exception:  # noqa: BLE001 - capture not possible: report plain timings only
-        return None
+    return graph_ms(fn, rep=rep)
 
 
 def _plain_ms(fn) -> float:
     from triton.testing import do_bench
 
-    r = do_bench(fn, warmup=10, rep=50, quantiles=[0.5])
-    return float(r[0] if isinstance(r, (list, tuple)) else r)  # one quantile comes back as a float
+    return median_ms(do_bench(fn, warmup=10, rep=50, quantiles=[0.5]))
 
 
 _COPY: dict[int, float] = {}
