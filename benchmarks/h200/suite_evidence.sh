@@ -1,22 +1,23 @@
 #!/usr/bin/env bash
 # The whole test suite of one commit with the GPU present, in one GPU call: the CPU tests (`-m "not gpu"`) over
-# 12 pytest-xdist processes, then the GPU tests (`-m gpu`) over 4, with every test's result and the slowest
-# durations listed. Together they are `-m "gpu or not gpu"`. At acf771d one run of both over 16 processes reached
-# 93 % in 400 s without a failure or a summary, so each part runs under its own limit, interrupted with SIGINT
-# (pytest then prints the summary and durations of what finished).
+# 8 pytest-xdist processes of 2 threads each, then the GPU tests (`-m gpu`) over 4, with skip reasons and the
+# slowest durations listed. Together they are `-m "gpu or not gpu"`. Each part runs under its own limit,
+# interrupted with SIGINT (pytest then prints the summary and durations of what finished). At 8a2787d the CPU
+# part over 12 processes with torch's default threads (16 each, on 16 cores) ran 633 of its tests in 150 s:
+# oversubscribed, its slowest tests took 2-10x their time on the 2-core CI machine.
 # Run from the repository root on the GPU machine:  MMDIT_COMMIT=<hash> bash benchmarks/h200/suite_evidence.sh OUT_DIR
 # Everything lands in OUT_DIR/suite_evidence.tgz.
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/evidence_common.sh"
 evidence_begin suite_evidence "${1:-}"
 suite_part() {  # NAME LIMIT_S WORKERS MARK
-  time timeout -s INT "$2" python3 -m pytest -q -n "$3" -m "$4" -p no:cacheprovider -rfE -v \
+  time OMP_NUM_THREADS=2 timeout -s INT "$2" python3 -m pytest -q -n "$3" -m "$4" -p no:cacheprovider -rfEs \
     --durations=40 >"$ev/pytest_$1.txt" 2>&1
   echo "pytest $1 exit $?"; grep -E "passed|failed|error" "$ev/pytest_$1.txt" | tail -3
 }
 {
   evidence_header
-  suite_part cpu "${SUITE_CPU_S:-150}" 12 "not gpu"
+  suite_part cpu "${SUITE_CPU_S:-200}" 8 "not gpu"
   suite_part gpu "${SUITE_GPU_S:-360}" 4 "gpu"
   tail -60 "$ev/pytest_gpu.txt"
 } 2>&1 | tee "$ev/log.txt"
