@@ -66,20 +66,36 @@ REF_HEADS = 2  # accuracy is checked on heads 0..REF_HEADS-1 against the CPU FP6
 # Candidate overrides of the frozen d=128 configurations (informational; see ``candidates``), as
 # (dtype, part, override). Earlier runs: 90d39bb (tiles and warps), f02d17b (load paths, backward neighbours), c68c981
 # (resident/stat/TMA options, the 128x128 forward tile) and 6ab3b56 (its qualification); see experiments/attention/.
-# This set (run at 5656ade: experiments/attention/5656ade/cand, where the 3-stage pv_async row raised OutOfResources,
-# fixed since: tile 0's dot in a block of its own, 230,400 B of shared memory as the frozen forward): the frozen
-# configuration as the baseline and the forward issue order "fwd_overlap": "pv_async" (each tile's P V left running on
-# the tensor cores under the next tile's softmax; same operations in the same order, so the frozen bytes are
-# expected), at the frozen 3 stages and at 2 (439 TFLOP/s at 5656ade vs 500 frozen); and pv_async on 128x64 tiles (new
-# bytes: 64-key steps, informational only; 422 at 5656ade). Offline sm_90 compile (Triton 3.6): pv_async forward 255
-# registers, 72 B of spill outside the key loop (epilogue addresses), none in it; its loop issues the softmax after
-# the P V wgmma.
+# At 5656ade (experiments/attention/5656ade/cand) the forward issue order "fwd_overlap": "pv_async" (each tile's P V left
+# running on the tensor cores under the next tile's softmax; same operations in the same order, so the frozen bytes)
+# ran 439 TFLOP/s at 2 stages vs 500 frozen; its 3-stage row (launching since b1d6ccd: 230,400 B of shared memory as
+# the frozen forward) kept the frozen bytes but ran 440 vs 494 at acf771d (experiments/attention/acf771d/cand); kept
+# below as the reference of the in-CTA overlap. The frozen forward (128x128, 8 warps, 3 stages: 242
+# registers, 230,400 B) runs one CTA per SM, so the tensor cores idle during each tile's softmax. The new rows are
+# forward tiles of which TWO CTAs fit on one SM (65,536 registers, 228 KiB shared memory per SM with 1 KiB reserved per
+# CTA), so that the SM interleaves one CTA's softmax with the other's wgmma. Offline sm_90 compile (Triton 3.6,
+# benchmarks/attention_sass; registers, spill stack, shared memory, CTAs/SM by registers and by shared memory):
+#   (64, 128, 4, 1)            243 regs, 0 B, 82,944 B: 2 CTAs/SM (1 stage: no K/V prefetch within a CTA)
+#   (64, 64, 4, 2)             165 regs, 0 B, 82,944 B: 2 CTAs/SM (3 by registers)
+#   (64, 64, 4, 3)             163 regs, 0 B, 115,712 B: 2 CTAs/SM, exactly at 228 KiB (2 x (115,712 + 1,024))
+#   (64, 64, 4, 3) pv_async    195 regs, 0 B, 115,712 B: 2 CTAs/SM, exactly at 228 KiB
+#   (128, 64, 8, 2) maxnreg 128  128 regs, 48 B (no spill in the key loop), 98,320 B: 2 CTAs/SM, but ptxas serializes
+#                              every wgmma (a WARPGROUP.DEPBAR after each HGMMA: 24 warpgroup ops a key tile vs 3)
+# Left out: (128, 64, 8, 2) uncapped 168 regs (1 CTA/SM by registers); (64, 128, 4, 2|3) 148,480|214,016 B (1 by shared
+# memory); (128, 128, 8, 2) maxnreg 128 spills in the key loop (1,544 B); pv_async (128, 64, 8, 2) maxnreg 128 spills
+# in the key loop (224 B). Tiles other than the frozen 128 x 128 are informational until qualified: 64-key steps
+# change the forward bytes (a new key-step grouping); the 64 x 128 tile keeps the 128-key steps and the per-warpgroup
+# wgmma shapes (64 x 128 x 16) of the frozen one, so its bytes may equal the frozen ones (the table's byte columns
+# tell). fwd_maxnreg is a compile option: with the frozen tile it would keep the bytes.
 _PV_ASYNC = {"fwd_overlap": "pv_async"}
 CANDIDATES = (
     ("bf16", "fwd", {}),  # the frozen configuration itself: the baseline of the table
     ("bf16", "fwd", _PV_ASYNC),
-    ("bf16", "fwd", {**_PV_ASYNC, "fwd": (128, 128, 8, 2)}),
-    ("bf16", "fwd", {**_PV_ASYNC, "fwd": (128, 64, 8, 3)}),
+    ("bf16", "fwd", {"fwd": (64, 128, 4, 1)}),
+    ("bf16", "fwd", {"fwd": (64, 64, 4, 2)}),
+    ("bf16", "fwd", {"fwd": (64, 64, 4, 3)}),
+    ("bf16", "fwd", {**_PV_ASYNC, "fwd": (64, 64, 4, 3)}),
+    ("bf16", "fwd", {"fwd": (128, 64, 8, 2), "fwd_maxnreg": 128}),
 )
 DEVICE = "cuda"
 

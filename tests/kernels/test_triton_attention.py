@@ -211,14 +211,47 @@ def test_bad_load_option() -> None:
         A.attention_bwd(o_t, o_i, *packed, o_t, o_i, lse, tseq, iseq, {**A.config_for(D, torch.float32), "stat_loads": "rows"})
 
 
+def test_fwd_maxnreg_is_validated_and_reaches_the_forward_launch_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fwd_maxnreg``: None or an int in ``_MAXNREG_RANGE`` (a ValueError names the key otherwise), passed as the
+    ``maxnreg`` compile option of the forward kernel alone (the launch options are checked as a compiled launch
+    would get them; under the interpreter they are empty)."""
+    s, _ = _sample(3, 5, 51)
+    packed, tseq, iseq = bench.pack([s])
+    base = A.config_for(D, torch.float32)
+    for bad in ("128", 128.0, True, 0, A._MAXNREG_RANGE[0] - 1, A._MAXNREG_RANGE[1] + 1, [128]):
+        with pytest.raises(ValueError, match="fwd_maxnreg"):
+            A.attention_fwd(*packed, tseq, iseq, {**base, "fwd_maxnreg": bad})
+    seen: dict[str, dict] = {}
+
+    class Stub:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.__setitem__(self.name, kwargs)
+
+    for name in ("_attn_fwd_kernel", "_bwd_delta_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel"):
+        monkeypatch.setattr(A, name, Stub(name))
+    monkeypatch.setattr(A, "_interpreting", lambda: False)
+    for cap in (None, 128, A._MAXNREG_RANGE[0], A._MAXNREG_RANGE[1]):
+        cfg = {**base, "fwd_maxnreg": cap}
+        o_t, o_i, lse = A.attention_fwd(*packed, tseq, iseq, cfg)
+        A.attention_bwd(o_t, o_i, *packed, o_t, o_i, lse, tseq, iseq, cfg)
+        assert seen["_attn_fwd_kernel"].get("maxnreg") == cap, (cap, seen["_attn_fwd_kernel"])
+        assert seen["_attn_fwd_kernel"]["num_warps"] == base["fwd"][2]
+        assert all("maxnreg" not in seen[k] for k in seen if k != "_attn_fwd_kernel"), seen
+
+
 def test_bench_candidates_name_known_options() -> None:
     """Every candidate override of the GPU bench names configuration keys and values the launcher accepts."""
     tiles = {"fwd", "dkdv", "dq"}
     for dtype, part, override in bench.CANDIDATES:
         assert dtype in bench.DTYPES and part in ("fwd", "bwd", "both"), (dtype, part)
         assert isinstance(override, dict), override
-        assert set(override) <= tiles | {"delta", "fwd_loads", "bwd_loads", "resident_loads", "stat_loads", "fwd_overlap"}, override
+        assert set(override) <= tiles | {"delta", "fwd_loads", "bwd_loads", "resident_loads", "stat_loads", "fwd_overlap",
+                                         "fwd_maxnreg"}, override
         assert override.get("fwd_overlap", "off") in A._OVERLAP, override
+        assert A._fwd_maxnreg(override) == override.get("fwd_maxnreg"), override
         for key in ("fwd_loads", "bwd_loads"):
             assert override.get(key, "pointer") in A._LOADS, override
         assert override.get("resident_loads", "select") in A._RESIDENT, override

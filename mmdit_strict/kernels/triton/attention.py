@@ -548,6 +548,12 @@ _STAT = {"tensor": False, "base": True}
 # paths ignore it): AHEAD of _attn_fwd_kernel. "pv_async" leaves each tile's P V running under the next tile's
 # softmax (_fwd_segment_ahead). Same operations on the same values in the same order per tile, so the same bytes.
 _OVERLAP = {"off": False, "pv_async": True}
+# Register cap of the forward kernel (config key "fwd_maxnreg", default None = no cap): the ``maxnreg`` compile option
+# of _attn_fwd_kernel alone (ptxas ``.maxnreg``; the backward kernels are not capped). A compile option, not
+# arithmetic: the same operations on the same values, so the same bytes (ptxas may spill to local memory to meet it).
+# Meant for forward tiles of which two CTAs fit on one SM (<= 128 registers a thread at 8 warps: 65,536 / (2 * 256)),
+# so that one CTA's softmax runs under the other's wgmma. An int in _MAXNREG_RANGE, or None.
+_MAXNREG_RANGE = (24, 255)
 _DOT_PRECISION = "ieee"
 
 
@@ -633,8 +639,17 @@ def _resident_direct(cfg: dict) -> bool:
     return _option(cfg, "resident_loads", _RESIDENT, "select")
 
 
-def _launch_opts(warps: int, stages: int) -> dict:
-    return launch_opts(warps, _interpreting(), num_stages=stages)
+def _fwd_maxnreg(cfg: dict) -> int | None:
+    """The forward's register cap (config ``fwd_maxnreg``, see ``_MAXNREG_RANGE``); ValueError for a bad value."""
+    cap = cfg.get("fwd_maxnreg")
+    lo, hi = _MAXNREG_RANGE
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or not lo <= cap <= hi):
+        raise ValueError(f"fwd_maxnreg must be None or an int in {lo}..{hi}, got {cap!r}")
+    return cap
+
+
+def _launch_opts(warps: int, stages: int, maxnreg: int | None = None) -> dict:
+    return launch_opts(warps, _interpreting(), num_stages=stages, maxnreg=maxnreg)
 
 
 def _scales(head_dim: int) -> tuple[float, float]:
@@ -707,6 +722,7 @@ def attention_fwd(q_txt, k_txt, v_txt, q_img, k_img, v_img, tseq, iseq, cfg: dic
     heads, d = q_img.shape[1:]
     cfg = cfg or config_for(d, q_img.dtype)
     bm, bn, warps, stages = cfg["fwd"]
+    maxnreg = _fwd_maxnreg(cfg)
     loads = _load_path(cfg.get("fwd_loads", "pointer"), k_txt, k_img, v_txt, v_img)
     if out is None:
         out = (torch.empty_like(q_txt), torch.empty_like(q_img),
@@ -720,7 +736,7 @@ def attention_fwd(q_txt, k_txt, v_txt, q_img, k_img, v_img, tseq, iseq, cfg: dic
             heads * d, heads, qk_scale,
             D=d, BLOCK_M=bm, BLOCK_N=bn, DOT_PRECISION=_DOT_PRECISION, LOADS=loads,
             RESIDENT_DIRECT=_resident_direct(cfg), AHEAD=_option(cfg, "fwd_overlap", _OVERLAP, "off"),
-            **_launch_opts(warps, stages))
+            **_launch_opts(warps, stages, maxnreg))
     return o_txt, o_img, lse
 
 
