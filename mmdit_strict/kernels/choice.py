@@ -1,29 +1,47 @@
-"""A named choice among kernel variants, with a default, set for a block of code (context-local)."""
+"""A kernel setting set for a block of code (context-local): a named choice among variants, or a launch."""
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
 
 from ..context import bound
 
+T = TypeVar("T")
 
-class KernelChoice:
+
+class KernelSetting(Generic[T]):
+    """``get()`` is the innermost ``use(value)`` in force, else ``default``; ``use`` first calls
+    ``check(value)``, which raises ValueError for a value it refuses (inside the ``with``, before binding)."""
+
+    def __init__(self, what: str, default: T, check: Callable[[T], None]) -> None:
+        self.what, self._check = what, check
+        self._var: contextvars.ContextVar[T] = contextvars.ContextVar(f"mmdit_{what.replace(' ', '_')}", default=default)
+
+    def get(self) -> T:
+        return self._var.get()
+
+    @contextlib.contextmanager
+    def use(self, value: T) -> Iterator[None]:
+        self._check(value)
+        with bound(self._var, value):
+            yield
+
+
+class KernelChoice(KernelSetting[str]):
     """``current()`` is the innermost ``use(name)`` in force, else ``default``; unknown names are refused."""
 
     def __init__(self, what: str, options: tuple[str, ...], default: str) -> None:
         if default not in options:
             raise ValueError(f"default {default!r} of {what} is not one of {options}")
-        self.what, self.options = what, options
-        self._var: contextvars.ContextVar[str] = contextvars.ContextVar(f"mmdit_{what.replace(' ', '_')}", default=default)
+        self.options = options
+        super().__init__(what, default, self._known)
 
-    def current(self) -> str:
-        return self._var.get()
-
-    @contextlib.contextmanager
-    def use(self, name: str) -> Iterator[None]:
+    def _known(self, name: str) -> None:
         if name not in self.options:
             raise ValueError(f"{self.what} must be one of {self.options}, got {name!r}")
-        with bound(self._var, name):
-            yield
+
+    def current(self) -> str:
+        return self.get()

@@ -32,9 +32,7 @@ the final modulation need no copy); rows must be contiguous.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -42,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...context import bound
+from ..choice import KernelSetting
 from ..registry import KernelImpl, register
 from . import segments as seg
 from .gemm import _DTYPES, _interpreting, check_dtype_device, gemm, launch_opts
@@ -98,7 +96,14 @@ LN_CANDIDATES = tuple(dict.fromkeys([
       for r, a, m, ba, bm in ((4, 1, None, 1, None), (1, 0, None, 0, None), (1, 1, None, 1, 128), (8, 1, None, 0, None),
                               (2, 1, 80, 0, None), (1, 0, 64, 0, None), (8, 0, 64, 1, 128))),
 ]))
-_LN_LAUNCH: contextvars.ContextVar[LnLaunch | None] = contextvars.ContextVar("mmdit_ln_launch", default=None)
+
+
+def _check_ln_launch(launch: object) -> None:
+    if not isinstance(launch, LnLaunch) or launch.fwd_rows < 1 or {launch.fwd_ahead, launch.bwd_ahead} - {0, 1}:
+        raise ValueError(f"expected an LnLaunch with fwd_rows >= 1 and fwd_ahead / bwd_ahead 0 or 1, got {launch!r}")
+
+
+_LN_LAUNCH: KernelSetting[LnLaunch | None] = KernelSetting("ln launch", None, _check_ln_launch)
 
 
 def current_ln_launch(dtype: torch.dtype) -> LnLaunch:
@@ -107,20 +112,11 @@ def current_ln_launch(dtype: torch.dtype) -> LnLaunch:
     return _LN_LAUNCH.get() or LN_DEFAULTS[dtype]
 
 
-@contextlib.contextmanager
-def ln_launch(launch: LnLaunch) -> Iterator[None]:
+def ln_launch(launch: LnLaunch) -> contextlib.AbstractContextManager[None]:
     """Launch the LayerNorm kernels with ``launch`` inside the block, whatever the dtype (bench and tests).
     Context-local; the autograd node keeps the launch in force at its forward for its backward, which
     autograd may run on another thread."""
-    if not isinstance(launch, LnLaunch) or launch.fwd_rows < 1 or {launch.fwd_ahead, launch.bwd_ahead} - {0, 1}:
-        raise ValueError(f"expected an LnLaunch with fwd_rows >= 1 and fwd_ahead / bwd_ahead 0 or 1, got {launch!r}")
-    with bound(_LN_LAUNCH, launch):
-        yield
-
-
-def _opts(block: int, maxnreg: int | None = None) -> dict:
-    """Warps from the padded row width (``rope.num_warps_for``, never from M)."""
-    return launch_opts(num_warps_for(block), _interpreting(), maxnreg=maxnreg)
+    return _LN_LAUNCH.use(launch)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -359,7 +355,8 @@ def adaln_modulation_fwd(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tens
     _adaln_mod_fwd_kernel[(ch.n,)](
         x, shift, scale, ch.table, y, mean if store_stats else y, rstd if store_stats else y,
         ch.n, d, float(d), float(eps), x.stride(0), y.stride(0), _stride0(shift), _stride0(scale),
-        STORE_STATS=store_stats, AHEAD=launch.fwd_ahead, BLOCK_D=block, **_opts(block, launch.fwd_maxnreg),
+        STORE_STATS=store_stats, AHEAD=launch.fwd_ahead, BLOCK_D=block,
+        **launch_opts(num_warps_for(block), _interpreting(), maxnreg=launch.fwd_maxnreg),
     )
     return y, mean, rstd
 
@@ -379,7 +376,8 @@ def adaln_modulation_bwd(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor,
         _adaln_mod_bwd_kernel[(ch.n,)](
             x, scale, dy, mean, rstd, ch.table, dx, part if need_vec else dx,
             ch.n, d, float(d), x.stride(0), dy.stride(0), dx.stride(0), _stride0(scale), 2 * d,
-            NEED_VEC=need_vec, AHEAD=launch.bwd_ahead, BLOCK_D=block, **_opts(block, launch.bwd_maxnreg),
+            NEED_VEC=need_vec, AHEAD=launch.bwd_ahead, BLOCK_D=block,
+            **launch_opts(num_warps_for(block), _interpreting(), maxnreg=launch.bwd_maxnreg),
         )
     if not need_vec:
         return dx, None, None
@@ -435,7 +433,7 @@ def gate_residual_fwd(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, seql
     block = triton.next_power_of_2(d)
     _gate_residual_fwd_kernel[(ch.n,)](
         x, y, gate, ch.table, out, ch.n, d, x.stride(0), y.stride(0), _stride0(gate), out.stride(0),
-        BLOCK_D=block, **_opts(block),
+        BLOCK_D=block, **launch_opts(num_warps_for(block), _interpreting()),
     )
     return out
 
@@ -452,7 +450,7 @@ def gate_residual_bwd(dout: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, s
         _gate_residual_bwd_kernel[(ch.n,)](
             dout, y, gate, ch.table, dy if need_dy else dout, part if need_gate else dout,
             ch.n, d, dout.stride(0), y.stride(0), _stride0(gate), y.stride(0), d,
-            NEED_DY=need_dy, NEED_VEC=need_gate, BLOCK_D=block, **_opts(block),
+            NEED_DY=need_dy, NEED_VEC=need_gate, BLOCK_D=block, **launch_opts(num_warps_for(block), _interpreting()),
         )
     dgate = seg.per_sample_sums(part, ch, y.dtype, _interpreting()) if need_gate else None
     return dy, dgate

@@ -52,9 +52,7 @@ dtype, and are read in FP32.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -62,8 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...context import bound
-from ..choice import KernelChoice
+from ..choice import KernelChoice, KernelSetting
 from ..registry import KernelImpl, register
 from . import segments as seg
 from .gemm import _DTYPES, _interpreting, check_dtype_device, launch_opts
@@ -120,7 +117,14 @@ QK_BWD_DEFAULTS = {(torch.bfloat16, False): QkBwdLaunch(ahead=1), (torch.bfloat1
                    (torch.float32, False): QkBwdLaunch(ahead=1, maxnreg=128), (torch.float32, True): QkBwdLaunch(ahead=1)}
 QK_BWD_CANDIDATES = tuple(dict.fromkeys([QK_BWD_REFERENCE, *QK_BWD_DEFAULTS.values(), QkBwdLaunch(1), QkBwdLaunch(2),
                                          QkBwdLaunch(1, 128)]))
-_QK_BWD_LAUNCH: contextvars.ContextVar[QkBwdLaunch | None] = contextvars.ContextVar("mmdit_qk_bwd_launch", default=None)
+
+
+def _check_qk_bwd_launch(launch: object) -> None:
+    if not isinstance(launch, QkBwdLaunch) or launch.ahead not in (1, 2, 3):
+        raise ValueError(f"expected a QkBwdLaunch with ahead 1, 2 or 3, got {launch!r}")
+
+
+_QK_BWD_LAUNCH: KernelSetting[QkBwdLaunch | None] = KernelSetting("qk bwd launch", None, _check_qk_bwd_launch)
 
 
 def current_qk_bwd_launch(dtype: torch.dtype, heads: int) -> QkBwdLaunch:
@@ -129,14 +133,10 @@ def current_qk_bwd_launch(dtype: torch.dtype, heads: int) -> QkBwdLaunch:
     return _QK_BWD_LAUNCH.get() or QK_BWD_DEFAULTS[dtype, heads == 1]
 
 
-@contextlib.contextmanager
-def qk_bwd_launch(launch: QkBwdLaunch) -> Iterator[None]:
+def qk_bwd_launch(launch: QkBwdLaunch) -> contextlib.AbstractContextManager[None]:
     """Launch the contiguous QK backward with ``launch`` inside the block, whatever the dtype (bench and
     tests). Context-local; the autograd node keeps the launch in force at its forward for its backward."""
-    if not isinstance(launch, QkBwdLaunch) or launch.ahead not in (1, 2, 3):
-        raise ValueError(f"expected a QkBwdLaunch with ahead 1, 2 or 3, got {launch!r}")
-    with bound(_QK_BWD_LAUNCH, launch):
-        yield
+    return _QK_BWD_LAUNCH.use(launch)
 
 
 def num_warps_for(elems: int) -> int:
