@@ -32,7 +32,7 @@ from tests.harness import (  # noqa: E402
     rows_op,
     run_with_grads,
 )
-from tests.kernels.triton_rows import GPU_TARGETS, interp, skip_unless_compiled  # noqa: E402  (mode: tests/conftest.py)
+from tests.kernels.triton_rows import GPU_TARGETS, interp, on_gpu_targets, skip_unless_compiled  # noqa: E402  (mode: tests/conftest.py)
 
 C, D = 32, 40  # sinusoid channels and model width (non-multiples of the small-shape tiles)
 SIGMAS = torch.tensor([1.0, 0.5, 0.02, 0.0, 0.731], dtype=torch.float32)
@@ -98,8 +98,7 @@ def test_registered_for_cuda_strict_fp32_and_bf16():
 QWEN_C, QWEN_D = 256, 3072
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
+@on_gpu_targets
 def test_gpu_rows_are_batch_invariant(target):
     skip_unless_compiled(target)
     p = _params(QWEN_C, QWEN_D, target)
@@ -108,8 +107,7 @@ def test_gpu_rows_are_batch_invariant(target):
                          target=target, what=f"triton timestep_embed_mlp {target.label}")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
+@on_gpu_targets
 def test_gpu_accuracy(target):
     """Output and each parameter gradient vs the FP64 reference; bf16 bounds scale with that tensor's
     max|ref| (the engine's ``gemm.<check>.bf16`` form), fp32 uses ``ops.timestep_embed_mlp[_grad]``."""

@@ -25,6 +25,7 @@ from tests.kernels.triton_rows import (  # noqa: E402  (interpreter mode: tests/
     INTERPRET,
     G,
     interp,
+    on_gpu_targets,
     skip_unless_compiled,
 )
 
@@ -516,8 +517,7 @@ def _ids(layers):
     return [l[0] for l in layers]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
+@on_gpu_targets
 @pytest.mark.parametrize("layer", GPU_LAYERS, ids=_ids(GPU_LAYERS))
 def test_gpu_row_invariance(target, layer):
     """y and dX rows: a batch of B ∈ {2, 3, 64, 257} rows equals each row alone (every position, reversed, probe)."""
@@ -534,8 +534,7 @@ def test_gpu_row_invariance(target, layer):
                          target=target, what=f"triton gemm {name} {target.label} (y, dX)")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
+@on_gpu_targets
 @pytest.mark.parametrize("layer", GPU_LAYERS[1:], ids=_ids(GPU_LAYERS[1:]))
 def test_gpu_token_sweep(target, layer):
     """Samples of 1..300 tokens batched together (and reversed) equal each alone; a sample's first n rows alone
@@ -552,8 +551,7 @@ def test_gpu_token_sweep(target, layer):
                       target=target, row_local=True, what=f"triton gemm {name} {target.label}")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
+@on_gpu_targets
 @pytest.mark.parametrize("layer", GPU_LAYERS, ids=_ids(GPU_LAYERS))
 def test_gpu_grad_accuracy(target, layer):
     """Forward and each gradient (dX, dW, db, dA, dB) against the FP64 reference within tolerances.yaml

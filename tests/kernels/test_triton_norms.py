@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.triton_rows import GPU_TARGETS, N, S, interp, skip_unless_compiled  # noqa: I001  (interpreter mode: tests/conftest.py)
+from tests.kernels.triton_rows import GPU_TARGETS, N, S, interp, on_gpu_targets, skip_unless_compiled  # noqa: I001  (interpreter mode: tests/conftest.py)
 
 from mmdit_strict.bench.norms import row_tolerance  # noqa: E402
 from mmdit_strict.kernels import production as P  # noqa: E402
@@ -406,8 +406,7 @@ QD, QCT = 3072, 3584
 GPU_SEQ = (300, 0, 77)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
+@on_gpu_targets
 def test_gpu_accuracy(target):
     skip_unless_compiled(target)
     check_modulation_accuracy(QD, GPU_SEQ, target)
@@ -416,8 +415,7 @@ def test_gpu_accuracy(target):
     check_txt_in_accuracy(QCT, QD, (90, 0, 37), target)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
+@on_gpu_targets
 def test_gpu_batch_invariance(target):
     """Samples alone vs in batches of 2, 3, 8, 64 at every position (and reversed, and a probe at
     first/middle/last): y, dx, d_shift, d_scale (and y, dx, dy, d_gate) as raw bytes."""
@@ -425,8 +423,7 @@ def test_gpu_batch_invariance(target):
     check_invariance(QD, target, (2, 3, 8, 64), 1, 40)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
+@on_gpu_targets
 def test_gpu_token_sweep(target):
     skip_unless_compiled(target)
     check_sweep(QD, target, (1, 7, 15, 16, 17, 100, S.CHUNK_ROWS * S.FOLD_TILE + 1))
@@ -439,8 +436,7 @@ def test_gpu_fp32_param_grad_fold():
     check_txt_gain_fold(QCT, 256, target, (7, 1, 130, 0, 33))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
+@on_gpu_targets
 def test_gpu_no_host_sync_on_repeat(target):
     """A repeated call with the same seqlens launches without a host synchronisation (tables cached)."""
     skip_unless_compiled(target)
@@ -461,8 +457,7 @@ def test_gpu_no_host_sync_on_repeat(target):
     run_without_host_sync(step)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
+@on_gpu_targets
 @pytest.mark.parametrize("launch", LN_OTHERS, ids=lambda c: c.label())
 def test_gpu_ln_launch_bytes_equal_reference(target, launch):
     """At D = 3072 every launch candidate gives the reference launch's bytes (odd and even row counts, an

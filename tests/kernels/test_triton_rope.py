@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.triton_rows import GPU_TARGETS, R, interp, skip_unless_compiled  # noqa: I001  (interpreter mode: tests/conftest.py)
+from tests.kernels.triton_rows import GPU_TARGETS, R, interp, on_gpu_targets, skip_unless_compiled  # noqa: I001  (interpreter mode: tests/conftest.py)
 
 from mmdit_strict.kernels import production as P  # noqa: E402
 from mmdit_strict.model.rope import rope_tables  # noqa: E402
@@ -414,8 +414,7 @@ GPU_LAYOUT_CHECKS = {
 }
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
+@on_gpu_targets
 @pytest.mark.parametrize("layout", R.QK_LAYOUTS)
 @pytest.mark.parametrize("check", GPU_LAYOUT_CHECKS)
 def test_gpu_layout_check(target, layout, check):
@@ -438,8 +437,7 @@ def _compiled(fn) -> int:
     return sum(len(cache[0]) for cache in fn.device_caches.values())
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
+@on_gpu_targets
 def test_gpu_contiguous_one_binary_for_norm_rope_and_fused(target):
     """In the contiguous layout qk_rmsnorm, multi_axis_rope (both directions) and the fused op run ONE
     compiled forward kernel and qk_rmsnorm / fused share ONE compiled backward (runtime flags, no
@@ -463,8 +461,7 @@ def test_gpu_contiguous_one_binary_for_norm_rope_and_fused(target):
     assert_bytes_equal(grads_f, grads_u, f"fused vs unfused dx, d_gain 5x40 {target.label}")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
+@on_gpu_targets
 def test_gpu_no_host_sync_on_repeat(target):
     skip_unless_compiled(target)
     gen = generator(19)
@@ -482,8 +479,7 @@ def test_gpu_no_host_sync_on_repeat(target):
     run_without_host_sync(step)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("target", GPU_TARGETS, ids=lambda t: t.label)
+@on_gpu_targets
 @pytest.mark.parametrize("launch", QK_OTHERS, ids=lambda c: c.label())
 def test_gpu_qk_bwd_launch_bytes_equal_reference(target, launch):
     """Every launch candidate at 24 × 128 and txt_in's one head of 3584: forward, dx and d_gain = the
