@@ -339,6 +339,11 @@ def _dkdv_tile(dk, dv, k, v, q, do, lse, delta, qk_scale, DOT_PRECISION: tl.cons
     return dk, dv
 
 
+# _dkdv_segment and _dq_segment keep their own segment walks (n_full/tail, the TMA and pointer branches, the peeled
+# tail; issue 9's duplicate D2): folded into shared @triton.jit walk helpers (start, load, advance) their PTX is the
+# same instruction for instruction and, without line info, so is the sm_90 SASS; but Triton compiles with line info,
+# the helpers' inlined scopes add $L__tmp labels around the pipelined cp.async prologue, and ptxas then allocates
+# the spilling fp32 dK/dV kernel's registers differently (bf16 and the dQ kernel stayed identical).
 @triton.jit
 def _dkdv_segment(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, row0, n, stat0, row_stride, col, n_heads,
                   qk_scale, D: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr,
