@@ -21,6 +21,7 @@ from ..context import bound
 from ..kernels.registry import dispatch, resolve
 from ..kernels.trace import record
 from ..kernels.runtime import current_runtime, runtime_mode
+from ..kernels.streams import gemm_stream
 from .rope import packed_rope_tables
 
 if TYPE_CHECKING:
@@ -164,10 +165,14 @@ def linear_params(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None,
     return base.weight, base.bias, lora
 
 
-def _gemm(op: str, where: str, x: torch.Tensor, module: nn.Module, seqlens: tuple[int, ...], **kw: Any) -> torch.Tensor:
+def _gemm(op: str, where: str, x: torch.Tensor, module: nn.Module, seqlens: tuple[int, ...], stream: str = "image",
+          **kw: Any) -> torch.Tensor:
+    """One GEMM-family operator on ``module``'s weights; ``stream`` ("image" | "text") picks the engine's tile
+    for that stream (same bytes, see kernels.streams)."""
     w, b, lora = linear_params(module)
     _note_gemm(op, where, x.shape[0], w, b, kw.get("prologue", "none"), kw.get("epilogue", "none"))
-    return _op(op, where, x, x, w, b, seqlens=seqlens, lora=lora, **kw)
+    with gemm_stream(stream):
+        return _op(op, where, x, x, w, b, seqlens=seqlens, lora=lora, **kw)
 
 
 def _block(
@@ -180,7 +185,7 @@ def _block(
     wi, wt = f"block{i}.img", f"block{i}.txt"
     # (B, 6D) each, chunked as (shift, scale, gate) × (attention, MLP)
     imod = _gemm("adaln_mod_projection", wi, temb, block.img_mod[1], ones, prologue="silu").chunk(6, dim=-1)
-    tmod = _gemm("adaln_mod_projection", wt, temb, block.txt_mod[1], ones, prologue="silu").chunk(6, dim=-1)
+    tmod = _gemm("adaln_mod_projection", wt, temb, block.txt_mod[1], ones, "text", prologue="silu").chunk(6, dim=-1)
     imod = [m.contiguous() for m in imod]
     tmod = [m.contiguous() for m in tmod]
 
@@ -191,33 +196,34 @@ def _block(
     def heads_of(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(t.shape[0], heads, head_dim)
 
-    def qk(where: str, h: torch.Tensor, proj: nn.Module, norm: nn.Module, cos: torch.Tensor, sin: torch.Tensor, seq: tuple[int, ...]) -> torch.Tensor:
-        t = heads_of(_gemm("qkv_bias_gemm", where, h, proj, seq))
+    def qk(where: str, h: torch.Tensor, proj: nn.Module, norm: nn.Module, cos: torch.Tensor, sin: torch.Tensor,
+           seq: tuple[int, ...], stream: str) -> torch.Tensor:
+        t = heads_of(_gemm("qkv_bias_gemm", where, h, proj, seq, stream))
         fused = _fusion("qk_rmsnorm", "multi_axis_rope", t)
         if fused is not None:
             return fused(t, norm.weight, cos, sin, seqlens=seq, eps=eps)
         t = _op("qk_rmsnorm", where, t, t, norm.weight, seqlens=seq, eps=eps)
         return _op("multi_axis_rope", where, t, t, cos, sin)
 
-    qi = qk(wi + ".q", hi, a.to_q, a.norm_q, img_cos, img_sin, iseq)
-    ki = qk(wi + ".k", hi, a.to_k, a.norm_k, img_cos, img_sin, iseq)
+    qi = qk(wi + ".q", hi, a.to_q, a.norm_q, img_cos, img_sin, iseq, "image")
+    ki = qk(wi + ".k", hi, a.to_k, a.norm_k, img_cos, img_sin, iseq, "image")
     vi = heads_of(_gemm("qkv_bias_gemm", wi + ".v", hi, a.to_v, iseq))
-    qt = qk(wt + ".q", ht, a.add_q_proj, a.norm_added_q, txt_cos, txt_sin, tseq)
-    kt = qk(wt + ".k", ht, a.add_k_proj, a.norm_added_k, txt_cos, txt_sin, tseq)
-    vt = heads_of(_gemm("qkv_bias_gemm", wt + ".v", ht, a.add_v_proj, tseq))
+    qt = qk(wt + ".q", ht, a.add_q_proj, a.norm_added_q, txt_cos, txt_sin, tseq, "text")
+    kt = qk(wt + ".k", ht, a.add_k_proj, a.norm_added_k, txt_cos, txt_sin, tseq, "text")
+    vt = heads_of(_gemm("qkv_bias_gemm", wt + ".v", ht, a.add_v_proj, tseq, "text"))
     ot, oi = _op("joint_attention_fused", f"block{i}.joint", qi, qt, kt, vt, qi, ki, vi, txt_seqlens=tseq, img_seqlens=iseq)
 
     img = _op("adaln_gate_residual", wi + ".attn", img, img, _gemm("attn_out_bias_gemm", wi, oi, a.to_out[0], iseq), imod[2], seqlens=iseq)
-    txt = _op("adaln_gate_residual", wt + ".attn", txt, txt, _gemm("attn_out_bias_gemm", wt, ot, a.to_add_out, tseq), tmod[2], seqlens=tseq)
+    txt = _op("adaln_gate_residual", wt + ".attn", txt, txt, _gemm("attn_out_bias_gemm", wt, ot, a.to_add_out, tseq, "text"), tmod[2], seqlens=tseq)
 
-    def mlp(where: str, x: torch.Tensor, mods: list, ff: nn.Module, seq: tuple[int, ...]) -> torch.Tensor:
+    def mlp(where: str, x: torch.Tensor, mods: list, ff: nn.Module, seq: tuple[int, ...], stream: str) -> torch.Tensor:
         h = _op("adaln_modulation", where + ".mlp", x, x, mods[3], mods[4], seqlens=seq, eps=eps)
-        u = _gemm("mlp_up_gemm_gelu", where, h, ff.net[0].proj, seq, epilogue="gelu_tanh")
-        y = _gemm("mlp_down_gemm", where, u, ff.net[2], seq)
+        u = _gemm("mlp_up_gemm_gelu", where, h, ff.net[0].proj, seq, stream, epilogue="gelu_tanh")
+        y = _gemm("mlp_down_gemm", where, u, ff.net[2], seq, stream)
         return _op("adaln_gate_residual", where + ".mlp", x, x, y, mods[5], seqlens=seq)
 
-    img = mlp(wi, img, imod, block.img_mlp, iseq)
-    txt = mlp(wt, txt, tmod, block.txt_mlp, tseq)
+    img = mlp(wi, img, imod, block.img_mlp, iseq, "image")
+    txt = mlp(wt, txt, tmod, block.txt_mlp, tseq, "text")
     return img, txt
 
 

@@ -246,7 +246,7 @@ def test_registered_for_cuda_strict_fp32_and_bf16():
             assert len(impls) == 1 and impls[0].strict, f"{op}/{dt} has no strict triton entry"
             ident = impls[0].identity()
             assert impls[0].split_k is False and ident["split_k"] is False
-            assert ident["config"]["keyed_by"] == "(N, K, dtype)"
+            assert ident["config"]["keyed_by"] == "(N, K, dtype, stream)"
 
 
 class _LaunchSpy:
@@ -319,7 +319,7 @@ def test_prologue_pass_equals_fused_prologue_bytes(lora, monkeypatch):
     runs = []
     for mode in ("pass", "fused"):
         orig = configs.fwd_config
-        monkeypatch.setattr(configs, "fwd_config", lambda n, k, dtype, _o=orig, _m=mode: _o(n, k, dtype).replace(prologue=_m))
+        monkeypatch.setattr(configs, "fwd_config", lambda n, k, dtype, stream="image", _o=orig, _m=mode: _o(n, k, dtype, stream).replace(prologue=_m))
         y = G.gemm(x, w, b, seqlens=SEQLENS, prologue="silu", epilogue="gelu_tanh", lora=lo)
         runs.append((y.detach(),) + torch.autograd.grad(y, inputs, dy))
         monkeypatch.setattr(configs, "fwd_config", orig)
@@ -426,7 +426,7 @@ def test_launch_variants_give_the_same_bytes(variant, prologue, epilogue, lora, 
     inputs = [x, w, b] + ([lo[0], lo[1]] if lora else [])
     runs = []
     for extra in ({}, _VARIANTS[variant]):
-        monkeypatch.setattr(configs, "fwd_config", lambda n, k, dtype, _e=extra: configs.FwdConfig(16, 64, 16, 4, 2, **_e))
+        monkeypatch.setattr(configs, "fwd_config", lambda n, k, dtype, stream="image", _e=extra: configs.FwdConfig(16, 64, 16, 4, 2, **_e))
         y = G.gemm(x, w, b, seqlens=SEQLENS, prologue=prologue, epilogue=epilogue, lora=lo)
         runs.append((y.detach(),) + torch.autograd.grad(y, inputs, dy))
     for a, c in zip(*runs):

@@ -19,6 +19,8 @@ the ``config=`` argument of ``gemm_fwd`` / ``gemm_bwd`` / ``gemm_dw`` and never 
   reads ``"nk"`` (timed on the H200 against the copy, same bytes, 0.91–1.03× its speed; see the
   ``_IN_PLACE_BF16`` table below), so no second copy of those weights exists; ``img_in`` and
   ``proj_out`` keep their 0.4 MiB copies (``"nk"`` measured 0.97–0.98×).
+* :data:`FWD_TEXT` — the text stream's forward tiles where they differ from :data:`FWD` (same K step,
+  so the same bytes; chosen by where the product sits in the model, never by M).
 * :data:`DW` — :class:`DwConfig` of the weight-gradient kernel ``dW(N, K) = Σ_samples Σ_rows dZᵀ p(x)``:
   output tile ``(BLOCK_N, BLOCK_K)``, rows consumed ``BLOCK_M`` at a time from each sample's first row.
 * Generic fallbacks by size class of ``(N, K)`` when a shape has no exact entry, and the fixed
@@ -168,7 +170,22 @@ _IN_PLACE_BF16 = {(3072, 3072): False, (12288, 3072): False, (3072, 12288): Fals
                   (3072, 3584): False, (18432, 3072): True, (6144, 3072): True}
 for (_n, _k), _tma in _IN_PLACE_BF16.items():
     _FWD[(_n, _k, _BF16)] = _FWD[(_n, _k, _BF16)].replace(weight_layout="nk", tma=_FWD[(_n, _k, _BF16)].tma or _tma)
+# The text stream (prompt rows: 128-256 per sample, against 4096+ image rows) through the same (N, K) classes
+# as the image stream. At those rows the image stream's 128x256 tile leaves 12-24 programs on 132 SMs
+# (experiments/gemm/8a2787d: 0.24-0.30x cuBLAS). A 64x128 tile with the same 64-wide K step gives each output
+# element the same accumulator chain, hence the same bytes (the H200 text sweep at 9b01937 compared every
+# candidate's output with the incumbent's at 128/144/256 rows: equal), and ran 2.8x (q/k/v, attn_out), 2.0x
+# (mlp_down) and 2.9x (txt_in) faster there. mlp_up keeps the image tile (the fastest at 144 and 256 rows).
+# The stream is where a product sits in the model, set by the caller (``streams.gemm_stream``), never
+# derived from the number of rows.
+_TEXT_BF16 = FwdConfig(64, 128, 64, 4, 4, weight_layout="nk", tma=True)
+_FWD[(3072, 3584, _BF16)] = _TEXT_BF16  # txt_in: its forward serves text rows only
 FWD: Mapping[tuple[int, int, str], FwdConfig] = MappingProxyType(_FWD)
+FWD_TEXT: Mapping[tuple[int, int, str], FwdConfig] = MappingProxyType({
+    (3072, 3072, _BF16): _TEXT_BF16,   # q, k, v (added projections), to_add_out
+    (3072, 12288, _BF16): _TEXT_BF16,  # txt_mlp down
+})
+STREAMS = ("image", "text")
 
 _DW_BF16 = DwConfig(128, 128, 64, 8, 3)
 _DW_FP32 = DwConfig(64, 64, 32, 4, 3)
@@ -208,10 +225,13 @@ def dtype_name(dtype: torch.dtype) -> str:
     raise ValueError(f"strict GEMM engine runs fp32 or bf16, got {dtype}")
 
 
-def fwd_config(n: int, k: int, dtype: torch.dtype) -> FwdConfig:
-    """Configuration of the main kernel for an ``(M, K) @ (K, N)`` product; never depends on M."""
+def fwd_config(n: int, k: int, dtype: torch.dtype, stream: str = "image") -> FwdConfig:
+    """Configuration of the main kernel for an ``(M, K) @ (K, N)`` product of ``stream`` (``"image"`` or
+    ``"text"``: :data:`FWD_TEXT` first, then :data:`FWD`); never depends on M."""
+    if stream not in STREAMS:
+        raise ValueError(f"GEMM stream must be one of {STREAMS}, got {stream!r}")
     dt = dtype_name(dtype)
-    return FWD.get((n, k, dt)) or _size_class_fwd(n, k, dt)
+    return (stream == "text" and FWD_TEXT.get((n, k, dt))) or FWD.get((n, k, dt)) or _size_class_fwd(n, k, dt)
 
 
 def dw_config(n: int, k: int, dtype: torch.dtype) -> DwConfig:

@@ -84,7 +84,7 @@ GEMM_OPS = ("latent_proj_gemm", "qkv_bias_gemm", "attn_out_bias_gemm", "mlp_up_g
 _REDUCTION_ORDER = (
     "fwd/dX: each (BLOCK_M, BLOCK_N) tile reduced by one program (persistent programs walk several tiles), "
     "K in BLOCK_K steps from 0 by tl.dot into one FP32 accumulator chain, "
-    "tiles from (N, K, dtype) only, no split-K; dW/db: per sample over its "
+    "tiles from (N, K, dtype) and the model stream only (a text tile keeps the K step), no split-K; dW/db: per sample over its "
     "own rows in BLOCK_M chunks from its first row, FP32 partials folded left in sample order"
 )
 # Every module of the engine: a change to any of them is a new kernel identity in the trace.
@@ -96,7 +96,7 @@ for _op in GEMM_OPS:
         op=_op, backend="triton", device="cuda", dtypes=frozenset(_DTYPES), fn=gemm, strict=True, split_k=False,
         kernel_name="_gemm_fwd_kernel/_gemm_dw_kernel/_gemm_db_kernel/_act_fwd_kernel/_act_bwd_kernel",
         source=_SOURCE,
-        config={"table": "mmdit_strict.kernels.triton.configs", "keyed_by": "(N, K, dtype)",
+        config={"table": "mmdit_strict.kernels.triton.configs", "keyed_by": "(N, K, dtype, stream)",
                 "configs_sha256": _CONFIGS_SHA256, "dot_precision": _DOT_PRECISION, "fp_fusion": False},
         reduction_order=_REDUCTION_ORDER, accumulator="fp32",
     ))

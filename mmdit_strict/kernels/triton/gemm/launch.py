@@ -18,6 +18,7 @@ import triton
 
 from ...checks import check_operand
 from ...keepalive import retain
+from ...streams import current_gemm_stream
 from .. import configs as _configs
 from . import kernels as _k
 from .codes import EPILOGUES, PROLOGUES, Act
@@ -422,10 +423,10 @@ def gemm_fwd(x, weight, bias=None, *, prologue="none", epilogue="none", lora=Non
     (stored only when ``store_pre`` and an epilogue is set) and the LoRA intermediate ``p(x) Aᵀ``;
     with ``return_h`` a fourth item, ``p(x)`` when the prologue ran as its own pass (else None).
 
-    ``config``: the main product's configuration (default ``configs.fwd_config(N, K, dtype)``;
-    benchmarks pass candidates here). Its ``weight_layout`` picks the weight read: ``"kn"`` the
-    weight's own prepacked ``Wᵀ`` (:mod:`.weights`), ``"nk"`` W as stored. ``on_launch`` receives the
-    main kernel's compiled handle.
+    ``config``: the main product's configuration (default ``configs.fwd_config(N, K, dtype, stream)`` with
+    the stream :func:`~mmdit_strict.kernels.streams.gemm_stream` binds; benchmarks pass candidates here).
+    Its ``weight_layout`` picks the weight read: ``"kn"`` the weight's own prepacked ``Wᵀ``
+    (:mod:`.weights`), ``"nk"`` W as stored. ``on_launch`` receives the main kernel's compiled handle.
 
     The SiLU prologue runs as its own elementwise pass (``prologue="pass"``, the default) or fused
     into the main loop (``"fused"``); both round ``silu(x)`` once to the execution dtype before the
@@ -435,7 +436,7 @@ def gemm_fwd(x, weight, bias=None, *, prologue="none", epilogue="none", lora=Non
     k = x.shape[1]
     n = weight.shape[0]
     pro = PROLOGUES[prologue]
-    cfg = config or _configs.fwd_config(n, k, x.dtype)
+    cfg = config or _configs.fwd_config(n, k, x.dtype, stream=current_gemm_stream())
     h = None
     if pro and cfg.prologue == "pass":
         h = act_fwd(x, prologue)

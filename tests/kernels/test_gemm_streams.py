@@ -1,0 +1,112 @@
+"""The GEMM stream (kernels.streams): the text stream's tiles, how the engine and the strict model use them.
+
+A stream's tile must keep the image tile's K step (each output element's accumulator chain, hence its bytes);
+it is bound by the caller for where a product sits in the model, never chosen from the number of rows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmdit_strict.kernels.streams import current_gemm_stream, gemm_stream
+from mmdit_strict.kernels.triton import configs as C
+
+_TEXT_CLASSES = [(3072, 3072), (3072, 12288)]  # q/k/v + attn_out, mlp_down
+
+
+def test_text_stream_tiles_keep_the_image_k_step_and_differ_only_where_listed() -> None:
+    for (n, k, dt), cfg in C.FWD_TEXT.items():
+        image = C.FWD[(n, k, dt)]
+        assert cfg.BLOCK_K == image.BLOCK_K, f"({n}, {k}) text tile changes the K step: {cfg} vs {image}"
+        assert cfg != image
+    assert sorted((n, k) for n, k, _ in C.FWD_TEXT) == sorted(_TEXT_CLASSES)
+    for n, k in _TEXT_CLASSES:
+        assert C.fwd_config(n, k, torch.bfloat16, "text") == C.FWD_TEXT[(n, k, "bf16")]
+        assert C.fwd_config(n, k, torch.bfloat16, "image") == C.FWD[(n, k, "bf16")]
+        assert C.fwd_config(n, k, torch.float32, "text") == C.fwd_config(n, k, torch.float32, "image")
+    # classes without a text entry (mlp_up, the modulation projections) take the image table in both streams
+    for n, k in [(12288, 3072), (18432, 3072), (6144, 3072)]:
+        assert C.fwd_config(n, k, torch.bfloat16, "text") == C.fwd_config(n, k, torch.bfloat16)
+    with pytest.raises(ValueError, match="GEMM stream must be one of"):
+        C.fwd_config(3072, 3072, torch.bfloat16, "audio")
+
+
+def test_gemm_stream_binds_for_the_block_and_refuses_unknown_names() -> None:
+    assert current_gemm_stream() == "image"
+    with gemm_stream("text"):
+        assert current_gemm_stream() == "text"
+        with gemm_stream("image"):
+            assert current_gemm_stream() == "image"
+        assert current_gemm_stream() == "text"
+    assert current_gemm_stream() == "image"
+    with pytest.raises(ValueError, match="gemm stream must be one of"), gemm_stream("txt"):
+        pass
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test (CPU tensors); the GPU test below covers CUDA")
+def test_engine_forward_asks_for_the_bound_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gemm_fwd's default configuration is looked up for the stream in force (real lookups, recorded)."""
+    from mmdit_strict.kernels.triton import gemm as G
+
+    seen: list[str] = []
+    real = C.fwd_config
+    monkeypatch.setattr(C, "fwd_config", lambda n, k, dtype, stream="image": seen.append(stream) or real(n, k, dtype, stream))
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(5, 16, generator=g), torch.randn(24, 16, generator=g)
+    plain = G.gemm_fwd(x, w)[0]
+    with gemm_stream("text"):
+        text = G.gemm_fwd(x, w)[0]
+    assert seen == ["image", "text"]
+    assert torch.equal(plain, text)  # no text entry at this size: the same tile, the same bytes
+
+
+def test_strict_model_binds_the_text_stream_for_text_products_only(tiny_ckpt, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every GEMM-family call of the strict forward sees the stream of the side it sits on."""
+    from mmdit_strict import MMDiT
+    from mmdit_strict.model import strict
+    from tests.helpers import make_inputs
+
+    gemm_ops = {"qkv_bias_gemm", "attn_out_bias_gemm", "mlp_up_gemm_gelu", "mlp_down_gemm", "adaln_mod_projection"}
+    calls: list[tuple[str, str, str]] = []
+    real = strict._op
+
+    def spy(op, where, *args, **kw):
+        if op in gemm_ops:
+            calls.append((op, where, current_gemm_stream()))
+        return real(op, where, *args, **kw)
+
+    monkeypatch.setattr(strict, "_op", spy)
+    model = MMDiT.from_pretrained(tiny_ckpt[0], runtime="strict")
+    with torch.no_grad():
+        model(**make_inputs(2, (4, 4), [5, 3]))
+    assert calls, "no GEMM-family call observed"
+    for op, where, stream in calls:
+        want = "text" if ".txt" in where else "image"
+        assert stream == want, f"{op} at {where} ran in the {stream} stream"
+    assert {s for _, _, s in calls} == {"image", "text"}
+    assert current_gemm_stream() == "image"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", _TEXT_CLASSES + [(3072, 3584)])
+def test_gpu_text_tiles_give_the_image_tiles_bytes(n: int, k: int) -> None:
+    """bf16 on the H200: the text stream's forward tile and the image stream's give the same bytes at prompt-sized
+    and image-sized row counts (txt_in, whose class now runs the text tile, against the image table's big tile)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from mmdit_strict.kernels.triton import gemm as G
+
+    big = C.FwdConfig(128, 256, 64, 8, 3, weight_layout="nk", tma=True, persistent=True, epi_split=2, tma_store=True)
+    text = C.fwd_config(n, k, torch.bfloat16, "text")
+    image = C.fwd_config(n, k, torch.bfloat16, "image")
+    if image == text:  # txt_in: compare with the big tile its class ran before
+        image = big
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).to(torch.bfloat16)
+    b = torch.randn(n, device="cuda", generator=g).to(torch.bfloat16)
+    for m in (1, 77, 128, 144, 256, 300, 4224):
+        x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+        want = G.gemm_fwd(x, w, b, config=image)[0]
+        got = G.gemm_fwd(x, w, b, config=text)[0]
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"({n}, {k}) M={m}: text tile moved bytes"
