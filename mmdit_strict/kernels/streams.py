@@ -13,7 +13,8 @@ from contextlib import AbstractContextManager
 
 from .choice import KernelChoice
 
-GEMM_STREAM = KernelChoice("gemm stream", ("image", "text"), "image")
+STREAMS = ("image", "text")
+GEMM_STREAM = KernelChoice("gemm stream", STREAMS, "image")
 
 
 def gemm_stream(name: str) -> AbstractContextManager[None]:

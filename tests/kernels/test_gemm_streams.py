@@ -97,7 +97,7 @@ def test_gpu_text_tiles_give_the_image_tiles_bytes(n: int, k: int) -> None:
         pytest.skip("no CUDA device")
     from mmdit_strict.kernels.triton import gemm as G
 
-    big = C.FwdConfig(128, 256, 64, 8, 3, weight_layout="nk", tma=True, persistent=True, epi_split=2, tma_store=True)
+    big = C._BIG_BF16.replace(weight_layout="nk")  # the image stream's big tile as the model's classes read it
     text = C.fwd_config(n, k, torch.bfloat16, "text")
     image = C.fwd_config(n, k, torch.bfloat16, "image")
     if image == text:  # txt_in: compare with the big tile its class ran before

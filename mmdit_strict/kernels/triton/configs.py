@@ -38,6 +38,8 @@ from types import MappingProxyType
 
 import torch
 
+from ..streams import STREAMS
+
 _BF16 = "bf16"
 _FP32 = "fp32"
 
@@ -185,7 +187,6 @@ FWD_TEXT: Mapping[tuple[int, int, str], FwdConfig] = MappingProxyType({
     (3072, 3072, _BF16): _TEXT_BF16,   # q, k, v (added projections), to_add_out
     (3072, 12288, _BF16): _TEXT_BF16,  # txt_mlp down
 })
-STREAMS = ("image", "text")
 
 _DW_BF16 = DwConfig(128, 128, 64, 8, 3)
 _DW_FP32 = DwConfig(64, 64, 32, 4, 3)
