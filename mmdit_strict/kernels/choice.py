@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Generic, TypeVar
 
 from ..context import bound
@@ -23,11 +24,13 @@ class KernelSetting(Generic[T]):
     def get(self) -> T:
         return self._var.get()
 
-    @contextlib.contextmanager
-    def use(self, value: T) -> Iterator[None]:
+    def use(self, value: T) -> AbstractContextManager[object]:
+        """A context manager in which ``get()`` is ``value``. Checked here; binding the value already in force
+        is skipped (nothing to set or restore: the strict model binds a GEMM stream around every product)."""
         self._check(value)
-        with bound(self._var, value):
-            yield
+        if self._var.get() == value:
+            return contextlib.nullcontext()
+        return bound(self._var, value)
 
 
 class KernelChoice(KernelSetting[str]):

@@ -19,3 +19,18 @@ def test_nested_choices_restore_and_unknown_names_are_refused() -> None:
         pass
     with pytest.raises(ValueError, match="default 'z'"):
         KernelChoice("demo variant", ("a",), "z")
+
+
+def test_binding_the_choice_in_force_keeps_nesting_and_checks() -> None:
+    """``use`` of the value already in force binds nothing, and what is bound inside it still unwinds in order."""
+    c = KernelChoice("demo variant", ("a", "b"), "a")
+    with c.use("a"):
+        assert c.current() == "a"
+        with c.use("b"):
+            with c.use("b"):
+                assert c.current() == "b"
+            assert c.current() == "b"
+        assert c.current() == "a"
+    assert c.current() == "a"
+    with c.use("b"), pytest.raises(ValueError, match="demo variant must be one of"), c.use("x"):
+        pass
