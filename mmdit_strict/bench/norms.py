@@ -13,7 +13,8 @@
   forward output and every per-row / per-sample gradient, ``torch.equal``;
 * speed at B = 1 (4096 image rows, also 6889 in bf16; 256 text rows for the text input): forward and backward
   kernels' GPU time (CUDA-graph replay), the bytes they must move, GB/s and the fraction of the
-  device-to-device copy bandwidth measured in the same run at the same size; our forward+backward
+  copy bandwidth measured in the same run for the same bytes (the faster of ``copy_`` and an SM copy,
+  :mod:`.bandwidth`); our forward+backward
   against the eager PyTorch composition it replaces (``kernels/production.py``), both graph-replayed;
 * the environment: GPU, driver, torch, Triton, CUDA, git commit.
 
@@ -41,6 +42,7 @@ import torch
 
 from . import markdown as md
 from .environment import environment_line, gpu_environment
+from .bandwidth import copy_reference
 from .timing import graph_ms, median_ms
 
 from mmdit_strict.tolerances import Tolerance, tolerance
@@ -426,18 +428,10 @@ def _plain_ms(fn) -> float:
     return median_ms(do_bench(fn, warmup=10, rep=50, quantiles=[0.5]))
 
 
-_COPY: dict[int, float] = {}
-
-
 def copy_gbps(total_bytes: int) -> float:
-    """Device-to-device copy bandwidth (read + write bytes per second) moving ``total_bytes`` in all."""
-    n = max(1, total_bytes // 2)
-    if n not in _COPY:
-        src = torch.empty(n, dtype=torch.uint8, device=DEVICE)
-        dst = torch.empty_like(src)
-        ms = _graph_ms(lambda: dst.copy_(src)) or _plain_ms(lambda: dst.copy_(src))
-        _COPY[n] = 2 * n / (ms * 1e-3) / 1e9
-    return _COPY[n]
+    """The copy bandwidth a kernel moving ``total_bytes`` (reads + writes) is compared with: the faster of
+    ``dst.copy_(src)`` and an SM copy of those bytes, same run (:mod:`..bench.bandwidth`)."""
+    return copy_reference(total_bytes, DEVICE).best
 
 
 def _bwd_call(spec: Spec, sample: tuple, shared: tuple, gy: torch.Tensor):
@@ -505,11 +499,13 @@ def speed_case(spec: Spec, dname: str, rows: int, seed: int) -> dict:
         ms = row.get(ms_key)
         if nbytes and ms:
             gbps = nbytes / (ms * 1e-3) / 1e9
-            cp = copy_gbps(nbytes)
+            cp = copy_reference(nbytes, DEVICE)
             row[f"{kind}_bytes"] = nbytes
             row[f"{kind}_gbps"] = gbps
-            row[f"{kind}_copy_gbps"] = cp
-            row[f"{kind}_fraction"] = gbps / cp
+            row[f"{kind}_copy_gbps"] = cp.best
+            row[f"{kind}_copy_torch_gbps"] = cp.torch_gbps
+            row[f"{kind}_copy_sm_gbps"] = cp.sm_gbps
+            row[f"{kind}_fraction"] = gbps / cp.best
     for k in ("fwd", "fwd_bwd"):
         if row.get(f"{k}_ms") and row.get(f"torch_{k}_ms"):
             row[f"{k}_speedup_vs_torch"] = row[f"torch_{k}_ms"] / row[f"{k}_ms"]
@@ -682,7 +678,7 @@ def render(report: dict) -> str:
          "without graph: fwd ms (torch), fwd+bwd ms (torch)"),
         _speed_row,
         ["GB/s = bytes the kernel must move (reads + writes of its row tensors; weights for the GEMM ones) / time; "
-         "copy = `dst.copy_(src)` moving the same number of bytes, same run. fwd+bwd and the eager PyTorch composition "
+         "copy = the faster of `dst.copy_(src)` and an SM copy kernel moving the same number of bytes, same run (`bench/bandwidth.py`; the driver's memcpy alone ran at 2.6 TB/s for some sizes). fwd+bwd and the eager PyTorch composition "
          "(`kernels/production.py`) both through autograd; speedup = torch ms / ours ms."])
     lines += md.rows_section(
         report.get("variant_bytes"), lambda vb: f"Kernel variants vs the default's bytes ({md.passed(vb)})",
