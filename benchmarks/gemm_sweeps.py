@@ -1,6 +1,6 @@
 """Configuration sweeps of the strict GEMM engine on a CUDA GPU (tuning history; informational).
 
-    python -m benchmarks.gemm_sweeps --out DIR --sweep big|small|round2|round3|round5|text [--classes NxK,...]
+    python -m benchmarks.gemm_sweeps --out DIR --sweep big|small|round2|round3|round5|text|vector [--classes NxK,...]
 
 Run from the repository root (this folder is not part of the installed package). Each candidate is a
 :class:`~mmdit_strict.kernels.triton.configs.FwdConfig` passed to the engine explicitly
@@ -12,6 +12,7 @@ experiments/gemm/ (NOTES.md tells the story):
 * ``big``: six tiles for the four M = 4224 layers (run 1); ``small``: the weight-streaming classes;
 * ``round2``: per (N, K) class, fwd and dX uses scored together (the first candidate is the incumbent);
   ``text``: the text stream's products at prompt-sized row counts, candidates vs the incumbent's bytes;
+  ``vector``: the same for the per-sample products (modulation projections at 1-8 rows) and txt_in in FP32;
   ``round3``: the tanh-GELU class; ``round5``: the persistent tile walk. Writes ``sweeps.json`` / ``sweeps.md``.
 """
 
@@ -141,24 +142,44 @@ TEXT_SWEEP = [
 ]
 
 
-def text_sweep(G, C, report, save, budget_ok, candidates=None, rows=TEXT_ROWS) -> None:
-    """Time the text-stream products (forward) at prompt-sized ``rows`` for the incumbent configuration
-    and each candidate, beside cuBLAS, all in CUDA-graph time; record whether each candidate's output
-    equals the incumbent's in bytes (``bytes_equal_incumbent``). Informational: adopting a candidate is a
-    stream-keyed configuration, an edit of the engine and a qualification run."""
-    dt = torch.bfloat16
-    for (name, n, k, bias, pro, epi) in TEXT_LAYERS:
+# Per-sample products (M = batch rows, weight-streaming): the final modulation (6144×3072, K step 128) and the
+# blocks' modulation projections (18432×3072, K step 64) at 1, 2 and 8 rows, and txt_in in FP32 (0.74x eager at
+# c893898) at prompt rows. Narrower tiles give more programs for the weight stream; each keeps its class's K step.
+_NK = dict(layout="nk")
+VECTOR_CASES = [  # (name, N, K, bias, prologue, epilogue, dtype, rows, candidates)
+    ("final_mod", 6144, 3072, True, "silu", "none", torch.bfloat16, (1, 2, 8), [
+        _cand(16, 32, 128, 4, 4, **_NK_TMA), _cand(16, 32, 128, 4, 6, **_NK_TMA), _cand(16, 64, 128, 4, 6, **_NK_TMA),
+        _cand(16, 32, 128, 2, 4, **_NK_TMA), _cand(16, 64, 128, 8, 4, **_NK_TMA)]),
+    ("mod", 18432, 3072, True, "silu", "none", torch.bfloat16, (1, 2, 8), [
+        _cand(16, 128, 64, 4, 4, **_NK_TMA), _cand(16, 128, 64, 4, 6, **_NK_TMA), _cand(16, 64, 64, 4, 6, **_NK_TMA),
+        _cand(16, 256, 64, 8, 6, **_NK_TMA)]),
+    ("txt_in", 3072, 3584, True, "none", "none", torch.float32, (128, 256), [
+        _cand(32, 64, 32, 4, 3, **_NK), _cand(32, 128, 32, 4, 3, **_NK), _cand(64, 64, 32, 4, 3, **_NK),
+        _cand(16, 64, 32, 4, 4, **_NK), _cand(32, 64, 32, 2, 4, **_NK)]),
+]
+
+
+def text_sweep(G, C, report, save, budget_ok, candidates=None, rows=TEXT_ROWS, cases=None) -> None:
+    """Time the text-stream products (forward) at prompt-sized ``rows`` — or ``cases``: (name, N, K, bias,
+    prologue, epilogue, dtype, rows, candidates) — for the incumbent configuration and each candidate, beside
+    cuBLAS, all in CUDA-graph time; record whether each candidate's output equals the incumbent's in bytes
+    (``bytes_equal_incumbent``). Informational: adopting a candidate is a stream-keyed configuration, an edit
+    of the engine and a qualification run."""
+    text = cases is None
+    if text:
+        cases = [(*layer, torch.bfloat16, rows, candidates or TEXT_SWEEP) for layer in TEXT_LAYERS]
+    for (name, n, k, bias, pro, epi, dt, case_rows, cands) in cases:
         if not budget_ok():
             report["errors"].append(f"text sweep: budget reached before {name}")
             break
         w, b, _ = _weights(n, k, dt, bias, gen_seed=11)
         incumbent = C.fwd_config(n, k, dt)
-        for m in rows:
+        for m in case_rows:
             x = torch.randn(m, k, device=DEVICE).to(dt)
             with torch.no_grad():
                 base = G.gemm_fwd(x, w, b, prologue=pro, epilogue=epi, config=incumbent)[0]
                 ref_ms = _bench_graph(lambda: _torch_linear(x, w, b, pro, epi))
-                for cand in [incumbent, *(candidates or TEXT_SWEEP)]:
+                for cand in [incumbent, *cands]:
                     fn = lambda c=cand: G.gemm_fwd(x, w, b, prologue=pro, epilogue=epi, config=c)  # noqa: E731
                     try:
                         same = bool(torch.equal(fn()[0], base))
@@ -170,7 +191,8 @@ def text_sweep(G, C, report, save, budget_ok, candidates=None, rows=TEXT_ROWS) -
                         report["errors"].append(f"text {name} M={m} {cand}: no CUDA-graph time (capture failed)")
                         continue
                     report["sweep"].append({
-                        "layer": f"{name} (text)", "kind": "fwd", "dtype": "bf16", "M": m, "config": cand.as_dict(),
+                        "layer": f"{name} (text)" if text or name == "txt_in" else name, "kind": "fwd",
+                        "dtype": "bf16" if dt == torch.bfloat16 else "fp32", "M": m, "config": cand.as_dict(),
                         "ms": ms, "tflops": 2.0 * m * n * k / ms / 1e9, "graph_ms": ms,
                         "cublas_graph_ms": ref_ms, "ratio_graph": (ref_ms / ms) if ms and ref_ms else None,
                         "incumbent": cand == incumbent, "bytes_equal_incumbent": same})
@@ -356,7 +378,7 @@ def _md(report: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--sweep", choices=("big", "small", "round2", "round3", "round5", "text"), default="big")
+    ap.add_argument("--sweep", choices=("big", "small", "round2", "round3", "round5", "text", "vector"), default="big")
     ap.add_argument("--classes", default=None, help="round2/3/5: comma list of NxK classes to sweep (default: all)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop sweeping past this wall time")
     args = ap.parse_args(argv)
@@ -374,6 +396,8 @@ def main(argv=None) -> int:
             big_candidates={"round3": ROUND3_BIG, "round5": ROUND5_BIG}.get(args.sweep)))
     elif args.sweep == "text":
         guarded("text sweep", lambda: text_sweep(G, C, report, save, run.budget_ok))
+    elif args.sweep == "vector":
+        guarded("vector sweep", lambda: text_sweep(G, C, report, save, run.budget_ok, cases=VECTOR_CASES))
     elif args.sweep == "big":
         for (name, n, k, bias, _pro, epi, _) in LAYERS[:4]:
             report["sweep"] += guarded(f"sweep {name}", lambda: sweep_case(G, C, name, n, k, bias, epi, torch.bfloat16))

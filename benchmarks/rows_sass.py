@@ -68,6 +68,7 @@ def _compiler(triton_dir: Path, sass_dir: Path | None, rows: list[dict]):
             ins = _instructions(b.sass)
             loop = _main_loop(ins)
             rows.append({"label": label, "kernel": fn.__name__, "warps": b.num_warps, "regs": b.regs, "stack": b.stack,
+                         "shared": int(b.kernel.metadata.shared),
                          "all": _counts([o for _, o, _ in ins]), "loop_len": len(loop), "loop": _counts(loop),
                          "reduces": _reduces(b.kernel.asm["ttgir"])})
             raise _Stop
@@ -75,6 +76,10 @@ def _compiler(triton_dir: Path, sass_dir: Path | None, rows: list[dict]):
         return compiler.wrap(fn, on_build)
 
     return wrap
+
+
+def _setting(ahead: int, maxnreg: int | None, stages: int | None) -> str:
+    return f"ahead {ahead}, maxnreg {maxnreg or '-'}" + (f", stages {stages}" if stages else "")
 
 
 def _cases(torch, R, N):
@@ -91,22 +96,30 @@ def _cases(torch, R, N):
             return lambda: N.adaln_modulation_fwd(x, v, v, (64,), 1e-6, True, launch=launch)
         return lambda: N.adaln_modulation_bwd(x, x, v, st, st, (64,), True, launch=launch)
 
+    def qk_fwd(h, d, dt, rope, launch):
+        x = torch.zeros(64, h, d, dtype=dt)
+        gain, rstd = torch.ones(d, dtype=dt), torch.zeros(64, h)
+        cs = torch.zeros(64, d // 2) if rope else None
+        return lambda: R._contig_fwd(x, gain, cs, cs, 1e-6, rstd, 1.0, launch=launch)
+
     cases = []
     for dn, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        for launch in R.QK_FWD_CANDIDATES:
+            cases.append((f"qk_fwd 24x128 [{launch.label()}] {dn}", R, "_qk_fwd_kernel", qk_fwd(24, 128, dt, True, launch)))
+            cases.append((f"qk_fwd 1x3584 (txt_in) [{launch.label()}] {dn}", R, "_qk_fwd_kernel", qk_fwd(1, 3584, dt, False, launch)))
         for launch in R.QK_BWD_CANDIDATES:
             cases.append((f"qk_bwd 24x128 [{launch.label()}] {dn}", R, "_qk_bwd_chunk_kernel", qk(24, 128, dt, True, launch)))
             cases.append((f"qk_bwd 1x3584 (txt_in) [{launch.label()}] {dn}", R, "_qk_bwd_chunk_kernel", qk(1, 3584, dt, False, launch)))
         fwd_seen, bwd_seen = set(), set()
-        for launch in N.LN_CANDIDATES:  # the row grouping does not change the binary: one compile per (ahead, maxnreg)
-            if (launch.fwd_ahead, launch.fwd_maxnreg) not in fwd_seen:
-                fwd_seen.add((launch.fwd_ahead, launch.fwd_maxnreg))
-                cases.append((f"ln_fwd 3072 [ahead {launch.fwd_ahead}, maxnreg {launch.fwd_maxnreg or '-'}] {dn}", N,
-                              "_adaln_mod_fwd_kernel", ln(dt, True, launch)))
-            if (launch.bwd_ahead, launch.bwd_maxnreg) not in bwd_seen:
-                bwd_seen.add((launch.bwd_ahead, launch.bwd_maxnreg))
-                cases.append((f"ln_bwd 3072 [ahead {launch.bwd_ahead}, maxnreg {launch.bwd_maxnreg or '-'}] {dn}", N,
-                              "_adaln_mod_bwd_kernel",
-                              ln(dt, False, launch)))
+        for launch in N.LN_CANDIDATES:  # the row grouping does not change the binary: one compile per (ahead, maxnreg, stages)
+            fwd = (launch.fwd_ahead, launch.fwd_maxnreg, launch.fwd_stages)
+            if fwd not in fwd_seen:
+                fwd_seen.add(fwd)
+                cases.append((f"ln_fwd 3072 [{_setting(*fwd)}] {dn}", N, "_adaln_mod_fwd_kernel", ln(dt, True, launch)))
+            bwd = (launch.bwd_ahead, launch.bwd_maxnreg, launch.bwd_stages)
+            if bwd not in bwd_seen:
+                bwd_seen.add(bwd)
+                cases.append((f"ln_bwd 3072 [{_setting(*bwd)}] {dn}", N, "_adaln_mod_bwd_kernel", ln(dt, False, launch)))
     return cases
 
 
@@ -136,11 +149,11 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             setattr(mod, attr, saved)
     print(f"Triton {triton.__version__} from {triton_dir}, sm_90, enable_fp_fusion=False")
-    print("\n| kernel (shape, variant, dtype) | warps | regs | stack B | " + " | ".join(COUNTED)
+    print("\n| kernel (shape, variant, dtype) | warps | regs | stack B | shared B | " + " | ".join(COUNTED)
           + " | loop instr | loop " + " | loop ".join(COUNTED) + " |")
-    print("|---|---|---|---|" + "---|" * (2 * len(COUNTED) + 1))
+    print("|---|---|---|---|---|" + "---|" * (2 * len(COUNTED) + 1))
     for r in rows:
-        print(f"| {r['label']} | {r['warps']} | {r['regs']} | {r['stack']} | " + " | ".join(str(r["all"][c]) for c in COUNTED)
+        print(f"| {r['label']} | {r['warps']} | {r['regs']} | {r['stack']} | {r['shared']} | " + " | ".join(str(r["all"][c]) for c in COUNTED)
               + f" | {r['loop_len']} | " + " | ".join(str(r["loop"][c]) for c in COUNTED) + " |")
     print("\n| kernel | tt.reduce (axis, operands): operand layout |\n|---|---|")
     for r in rows:

@@ -522,7 +522,8 @@ def tune_case(kind: str, dname: str, rows: int, seed: int) -> list[dict]:
     GB/s and fraction of the same-size copy, and whether its outputs equal the reference launch's bytes.
 
     kind: "ln" (adaln_modulation's forward — no statistics stored, as under no_grad — and backward),
-    "qk" / "qk_rope" (the QK norm backward without / with the rotation, 24 × 128), "txt" (one head of 3584)."""
+    "qk" / "qk_rope" (the QK norm backward without / with the rotation, 24 × 128), "txt" (one head of 3584);
+    "qk_fwd" / "qk_rope_fwd" / "txt_fwd" the QK forward kernel's launches (norm, fused norm + RoPE, txt_in's norm)."""
     from mmdit_strict.kernels.triton import norms as N
     from mmdit_strict.kernels.triton import rope as R
 
@@ -554,10 +555,25 @@ def tune_case(kind: str, dname: str, rows: int, seed: int) -> list[dict]:
             record("adaln_modulation fwd", c, ms_f, 2 * rows * D * es, _bytes_equal(got_f, want_f), N.LN_REFERENCE)
             record("adaln_modulation bwd", c, ms_b, 3 * rows * D * es, _bytes_equal(got_b, want_b), N.LN_REFERENCE)
         return out
-    h, d = (1, CT) if kind == "txt" else (HEADS, HEAD_DIM)
+    h, d = (1, CT) if kind.startswith("txt") else (HEADS, HEAD_DIM)
     x, gy = _randn((rows, h, d), g, dt), _randn((rows, h, d), g, dt)
     gain = (1 + _randn((d,), g, torch.float32, 0.1)).to(dt)
-    c, s = _tables(rows, g) if kind == "qk_rope" else (None, None)
+    c, s = _tables(rows, g) if kind.startswith("qk_rope") else (None, None)
+    if kind.endswith("_fwd"):
+        name = {"qk_fwd": "qk_rmsnorm fwd", "qk_rope_fwd": "qk_rmsnorm_rope (fused) fwd",
+                "txt_fwd": "txt_in rmsnorm fwd (1 x 3584)"}[kind]
+
+        def fwd(launch, rstd):
+            return R._contig_fwd(x, gain, c, s, EPS, rstd, 1.0, launch=launch)
+
+        want_r = torch.empty((rows, h), dtype=torch.float32, device=DEVICE)
+        want = (fwd(R.QK_FWD_REFERENCE, want_r), want_r)
+        for cand in R.QK_FWD_CANDIDATES:
+            got_r = torch.empty_like(want_r)
+            got = (fwd(cand, got_r), got_r)
+            ms = _graph_ms(lambda: fwd(cand, None), rep=30)  # no rstd stored: the no-grad forward
+            record(name, cand, ms, 2 * rows * h * d * es, _bytes_equal(got, want), R.QK_FWD_REFERENCE)
+        return out
     _, rstd = R.qk_norm_fwd(x, gain, c, s, EPS, store_rstd=True)
     want = R.qk_norm_bwd(gy, x, gain, rstd, c, s, seq, True, launch=R.QK_BWD_REFERENCE)
     name = {"qk": "qk_rmsnorm bwd", "qk_rope": "qk_rmsnorm_rope (fused) bwd", "txt": "txt_in rmsnorm bwd (1 x 3584)"}[kind]
@@ -568,7 +584,9 @@ def tune_case(kind: str, dname: str, rows: int, seed: int) -> list[dict]:
     return out
 
 
-TUNE_CASES = (("ln", "bf16", 4096), ("ln", "bf16", 6889), ("ln", "fp32", 4096),
+TUNE_CASES = (("qk_rope_fwd", "bf16", 4096), ("qk_rope_fwd", "bf16", 6889), ("qk_rope_fwd", "fp32", 4096),
+              ("qk_fwd", "bf16", 4096), ("txt_fwd", "bf16", 256), ("txt_fwd", "fp32", 256),
+              ("ln", "bf16", 4096), ("ln", "bf16", 6889), ("ln", "fp32", 4096),
               ("qk", "bf16", 4096), ("qk", "bf16", 6889), ("qk", "fp32", 4096),
               ("qk_rope", "bf16", 4096), ("qk_rope", "bf16", 6889), ("qk_rope", "fp32", 4096),
               ("txt", "bf16", 256), ("txt", "fp32", 256))

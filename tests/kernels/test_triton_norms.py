@@ -295,7 +295,9 @@ def test_bad_inputs_raise_clear_errors():
 # the register cap); the GPU test checks every candidate as compiled.
 
 LN_OTHERS = [c for c in N.LN_CANDIDATES if c != N.LN_REFERENCE]
-_INTERP_LN = list(dict.fromkeys(N.LnLaunch(c.fwd_rows, c.fwd_ahead, None, c.bwd_ahead, None) for c in LN_OTHERS))
+# the interpreter ignores register caps and pipelining stages, but runs the loops they shape
+_INTERP_LN = list(dict.fromkeys(N.LnLaunch(c.fwd_rows, c.fwd_ahead, None, c.bwd_ahead, None, c.fwd_stages, c.bwd_stages)
+                                for c in LN_OTHERS))
 
 
 def _mod_grads(x, sh, sc, gy, seq):
@@ -378,7 +380,9 @@ def test_ln_launch_is_checked_and_restored():
     with N.ln_launch(N.LN_REFERENCE):
         assert N.current_ln_launch(torch.bfloat16) == N.current_ln_launch(torch.float32) == N.LN_REFERENCE
     assert N.current_ln_launch(torch.bfloat16) == N.LN_DEFAULTS[torch.bfloat16]
-    for bad in (N.LnLaunch(fwd_rows=0), N.LnLaunch(fwd_ahead=2), N.LnLaunch(bwd_ahead=3), "one_row"):
+    for bad in (N.LnLaunch(fwd_rows=0), N.LnLaunch(fwd_ahead=2), N.LnLaunch(bwd_ahead=3), "one_row",
+                N.LnLaunch(fwd_ahead=1, fwd_stages=3), N.LnLaunch(bwd_ahead=0, bwd_stages=1),
+                N.LnLaunch(bwd_ahead=0, bwd_stages=9)):
         with pytest.raises(ValueError, match="LnLaunch"), N.ln_launch(bad):
             pass
     assert N.current_ln_launch(torch.float32) == N.LN_DEFAULTS[torch.float32]

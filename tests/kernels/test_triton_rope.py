@@ -299,15 +299,25 @@ def test_registered_for_cuda_strict_fp32_and_bf16():
 # depths (it ignores the register cap); the GPU test checks every candidate as compiled.
 
 QK_OTHERS = [c for c in R.QK_BWD_CANDIDATES if c != R.QK_BWD_REFERENCE]
+QK_FWD_OTHERS = [c for c in R.QK_FWD_CANDIDATES if c != R.QK_FWD_REFERENCE]
+
+
+def _in_force(launch):
+    """(the context that puts ``launch`` in force, the reference launch of its kind): QK backward or forward."""
+    if isinstance(launch, R.QkFwdLaunch):
+        return R.qk_fwd_launch, R.QK_FWD_REFERENCE
+    return R.qk_bwd_launch, R.QK_BWD_REFERENCE
 
 
 def check_launch_bytes_equal_reference(h, d, seq, target, launch):
-    """Forward, dx and d_gain under ``launch`` = the reference launch's bytes (norm alone, unfused pair, fused)."""
+    """Forward, dx and d_gain under ``launch`` (a QkBwdLaunch or a QkFwdLaunch) = the reference launch's bytes
+    (norm alone, unfused pair, fused; RoPE's backward runs the forward kernel)."""
     x, gain, cos, sin, gy = _qk_case(h, d, sum(seq), generator(25), target)
+    use, reference = _in_force(launch)
     for name, op in _qk_ops(cos, sin, seq).items():
-        with R.qk_bwd_launch(R.QK_BWD_REFERENCE):
+        with use(reference):
             want = run_with_grads(op, [x, gain], gy)
-        with R.qk_bwd_launch(launch):
+        with use(launch):
             got = run_with_grads(op, [x, gain], gy)
         assert_bytes_equal(got[0], want[0], f"[{launch.label()}] {name} forward vs the reference {target.label}")
         assert_bytes_equal(got[1], want[1], f"[{launch.label()}] {name} dx, d_gain vs the reference {target.label}")
@@ -318,6 +328,16 @@ def check_launch_bytes_equal_reference(h, d, seq, target, launch):
 def test_bwd_launch_bytes_equal_reference_interpreter(ahead):
     """Read-ahead depths 1 and 2 vs 3, chunks of 1, 16, 17 and 33 tokens and an empty sample; one head too."""
     launch = R.QkBwdLaunch(ahead)
+    check_launch_bytes_equal_reference(H, DH, (5, 0, 19, 33, 1, 16, 17), CPU_FP32, launch)
+    check_launch_bytes_equal_reference(1, 14, (4, 0, 19, 2), CPU_FP32, launch)
+
+
+@interp
+@pytest.mark.parametrize("launch", (R.QkBwdLaunch(0, None, 2), R.QkFwdLaunch(3), R.QkFwdLaunch(4, 2), R.QkFwdLaunch(16, 3)),
+                         ids=lambda c: c.label())
+def test_pipelined_and_grouped_launches_equal_reference_interpreter(launch):
+    """The backward's pipelined token loop (read where used) and forward programs of 3, 4 and 16 tokens (row counts
+    that leave a short last program, an empty sample) give the reference launch's bytes; one head too."""
     check_launch_bytes_equal_reference(H, DH, (5, 0, 19, 33, 1, 16, 17), CPU_FP32, launch)
     check_launch_bytes_equal_reference(1, 14, (4, 0, 19, 2), CPU_FP32, launch)
 
@@ -351,10 +371,24 @@ def test_bwd_launch_is_checked_and_restored():
     assert defaults == R.QK_BWD_DEFAULTS and set(defaults.values()) <= set(R.QK_BWD_CANDIDATES)
     with R.qk_bwd_launch(R.QK_BWD_REFERENCE):
         assert R.current_qk_bwd_launch(torch.bfloat16, 24) == R.current_qk_bwd_launch(torch.float32, 1) == R.QK_BWD_REFERENCE
-    for bad in (R.QkBwdLaunch(0), R.QkBwdLaunch(4), "chunk_heads"):
+    for bad in (R.QkBwdLaunch(0), R.QkBwdLaunch(4), R.QkBwdLaunch(1, None, 3), R.QkBwdLaunch(0, None, 1),
+                R.QkBwdLaunch(0, None, 9), "chunk_heads"):
         with pytest.raises(ValueError, match="QkBwdLaunch"), R.qk_bwd_launch(bad):
             pass
     assert {(dt, one): R.current_qk_bwd_launch(dt, 1 if one else 24) for dt, one in keys} == R.QK_BWD_DEFAULTS
+
+
+def test_fwd_launch_is_checked_and_restored():
+    keys = [(dt, one) for dt in (torch.bfloat16, torch.float32) for one in (False, True)]
+    defaults = {(dt, one): R.current_qk_fwd_launch(dt, 1 if one else 24) for dt, one in keys}
+    assert defaults == R.QK_FWD_DEFAULTS and set(defaults.values()) <= set(R.QK_FWD_CANDIDATES)
+    other = R.QkFwdLaunch(8, 3)
+    with R.qk_fwd_launch(other):
+        assert R.current_qk_fwd_launch(torch.bfloat16, 24) == R.current_qk_fwd_launch(torch.float32, 1) == other
+    for bad in (R.QkFwdLaunch(0), R.QkFwdLaunch(65), R.QkFwdLaunch(4, 1), R.QkFwdLaunch(4, 9), R.QkBwdLaunch(1)):
+        with pytest.raises(ValueError, match="QkFwdLaunch"), R.qk_fwd_launch(bad):
+            pass
+    assert {(dt, one): R.current_qk_fwd_launch(dt, 1 if one else 24) for dt, one in keys} == R.QK_FWD_DEFAULTS
 
 
 def test_layout_identity_and_trace():
@@ -489,4 +523,17 @@ def test_gpu_qk_bwd_launch_bytes_equal_reference(target, launch):
     check_launch_bytes_equal_reference(QH, QDH, (4096, 0, 256, 77, 1, 16, 17), target, launch)
     check_launch_bytes_equal_reference(1, 3584, (256, 0, 77), target, launch)
     with R.qk_bwd_launch(launch):
+        check_invariance(QH, QDH, target, (2, 3, 8), 1, 40)
+
+
+@on_gpu_targets
+@pytest.mark.parametrize("launch", QK_FWD_OTHERS, ids=lambda c: c.label())
+def test_gpu_qk_fwd_launch_bytes_equal_reference(target, launch):
+    """Every forward launch candidate (tokens per program, pipelined loop) at 24 × 128 and at one head of 3584:
+    forward, dx and d_gain = the one-token launch's bytes (norm, unfused pair, fused), and a sample alone = in
+    batches of 2, 3, 8."""
+    skip_unless_compiled(target)
+    check_launch_bytes_equal_reference(QH, QDH, (4096, 0, 256, 77, 1, 16, 17), target, launch)
+    check_launch_bytes_equal_reference(1, 3584, (256, 0, 77), target, launch)
+    with R.qk_fwd_launch(launch):
         check_invariance(QH, QDH, target, (2, 3, 8), 1, 40)

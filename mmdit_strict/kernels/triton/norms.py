@@ -44,7 +44,7 @@ from ..choice import KernelSetting
 from ..registry import KernelImpl, register
 from . import segments as seg
 from .gemm import _DTYPES, _interpreting, check_dtype_device, gemm, launch_opts
-from .rope import check_gain, num_warps_for, rms_norm_rows
+from .rope import check_gain, check_stages, num_warps_for, rms_norm_rows
 from .segments import check_seqlens
 
 FWD_ROWS = 4  # rows per gated-residual forward program (row-local math: no effect on bytes)
@@ -60,7 +60,10 @@ class LnLaunch:
 
     fwd_rows: rows per forward program (the forward has no cross-row sum: any grouping gives the same bytes);
     fwd_ahead / bwd_ahead: 1 = the kernel reads row r+1 while it reduces row r (a register double buffer), 0 = not;
-    fwd_maxnreg / bwd_maxnreg: a register cap for ptxas (more programs resident per SM; may spill), None = none.
+    fwd_maxnreg / bwd_maxnreg: a register cap for ptxas (more programs resident per SM; may spill), None = none;
+    fwd_stages / bwd_stages: None, or 2..8 = the row loop software-pipelined by Triton (``tl.range(num_stages=)``):
+    the next rows' loads go through shared memory (cp.async) instead of registers, into the same register layout
+    (offline sm_90 compile: the same tt.reduce operand layouts); with stages, ahead is 0.
     The backward's chunks stay segments.CHUNK_ROWS rows (they are the d_scale / d_shift tree)."""
 
     fwd_rows: int = 4
@@ -68,10 +71,15 @@ class LnLaunch:
     fwd_maxnreg: int | None = None
     bwd_ahead: int = 1
     bwd_maxnreg: int | None = None
+    fwd_stages: int | None = None
+    bwd_stages: int | None = None
 
     def label(self) -> str:
-        return (f"fwd rows {self.fwd_rows}, ahead {self.fwd_ahead}, maxnreg {self.fwd_maxnreg or '-'}; "
-                f"bwd ahead {self.bwd_ahead}, maxnreg {self.bwd_maxnreg or '-'}")
+        def st(v: int | None) -> str:
+            return f", stages {v}" if v else ""
+
+        return (f"fwd rows {self.fwd_rows}, ahead {self.fwd_ahead}, maxnreg {self.fwd_maxnreg or '-'}{st(self.fwd_stages)}; "
+                f"bwd ahead {self.bwd_ahead}, maxnreg {self.bwd_maxnreg or '-'}{st(self.bwd_stages)}")
 
 
 # The kernels as the H200 measured them at 6ab3b56 (4-row forward programs, no read-ahead): the reference
@@ -95,12 +103,18 @@ LN_CANDIDATES = tuple(dict.fromkeys([
     *(LnLaunch(fwd_rows=r, fwd_ahead=a, fwd_maxnreg=m, bwd_ahead=ba, bwd_maxnreg=bm)
       for r, a, m, ba, bm in ((4, 1, None, 1, None), (1, 0, None, 0, None), (1, 1, None, 1, 128), (8, 1, None, 0, None),
                               (2, 1, 80, 0, None), (1, 0, 64, 0, None), (8, 0, 64, 1, 128))),
+    # the row loops pipelined through shared memory (not yet timed on a GPU)
+    *(LnLaunch(fwd_rows=r, fwd_ahead=0, fwd_maxnreg=m, fwd_stages=fs, bwd_ahead=0, bwd_maxnreg=bm, bwd_stages=bs)
+      for r, m, fs, bm, bs in ((4, 80, 2, None, 2), (8, 80, 3, None, 3), (8, None, 3, 128, 4), (16, 80, 4, None, 4),
+                               (16, None, 6, None, 6))),
 ]))
 
 
 def _check_ln_launch(launch: object) -> None:
     if not isinstance(launch, LnLaunch) or launch.fwd_rows < 1 or {launch.fwd_ahead, launch.bwd_ahead} - {0, 1}:
         raise ValueError(f"expected an LnLaunch with fwd_rows >= 1 and fwd_ahead / bwd_ahead 0 or 1, got {launch!r}")
+    check_stages(launch.fwd_stages, launch.fwd_ahead, "LnLaunch forward")
+    check_stages(launch.bwd_stages, launch.bwd_ahead, "LnLaunch backward")
 
 
 _LN_LAUNCH: KernelSetting[LnLaunch | None] = KernelSetting("ln launch", None, _check_ln_launch)
@@ -162,11 +176,12 @@ def _store_scale_shift_partials(part_ptr, c, stride_part, D, cols, mask, p_scale
 def _adaln_mod_fwd_kernel(
     x_ptr, shift_ptr, scale_ptr, table_ptr, y_ptr, mean_ptr, rstd_ptr,
     n_chunks, D, d_float, eps, stride_x, stride_y, stride_shift, stride_scale,
-    STORE_STATS: tl.constexpr, AHEAD: tl.constexpr, BLOCK_D: tl.constexpr,
+    STORE_STATS: tl.constexpr, AHEAD: tl.constexpr, STAGES: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """y = x̂·(1 + scale[s]) + shift[s] for the rows of one chunk (all of sample s); one cast at the store.
     AHEAD: row r+1 is read (in the storage dtype) before row r is reduced; nothing past the chunk is read.
-    The row's arithmetic is the same either way."""
+    STAGES (None or 2..8): the row loop pipelined through shared memory. The row's arithmetic is the same
+    either way."""
     _, r0, r1, s = _program_chunk(table_ptr, n_chunks)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -175,7 +190,7 @@ def _adaln_mod_fwd_kernel(
         x_cur = tl.load(x_ptr + first * stride_x + cols, mask=mask, other=0.0)  # a chunk has >= 1 row
     scale1 = 1.0 + _sample_vector(scale_ptr, s, stride_scale, cols, mask)
     shift = _sample_vector(shift_ptr, s, stride_shift, cols, mask)
-    for i in range(0, r1 - r0):
+    for i in tl.range(0, r1 - r0, num_stages=STAGES):
         row = first + i
         if AHEAD:
             nxt = row + 1
@@ -197,12 +212,13 @@ def _adaln_mod_fwd_kernel(
 def _adaln_mod_bwd_kernel(
     x_ptr, scale_ptr, dy_ptr, mean_ptr, rstd_ptr, table_ptr, dx_ptr, part_ptr,
     n_chunks, D, d_float, stride_x, stride_dy, stride_dx, stride_scale, stride_part,
-    NEED_VEC: tl.constexpr, AHEAD: tl.constexpr, BLOCK_D: tl.constexpr,
+    NEED_VEC: tl.constexpr, AHEAD: tl.constexpr, STAGES: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One chunk (≤ CHUNK_ROWS rows of sample s): dx per row, and the chunk's partials
     part[c, :D] = Σ dy·x̂, part[c, D:] = Σ dy chained in row order (FP32). AHEAD: the next row's x, dy,
     mean and rstd are loaded before the current row is reduced (a register double buffer); 0: each row is
-    read when it is processed. No effect on the arithmetic."""
+    read when it is processed; STAGES (None or 2..8, with AHEAD 0): the row loop pipelined through shared
+    memory. No effect on the arithmetic."""
     c, r0, r1, s = _program_chunk(table_ptr, n_chunks)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -215,7 +231,7 @@ def _adaln_mod_bwd_kernel(
         dy_c = tl.load(dy_ptr + first * stride_dy + cols, mask=mask, other=0.0)
         mean_c = tl.load(mean_ptr + first)
         rstd_c = tl.load(rstd_ptr + first)
-    for i in range(0, r1 - r0):
+    for i in tl.range(0, r1 - r0, num_stages=STAGES):
         row = first + i
         if AHEAD:
             nxt = row + 1
@@ -355,7 +371,7 @@ def adaln_modulation_fwd(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tens
     _adaln_mod_fwd_kernel[(ch.n,)](
         x, shift, scale, ch.table, y, mean if store_stats else y, rstd if store_stats else y,
         ch.n, d, float(d), float(eps), x.stride(0), y.stride(0), _stride0(shift), _stride0(scale),
-        STORE_STATS=store_stats, AHEAD=launch.fwd_ahead, BLOCK_D=block,
+        STORE_STATS=store_stats, AHEAD=launch.fwd_ahead, STAGES=launch.fwd_stages, BLOCK_D=block,
         **launch_opts(num_warps_for(block), _interpreting(), maxnreg=launch.fwd_maxnreg),
     )
     return y, mean, rstd
@@ -376,7 +392,7 @@ def adaln_modulation_bwd(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor,
         _adaln_mod_bwd_kernel[(ch.n,)](
             x, scale, dy, mean, rstd, ch.table, dx, part if need_vec else dx,
             ch.n, d, float(d), x.stride(0), dy.stride(0), dx.stride(0), _stride0(scale), 2 * d,
-            NEED_VEC=need_vec, AHEAD=launch.bwd_ahead, BLOCK_D=block,
+            NEED_VEC=need_vec, AHEAD=launch.bwd_ahead, STAGES=launch.bwd_stages, BLOCK_D=block,
             **launch_opts(num_warps_for(block), _interpreting(), maxnreg=launch.bwd_maxnreg),
         )
     if not need_vec:

@@ -93,17 +93,26 @@ def qk_layout(name: str) -> contextlib.AbstractContextManager[None]:
 # bf16 4096 tokens, same dx and forward bytes, d_gain on this other fixed tree; experiments/norms/6ab3b56).
 
 
+def check_stages(stages: object, ahead: int, what: str) -> None:
+    """A pipelined loop's stages: None, or 2..8 with no register read-ahead (``ahead`` 0)."""
+    if stages is not None and (not isinstance(stages, int) or not 2 <= stages <= 8 or ahead):
+        raise ValueError(f"{what}: stages must be None or 2..8 with ahead 0, got stages {stages!r}, ahead {ahead}")
+
+
 @dataclass(frozen=True)
 class QkBwdLaunch:
     """How :func:`_qk_bwd_chunk_kernel` is launched; none of it touches the arithmetic (same tile, same
     layout, same trees: GPU test ``test_gpu_qk_bwd_launch_bytes_equal_reference``), none is chosen from the
-    number of tokens. ahead: tokens read ahead (1..3); maxnreg: a register cap for ptxas (None = none)."""
+    number of tokens. ahead: tokens read ahead into registers (1..3, or 0 with stages); maxnreg: a register cap
+    for ptxas (None = none); stages: None, or 2..8 = the token loop software-pipelined by Triton
+    (``tl.range(num_stages=)``: the next tokens' loads through shared memory, into the same register layout)."""
 
     ahead: int = 3
     maxnreg: int | None = None
+    stages: int | None = None
 
     def label(self) -> str:
-        return f"ahead {self.ahead}, maxnreg {self.maxnreg or '-'}"
+        return f"ahead {self.ahead}, maxnreg {self.maxnreg or '-'}" + (f", stages {self.stages}" if self.stages else "")
 
 
 QK_BWD_REFERENCE = QkBwdLaunch(ahead=3)  # as measured at 6ab3b56
@@ -116,12 +125,15 @@ QK_BWD_REFERENCE = QkBwdLaunch(ahead=3)  # as measured at 6ab3b56
 QK_BWD_DEFAULTS = {(torch.bfloat16, False): QkBwdLaunch(ahead=1), (torch.bfloat16, True): QkBwdLaunch(ahead=1),
                    (torch.float32, False): QkBwdLaunch(ahead=1, maxnreg=128), (torch.float32, True): QkBwdLaunch(ahead=1)}
 QK_BWD_CANDIDATES = tuple(dict.fromkeys([QK_BWD_REFERENCE, *QK_BWD_DEFAULTS.values(), QkBwdLaunch(1), QkBwdLaunch(2),
-                                         QkBwdLaunch(1, 128)]))
+                                         QkBwdLaunch(1, 128),
+                                         # the token loop pipelined through shared memory (not yet timed on a GPU)
+                                         QkBwdLaunch(0, None, 2), QkBwdLaunch(0, None, 3), QkBwdLaunch(0, 128, 4)]))
 
 
 def _check_qk_bwd_launch(launch: object) -> None:
-    if not isinstance(launch, QkBwdLaunch) or launch.ahead not in (1, 2, 3):
-        raise ValueError(f"expected a QkBwdLaunch with ahead 1, 2 or 3, got {launch!r}")
+    if not isinstance(launch, QkBwdLaunch) or launch.ahead not in (0, 1, 2, 3) or (launch.ahead == 0) != bool(launch.stages):
+        raise ValueError(f"expected a QkBwdLaunch with ahead 1, 2 or 3, or ahead 0 with stages, got {launch!r}")
+    check_stages(launch.stages, launch.ahead, "QkBwdLaunch")
 
 
 _QK_BWD_LAUNCH: KernelSetting[QkBwdLaunch | None] = KernelSetting("qk bwd launch", None, _check_qk_bwd_launch)
@@ -137,6 +149,45 @@ def qk_bwd_launch(launch: QkBwdLaunch) -> contextlib.AbstractContextManager[None
     """Launch the contiguous QK backward with ``launch`` inside the block, whatever the dtype (bench and
     tests). Context-local; the autograd node keeps the launch in force at its forward for its backward."""
     return _QK_BWD_LAUNCH.use(launch)
+
+
+@dataclass(frozen=True)
+class QkFwdLaunch:
+    """How :func:`_qk_fwd_kernel` is launched: ``tokens`` per program (the forward has no cross-token sum: any
+    grouping gives the same bytes) and, with more than one, ``stages`` (None, or 2..8: the token loop pipelined
+    through shared memory, as :class:`QkBwdLaunch`). Never chosen from the number of tokens."""
+
+    tokens: int = 1
+    stages: int | None = None
+
+    def label(self) -> str:
+        return f"tokens {self.tokens}" + (f", stages {self.stages}" if self.stages else "")
+
+
+QK_FWD_REFERENCE = QkFwdLaunch()  # one token per program: the forward as measured at c893898
+QK_FWD_DEFAULTS = {(dt, one): QK_FWD_REFERENCE for dt in (torch.bfloat16, torch.float32) for one in (False, True)}
+QK_FWD_CANDIDATES = tuple(dict.fromkeys([QK_FWD_REFERENCE, *QK_FWD_DEFAULTS.values(), QkFwdLaunch(4, 2),
+                                         QkFwdLaunch(8, 3), QkFwdLaunch(16, 3), QkFwdLaunch(16, 4)]))
+
+
+def _check_qk_fwd_launch(launch: object) -> None:
+    if not isinstance(launch, QkFwdLaunch) or not 1 <= launch.tokens <= 64:
+        raise ValueError(f"expected a QkFwdLaunch with 1..64 tokens per program, got {launch!r}")
+    check_stages(launch.stages, 0, "QkFwdLaunch")
+
+
+_QK_FWD_LAUNCH: KernelSetting[QkFwdLaunch | None] = KernelSetting("qk fwd launch", None, _check_qk_fwd_launch)
+
+
+def current_qk_fwd_launch(dtype: torch.dtype, heads: int) -> QkFwdLaunch:
+    """The QK forward launch in force for ``dtype`` and ``heads`` per token (the innermost
+    :func:`qk_fwd_launch`, else :data:`QK_FWD_DEFAULTS`)."""
+    return _QK_FWD_LAUNCH.get() or QK_FWD_DEFAULTS[dtype, heads == 1]
+
+
+def qk_fwd_launch(launch: QkFwdLaunch) -> contextlib.AbstractContextManager[None]:
+    """Launch the contiguous QK forward (norm, RoPE, fused, txt_in's RMSNorm) with ``launch`` inside the block."""
+    return _QK_FWD_LAUNCH.use(launch)
 
 
 def num_warps_for(elems: int) -> int:
@@ -335,32 +386,36 @@ def _rms_bwd(x, dy, rstd, g, d_float):
     return (gl - xh * c1) * rstd[:, None], dy * xh
 
 
-@triton.jit(do_not_specialize=["norm", "rope", "store_rstd"])
+@triton.jit(do_not_specialize=["n_rows", "norm", "rope", "store_rstd"])
 def _qk_fwd_kernel(
     x_ptr, gain_ptr, cos_ptr, sin_ptr, y_ptr, rstd_ptr,
-    H, D, d_float, eps, sign, stride_x, stride_y, stride_cs,
+    n_rows, H, D, d_float, eps, sign, stride_x, stride_y, stride_cs,
     norm, rope, store_rstd,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    TOKENS: tl.constexpr, STAGES: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """One token, its heads one (H, d) tile. norm: rstd per head, y = (x·rstd)·gain (with rope: y rounded
-    to the storage dtype, the unfused pair's cast point); rope: pairs rotated by θ (sign 1.0) or −θ
-    (sign −1.0); store_rstd: rstd (FP32) saved. One cast at the store."""
-    row = tl.program_id(0).to(tl.int64)
+    """TOKENS consecutive tokens (the last program: what is left), each token's heads one (H, d) tile. norm:
+    rstd per head, y = (x·rstd)·gain (with rope: y rounded to the storage dtype, the unfused pair's cast
+    point); rope: pairs rotated by θ (sign 1.0) or −θ (sign −1.0); store_rstd: rstd (FP32) saved. One cast
+    at the store. STAGES (None or 2..8): the token loop pipelined through shared memory; no effect on the
+    arithmetic, which is per token."""
+    first = tl.program_id(0).to(tl.int64) * TOKENS
     offs_h, offs_j, mask_h, mask_j, mask = _head_tile(H, D, BLOCK_H, BLOCK_D)
     offs = offs_h[:, None] * D + offs_j[None, :]
-    y = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    if norm:
-        g = tl.load(gain_ptr + offs_j, mask=mask_j, other=0.0).to(tl.float32)[None, :]
-        rstd = _rms_rstd(y, d_float, eps)
-        y = (y * rstd[:, None]) * g
-        if store_rstd:
-            tl.store(rstd_ptr + row * H + offs_h, rstd, mask=mask_h)
+    g = tl.load(gain_ptr + offs_j, mask=offs_j < D * norm, other=0.0).to(tl.float32)[None, :]  # norm is 0 or 1
+    for t in tl.range(0, tl.minimum(n_rows - first, TOKENS), num_stages=STAGES):
+        row = first + t
+        y = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        if norm:
+            rstd = _rms_rstd(y, d_float, eps)
+            y = (y * rstd[:, None]) * g
+            if store_rstd:
+                tl.store(rstd_ptr + row * H + offs_h, rstd, mask=mask_h)
+            if rope:
+                y = y.to(y_ptr.dtype.element_ty).to(tl.float32)  # the unfused pair's cast point
         if rope:
-            y = y.to(y_ptr.dtype.element_ty).to(tl.float32)  # the unfused pair's cast point
-    if rope:
-        c, s = _pair_tables(cos_ptr, sin_ptr, row, stride_cs, D // 2, sign, BLOCK_D)
-        y = _rotate_pairs(y, c, s, BLOCK_H, BLOCK_D)
-    tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+            c, s = _pair_tables(cos_ptr, sin_ptr, row, stride_cs, D // 2, sign, BLOCK_D)
+            y = _rotate_pairs(y, c, s, BLOCK_H, BLOCK_D)
+        tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -383,10 +438,11 @@ def _qk_bwd_chunk_kernel(
     x_ptr, gain_ptr, cos_ptr, sin_ptr, dy_ptr, rstd_ptr, table_ptr, dx_ptr, part_ptr,
     n_chunks, H, D, d_float, stride_x, stride_dy, stride_dx, stride_cs, stride_part,
     rope, need_gain,
-    AHEAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    AHEAD: tl.constexpr, STAGES: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """The contiguous layout's backward (identity ``"chunk_heads"``): one chunk of tokens of one sample,
-    tokens in order, everything a token needs (x, dy, rstd, tables) read AHEAD (1..3) tokens ahead. rope: dy
+    tokens in order, everything a token needs (x, dy, rstd, tables) read AHEAD (1..3) tokens ahead into
+    registers, or (AHEAD 0) where used, with STAGES (2..8) the loop pipelined through shared memory. rope: dy
     rotated by −θ and rounded to the storage dtype (the unfused pair's cast point); dx = (g − x̂·(Σ g·x̂ ⊘ d))·rstd
     per (token, head); need_gain: per (head, lane) acc = 0, acc = acc + dy·x̂ over the chunk's tokens in
     order, then part[c] = tl.sum of acc over heads (one cross-warp reduction per chunk, none per token).
@@ -399,18 +455,23 @@ def _qk_bwd_chunk_kernel(
     g = tl.load(gain_ptr + offs_j, mask=mask_j, other=0.0).to(tl.float32)[None, :]
     acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
     first = start.to(tl.int64)
-    x0, d0, r0, c0, s0 = _bwd_token(x_ptr, dy_ptr, rstd_ptr, cos_ptr, sin_ptr, first, n > 0, rope, H, D,
-                                    stride_x, stride_dy, stride_cs, offs, offs_h, mask_j, BLOCK_D)
+    if AHEAD >= 1:
+        x0, d0, r0, c0, s0 = _bwd_token(x_ptr, dy_ptr, rstd_ptr, cos_ptr, sin_ptr, first, n > 0, rope, H, D,
+                                        stride_x, stride_dy, stride_cs, offs, offs_h, mask_j, BLOCK_D)
     if AHEAD >= 2:
         x1, d1, r1, c1, s1 = _bwd_token(x_ptr, dy_ptr, rstd_ptr, cos_ptr, sin_ptr, first + 1, n > 1, rope, H, D,
                                         stride_x, stride_dy, stride_cs, offs, offs_h, mask_j, BLOCK_D)
     if AHEAD >= 3:
         x2, d2, r2, c2, s2 = _bwd_token(x_ptr, dy_ptr, rstd_ptr, cos_ptr, sin_ptr, first + 2, n > 2, rope, H, D,
                                         stride_x, stride_dy, stride_cs, offs, offs_h, mask_j, BLOCK_D)
-    for i in range(n):
+    for i in tl.range(0, n, num_stages=STAGES):
         row = first + i
-        xn, dn, rn, cn, sn = _bwd_token(x_ptr, dy_ptr, rstd_ptr, cos_ptr, sin_ptr, row + AHEAD, i + AHEAD < n, rope, H, D,
-                                        stride_x, stride_dy, stride_cs, offs, offs_h, mask_j, BLOCK_D)
+        if AHEAD == 0:  # read where used: with STAGES, the pipeliner reads ahead through shared memory
+            x0, d0, r0, c0, s0 = _bwd_token(x_ptr, dy_ptr, rstd_ptr, cos_ptr, sin_ptr, row, i < n, rope, H, D,
+                                            stride_x, stride_dy, stride_cs, offs, offs_h, mask_j, BLOCK_D)
+        else:
+            xn, dn, rn, cn, sn = _bwd_token(x_ptr, dy_ptr, rstd_ptr, cos_ptr, sin_ptr, row + AHEAD, i + AHEAD < n, rope,
+                                            H, D, stride_x, stride_dy, stride_cs, offs, offs_h, mask_j, BLOCK_D)
         dy = d0.to(tl.float32)
         if rope:
             dy = _rotate_pairs(dy, c0, s0, BLOCK_H, BLOCK_D)
@@ -424,7 +485,7 @@ def _qk_bwd_chunk_kernel(
         elif AHEAD == 2:
             x0, d0, r0, c0, s0 = x1, d1, r1, c1, s1
             x1, d1, r1, c1, s1 = xn, dn, rn, cn, sn
-        else:
+        elif AHEAD == 3:
             x0, d0, r0, c0, s0 = x1, d1, r1, c1, s1
             x1, d1, r1, c1, s1 = x2, d2, r2, c2, s2
             x2, d2, r2, c2, s2 = xn, dn, rn, cn, sn
@@ -486,20 +547,22 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 
 def _contig_fwd(x: torch.Tensor, gain: torch.Tensor | None, cos: torch.Tensor | None, sin: torch.Tensor | None,
-                eps: float, rstd: torch.Tensor | None, sign: float) -> torch.Tensor:
-    """One launch of :func:`_qk_fwd_kernel` (flags from which of gain / cos / rstd are given)."""
+                eps: float, rstd: torch.Tensor | None, sign: float, launch: QkFwdLaunch | None = None) -> torch.Tensor:
+    """One launch of :func:`_qk_fwd_kernel` (flags from which of gain / cos / rstd are given); ``launch``
+    defaults to the one in force (:func:`qk_fwd_launch`)."""
     m, h, d = x.shape
+    launch = launch or current_qk_fwd_launch(x.dtype, h)
     x = _aligned(x)
     y = torch.empty_like(x)
     norm, rope = gain is not None, cos is not None
     dummy = torch.empty(1, dtype=torch.float32, device=x.device)
     bh, bd = _contig_blocks(h, d)
-    _qk_fwd_kernel[(m,)](
+    _qk_fwd_kernel[(triton.cdiv(m, launch.tokens),)](
         x, _aligned(gain) if norm else x, _f32(cos) if rope else dummy, _f32(sin) if rope else dummy, y,
         rstd if rstd is not None else dummy,
-        h, d, float(d), float(eps), float(sign), h * d, h * d, d // 2,
+        m, h, d, float(d), float(eps), float(sign), h * d, h * d, d // 2,
         int(norm), int(rope), int(rstd is not None),
-        BLOCK_H=bh, BLOCK_D=bd, **_opts(bh * bd),
+        TOKENS=launch.tokens, STAGES=launch.stages, BLOCK_H=bh, BLOCK_D=bd, **_opts(bh * bd),
     )
     return y
 
@@ -544,7 +607,7 @@ def qk_norm_bwd(dy: torch.Tensor, x: torch.Tensor, gain: torch.Tensor, rstd: tor
             dx, part if need_gain else dummy,
             ch.n, h, d, float(d), h * d, h * d, h * d, d // 2, d,
             int(rope), int(need_gain),
-            AHEAD=launch.ahead, BLOCK_H=bh, BLOCK_D=bd, **_opts(bh * bd, launch.maxnreg),
+            AHEAD=launch.ahead, STAGES=launch.stages, BLOCK_H=bh, BLOCK_D=bd, **_opts(bh * bd, launch.maxnreg),
         )
     elif m:
         bh, bp = _blocks(h, d)
