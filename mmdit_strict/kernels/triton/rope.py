@@ -121,9 +121,12 @@ QK_BWD_REFERENCE = QkBwdLaunch(ahead=3)  # as measured at 6ab3b56
 # ahead (bf16: 127 registers, two programs per SM) — 24 × 128 bf16 0.0479 -> 0.0340 ms (4096 tokens),
 # 0.0886 -> 0.0618 (6889); fp32 24 × 128 also capped at 128 registers (24 B spilled; two programs per SM):
 # 0.0684 -> 0.0592. The one head of 3584 (txt_in's RMSNorm) in fp32 runs uncapped (0.0199 -> 0.0184 ms; the
-# cap spills 88 B there and took 0.0238).
+# cap spills 88 B there and took 0.0238). fp32 24 × 128 since the H200 tune run at 801d99e (experiments/norms/801d99e):
+# the token loop pipelined in 3 stages through shared memory (128 registers, no spill), norm 0.0594 -> 0.0516 ms,
+# fused 0.0607 -> 0.0523 (0.61 -> 0.71 of copy); in bf16 the pipelined loops were 3 % faster for the norm and 5 %
+# slower for the fused op (one token ahead stays); for one head 3 stages took 0.0211 ms vs 0.0183.
 QK_BWD_DEFAULTS = {(torch.bfloat16, False): QkBwdLaunch(ahead=1), (torch.bfloat16, True): QkBwdLaunch(ahead=1),
-                   (torch.float32, False): QkBwdLaunch(ahead=1, maxnreg=128), (torch.float32, True): QkBwdLaunch(ahead=1)}
+                   (torch.float32, False): QkBwdLaunch(ahead=0, stages=3), (torch.float32, True): QkBwdLaunch(ahead=1)}
 QK_BWD_CANDIDATES = tuple(dict.fromkeys([QK_BWD_REFERENCE, *QK_BWD_DEFAULTS.values(), QkBwdLaunch(1), QkBwdLaunch(2),
                                          QkBwdLaunch(1, 128),
                                          # the token loop pipelined through shared memory (not yet timed on a GPU)
@@ -165,6 +168,9 @@ class QkFwdLaunch:
 
 
 QK_FWD_REFERENCE = QkFwdLaunch()  # one token per program: the forward as measured at c893898
+# Still the default after the H200 tune run at 801d99e: grouping 4-16 tokens per program with a pipelined loop was
+# slower in every case but the norm alone in bf16 (0.0146 -> 0.0143 ms at 8 tokens / 3 stages); the fused forward
+# bf16 4096 0.0183 -> 0.0203 ms at best, txt_in's one head 0.0023 -> 0.0044 (fewer programs over 256 rows).
 QK_FWD_DEFAULTS = {(dt, one): QK_FWD_REFERENCE for dt in (torch.bfloat16, torch.float32) for one in (False, True)}
 QK_FWD_CANDIDATES = tuple(dict.fromkeys([QK_FWD_REFERENCE, *QK_FWD_DEFAULTS.values(), QkFwdLaunch(4, 2),
                                          QkFwdLaunch(8, 3), QkFwdLaunch(16, 3), QkFwdLaunch(16, 4)]))
