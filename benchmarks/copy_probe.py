@@ -64,8 +64,13 @@ def main(out: str) -> None:
                    "gbps": nb / (ms * 1e-3) / 1e9 if ms else None}
             res.append(row)
             print(row, flush=True)
+    dump(out, res)
+
+
+def dump(out: str, rows: list[dict]) -> None:
+    """The probe's rows and the GPU's name as JSON at ``out`` (each row was printed as it was measured)."""
     with open(out, "w") as f:
-        json.dump({"gpu": torch.cuda.get_device_name(), "rows": res}, f, indent=1)
+        json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

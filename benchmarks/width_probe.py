@@ -6,13 +6,23 @@ copy reference of the same bytes (``bench.bandwidth``). GPU only:  python -m ben
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
 
 from mmdit_strict.bench.bandwidth import copy_reference
 from mmdit_strict.bench.timing import graph_ms
+
+from .copy_probe import dump
+
+
+def _timed(rows_out: list[dict], pairs, **labels) -> None:
+    """Time each (kernel name, fn, bytes moved) of ``pairs`` and append its row: ms and fraction of the copy."""
+    for kind, fn, nb in pairs:
+        ms = graph_ms(fn, rep=40)
+        row = {"kernel": kind, **labels, "ms": ms, "fraction": nb / (ms * 1e-3) / 1e9 / copy_reference(nb).best}
+        rows_out.append(row)
+        print(row, flush=True)
 
 
 def main(out: str) -> None:
@@ -27,27 +37,18 @@ def main(out: str) -> None:
                 x, gy = torch.randn(m, d, device="cuda", dtype=dt), torch.randn(m, d, device="cuda", dtype=dt)
                 sh, sc = torch.randn(1, d, device="cuda", dtype=dt), torch.randn(1, d, device="cuda", dtype=dt)
                 _, mean, rstd = N.adaln_modulation_fwd(x, sh, sc, (m,), 1e-6, True)
-                for kind, fn, nb in (("ln fwd", lambda: N.adaln_modulation_fwd(x, sh, sc, (m,), 1e-6, False), 2 * m * d * es),
-                                     ("ln bwd", lambda: N.adaln_modulation_bwd(gy, x, sc, mean, rstd, (m,), True), 3 * m * d * es)):
-                    ms = graph_ms(fn, rep=40)
-                    row = {"kernel": kind, "dtype": str(dt), "rows": m, "width": d, "ms": ms,
-                           "fraction": nb / (ms * 1e-3) / 1e9 / copy_reference(nb).best}
-                    rows_out.append(row)
-                    print(row, flush=True)
+                _timed(rows_out, (("ln fwd", lambda: N.adaln_modulation_fwd(x, sh, sc, (m,), 1e-6, False), 2 * m * d * es),
+                                  ("ln bwd", lambda: N.adaln_modulation_bwd(gy, x, sc, mean, rstd, (m,), True), 3 * m * d * es)),
+                       dtype=str(dt), rows=m, width=d)
             for h in (24, 32):
                 x, gy = torch.randn(m, h, 128, device="cuda", dtype=dt), torch.randn(m, h, 128, device="cuda", dtype=dt)
                 gain = torch.randn(128, device="cuda", dtype=dt)
                 c, s = torch.randn(m, 64, device="cuda"), torch.randn(m, 64, device="cuda")
                 _, rs = R.qk_norm_fwd(x, gain, c, s, 1e-6, store_rstd=True)
-                for kind, fn, nb in (("qk fused fwd", lambda: R.qk_norm_fwd(x, gain, c, s, 1e-6, store_rstd=False), 2 * m * h * 128 * es),
-                                     ("qk fused bwd", lambda: R.qk_norm_bwd(gy, x, gain, rs, c, s, (m,), True), 3 * m * h * 128 * es)):
-                    ms = graph_ms(fn, rep=40)
-                    row = {"kernel": kind, "dtype": str(dt), "rows": m, "heads": h, "ms": ms,
-                           "fraction": nb / (ms * 1e-3) / 1e9 / copy_reference(nb).best}
-                    rows_out.append(row)
-                    print(row, flush=True)
-    with open(out, "w") as f:
-        json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows_out}, f, indent=1)
+                _timed(rows_out, (("qk fused fwd", lambda: R.qk_norm_fwd(x, gain, c, s, 1e-6, store_rstd=False), 2 * m * h * 128 * es),
+                                  ("qk fused bwd", lambda: R.qk_norm_bwd(gy, x, gain, rs, c, s, (m,), True), 3 * m * h * 128 * es)),
+                       dtype=str(dt), rows=m, heads=h)
+    dump(out, rows_out)
 
 
 if __name__ == "__main__":
