@@ -60,13 +60,15 @@ DEVICE = "cuda"  # a CPU dry run of the accuracy / invariance logic (interpreter
 class Variant:
     """Launch settings the bench runs beside the library's defaults.
 
-    ``ln`` / ``qk``: the name of a ``norms.LnLaunch`` / ``rope.QkBwdLaunch`` of those modules (``None``: the
-    library's per-dtype defaults, ``LN_DEFAULTS`` / ``QK_BWD_DEFAULTS``); ``ops``:
+    ``ln`` / ``qk`` / ``qk_fwd``: the name of a ``norms.LnLaunch`` / ``rope.QkBwdLaunch`` / ``rope.QkFwdLaunch``
+    of those modules (``None``: the library's per-dtype defaults, ``LN_DEFAULTS`` / ``QK_BWD_DEFAULTS`` /
+    ``QK_FWD_DEFAULTS``); ``ops``:
     the operators whose launches it changes (``None``: all); ``may_differ``: tensors whose bytes it may
     change against the default (none: launch settings never change bytes)."""
 
     ln: str | None = None
     qk: str | None = None
+    qk_fwd: str | None = None
     ops: tuple[str, ...] | None = None
     may_differ: tuple[str, ...] = ()
 
@@ -78,6 +80,8 @@ _LN_OPS = ("adaln_modulation", "final_adaln_out")
 VARIANTS = {
     "default": Variant(),
     "reference": Variant(ln="LN_REFERENCE", qk="QK_BWD_REFERENCE", ops=_LN_OPS + _QK_OPS),  # the 6ab3b56 launches
+    # the QK forward with 24 heads as 16 + 8 (RoPE's backward runs the forward kernel too)
+    "split_heads": Variant(qk_fwd="QK_FWD_SPLIT", ops=("qk_rmsnorm", "multi_axis_rope", "qk_rmsnorm_rope (fused)")),
 }
 
 
@@ -93,6 +97,8 @@ def variant(name: str) -> Iterator[Variant]:
     with contextlib.ExitStack() as stack:
         if v.qk:
             stack.enter_context(R.qk_bwd_launch(getattr(R, v.qk)))
+        if v.qk_fwd:
+            stack.enter_context(R.qk_fwd_launch(getattr(R, v.qk_fwd)))
         if v.ln:
             stack.enter_context(N.ln_launch(getattr(N, v.ln)))
         yield v
@@ -729,6 +735,8 @@ def main(argv: list[str] | None = None) -> int:
                          "variant_bytes (each --variants entry vs the default's bytes), "
                          "model (the qwen-image architecture's fallbacks in runtime=auto)")
     ap.add_argument("--ops", default=None, help="comma list of operator names (default: all)")
+    ap.add_argument("--tune-kinds", default=None,
+                    help=f"tune section: comma list of kernel families (default: all of {', '.join(dict.fromkeys(k for k, _, _ in TUNE_CASES))})")
     ap.add_argument("--budget-s", type=float, default=300.0, help="skip remaining cases past this wall time")
     ap.add_argument("--qk-layout", default="contiguous", choices=("pairs", "contiguous"),
                     help="how the QK norm / RoPE kernels hold a head (rope.QK_LAYOUTS; contiguous is the default)")
@@ -788,6 +796,8 @@ def _main(args: argparse.Namespace) -> int:
 
     if "tune" in sections:
         for kind, dname, rows in TUNE_CASES:
+            if args.tune_kinds and kind not in args.tune_kinds.split(","):
+                continue
             r = guarded(f"tune {kind} {dname} {rows}", lambda: tune_case(kind, dname, rows, 50))
             report["tune"] += r or []
             torch.cuda.empty_cache()

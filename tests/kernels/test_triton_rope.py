@@ -333,11 +333,13 @@ def test_bwd_launch_bytes_equal_reference_interpreter(ahead):
 
 
 @interp
-@pytest.mark.parametrize("launch", (R.QkBwdLaunch(0, None, 2), R.QkFwdLaunch(3), R.QkFwdLaunch(4, 2), R.QkFwdLaunch(16, 3)),
+@pytest.mark.parametrize("launch", (R.QkBwdLaunch(0, None, 2), R.QkFwdLaunch(3), R.QkFwdLaunch(4, 2), R.QkFwdLaunch(16, 3),
+                                    R.QkFwdLaunch(split_heads=True), R.QkFwdLaunch(4, 2, split_heads=True)),
                          ids=lambda c: c.label())
 def test_pipelined_and_grouped_launches_equal_reference_interpreter(launch):
-    """The backward's pipelined token loop (read where used) and forward programs of 3, 4 and 16 tokens (row counts
-    that leave a short last program, an empty sample) give the reference launch's bytes; one head too."""
+    """The backward's pipelined token loop (read where used), forward programs of 3, 4 and 16 tokens (row counts
+    that leave a short last program, an empty sample) and the forward's heads split in two tiles (3 = 2 + 1) give
+    the reference launch's bytes; one head too (never split)."""
     check_launch_bytes_equal_reference(H, DH, (5, 0, 19, 33, 1, 16, 17), CPU_FP32, launch)
     check_launch_bytes_equal_reference(1, 14, (4, 0, 19, 2), CPU_FP32, launch)
 
@@ -376,6 +378,14 @@ def test_bwd_launch_is_checked_and_restored():
         with pytest.raises(ValueError, match="QkBwdLaunch"), R.qk_bwd_launch(bad):
             pass
     assert {(dt, one): R.current_qk_bwd_launch(dt, 1 if one else 24) for dt, one in keys} == R.QK_BWD_DEFAULTS
+
+
+def test_head_tiles_split_only_where_fewer_heads_are_masked():
+    assert R.head_tiles(24, False) == (32, 0) and R.head_tiles(24, True) == (16, 8)
+    assert R.head_tiles(3, True) == (2, 1) and R.head_tiles(20, True) == (16, 4)
+    for h in (1, 2, 16, 32):  # powers of two: one tile, nothing masked
+        assert R.head_tiles(h, True) == (h, 0)
+    assert R.head_tiles(28, True) == (32, 0)  # 16 + 16 holds as many lanes as one 32-head tile
 
 
 def test_fwd_launch_is_checked_and_restored():

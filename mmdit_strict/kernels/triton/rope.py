@@ -158,13 +158,18 @@ def qk_bwd_launch(launch: QkBwdLaunch) -> contextlib.AbstractContextManager[None
 class QkFwdLaunch:
     """How :func:`_qk_fwd_kernel` is launched: ``tokens`` per program (the forward has no cross-token sum: any
     grouping gives the same bytes) and, with more than one, ``stages`` (None, or 2..8: the token loop pipelined
-    through shared memory, as :class:`QkBwdLaunch`). Never chosen from the number of tokens."""
+    through shared memory, as :class:`QkBwdLaunch`); ``split_heads``: a token's H heads as two tiles of
+    pow2 ≤ H and pow2(H − that) heads when they hold fewer lanes than one pow2(H) tile, on the warps of the
+    smaller tile (each head's d lanes then sit in the same threads as in the one tile, so its Σ x² has the same
+    tree: the GPU test compares the bytes). Never chosen from the number of tokens."""
 
     tokens: int = 1
     stages: int | None = None
+    split_heads: bool = False  #: a token's heads as two power-of-two tiles where that masks fewer lanes (24 = 16 + 8)
 
     def label(self) -> str:
-        return f"tokens {self.tokens}" + (f", stages {self.stages}" if self.stages else "")
+        return (f"tokens {self.tokens}" + (f", stages {self.stages}" if self.stages else "")
+                + (", heads split" if self.split_heads else ""))
 
 
 QK_FWD_REFERENCE = QkFwdLaunch()  # one token per program: the forward as measured at c893898
@@ -172,8 +177,11 @@ QK_FWD_REFERENCE = QkFwdLaunch()  # one token per program: the forward as measur
 # slower in every case but the norm alone in bf16 (0.0146 -> 0.0143 ms at 8 tokens / 3 stages); the fused forward
 # bf16 4096 0.0183 -> 0.0203 ms at best, txt_in's one head 0.0023 -> 0.0044 (fewer programs over 256 rows).
 QK_FWD_DEFAULTS = {(dt, one): QK_FWD_REFERENCE for dt in (torch.bfloat16, torch.float32) for one in (False, True)}
+QK_FWD_SPLIT = QkFwdLaunch(split_heads=True)  # one token per program, 24 heads as 16 + 8 (not yet timed on a GPU)
 QK_FWD_CANDIDATES = tuple(dict.fromkeys([QK_FWD_REFERENCE, *QK_FWD_DEFAULTS.values(), QkFwdLaunch(4, 2),
-                                         QkFwdLaunch(8, 3), QkFwdLaunch(16, 3), QkFwdLaunch(16, 4)]))
+                                         QkFwdLaunch(8, 3), QkFwdLaunch(16, 3), QkFwdLaunch(16, 4),
+                                         QK_FWD_SPLIT, QkFwdLaunch(4, 2, split_heads=True),
+                                         QkFwdLaunch(8, 3, split_heads=True)]))
 
 
 def _check_qk_fwd_launch(launch: object) -> None:
@@ -392,36 +400,54 @@ def _rms_bwd(x, dy, rstd, g, d_float):
     return (gl - xh * c1) * rstd[:, None], dy * xh
 
 
+@triton.jit
+def _qk_fwd_heads(x_ptr, cos_ptr, sin_ptr, y_ptr, rstd_ptr, row, h0, H, D, d_float, eps, sign, stride_x, stride_y,
+                  stride_cs, g, offs_j, mask_j, norm, rope, store_rstd, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Heads h0 .. h0 + BLOCK_H of token ``row`` (those < H) as one (BLOCK_H, BLOCK_D) tile: the forward of
+    :func:`_qk_fwd_kernel`, loaded, normalized and/or rotated, stored."""
+    offs_h = h0 + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    mask = mask_h[:, None] & mask_j[None, :]
+    offs = offs_h[:, None] * D + offs_j[None, :]
+    y = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if norm:
+        rstd = _rms_rstd(y, d_float, eps)
+        y = (y * rstd[:, None]) * g
+        if store_rstd:
+            tl.store(rstd_ptr + row * H + offs_h, rstd, mask=mask_h)
+        if rope:
+            y = y.to(y_ptr.dtype.element_ty).to(tl.float32)  # the unfused pair's cast point
+    if rope:
+        c, s = _pair_tables(cos_ptr, sin_ptr, row, stride_cs, D // 2, sign, BLOCK_D)
+        y = _rotate_pairs(y, c, s, BLOCK_H, BLOCK_D)
+    tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=["n_rows", "norm", "rope", "store_rstd"])
 def _qk_fwd_kernel(
     x_ptr, gain_ptr, cos_ptr, sin_ptr, y_ptr, rstd_ptr,
     n_rows, H, D, d_float, eps, sign, stride_x, stride_y, stride_cs,
     norm, rope, store_rstd,
-    TOKENS: tl.constexpr, STAGES: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    TOKENS: tl.constexpr, STAGES: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_H2: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """TOKENS consecutive tokens (the last program: what is left), each token's heads one (H, d) tile. norm:
-    rstd per head, y = (x·rstd)·gain (with rope: y rounded to the storage dtype, the unfused pair's cast
-    point); rope: pairs rotated by θ (sign 1.0) or −θ (sign −1.0); store_rstd: rstd (FP32) saved. One cast
-    at the store. STAGES (None or 2..8): the token loop pipelined through shared memory; no effect on the
-    arithmetic, which is per token."""
+    """TOKENS consecutive tokens (the last program: what is left). A token's heads are one (BLOCK_H, d) tile, or
+    with BLOCK_H2 > 0 two: heads [0, BLOCK_H) and [BLOCK_H, BLOCK_H + BLOCK_H2) (24 heads as 16 + 8 instead of a
+    32-head tile with 8 masked). norm: rstd per head, y = (x·rstd)·gain (with rope: y rounded to the storage
+    dtype, the unfused pair's cast point); rope: pairs rotated by θ (sign 1.0) or −θ (sign −1.0); store_rstd:
+    rstd (FP32) saved. One cast at the store. STAGES (None or 2..8): the token loop pipelined through shared
+    memory. The arithmetic is per (token, head): a head's Σ x² runs along its d lanes, which every tile holds
+    the same way when the host gives the split its warps (:func:`_contig_fwd`)."""
     first = tl.program_id(0).to(tl.int64) * TOKENS
-    offs_h, offs_j, mask_h, mask_j, mask = _head_tile(H, D, BLOCK_H, BLOCK_D)
-    offs = offs_h[:, None] * D + offs_j[None, :]
+    offs_j = tl.arange(0, BLOCK_D)
+    mask_j = offs_j < D
     g = tl.load(gain_ptr + offs_j, mask=offs_j < D * norm, other=0.0).to(tl.float32)[None, :]  # norm is 0 or 1
     for t in tl.range(0, tl.minimum(n_rows - first, TOKENS), num_stages=STAGES):
         row = first + t
-        y = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-        if norm:
-            rstd = _rms_rstd(y, d_float, eps)
-            y = (y * rstd[:, None]) * g
-            if store_rstd:
-                tl.store(rstd_ptr + row * H + offs_h, rstd, mask=mask_h)
-            if rope:
-                y = y.to(y_ptr.dtype.element_ty).to(tl.float32)  # the unfused pair's cast point
-        if rope:
-            c, s = _pair_tables(cos_ptr, sin_ptr, row, stride_cs, D // 2, sign, BLOCK_D)
-            y = _rotate_pairs(y, c, s, BLOCK_H, BLOCK_D)
-        tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+        _qk_fwd_heads(x_ptr, cos_ptr, sin_ptr, y_ptr, rstd_ptr, row, 0, H, D, d_float, eps, sign, stride_x, stride_y,
+                      stride_cs, g, offs_j, mask_j, norm, rope, store_rstd, BLOCK_H, BLOCK_D)
+        if BLOCK_H2 > 0:
+            _qk_fwd_heads(x_ptr, cos_ptr, sin_ptr, y_ptr, rstd_ptr, row, BLOCK_H, H, D, d_float, eps, sign, stride_x,
+                          stride_y, stride_cs, g, offs_j, mask_j, norm, rope, store_rstd, BLOCK_H2, BLOCK_D)
 
 
 @triton.jit
@@ -540,6 +566,18 @@ def _contig_blocks(h: int, d: int) -> tuple[int, int]:
     return triton.next_power_of_2(h), max(2, triton.next_power_of_2(d))
 
 
+def head_tiles(h: int, split: bool) -> tuple[int, int]:
+    """Heads per tile of the QK forward, (first, second): one pow2(h) tile (second 0), or with ``split`` the
+    largest power of two <= h and pow2 of the rest when those hold fewer heads (24 -> (16, 8); 28 -> (32, 0))."""
+    one = triton.next_power_of_2(h)
+    if split:
+        a = 1 << (h.bit_length() - 1)
+        b = triton.next_power_of_2(h - a) if h > a else 0
+        if b and a + b < one:
+            return a, b
+    return one, 0
+
+
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when its storage starts on a 16-byte boundary, else an aligned copy: Triton compiles a
     separate binary for a misaligned pointer, and one binary per call pattern is what keeps the trees fixed."""
@@ -562,13 +600,16 @@ def _contig_fwd(x: torch.Tensor, gain: torch.Tensor | None, cos: torch.Tensor | 
     y = torch.empty_like(x)
     norm, rope = gain is not None, cos is not None
     dummy = torch.empty(1, dtype=torch.float32, device=x.device)
-    bh, bd = _contig_blocks(h, d)
+    _, bd = _contig_blocks(h, d)
+    bh, bh2 = head_tiles(h, launch.split_heads)
+    warps = num_warps_for((bh2 or bh) * bd)  # a split runs on the smaller tile's warps
     _qk_fwd_kernel[(triton.cdiv(m, launch.tokens),)](
         x, _aligned(gain) if norm else x, _f32(cos) if rope else dummy, _f32(sin) if rope else dummy, y,
         rstd if rstd is not None else dummy,
         m, h, d, float(d), float(eps), float(sign), h * d, h * d, d // 2,
         int(norm), int(rope), int(rstd is not None),
-        TOKENS=launch.tokens, STAGES=launch.stages, BLOCK_H=bh, BLOCK_D=bd, **_opts(bh * bd),
+        TOKENS=launch.tokens, STAGES=launch.stages, BLOCK_H=bh, BLOCK_H2=bh2, BLOCK_D=bd,
+        **launch_opts(warps, _interpreting()),
     )
     return y
 
