@@ -173,11 +173,15 @@ class QkFwdLaunch:
 
 
 QK_FWD_REFERENCE = QkFwdLaunch()  # one token per program: the forward as measured at c893898
-# Still the default after the H200 tune run at 801d99e: grouping 4-16 tokens per program with a pipelined loop was
-# slower in every case but the norm alone in bf16 (0.0146 -> 0.0143 ms at 8 tokens / 3 stages); the fused forward
-# bf16 4096 0.0183 -> 0.0203 ms at best, txt_in's one head 0.0023 -> 0.0044 (fewer programs over 256 rows).
-QK_FWD_DEFAULTS = {(dt, one): QK_FWD_REFERENCE for dt in (torch.bfloat16, torch.float32) for one in (False, True)}
-QK_FWD_SPLIT = QkFwdLaunch(split_heads=True)  # one token per program, 24 heads as 16 + 8 (not yet timed on a GPU)
+# Grouping 4-16 tokens per program with a pipelined loop was slower in every case but the norm alone in bf16 (H200
+# tune at 801d99e: fused bf16 4096 0.0183 -> 0.0203 ms at best; txt_in's one head 0.0023 -> 0.0044).
+# 24 heads as 16 + 8 (H200 at 2762c3a, experiments/norms/2762c3a_split: every output and gradient byte-equal to the
+# one-tile launch, accuracy and invariance pass): fused forward bf16 0.0186 -> 0.0177 ms (4096 tokens), 0.0298 ->
+# 0.0283 (6889), fp32 0.0295 -> 0.0286; RoPE alone 0.0169 -> 0.0154; the norm alone 1 % slower (0.0145 -> 0.0147).
+# The default for multi-head tiles: the model runs the fused operator, and one binary serves all three.
+QK_FWD_SPLIT = QkFwdLaunch(split_heads=True)
+QK_FWD_DEFAULTS = {(dt, one): QK_FWD_REFERENCE if one else QK_FWD_SPLIT for dt in (torch.bfloat16, torch.float32)
+                   for one in (False, True)}
 QK_FWD_CANDIDATES = tuple(dict.fromkeys([QK_FWD_REFERENCE, *QK_FWD_DEFAULTS.values(), QkFwdLaunch(4, 2),
                                          QkFwdLaunch(8, 3), QkFwdLaunch(16, 3), QkFwdLaunch(16, 4),
                                          QK_FWD_SPLIT, QkFwdLaunch(4, 2, split_heads=True),
@@ -779,7 +783,9 @@ _CONFIG = {"programs": "one token per forward program; backward chunks of segmen
            "qk_layout": "contiguous (the earlier 'pairs' layout runs only inside rope.qk_layout('pairs'))",
            "qk_bwd": "chunk_heads",
            "qk_bwd_launch": {f"{str(dt).replace('torch.', '')}{', one head' if one else ''}": launch.label()
-                             for (dt, one), launch in QK_BWD_DEFAULTS.items()}}
+                             for (dt, one), launch in QK_BWD_DEFAULTS.items()},
+           "qk_fwd_launch": {f"{str(dt).replace('torch.', '')}{', one head' if one else ''}": launch.label()
+                             for (dt, one), launch in QK_FWD_DEFAULTS.items()}}
 _FOLD = (f"chunk partials summed {seg.FOLD_TILE} per tl.sum tile, tiles chained, samples folded left in order; FP32")
 _CHUNKS = f"in {seg.CHUNK_ROWS}-token chunks from the sample's first token"
 # layout → (backward variant, the kernels that run, their trees): the registry identity of each layout
