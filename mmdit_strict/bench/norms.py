@@ -43,7 +43,7 @@ import torch
 from . import markdown as md
 from .environment import environment_line, gpu_environment
 from .bandwidth import copy_reference
-from .timing import graph_ms, median_ms
+from .timing import graph_ms, plain_ms
 
 from mmdit_strict.tolerances import Tolerance, tolerance
 
@@ -428,12 +428,6 @@ def _graph_ms(fn, rep: int = 60) -> float | None:
     return graph_ms(fn, rep=rep)
 
 
-def _plain_ms(fn) -> float:
-    from triton.testing import do_bench
-
-    return median_ms(do_bench(fn, warmup=10, rep=50, quantiles=[0.5]))
-
-
 def copy_gbps(total_bytes: int) -> float:
     """The copy bandwidth a kernel moving ``total_bytes`` (reads + writes) is compared with: the faster of
     ``dst.copy_(src)`` and an SM copy of those bytes, same run (:mod:`..bench.bandwidth`)."""
@@ -493,10 +487,10 @@ def speed_case(spec: Spec, dname: str, rows: int, seed: int) -> dict:
     row["fwd_bwd_ms"] = _graph_ms(fwd_bwd(spec.fn))
     row["torch_fwd_bwd_ms"] = _graph_ms(fwd_bwd(spec.prod))
     with torch.no_grad():
-        row["fwd_plain_ms"] = _plain_ms(fwd(spec.fn))
-        row["torch_fwd_plain_ms"] = _plain_ms(fwd(spec.prod))
-    row["fwd_bwd_plain_ms"] = _plain_ms(fwd_bwd(spec.fn))
-    row["torch_fwd_bwd_plain_ms"] = _plain_ms(fwd_bwd(spec.prod))
+        row["fwd_plain_ms"] = plain_ms(fwd(spec.fn))
+        row["torch_fwd_plain_ms"] = plain_ms(fwd(spec.prod))
+    row["fwd_bwd_plain_ms"] = plain_ms(fwd_bwd(spec.fn))
+    row["torch_fwd_bwd_plain_ms"] = plain_ms(fwd_bwd(spec.prod))
     bwd = _bwd_call(spec, sample, shared, gy)
     if bwd is not None:
         row["bwd_ms"] = _graph_ms(bwd)

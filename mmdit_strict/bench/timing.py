@@ -25,3 +25,10 @@ def graph_ms(fn: Callable[[], Any], rep: int) -> float | None:
         return median_ms(do_bench_cudagraph(fn, rep=rep, quantiles=[0.5]))
     except Exception:  # noqa: BLE001 - capture not possible: no graph time
         return None
+
+
+def plain_ms(fn: Callable[[], Any]) -> float:
+    """Median ms of ``fn`` launched from the host (``do_bench``: 10 warm-up ms, 50 ms of runs): GPU and launch time."""
+    from triton.testing import do_bench
+
+    return median_ms(do_bench(fn, warmup=10, rep=50, quantiles=[0.5]))

@@ -44,7 +44,7 @@ from ..choice import KernelSetting
 from ..registry import KernelImpl, register
 from . import segments as seg
 from .gemm import _DTYPES, _interpreting, check_dtype_device, gemm, launch_opts
-from .rope import check_gain, check_stages, num_warps_for, rms_norm_rows
+from .rope import check_gain, check_stages, num_warps_for, rms_norm_rows, stages_label
 from .segments import check_seqlens
 
 FWD_ROWS = 4  # rows per gated-residual forward program (row-local math: no effect on bytes)
@@ -75,11 +75,8 @@ class LnLaunch:
     bwd_stages: int | None = None
 
     def label(self) -> str:
-        def st(v: int | None) -> str:
-            return f", stages {v}" if v else ""
-
-        return (f"fwd rows {self.fwd_rows}, ahead {self.fwd_ahead}, maxnreg {self.fwd_maxnreg or '-'}{st(self.fwd_stages)}; "
-                f"bwd ahead {self.bwd_ahead}, maxnreg {self.bwd_maxnreg or '-'}{st(self.bwd_stages)}")
+        return (f"fwd rows {self.fwd_rows}, ahead {self.fwd_ahead}, maxnreg {self.fwd_maxnreg or '-'}{stages_label(self.fwd_stages)}; "
+                f"bwd ahead {self.bwd_ahead}, maxnreg {self.bwd_maxnreg or '-'}{stages_label(self.bwd_stages)}")
 
 
 # The kernels as the H200 measured them at 6ab3b56 (4-row forward programs, no read-ahead): the reference

@@ -93,6 +93,11 @@ def qk_layout(name: str) -> contextlib.AbstractContextManager[None]:
 # bf16 4096 tokens, same dx and forward bytes, d_gain on this other fixed tree; experiments/norms/6ab3b56).
 
 
+def stages_label(stages: int | None) -> str:
+    """A launch label's stages part: ", stages S" for a pipelined loop, nothing otherwise."""
+    return f", stages {stages}" if stages else ""
+
+
 def check_stages(stages: object, ahead: int, what: str) -> None:
     """A pipelined loop's stages: None, or 2..8 with no register read-ahead (``ahead`` 0)."""
     if stages is not None and (not isinstance(stages, int) or not 2 <= stages <= 8 or ahead):
@@ -112,7 +117,7 @@ class QkBwdLaunch:
     stages: int | None = None
 
     def label(self) -> str:
-        return f"ahead {self.ahead}, maxnreg {self.maxnreg or '-'}" + (f", stages {self.stages}" if self.stages else "")
+        return f"ahead {self.ahead}, maxnreg {self.maxnreg or '-'}" + stages_label(self.stages)
 
 
 QK_BWD_REFERENCE = QkBwdLaunch(ahead=3)  # as measured at 6ab3b56
@@ -134,7 +139,7 @@ QK_BWD_CANDIDATES = tuple(dict.fromkeys([QK_BWD_REFERENCE, *QK_BWD_DEFAULTS.valu
 
 
 def _check_qk_bwd_launch(launch: object) -> None:
-    if not isinstance(launch, QkBwdLaunch) or launch.ahead not in (0, 1, 2, 3) or (launch.ahead == 0) != bool(launch.stages):
+    if not isinstance(launch, QkBwdLaunch) or launch.ahead not in (0, 1, 2, 3) or (launch.ahead == 0 and not launch.stages):
         raise ValueError(f"expected a QkBwdLaunch with ahead 1, 2 or 3, or ahead 0 with stages, got {launch!r}")
     check_stages(launch.stages, launch.ahead, "QkBwdLaunch")
 
@@ -168,8 +173,7 @@ class QkFwdLaunch:
     split_heads: bool = False  #: a token's heads as two power-of-two tiles where that masks fewer lanes (24 = 16 + 8)
 
     def label(self) -> str:
-        return (f"tokens {self.tokens}" + (f", stages {self.stages}" if self.stages else "")
-                + (", heads split" if self.split_heads else ""))
+        return f"tokens {self.tokens}" + stages_label(self.stages) + (", heads split" if self.split_heads else "")
 
 
 QK_FWD_REFERENCE = QkFwdLaunch()  # one token per program: the forward as measured at c893898
@@ -773,6 +777,12 @@ def rms_norm_rows(x: torch.Tensor, gain: torch.Tensor, *, seqlens: tuple[int, ..
 # Registry
 # ----------------------------------------------------------------------------------------------
 
+def _launch_labels(defaults: dict) -> dict[str, str]:
+    """A per-(dtype, one head) launch table as the registry config shows it: {"bfloat16[, one head]": label}."""
+    return {f"{str(dt).replace('torch.', '')}{', one head' if one else ''}": launch.label()
+            for (dt, one), launch in defaults.items()}
+
+
 _SOURCE = sys.modules[__name__]
 _DT = frozenset(_DTYPES)
 _CONFIG = {"programs": "one token per forward program; backward chunks of segments.CHUNK_ROWS tokens",
@@ -782,10 +792,7 @@ _CONFIG = {"programs": "one token per forward program; backward chunks of segmen
            "chunk_rows": seg.CHUNK_ROWS, "fold_tile": seg.FOLD_TILE,
            "qk_layout": "contiguous (the earlier 'pairs' layout runs only inside rope.qk_layout('pairs'))",
            "qk_bwd": "chunk_heads",
-           "qk_bwd_launch": {f"{str(dt).replace('torch.', '')}{', one head' if one else ''}": launch.label()
-                             for (dt, one), launch in QK_BWD_DEFAULTS.items()},
-           "qk_fwd_launch": {f"{str(dt).replace('torch.', '')}{', one head' if one else ''}": launch.label()
-                             for (dt, one), launch in QK_FWD_DEFAULTS.items()}}
+           "qk_bwd_launch": _launch_labels(QK_BWD_DEFAULTS), "qk_fwd_launch": _launch_labels(QK_FWD_DEFAULTS)}
 _FOLD = (f"chunk partials summed {seg.FOLD_TILE} per tl.sum tile, tiles chained, samples folded left in order; FP32")
 _CHUNKS = f"in {seg.CHUNK_ROWS}-token chunks from the sample's first token"
 # layout → (backward variant, the kernels that run, their trees): the registry identity of each layout
