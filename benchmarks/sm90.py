@@ -96,7 +96,10 @@ class Sm90Compiler:
         binder = create_function_from_signature(fn.signature, fn.params, backend)
         bound, specialization, options = binder(*args, **kwargs)
         options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
-        kernel = triton_compile(ASTSource(fn, signature, constexprs, attrs), target=self.target, options=options.__dict__)
+        source = ASTSource
+        if getattr(fn, "is_gluon", lambda: False)():
+            from triton.experimental.gluon._runtime import GluonASTSource as source
+        kernel = triton_compile(source(fn, signature, constexprs, attrs), target=self.target, options=options.__dict__)
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(kernel.asm["cubin"])
             f.flush()

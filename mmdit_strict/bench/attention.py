@@ -72,30 +72,17 @@ REF_HEADS = 2  # accuracy is checked on heads 0..REF_HEADS-1 against the CPU FP6
 # the frozen forward) kept the frozen bytes but ran 440 vs 494 at acf771d (experiments/attention/acf771d/cand); kept
 # below as the reference of the in-CTA overlap. The frozen forward (128x128, 8 warps, 3 stages: 242
 # registers, 230,400 B) runs one CTA per SM, so the tensor cores idle during each tile's softmax. The new rows are
-# forward tiles of which TWO CTAs fit on one SM (65,536 registers, 228 KiB shared memory per SM with 1 KiB reserved per
-# CTA), so that the SM interleaves one CTA's softmax with the other's wgmma. Offline sm_90 compile (Triton 3.6,
-# benchmarks/attention_sass; registers, spill stack, shared memory, CTAs/SM by registers and by shared memory):
-#   (64, 128, 4, 1)            243 regs, 0 B, 82,944 B: 2 CTAs/SM (1 stage: no K/V prefetch within a CTA)
-#   (64, 64, 4, 2)             165 regs, 0 B, 82,944 B: 2 CTAs/SM (3 by registers)
-#   (64, 64, 4, 3)             163 regs, 0 B, 115,712 B: 2 CTAs/SM, exactly at 228 KiB (2 x (115,712 + 1,024))
-#   (64, 64, 4, 3) pv_async    195 regs, 0 B, 115,712 B: 2 CTAs/SM, exactly at 228 KiB
-#   (128, 64, 8, 2) maxnreg 128  128 regs, 48 B (no spill in the key loop), 98,320 B: 2 CTAs/SM, but ptxas serializes
-#                              every wgmma (a WARPGROUP.DEPBAR after each HGMMA: 24 warpgroup ops a key tile vs 3)
-# Left out: (128, 64, 8, 2) uncapped 168 regs (1 CTA/SM by registers); (64, 128, 4, 2|3) 148,480|214,016 B (1 by shared
-# memory); (128, 128, 8, 2) maxnreg 128 spills in the key loop (1,544 B); pv_async (128, 64, 8, 2) maxnreg 128 spills
-# in the key loop (224 B). Tiles other than the frozen 128 x 128 are informational until qualified: 64-key steps
-# change the forward bytes (a new key-step grouping); the 64 x 128 tile keeps the 128-key steps and the per-warpgroup
-# wgmma shapes (64 x 128 x 16) of the frozen one, so its bytes may equal the frozen ones (the table's byte columns
-# tell). fwd_maxnreg is a compile option: with the frozen tile it would keep the bytes.
-_PV_ASYNC = {"fwd_overlap": "pv_async"}
+# The warp-specialized forward (attention_ws, config fwd_kernel): one TMA loader warp and two consumer warpgroups on the
+# frozen 128 x 128 tiles, with ("ws") and without ("ws_free") the turn-taking on the tensor cores, at the frozen 3 K/V
+# stages and at 2. Offline sm_90 compile (Triton 3.6): kernel cap 168 registers (consumers re-allocated to 240), no
+# spill, 229,712 B of shared memory at 3 stages; no CTA-wide barrier in the key loop. The same operations in the same
+# order as the frozen forward, so its bytes must equal the frozen ones (the table's byte columns tell). The earlier
+# rows (pv_async, two-CTA tiles, maxnreg) were timed at 5656ade, acf771d and 9b01937 (experiments/attention/NOTES.md).
 CANDIDATES = (
     ("bf16", "fwd", {}),  # the frozen configuration itself: the baseline of the table
-    ("bf16", "fwd", _PV_ASYNC),
-    ("bf16", "fwd", {"fwd": (64, 128, 4, 1)}),
-    ("bf16", "fwd", {"fwd": (64, 64, 4, 2)}),
-    ("bf16", "fwd", {"fwd": (64, 64, 4, 3)}),
-    ("bf16", "fwd", {**_PV_ASYNC, "fwd": (64, 64, 4, 3)}),
-    ("bf16", "fwd", {"fwd": (128, 64, 8, 2), "fwd_maxnreg": 128}),
+    ("bf16", "fwd", {"fwd_kernel": "ws"}),
+    ("bf16", "fwd", {"fwd_kernel": "ws_free"}),
+    ("bf16", "fwd", {"fwd_kernel": "ws", "fwd": (128, 128, 8, 2)}),
 )
 DEVICE = "cuda"
 

@@ -249,8 +249,9 @@ def test_bench_candidates_name_known_options() -> None:
         assert dtype in bench.DTYPES and part in ("fwd", "bwd", "both"), (dtype, part)
         assert isinstance(override, dict), override
         assert set(override) <= tiles | {"delta", "fwd_loads", "bwd_loads", "resident_loads", "stat_loads", "fwd_overlap",
-                                         "fwd_maxnreg"}, override
+                                         "fwd_maxnreg", "fwd_kernel"}, override
         assert override.get("fwd_overlap", "off") in A._OVERLAP, override
+        assert override.get("fwd_kernel", "triton") in A._FWD_KERNEL, override
         assert A._fwd_maxnreg(override) == override.get("fwd_maxnreg"), override
         for key in ("fwd_loads", "bwd_loads"):
             assert override.get(key, "pointer") in A._LOADS, override
@@ -499,12 +500,57 @@ def test_gpu_forward_issue_order_keeps_bytes(overlap: str) -> None:
     assert_bytes_equal(got, ref, f"fwd_overlap={overlap} (TMA) vs pointer loads")
 
 
+def test_ws_forward_config_is_checked() -> None:
+    """``fwd_kernel`` names a known kernel; the warp-specialized one refuses what it cannot run (fp32, other tiles,
+    pointer loads) with a clear error, and under the interpreter the Triton forward serves it (same bytes)."""
+    bf16 = A.config_for(128, torch.bfloat16)
+    with pytest.raises(ValueError, match="fwd_kernel must be one of"):
+        A._option({"fwd_kernel": "cuda"}, "fwd_kernel", A._FWD_KERNEL, "triton")
+    for cfg, dtype, d, why in (({**A.config_for(128, torch.float32)}, torch.float32, 128, "runs bf16"),
+                               ({**bf16, "fwd": (128, 64, 8, 3)}, torch.bfloat16, 128, "fwd tiles"),
+                               ({**bf16, "fwd": (128, 128, 8, 4)}, torch.bfloat16, 128, "2-3 stages"),
+                               ({**bf16, "fwd_loads": "pointer"}, torch.bfloat16, 128, "through TMA")):
+        with pytest.raises(ValueError, match=why):
+            A._ws_fits({**cfg, "fwd_kernel": "ws"}, dtype, d, 1)
+    assert A._ws_fits({**bf16, "fwd_kernel": "ws"}, torch.bfloat16, 128, 0) is False  # unaligned base: Triton forward
+    if INTERPRET:
+        assert A._ws_fits({**bf16, "fwd_kernel": "ws"}, torch.bfloat16, 128, 1) is False
+
+
+@gpu
+@pytest.mark.parametrize("variant", ["ws", "ws_free", "ws_2_stages"])
+def test_gpu_ws_forward_equals_frozen_bytes(variant: str) -> None:
+    """The warp-specialized forward (attention_ws) gives the frozen Triton forward's bytes (outputs and LSE) on a
+    batch of segments of 0, 1, exact, and partial tiles, beside neighbours of other lengths, and compiles once."""
+    from mmdit_strict.kernels.triton import attention_ws as W
+
+    if not torch.cuda.is_available() or INTERPRET:
+        pytest.skip("no CUDA device")
+    if torch.cuda.get_device_capability()[0] != 9 or not W.available():
+        pytest.skip("the warp-specialized forward is written for sm_90 (Hopper) with Triton's Gluon")
+    base = A.config_for(128, torch.bfloat16)
+    option = {"ws": {"fwd_kernel": "ws"}, "ws_free": {"fwd_kernel": "ws_free"},
+              "ws_2_stages": {"fwd_kernel": "ws", "fwd": (128, 128, 8, 2)}}[variant]
+    for lens in (((77, 6889), (0, 128), (128, 4096), (256, 1), (13, 200)), ((0, 1), (5, 4000)), ((256, 6032),)):
+        batch = [bench.make_sample(nt, ni, heads=24, head_dim=128, dtype=torch.bfloat16, seed=70 + i)
+                 for i, (nt, ni) in enumerate(lens)]
+        packed, tseq, iseq = bench.pack(batch)
+        ref = A.attention_fwd(*packed, tseq, iseq, base)
+        got = A.attention_fwd(*packed, tseq, iseq, {**base, **option})
+        assert_bytes_equal(got, ref, f"fwd_kernel {variant} vs the frozen forward, lengths {lens}")
+    cache = getattr(W._attn_fwd_ws_kernel, "device_caches", None)
+    if cache is not None:
+        assert sum(len(v[0]) for v in cache.values()) <= 3, "one compiled variant per (variant, stages)"
+
+
 @gpu
 def test_gpu_one_compiled_variant_per_config() -> None:
     """Batches of other sizes and lengths reuse the compiled kernels (no batch-derived specialization)."""
     if not torch.cuda.is_available() or INTERPRET:
         pytest.skip("no CUDA device")
-    kernels = (A._attn_fwd_kernel, A._attn_bwd_dkdv_kernel, A._attn_bwd_dq_kernel, A._bwd_delta_kernel)
+    from mmdit_strict.kernels.triton import attention_ws as W
+
+    kernels = (W._attn_fwd_ws_kernel, A._attn_bwd_dkdv_kernel, A._attn_bwd_dq_kernel, A._bwd_delta_kernel)
 
     def variants() -> list[int]:
         caches = [getattr(k, "device_caches", None) for k in kernels]

@@ -57,6 +57,7 @@ import triton.language as tl
 from ..checks import check_operand
 from ..keepalive import retain
 from ..registry import KernelImpl, register
+from . import attention_ws
 from .gemm import _DTYPES, _interpreting, launch_opts
 
 # ----------------------------------------------------------------------------------------------
@@ -530,8 +531,11 @@ CONFIGS: dict[tuple[int, torch.dtype], dict] = {
     # 263 -> 347 at 4096 + 128 (0.74-0.85x / 0.65-0.70x cuDNN over nine shapes). bwd_loads "tma" was slower (339).
     # With those, the 128x128 forward tile (new bytes: 128-key steps) qualified at 6ab3b56 (experiments/attention/
     # 6ab3b56/q3: accuracy, invariance pass): 474 -> 499 TFLOP/s at 4096 + 128, 0.78-0.88x cuDNN; 2 stages 375.
+    # At e467669+ws (experiments/attention/e467669_ws) the warp-specialized Gluon forward (attention_ws: a TMA loader
+    # warp, two consumer warpgroups taking turns on the tensor cores) gave the frozen forward's bytes and ran 561 vs 500
+    # TFLOP/s at 4096 + 128 (2 K/V stages 419); frozen with fwd_kernel "ws" (the "fwd" warps entry does not apply to it).
     (128, torch.bfloat16): {"fwd": (128, 128, 8, 3), "dkdv": (32, 128, 8, 4), "dq": (128, 64, 8, 3), "delta": 64,
-                            "resident_loads": "direct", "stat_loads": "base", "fwd_loads": "tma"},
+                            "resident_loads": "direct", "stat_loads": "base", "fwd_loads": "tma", "fwd_kernel": "ws"},
     # fp32 (IEEE FMA dots, no tensor cores): the backward's FP32 dK/dV and dQ accumulators take 8 warps
     # (4-warp tiles spilled in the bf16 candidates at 90d39bb; fp32 ran 1 TFLOP/s there with 4 warps).
     (128, torch.float32): {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 8, 2), "dq": (64, 32, 8, 2), "delta": 64},
@@ -553,6 +557,11 @@ _STAT = {"tensor": False, "base": True}
 # paths ignore it): AHEAD of _attn_fwd_kernel. "pv_async" leaves each tile's P V running under the next tile's
 # softmax (_fwd_segment_ahead). Same operations on the same values in the same order per tile, so the same bytes.
 _OVERLAP = {"off": False, "pv_async": True}
+# Forward kernel (config key "fwd_kernel", default "triton"): "ws" is the warp-specialized Gluon forward of
+# attention_ws (a TMA loader warp and two consumer warpgroups that take turns on the tensor cores), "ws_free" the
+# same without the turn-taking. Both compute the frozen bf16 forward's operations in its order (bf16, d = 128,
+# 128 x 128 tiles only); other load paths or an unaligned base fall back to the Triton forward.
+_FWD_KERNEL = {"triton": 0, "ws": 1, "ws_free": 2}
 # Register cap of the forward kernel (config key "fwd_maxnreg", default None = no cap): the ``maxnreg`` compile option
 # of _attn_fwd_kernel alone (ptxas ``.maxnreg``; the backward kernels are not capped). A compile option, not
 # arithmetic: the same operations on the same values, so the same bytes (ptxas may spill to local memory to meet it).
@@ -653,6 +662,18 @@ def _fwd_maxnreg(cfg: dict) -> int | None:
     return cap
 
 
+def _ws_fits(cfg: dict, dtype: torch.dtype, d: int, loads: int, *queries: torch.Tensor) -> bool:
+    """Whether the warp-specialized forward serves this call: ValueError for a configuration it cannot run;
+    False (the Triton forward, same bytes) under the interpreter or when a base is not 16-byte aligned."""
+    bm, bn, _, stages = cfg["fwd"]
+    if dtype != torch.bfloat16 or d != 128 or (bm, bn) != (attention_ws.BLOCK_M, 128) or not 2 <= stages <= 3:
+        raise ValueError(f"fwd_kernel {cfg['fwd_kernel']!r} runs bf16, d = 128, fwd tiles (128, 128) and 2-3 stages; "
+                         f"got {dtype}, d = {d}, fwd {cfg['fwd']}")
+    if cfg.get("fwd_loads") != "tma":
+        raise ValueError(f"fwd_kernel {cfg['fwd_kernel']!r} loads through TMA: set fwd_loads 'tma'")
+    return not _interpreting() and loads == 1 and not any(t.data_ptr() % 16 for t in queries if t.numel())
+
+
 def _launch_opts(warps: int, stages: int, maxnreg: int | None = None) -> dict:
     return launch_opts(warps, _interpreting(), num_stages=stages, maxnreg=maxnreg)
 
@@ -734,7 +755,12 @@ def attention_fwd(q_txt, k_txt, v_txt, q_img, k_img, v_img, tseq, iseq, cfg: dic
                torch.empty((q_txt.shape[0] + q_img.shape[0], heads), dtype=torch.float32, device=q_img.device))
     o_txt, o_img, lse = out
     table, n_tiles = _sample_tiles(tseq, iseq, bm, q_img.device, only_sample)
-    if n_tiles:
+    kernel = _option(cfg, "fwd_kernel", _FWD_KERNEL, "triton")
+    if kernel and n_tiles and _ws_fits(cfg, q_img.dtype, d, loads, q_txt, q_img):
+        qk_scale, _ = _scales(d)
+        attention_ws.launch(q_txt, k_txt, v_txt, q_img, k_img, v_img, o_txt, o_img, lse, table, n_tiles, heads, d,
+                            qk_scale, bn, stages, kernel == 1)
+    elif n_tiles:
         qk_scale, _ = _scales(d)
         _attn_fwd_kernel[(n_tiles, heads)](
             q_txt, k_txt, v_txt, q_img, k_img, v_img, o_txt, o_img, lse, table,
@@ -841,8 +867,9 @@ REDUCTION_ORDER = (
 
 register(KernelImpl(
     op="joint_attention_fused", backend="triton", device="cuda", dtypes=frozenset(_DTYPES), fn=joint_attention_fused,
-    strict=True, split_k=False, kernel_name="_attn_fwd_kernel/_bwd_delta_kernel/_attn_bwd_dkdv_kernel/_attn_bwd_dq_kernel",
-    source=sys.modules[__name__],
+    strict=True, split_k=False,
+    kernel_name="_attn_fwd_ws_kernel/_attn_fwd_kernel/_bwd_delta_kernel/_attn_bwd_dkdv_kernel/_attn_bwd_dq_kernel",
+    source=(sys.modules[__name__], attention_ws),
     config={"table": "mmdit_strict.kernels.triton.attention.CONFIGS", "keyed_by": "(head_dim, dtype)",
             "dot_precision": _DOT_PRECISION, "fp_fusion": False,
             "bf16_d128": {k: list(v) if isinstance(v, tuple) else v for k, v in CONFIGS[(128, torch.bfloat16)].items()}},
