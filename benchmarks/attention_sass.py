@@ -63,10 +63,14 @@ def _compile_all(A, torch, triton_dir: Path, override: dict, sass_dir: Path | No
 
         return on_build
 
+    from mmdit_strict.kernels.triton import attention_ws as W
+
     saved = {}
     for name in ("_attn_fwd_kernel", "_bwd_delta_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel"):
         saved[name] = getattr(A, name)
         setattr(A, name, compiler.wrap(saved[name], recorder(name)))
+    ws_kernel = W._attn_fwd_ws_kernel
+    W._attn_fwd_ws_kernel = compiler.wrap(ws_kernel, recorder("_attn_fwd_ws_kernel"))
     patched = {"_interpreting": lambda: False, "_ensure_allocator": lambda: None,
                "_tile_table": lambda tseq, iseq, block, device: (torch.zeros(4, 9, dtype=torch.int32), 4)}
     saved.update({k: getattr(A, k) for k in patched})
@@ -83,6 +87,7 @@ def _compile_all(A, torch, triton_dir: Path, override: dict, sass_dir: Path | No
     finally:
         for k, v in saved.items():
             setattr(A, k, v)
+        W._attn_fwd_ws_kernel = ws_kernel
     return rows
 
 

@@ -484,7 +484,7 @@ def test_gpu_other_thread_same_bytes() -> None:
 @gpu
 @pytest.mark.parametrize("overlap", ["off", "pv_async", "pv_async_2_stages"])
 def test_gpu_forward_issue_order_keeps_bytes(overlap: str) -> None:
-    """bf16 24 × 128 with TMA forward loads: ``fwd_overlap`` "off" and "pv_async" give the pointer path's forward bytes
+    """bf16 24 × 128, Triton forward with TMA loads: ``fwd_overlap`` "off" and "pv_async" give the pointer path's forward bytes
     (outputs and LSE) on a batch of segments of 0, 1, exact, and partial tiles; pv_async at the frozen 3 stages and
     at 2 (at 5656ade the 3-stage one needed 263,168 B of shared memory and raised OutOfResources here)."""
     if not torch.cuda.is_available() or INTERPRET:
@@ -492,7 +492,7 @@ def test_gpu_forward_issue_order_keeps_bytes(overlap: str) -> None:
     batch = [bench.make_sample(nt, ni, heads=24, head_dim=128, dtype=torch.bfloat16, seed=60 + i)
              for i, (nt, ni) in enumerate(((77, 6889), (0, 128), (128, 4096), (256, 1), (13, 200)))]
     packed, tseq, iseq = bench.pack(batch)
-    base = {**A.config_for(128, torch.bfloat16), "fwd_loads": "pointer", "fwd_overlap": "off"}
+    base = {**A.config_for(128, torch.bfloat16), "fwd_kernel": "triton", "fwd_loads": "pointer", "fwd_overlap": "off"}
     ref = A.attention_fwd(*packed, tseq, iseq, base)
     option = {"off": {"fwd_overlap": "off"}, "pv_async": {"fwd_overlap": "pv_async"},
               "pv_async_2_stages": {"fwd_overlap": "pv_async", "fwd": (128, 128, 8, 2)}}[overlap]
