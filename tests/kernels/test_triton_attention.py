@@ -539,8 +539,8 @@ def test_gpu_ws_forward_equals_frozen_bytes(variant: str) -> None:
         got = A.attention_fwd(*packed, tseq, iseq, {**base, **option})
         assert_bytes_equal(got, ref, f"fwd_kernel {variant} vs the frozen forward, lengths {lens}")
     cache = getattr(W._attn_fwd_ws_kernel, "device_caches", None)
-    if cache is not None:
-        assert sum(len(v[0]) for v in cache.values()) <= 3, "one compiled variant per (variant, stages)"
+    if cache is not None:  # the ws kernel ran (no silent fallback to the Triton forward), one variant per option
+        assert 1 <= sum(len(v[0]) for v in cache.values()) <= 3, "one compiled variant per (variant, stages)"
 
 
 @gpu

@@ -664,14 +664,17 @@ def _fwd_maxnreg(cfg: dict) -> int | None:
 
 def _ws_fits(cfg: dict, dtype: torch.dtype, d: int, loads: int, *queries: torch.Tensor) -> bool:
     """Whether the warp-specialized forward serves this call: ValueError for a configuration it cannot run;
-    False (the Triton forward, same bytes) under the interpreter or when a base is not 16-byte aligned."""
+    False (the Triton forward) under the interpreter, on a GPU other than sm_90 (the kernel is Hopper wgmma), without
+    Gluon, or when a base is not 16-byte aligned (same bytes on sm_90)."""
     bm, bn, _, stages = cfg["fwd"]
     if dtype != torch.bfloat16 or d != 128 or (bm, bn) != (attention_ws.BLOCK_M, 128) or not 2 <= stages <= 3:
         raise ValueError(f"fwd_kernel {cfg['fwd_kernel']!r} runs bf16, d = 128, fwd tiles (128, 128) and 2-3 stages; "
                          f"got {dtype}, d = {d}, fwd {cfg['fwd']}")
     if cfg.get("fwd_loads") != "tma":
         raise ValueError(f"fwd_kernel {cfg['fwd_kernel']!r} loads through TMA: set fwd_loads 'tma'")
-    return not _interpreting() and loads == 1 and not any(t.data_ptr() % 16 for t in queries if t.numel())
+    if _interpreting() or loads != 1 or any(t.data_ptr() % 16 for t in queries if t.numel()):
+        return False
+    return attention_ws.available() and torch.cuda.get_device_capability(queries[0].device)[0] == 9
 
 
 def _launch_opts(warps: int, stages: int, maxnreg: int | None = None) -> dict:
