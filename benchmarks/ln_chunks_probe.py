@@ -12,6 +12,8 @@ the same for the squared deviations), written here to measure the gain before an
 * max abs error of both kernels against an FP64 LayerNorm-modulation of the same inputs (one sample).
 
 GPU only:  python -m benchmarks.ln_chunks_probe OUT.json
+           python -m benchmarks.ln_chunks_probe --table OUT.json  (the product's thirds forward beside the probe
+           with and without a dependent table load for the row: where the product loses the probe's gain)
 """
 
 from __future__ import annotations
@@ -116,6 +118,69 @@ def ln3_bwd(dy, x, scale, mean, rstd, warps: int):
     return dx, seg.per_sample_sums(part, ch, x.dtype, False)
 
 
+@triton.jit
+def _ln3_fwd_table_kernel(x_ptr, shift_ptr, scale_ptr, y_ptr, rows_ptr, samples_ptr, d_float, eps,
+                          C: tl.constexpr, ROW_FROM_TABLE: tl.constexpr):
+    """One row a program, as the product's one-row launch: the sample's vectors through a per-row sample table.
+    ROW_FROM_TABLE: the row too comes from a table load (the product's chunk table: every x address waits for
+    it); otherwise the row is the program id and only the vectors wait for the sample load."""
+    p = tl.program_id(0)
+    row = tl.load(rows_ptr + p) if ROW_FROM_TABLE else p
+    s = tl.load(samples_ptr + p).to(tl.int64)
+    cols = tl.arange(0, C)
+    base = row.to(tl.int64) * (3 * C)
+    x0 = tl.load(x_ptr + base + cols).to(tl.float32)
+    x1 = tl.load(x_ptr + base + C + cols).to(tl.float32)
+    x2 = tl.load(x_ptr + base + 2 * C + cols).to(tl.float32)
+    sc = scale_ptr + s * (3 * C)
+    sh = shift_ptr + s * (3 * C)
+    mean = tl.div_rn(tl.sum((x0 + x1) + x2, axis=0), d_float)
+    c0, c1, c2 = x0 - mean, x1 - mean, x2 - mean
+    var = tl.div_rn(tl.sum((c0 * c0 + c1 * c1) + c2 * c2, axis=0), d_float)
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
+    dt = y_ptr.dtype.element_ty
+    tl.store(y_ptr + base + cols, ((c0 * rstd) * (1.0 + tl.load(sc + cols).to(tl.float32)) + tl.load(sh + cols).to(tl.float32)).to(dt))
+    tl.store(y_ptr + base + C + cols, ((c1 * rstd) * (1.0 + tl.load(sc + C + cols).to(tl.float32))
+                                       + tl.load(sh + C + cols).to(tl.float32)).to(dt))
+    tl.store(y_ptr + base + 2 * C + cols, ((c2 * rstd) * (1.0 + tl.load(sc + 2 * C + cols).to(tl.float32))
+                                           + tl.load(sh + 2 * C + cols).to(tl.float32)).to(dt))
+
+
+def ln3_fwd_table(x, shift, scale, rows_t, samples_t, row_from_table: bool) -> torch.Tensor:
+    m, d = x.shape
+    y = torch.empty_like(x)
+    _ln3_fwd_table_kernel[(m,)](x, shift, scale, y, rows_t, samples_t, float(d), 1e-6, C=C, ROW_FROM_TABLE=row_from_table,
+                                num_warps=4, enable_fp_fusion=False)
+    return y
+
+
+def table_main(out: str) -> None:
+    """Does the product's dependent chunk-table load explain its gap to the probe? bf16, one sample."""
+    from mmdit_strict.kernels.triton import norms as N
+
+    rows_out = []
+    dt = torch.bfloat16
+    for m in (4096, 6889):
+        x = torch.randn(m, 3 * C, device="cuda", dtype=dt)
+        sh, sc = 0.5 * torch.randn(1, 3 * C, device="cuda", dtype=dt), 0.5 * torch.randn(1, 3 * C, device="cuda", dtype=dt)
+        rows_t = torch.arange(m, device="cuda", dtype=torch.int32)
+        samples_t = torch.zeros(m, device="cuda", dtype=torch.int32)
+        nb = 2 * m * 3 * C * 2
+        copy = copy_reference(nb).best
+        y_prod = N.adaln_modulation_fwd(x, sh, sc, (m,), 1e-6, False)[0]
+        cases = (("product (thirds, chunk table, 1 row a program)", lambda: N.adaln_modulation_fwd(x, sh, sc, (m,), 1e-6, False)),
+                 ("probe, row = program id, no table", lambda: ln3_fwd(x, sh, sc, 1, 4)),
+                 ("probe, row from a table load", lambda: ln3_fwd_table(x, sh, sc, rows_t, samples_t, True)),
+                 ("probe, row = program id, sample from a table load", lambda: ln3_fwd_table(x, sh, sc, rows_t, samples_t, False)))
+        for label, fn in cases:
+            y = fn()
+            ms = graph_ms(fn, rep=40)
+            rows_out.append({"kernel": label, "dtype": str(dt), "rows": m, "ms": ms, "fraction": nb / (ms * 1e-3) / 1e9 / copy,
+                             "bytes_equal_product": bool(torch.equal(_raw(y), _raw(y_prod)))})
+            print(rows_out[-1], flush=True)
+    dump(out, rows_out)
+
+
 def ln3_fwd(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, rows: int, warps: int) -> torch.Tensor:
     m, d = x.shape
     assert d == 3 * C and x.is_contiguous()
@@ -199,4 +264,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    table_main(sys.argv[2]) if sys.argv[1] == "--table" else main(sys.argv[1])
