@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mmdit_strict.bench.attention import _same_bytes
 from mmdit_strict.bench.bandwidth import copy_reference
 from mmdit_strict.bench.timing import graph_ms
 
@@ -176,7 +177,7 @@ def table_main(out: str) -> None:
             y = fn()
             ms = graph_ms(fn, rep=40)
             rows_out.append({"kernel": label, "dtype": str(dt), "rows": m, "ms": ms, "fraction": nb / (ms * 1e-3) / 1e9 / copy,
-                             "bytes_equal_product": bool(torch.equal(_raw(y), _raw(y_prod)))})
+                             "bytes_equal_product": _same_bytes([y], [y_prod])})
             print(rows_out[-1], flush=True)
     dump(out, rows_out)
 
@@ -188,10 +189,6 @@ def ln3_fwd(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, rows: int
     _ln3_fwd_kernel[(triton.cdiv(m, rows),)](x, shift, scale, y, m, float(d), 1e-6, ROWS=rows, C=C,
                                              num_warps=warps, enable_fp_fusion=False)
     return y
-
-
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
 def _fp64(x, shift, scale):
@@ -229,7 +226,7 @@ def main(out: str) -> None:
                     rows_out.append({"kernel": f"3 x {C} chunks, {warps} warps, {rows} rows/program", "dtype": str(dt),
                                      "rows": m, "ms": ms, "fraction": nb / (ms * 1e-3) / 1e9 / copy,
                                      "max_abs_err_over_max_ref": float((y.double() - ref).abs().max()) / scale_ref,
-                                     "bytes_equal_product": bool(torch.equal(_raw(y), _raw(y_prod)))})
+                                     "bytes_equal_product": _same_bytes([y], [y_prod])})
                     print(rows_out[-1], flush=True)
         for m in (4096, 6889):
             x = torch.randn(m, 3 * C, device="cuda", dtype=dt)
@@ -258,7 +255,7 @@ def main(out: str) -> None:
                 rows_out.append({"kernel": f"bwd 3 x {C} chunks, {warps} warps (with d_scale/d_shift)", "dtype": str(dt), "rows": m,
                                  "ms": ms, "fraction": nb / (ms * 1e-3) / 1e9 / copy,
                                  "dx_max_abs_err_over_max_ref": float((dx.double() - dx_ref).abs().max()) / float(dx_ref.abs().max()),
-                                 "vec_bytes_equal_product": bool(torch.equal(_raw(vec), _raw(prod_vec)))})
+                                 "vec_bytes_equal_product": _same_bytes([vec], [prod_vec])})
                 print(rows_out[-1], flush=True)
     dump(out, rows_out)
 
