@@ -195,6 +195,24 @@ def test_batch_invariance_interpreter():
     check_invariance(D, CPU_FP32, (2, 3, 8), 1, 40)
 
 
+D_THIRDS = 48  # 3 x 16: the LayerNorm forward holds the row as three 16-lane thirds (norms.ln_thirds), as 3072 on the GPU
+
+
+@interp
+def test_ln_thirds_accuracy_invariance_and_launches_interpreter():
+    """The thirds forward (D = 3·2^k): accuracy of adaln_modulation and final_adaln_out (forward and every
+    gradient) vs FP64, alone == batched at every position, and every row grouping / read-ahead gives the
+    reference launch's bytes across chunk ends. Widths that are not three powers of two keep one tile."""
+    assert N.ln_thirds(D_THIRDS) and N.ln_thirds(3072) and not N.ln_thirds(D) and not N.ln_thirds(3 * 24)
+    assert not N.ln_thirds(24) and not N.ln_thirds(4096)
+    check_modulation_accuracy(D_THIRDS, SEQ, CPU_FP32)
+    check_final_accuracy(D_THIRDS, (7, 0, 20), CPU_FP32)
+    check_invariance(D_THIRDS, CPU_FP32, (2, 3), 1, 20)
+    for launch in (N.LN_REFERENCE, N.LN_DEFAULTS[torch.float32], N.LnLaunch(fwd_rows=3, fwd_ahead=1),
+                   N.LnLaunch(fwd_rows=4, fwd_ahead=0, fwd_stages=2)):
+        check_ln_launch_bytes(launch, D_THIRDS, (5, 0, 19, 1, 16, 17), CPU_FP32, final=False)
+
+
 @interp
 def test_token_sweep_interpreter():
     check_sweep(D, CPU_FP32, (1, 7, 15, 16, 17, 33))

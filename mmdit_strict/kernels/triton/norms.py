@@ -16,7 +16,9 @@ Arithmetic (FP32 inside, every operation one IEEE rounding in the order written:
 
 * LayerNorm of a row: ``mean = Σx ⊘ D``; ``xc = x − mean``; ``var = Σxc² ⊘ D``;
   ``rstd = 1 ⊘ √(var + eps)``; ``x̂ = xc·rstd``; ``y = x̂·(1 + scale) + shift``. Each Σ is one ``tl.sum``
-  over the row (a fixed tree for the compiled kernel; the configuration depends on D only).
+  over the row (a fixed tree for the compiled kernel; the configuration depends on D only). Where D is three
+  times a power of two (Qwen-Image's 3072, :func:`ln_thirds`) the forward holds the row as three such tiles
+  and each Σ first adds the thirds lane by lane, ``(t0 + t1) + t2``, then ``tl.sum``s that one tile.
   One cast to the storage dtype at ``y``. ``mean`` and ``rstd`` (FP32, per row) are saved for backward.
 * LayerNorm-modulation backward: ``g = dy·(1 + scale)``, ``dx = ((g − Σg ⊘ D) − x̂·(Σg·x̂ ⊘ D))·rstd``;
   ``d_scale[s] = Σ_rows dy·x̂`` and ``d_shift[s] = Σ_rows dy`` on the per-sample tree of :mod:`.segments`.
@@ -54,9 +56,9 @@ MAX_WIDTH = 16384
 @dataclass(frozen=True)
 class LnLaunch:
     """How the LayerNorm kernels of adaln_modulation / final_adaln_out are launched. None of it touches the
-    arithmetic: the same formulas, the same tile (pow2(D) lanes, warps from D only), hence the same register
-    layout and tree for every tl.sum (GPU test ``test_gpu_ln_launch_bytes_equal_reference``); none of it is
-    chosen from the number of rows.
+    arithmetic: the same formulas, the same tiles (from D only: pow2(D) lanes, or three D/3-lane thirds, see
+    :func:`ln_thirds`; warps from the tile), hence the same register layout and tree for every tl.sum (GPU test
+    ``test_gpu_ln_launch_bytes_equal_reference``); none of it is chosen from the number of rows.
 
     fwd_rows: rows per forward program (the forward has no cross-row sum: any grouping gives the same bytes);
     fwd_ahead / bwd_ahead: 1 = the kernel reads row r+1 while it reduces row r (a register double buffer), 0 = not;
@@ -91,9 +93,13 @@ LN_REFERENCE = LnLaunch(fwd_rows=4, fwd_ahead=0)
 # fp32 backward since the H200 tune run at 801d99e (experiments/norms/801d99e, every candidate byte-equal to the
 # reference): the row loop pipelined in 3 stages through shared memory, 0.0525 -> 0.0497 ms (0.71 -> 0.75 of
 # copy); bf16 gained 1 % there (0.0321 -> 0.0317, within run noise) and keeps its launch.
+# Forward since the row of 3072 is held as three 1024-lane thirds (ln_thirds; new forward bytes): one row per
+# program, no read-ahead, no register cap, 4 warps (benchmarks/ln_chunks_probe at c8b4c70+probe,
+# experiments/norms/c8b4c70_ln_thirds: bf16 4096 / 6889 rows 0.0199 -> 0.0144 / 0.0320 -> 0.0240 ms, 0.63 -> 0.87 /
+# 0.72 -> 0.95 of the copy; fp32 0.0296 -> 0.0268, 0.86 -> 0.95); the earlier 80-register cap spills with thirds.
 LN_DEFAULTS = {
-    torch.bfloat16: LnLaunch(fwd_rows=4, fwd_ahead=1, fwd_maxnreg=80, bwd_ahead=1, bwd_maxnreg=128),
-    torch.float32: LnLaunch(fwd_rows=4, fwd_ahead=1, fwd_maxnreg=80, bwd_ahead=0, bwd_stages=3),
+    torch.bfloat16: LnLaunch(fwd_rows=1, fwd_ahead=0, bwd_ahead=1, bwd_maxnreg=128),
+    torch.float32: LnLaunch(fwd_rows=1, fwd_ahead=0, bwd_ahead=0, bwd_stages=3),
 }
 # What the bench's "tune" section and the GPU byte test run: the reference, the defaults and these (the
 # list the H200 swept at c893898, plus the bf16 default, whose forward and backward settings it measured
@@ -149,6 +155,17 @@ def _layer_norm_row(x, mask, d_float, eps):
 
 
 @triton.jit
+def _layer_norm_thirds(x0, x1, x2, d_float, eps):
+    """(mean, rstd, x̂ of each third) of one FP32 row held as three full tiles (no masked lane). Each Σ adds
+    the thirds lane by lane, ``(t0 + t1) + t2``, then reduces that one tile with tl.sum."""
+    mean = tl.div_rn(tl.sum((x0 + x1) + x2, axis=0), d_float)
+    c0, c1, c2 = x0 - mean, x1 - mean, x2 - mean
+    var = tl.div_rn(tl.sum((c0 * c0 + c1 * c1) + c2 * c2, axis=0), d_float)
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
+    return mean, rstd, c0 * rstd, c1 * rstd, c2 * rstd
+
+
+@triton.jit
 def _program_chunk(table_ptr, n_chunks):
     """This program's chunk of a :class:`.segments.Chunks` table: (c, first row, end row, sample as int64)."""
     c = tl.program_id(0)
@@ -177,35 +194,87 @@ def _adaln_mod_fwd_kernel(
     x_ptr, shift_ptr, scale_ptr, table_ptr, y_ptr, mean_ptr, rstd_ptr,
     n_chunks, D, d_float, eps, stride_x, stride_y, stride_shift, stride_scale,
     STORE_STATS: tl.constexpr, AHEAD: tl.constexpr, STAGES: tl.constexpr, BLOCK_D: tl.constexpr,
+    THIRDS: tl.constexpr = False,
 ):
     """y = x̂·(1 + scale[s]) + shift[s] for the rows of one chunk (all of sample s); one cast at the store.
     AHEAD: row r+1 is read (in the storage dtype) before row r is reduced; nothing past the chunk is read.
     STAGES (None or 2..8): the row loop pipelined through shared memory. The row's arithmetic is the same
-    either way."""
+    either way. THIRDS (D = 3·BLOCK_D): the row as three BLOCK_D-lane tiles (:func:`_adaln_mod_fwd_thirds`)."""
     _, r0, r1, s = _program_chunk(table_ptr, n_chunks)
-    cols = tl.arange(0, BLOCK_D)
-    mask = cols < D
+    if THIRDS:
+        _adaln_mod_fwd_thirds(x_ptr, shift_ptr, scale_ptr, y_ptr, mean_ptr, rstd_ptr, r0, r1, s, d_float, eps,
+                              stride_x, stride_y, stride_shift, stride_scale, STORE_STATS, AHEAD, STAGES, BLOCK_D)
+    else:
+        cols = tl.arange(0, BLOCK_D)
+        mask = cols < D
+        first = r0.to(tl.int64)
+        if AHEAD:
+            x_cur = tl.load(x_ptr + first * stride_x + cols, mask=mask, other=0.0)  # a chunk has >= 1 row
+        scale1 = 1.0 + _sample_vector(scale_ptr, s, stride_scale, cols, mask)
+        shift = _sample_vector(shift_ptr, s, stride_shift, cols, mask)
+        for i in tl.range(0, r1 - r0, num_stages=STAGES):
+            row = first + i
+            if AHEAD:
+                nxt = row + 1
+                x_nxt = tl.load(x_ptr + nxt * stride_x + cols, mask=cols < tl.where(nxt < r1, D, 0), other=0.0)
+                x = x_cur.to(tl.float32)
+            else:
+                x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+            mean, rstd, xhat = _layer_norm_row(x, mask, d_float, eps)
+            y = xhat * scale1 + shift
+            tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+            if STORE_STATS:
+                tl.store(mean_ptr + row, mean)
+                tl.store(rstd_ptr + row, rstd)
+            if AHEAD:
+                x_cur = x_nxt
+
+
+@triton.jit
+def _load_thirds(ptr, cols, W: tl.constexpr):
+    """The three W-lane thirds of one row (storage dtype)."""
+    return tl.load(ptr + cols), tl.load(ptr + W + cols), tl.load(ptr + 2 * W + cols)
+
+
+@triton.jit
+def _load_thirds_if(ptr, cols, W: tl.constexpr, ok):
+    """:func:`_load_thirds` where ``ok`` (zeros where it is False: the read-ahead past a chunk's last row)."""
+    return (tl.load(ptr + cols, mask=ok, other=0.0), tl.load(ptr + W + cols, mask=ok, other=0.0),
+            tl.load(ptr + 2 * W + cols, mask=ok, other=0.0))
+
+
+@triton.jit
+def _adaln_mod_fwd_thirds(x_ptr, shift_ptr, scale_ptr, y_ptr, mean_ptr, rstd_ptr, r0, r1, s, d_float, eps,
+                          stride_x, stride_y, stride_shift, stride_scale,
+                          STORE_STATS: tl.constexpr, AHEAD: tl.constexpr, STAGES: tl.constexpr, W: tl.constexpr):
+    """The forward rows r0..r1 of sample s with D = 3·W: each row as three full W-lane tiles, so no lane is masked
+    (a 3072-wide row as 3 x 1024 instead of one 4096-lane tile a quarter idle). Tree: :func:`_layer_norm_thirds`."""
+    cols = tl.arange(0, W)
     first = r0.to(tl.int64)
+    sc = scale_ptr + s * stride_scale
+    sh = shift_ptr + s * stride_shift
+    a0, a1, a2 = (1.0 + tl.load(sc + cols).to(tl.float32), 1.0 + tl.load(sc + W + cols).to(tl.float32),
+                  1.0 + tl.load(sc + 2 * W + cols).to(tl.float32))
+    b0, b1, b2 = (tl.load(sh + cols).to(tl.float32), tl.load(sh + W + cols).to(tl.float32),
+                  tl.load(sh + 2 * W + cols).to(tl.float32))
     if AHEAD:
-        x_cur = tl.load(x_ptr + first * stride_x + cols, mask=mask, other=0.0)  # a chunk has >= 1 row
-    scale1 = 1.0 + _sample_vector(scale_ptr, s, stride_scale, cols, mask)
-    shift = _sample_vector(shift_ptr, s, stride_shift, cols, mask)
+        n0, n1, n2 = _load_thirds(x_ptr + first * stride_x, cols, W)  # a chunk has >= 1 row
     for i in tl.range(0, r1 - r0, num_stages=STAGES):
         row = first + i
         if AHEAD:
-            nxt = row + 1
-            x_nxt = tl.load(x_ptr + nxt * stride_x + cols, mask=cols < tl.where(nxt < r1, D, 0), other=0.0)
-            x = x_cur.to(tl.float32)
+            x0, x1, x2 = n0, n1, n2
+            n0, n1, n2 = _load_thirds_if(x_ptr + (row + 1) * stride_x, cols, W, (cols * 0 + row + 1) < r1)
         else:
-            x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        mean, rstd, xhat = _layer_norm_row(x, mask, d_float, eps)
-        y = xhat * scale1 + shift
-        tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+            x0, x1, x2 = _load_thirds(x_ptr + row * stride_x, cols, W)
+        mean, rstd, h0, h1, h2 = _layer_norm_thirds(x0.to(tl.float32), x1.to(tl.float32), x2.to(tl.float32), d_float, eps)
+        out = y_ptr + row * stride_y
+        dt = y_ptr.dtype.element_ty
+        tl.store(out + cols, (h0 * a0 + b0).to(dt))
+        tl.store(out + W + cols, (h1 * a1 + b1).to(dt))
+        tl.store(out + 2 * W + cols, (h2 * a2 + b2).to(dt))
         if STORE_STATS:
             tl.store(mean_ptr + row, mean)
             tl.store(rstd_ptr + row, rstd)
-        if AHEAD:
-            x_cur = x_nxt
 
 
 @triton.jit
@@ -355,6 +424,14 @@ def _stride0(v: torch.Tensor) -> int:
     return v.stride(0) if v.shape[0] else 0
 
 
+def ln_thirds(d: int) -> bool:
+    """Whether the LayerNorm forward holds a row of width ``d`` as three power-of-two tiles (d = 3·2^k, 2^k >= 16):
+    Qwen-Image's 3072 = 3 x 1024. Any other width is one power-of-two tile with the excess lanes masked. The
+    choice depends on d alone; it sets the forward's reduction tree (docs/operators.md)."""
+    w = d // 3
+    return d == 3 * w and w >= 16 and w & (w - 1) == 0
+
+
 def adaln_modulation_fwd(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, seqlens: tuple[int, ...], eps: float,
                          store_stats: bool, launch: LnLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """x (M, D), shift/scale (B, D) → (y (M, D) x's dtype, mean (M,) fp32 | None, rstd (M,) fp32 | None).
@@ -367,11 +444,12 @@ def adaln_modulation_fwd(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tens
     if m == 0:
         return y, mean, rstd
     ch = seg.chunks(seqlens, x.device, launch.fwd_rows)
-    block = triton.next_power_of_2(d)
+    thirds = ln_thirds(d)
+    block = d // 3 if thirds else triton.next_power_of_2(d)
     _adaln_mod_fwd_kernel[(ch.n,)](
         x, shift, scale, ch.table, y, mean if store_stats else y, rstd if store_stats else y,
         ch.n, d, float(d), float(eps), x.stride(0), y.stride(0), _stride0(shift), _stride0(scale),
-        STORE_STATS=store_stats, AHEAD=launch.fwd_ahead, STAGES=launch.fwd_stages, BLOCK_D=block,
+        STORE_STATS=store_stats, AHEAD=launch.fwd_ahead, STAGES=launch.fwd_stages, BLOCK_D=block, THIRDS=thirds,
         **launch_opts(num_warps_for(block), _interpreting(), maxnreg=launch.fwd_maxnreg),
     )
     return y, mean, rstd
@@ -541,7 +619,8 @@ def txt_in_rmsnorm_linear(x: torch.Tensor, gain: torch.Tensor, weight: torch.Ten
 
 _TREE = (f"per sample: rows chained in {seg.CHUNK_ROWS}-row chunks from the sample's first row, chunk partials "
          f"summed {seg.FOLD_TILE} per tl.sum tile, tiles chained; FP32")
-_LN = "row: tl.sum over D (fixed for the compiled kernel; warps from D only), div_rn/sqrt_rn"
+_LN = ("row: tl.sum over D (fixed for the compiled kernel; warps from D only), div_rn/sqrt_rn; forward with D = 3*2^k "
+       "(3072): the three 2^k-lane thirds added lane by lane ((t0 + t1) + t2), then tl.sum over one third")
 _CONFIG = {"ln_launch": {str(dt).replace("torch.", ""): launch.label() for dt, launch in LN_DEFAULTS.items()},
            "gate_fwd_rows_per_program": FWD_ROWS, "chunk_rows": seg.CHUNK_ROWS, "fold_tile": seg.FOLD_TILE,
            "warps": "4 if pow2(D) <= 1024, 8 if <= 4096, else 16", "fp_fusion": False}
