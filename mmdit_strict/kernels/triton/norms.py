@@ -97,6 +97,9 @@ LN_REFERENCE = LnLaunch(fwd_rows=4, fwd_ahead=0)
 # program, no read-ahead, no register cap, 4 warps (benchmarks/ln_chunks_probe at c8b4c70+probe,
 # experiments/norms/c8b4c70_ln_thirds: bf16 4096 / 6889 rows 0.0199 -> 0.0144 / 0.0320 -> 0.0240 ms, 0.63 -> 0.87 /
 # 0.72 -> 0.95 of the copy; fp32 0.0296 -> 0.0268, 0.86 -> 0.95); the earlier 80-register cap spills with thirds.
+# Integrated as such at 75b7b41 the product ran 0.0193 ms (no gain: experiments/norms/75b7b41_thirds); this launch now
+# takes _adaln_mod_fwd_thirds_row (the row from the program id; offline sm_90: 53 registers bf16, no loop), NOT YET
+# TIMED ON A GPU.
 LN_DEFAULTS = {
     torch.bfloat16: LnLaunch(fwd_rows=1, fwd_ahead=0, bwd_ahead=1, bwd_maxnreg=128),
     torch.float32: LnLaunch(fwd_rows=1, fwd_ahead=0, bwd_ahead=0, bwd_stages=3),
@@ -194,17 +197,21 @@ def _adaln_mod_fwd_kernel(
     x_ptr, shift_ptr, scale_ptr, table_ptr, y_ptr, mean_ptr, rstd_ptr,
     n_chunks, D, d_float, eps, stride_x, stride_y, stride_shift, stride_scale,
     STORE_STATS: tl.constexpr, AHEAD: tl.constexpr, STAGES: tl.constexpr, BLOCK_D: tl.constexpr,
-    THIRDS: tl.constexpr = False,
+    THIRDS: tl.constexpr = False, ONE_ROW: tl.constexpr = False,
 ):
     """y = x̂·(1 + scale[s]) + shift[s] for the rows of one chunk (all of sample s); one cast at the store.
     AHEAD: row r+1 is read (in the storage dtype) before row r is reduced; nothing past the chunk is read.
     STAGES (None or 2..8): the row loop pipelined through shared memory. The row's arithmetic is the same
     either way. THIRDS (D = 3·BLOCK_D): the row as three BLOCK_D-lane tiles (:func:`_adaln_mod_fwd_thirds`)."""
-    _, r0, r1, s = _program_chunk(table_ptr, n_chunks)
-    if THIRDS:
+    if THIRDS and ONE_ROW:
+        _adaln_mod_fwd_thirds_row(x_ptr, shift_ptr, scale_ptr, y_ptr, mean_ptr, rstd_ptr, table_ptr, n_chunks, d_float,
+                                  eps, stride_x, stride_y, stride_shift, stride_scale, STORE_STATS, BLOCK_D)
+    elif THIRDS:
+        _, r0, r1, s = _program_chunk(table_ptr, n_chunks)
         _adaln_mod_fwd_thirds(x_ptr, shift_ptr, scale_ptr, y_ptr, mean_ptr, rstd_ptr, r0, r1, s, d_float, eps,
                               stride_x, stride_y, stride_shift, stride_scale, STORE_STATS, AHEAD, STAGES, BLOCK_D)
     else:
+        _, r0, r1, s = _program_chunk(table_ptr, n_chunks)
         cols = tl.arange(0, BLOCK_D)
         mask = cols < D
         first = r0.to(tl.int64)
@@ -241,6 +248,32 @@ def _load_thirds_if(ptr, cols, W: tl.constexpr, ok):
     """:func:`_load_thirds` where ``ok`` (zeros where it is False: the read-ahead past a chunk's last row)."""
     return (tl.load(ptr + cols, mask=ok, other=0.0), tl.load(ptr + W + cols, mask=ok, other=0.0),
             tl.load(ptr + 2 * W + cols, mask=ok, other=0.0))
+
+
+@triton.jit
+def _adaln_mod_fwd_thirds_row(x_ptr, shift_ptr, scale_ptr, y_ptr, mean_ptr, rstd_ptr, table_ptr, n_chunks, d_float, eps,
+                              stride_x, stride_y, stride_shift, stride_scale, STORE_STATS: tl.constexpr, W: tl.constexpr):
+    """:func:`_adaln_mod_fwd_thirds` for one-row chunks (launch fwd_rows 1, no read-ahead, no stages): chunk c is
+    row c (chunks are cut per sample from its first row and samples are packed in order), so the row's loads do
+    not wait for the chunk table; only the per-sample vectors wait for the sample index. Same arithmetic."""
+    c = tl.program_id(0)
+    row = c.to(tl.int64)
+    cols = tl.arange(0, W)
+    x0, x1, x2 = _load_thirds(x_ptr + row * stride_x, cols, W)
+    s = tl.load(table_ptr + 2 * n_chunks + c).to(tl.int64)
+    mean, rstd, h0, h1, h2 = _layer_norm_thirds(x0.to(tl.float32), x1.to(tl.float32), x2.to(tl.float32), d_float, eps)
+    sc = scale_ptr + s * stride_scale
+    sh = shift_ptr + s * stride_shift
+    out = y_ptr + row * stride_y
+    dt = y_ptr.dtype.element_ty
+    tl.store(out + cols, (h0 * (1.0 + tl.load(sc + cols).to(tl.float32)) + tl.load(sh + cols).to(tl.float32)).to(dt))
+    tl.store(out + W + cols, (h1 * (1.0 + tl.load(sc + W + cols).to(tl.float32))
+                              + tl.load(sh + W + cols).to(tl.float32)).to(dt))
+    tl.store(out + 2 * W + cols, (h2 * (1.0 + tl.load(sc + 2 * W + cols).to(tl.float32))
+                                  + tl.load(sh + 2 * W + cols).to(tl.float32)).to(dt))
+    if STORE_STATS:
+        tl.store(mean_ptr + row, mean)
+        tl.store(rstd_ptr + row, rstd)
 
 
 @triton.jit
@@ -450,6 +483,7 @@ def adaln_modulation_fwd(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tens
         x, shift, scale, ch.table, y, mean if store_stats else y, rstd if store_stats else y,
         ch.n, d, float(d), float(eps), x.stride(0), y.stride(0), _stride0(shift), _stride0(scale),
         STORE_STATS=store_stats, AHEAD=launch.fwd_ahead, STAGES=launch.fwd_stages, BLOCK_D=block, THIRDS=thirds,
+        ONE_ROW=thirds and launch.fwd_rows == 1 and not launch.fwd_ahead and launch.fwd_stages is None,
         **launch_opts(num_warps_for(block), _interpreting(), maxnreg=launch.fwd_maxnreg),
     )
     return y, mean, rstd
