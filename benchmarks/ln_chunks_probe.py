@@ -175,6 +175,7 @@ def table_main(out: str) -> None:
                  ("probe, row = program id, sample from a table load", lambda: ln3_fwd_table(x, sh, sc, rows_t, samples_t, False)))
         for label, fn in cases:
             y = fn()
+            y = y[0] if isinstance(y, tuple) else y  # the product returns (y, mean, rstd)
             ms = graph_ms(fn, rep=40)
             rows_out.append({"kernel": label, "dtype": str(dt), "rows": m, "ms": ms, "fraction": nb / (ms * 1e-3) / 1e9 / copy,
                              "bytes_equal_product": _same_bytes([y], [y_prod])})

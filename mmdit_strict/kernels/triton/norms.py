@@ -98,8 +98,9 @@ LN_REFERENCE = LnLaunch(fwd_rows=4, fwd_ahead=0)
 # experiments/norms/c8b4c70_ln_thirds: bf16 4096 / 6889 rows 0.0199 -> 0.0144 / 0.0320 -> 0.0240 ms, 0.63 -> 0.87 /
 # 0.72 -> 0.95 of the copy; fp32 0.0296 -> 0.0268, 0.86 -> 0.95); the earlier 80-register cap spills with thirds.
 # Integrated as such at 75b7b41 the product ran 0.0193 ms (no gain: experiments/norms/75b7b41_thirds); this launch now
-# takes _adaln_mod_fwd_thirds_row (the row from the program id; offline sm_90: 53 registers bf16, no loop), NOT YET
-# TIMED ON A GPU.
+# takes _adaln_mod_fwd_thirds_row (the row from the program id; offline sm_90: 53 registers bf16, no loop). H200 at
+# da978ed (experiments/norms/da978ed_thirds_direct): bf16 4096 / 6889 rows 0.0144 / 0.0241 ms (0.85 / 0.95 of the copy),
+# fp32 0.0273 (0.93).
 LN_DEFAULTS = {
     torch.bfloat16: LnLaunch(fwd_rows=1, fwd_ahead=0, bwd_ahead=1, bwd_maxnreg=128),
     torch.float32: LnLaunch(fwd_rows=1, fwd_ahead=0, bwd_ahead=0, bwd_stages=3),
