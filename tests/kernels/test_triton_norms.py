@@ -146,6 +146,30 @@ def check_invariance(d, target, batch_sizes, lo, hi):
                          what=f"triton adaln_gate_residual fwd+bwd {target.label}")
 
 
+def check_thirds_keep_vector_bytes(d, seqlens, target):
+    """With a row held as three tiles the backward's per-sample vectors (d_scale, d_shift, d_gate) and the gated
+    residual's dy are the one-tile kernel's bytes: their sums run per column, down the rows, in either layout.
+    Only dx of the LayerNorm takes the thirds' row tree (its accuracy: the accuracy checks)."""
+    assert N.ln_thirds(d)
+    gen = generator(21)
+    m, b = sum(seqlens), len(seqlens)
+    x, dy, yy = (randn(m, d, gen=gen, target=target) for _ in range(3))
+    sc, gate = _vec(b, d, gen, target), _vec(b, d, gen, target)
+    _, mean, rstd = N.adaln_modulation_fwd(x, torch.zeros_like(sc), sc, seqlens, EPS, True)
+    for launch in (N.LN_REFERENCE, N.LN_DEFAULTS[x.dtype]):
+        thirds = N.adaln_modulation_bwd(dy, x, sc, mean, rstd, seqlens, True, launch, thirds=True)
+        one = N.adaln_modulation_bwd(dy, x, sc, mean, rstd, seqlens, True, launch, thirds=False)
+        for name, u, v in zip(("d_shift", "d_scale"), thirds[1:], one[1:]):
+            assert_bytes_equal(u, v, f"adaln_modulation {name} thirds vs one tile [{launch.label()}] {target.label}")
+    for need_dy, need_gate in ((True, True), (True, False), (False, True)):
+        thirds = N.gate_residual_bwd(dy, yy, gate, seqlens, need_dy, need_gate, thirds=True)
+        one = N.gate_residual_bwd(dy, yy, gate, seqlens, need_dy, need_gate, thirds=False)
+        for name, u, v in zip(("dy", "d_gate"), thirds, one):
+            assert (u is None) == (v is None)
+            if u is not None:
+                assert_bytes_equal(u, v, f"adaln_gate_residual {name} thirds vs one tile {target.label}")
+
+
 def check_sweep(d, target, counts):
     def item(n, gen):
         return (randn(n, d, gen=gen), randn(1, d, gen=gen, scale=0.5), randn(1, d, gen=gen, scale=0.5), randn(n, d, gen=gen))
@@ -200,14 +224,17 @@ D_THIRDS = 48  # 3 x 16: the LayerNorm forward holds the row as three 16-lane th
 
 @interp
 def test_ln_thirds_accuracy_invariance_and_launches_interpreter():
-    """The thirds forward (D = 3·2^k): accuracy of adaln_modulation and final_adaln_out (forward and every
-    gradient) vs FP64, alone == batched at every position, and every row grouping / read-ahead gives the
-    reference launch's bytes across chunk ends. Widths that are not three powers of two keep one tile."""
+    """The thirds kernels (D = 3·2^k): accuracy of adaln_modulation, adaln_gate_residual and final_adaln_out
+    (forward and every gradient) vs FP64, the vectors' bytes as with one tile, alone == batched at every
+    position, and every row grouping / read-ahead gives the reference launch's bytes across chunk ends. Widths
+    that are not three powers of two keep one tile."""
     assert N.ln_thirds(D_THIRDS) and N.ln_thirds(3072) and not N.ln_thirds(D) and not N.ln_thirds(3 * 24)
     assert not N.ln_thirds(24) and not N.ln_thirds(4096)
     check_modulation_accuracy(D_THIRDS, SEQ, CPU_FP32)
+    check_gate_accuracy(D_THIRDS, SEQ, CPU_FP32)
     check_final_accuracy(D_THIRDS, (7, 0, 20), CPU_FP32)
     check_invariance(D_THIRDS, CPU_FP32, (2, 3), 1, 20)
+    check_thirds_keep_vector_bytes(D_THIRDS, (5, 0, 19, 1, 16, 17), CPU_FP32)
     for launch in (N.LN_REFERENCE, N.LN_DEFAULTS[torch.float32], N.LnLaunch(fwd_rows=3, fwd_ahead=1),
                    N.LnLaunch(fwd_rows=4, fwd_ahead=0, fwd_stages=2)):
         check_ln_launch_bytes(launch, D_THIRDS, (5, 0, 19, 1, 16, 17), CPU_FP32, final=False)
@@ -443,6 +470,12 @@ def test_gpu_batch_invariance(target):
     first/middle/last): y, dx, d_shift, d_scale (and y, dx, dy, d_gate) as raw bytes."""
     skip_unless_compiled(target)
     check_invariance(QD, target, (2, 3, 8, 64), 1, 40)
+
+
+@on_gpu_targets
+def test_gpu_thirds_keep_vector_bytes(target):
+    skip_unless_compiled(target)
+    check_thirds_keep_vector_bytes(QD, (300, 0, 77, 1, 16, 17), target)
 
 
 @on_gpu_targets

@@ -561,7 +561,8 @@ _OVERLAP = {"off": False, "pv_async": True}
 # attention_ws (a TMA loader warp and two consumer warpgroups that take turns on the tensor cores), "ws_free" the
 # same without the turn-taking. Both compute the frozen bf16 forward's operations in its order (bf16, d = 128,
 # 128 x 128 tiles only); other load paths or an unaligned base fall back to the Triton forward.
-_FWD_KERNEL = {"triton": 0, "ws": 1, "ws_free": 2}
+# The value is the ws kernel's turn-taking flag (PINGPONG), None for the Triton forward.
+_FWD_KERNEL = {"triton": None, "ws": True, "ws_free": False}
 # Register cap of the forward kernel (config key "fwd_maxnreg", default None = no cap): the ``maxnreg`` compile option
 # of _attn_fwd_kernel alone (ptxas ``.maxnreg``; the backward kernels are not capped). A compile option, not
 # arithmetic: the same operations on the same values, so the same bytes (ptxas may spill to local memory to meet it).
@@ -758,13 +759,12 @@ def attention_fwd(q_txt, k_txt, v_txt, q_img, k_img, v_img, tseq, iseq, cfg: dic
                torch.empty((q_txt.shape[0] + q_img.shape[0], heads), dtype=torch.float32, device=q_img.device))
     o_txt, o_img, lse = out
     table, n_tiles = _sample_tiles(tseq, iseq, bm, q_img.device, only_sample)
-    kernel = _option(cfg, "fwd_kernel", _FWD_KERNEL, "triton")
-    if kernel and n_tiles and _ws_fits(cfg, q_img.dtype, d, loads, q_txt, q_img):
-        qk_scale, _ = _scales(d)
+    pingpong = _option(cfg, "fwd_kernel", _FWD_KERNEL, "triton")
+    qk_scale, _ = _scales(d)
+    if pingpong is not None and n_tiles and _ws_fits(cfg, q_img.dtype, d, loads, q_txt, q_img):
         attention_ws.launch(q_txt, k_txt, v_txt, q_img, k_img, v_img, o_txt, o_img, lse, table, n_tiles, heads, d,
-                            qk_scale, bn, stages, kernel == 1)
+                            qk_scale, bn, stages, pingpong)
     elif n_tiles:
-        qk_scale, _ = _scales(d)
         _attn_fwd_kernel[(n_tiles, heads)](
             q_txt, k_txt, v_txt, q_img, k_img, v_img, o_txt, o_img, lse, table,
             heads * d, heads, qk_scale,

@@ -170,7 +170,7 @@ if gluon is not None:
         cols = col + gl.arange(0, D, layout=gl.SliceLayout(0, mma))
         offs = gl.expand_dims(rows.to(gl.int64) * row_stride, 1) + gl.expand_dims(cols, 0)
         o = gl.div_rn(acc, gl.expand_dims(l_i, 1)).to(o_txt_ptr.dtype.element_ty)
-        ok = gl.expand_dims(row_ok, 1) & (gl.expand_dims(cols, 0) >= 0)
+        ok, _ = gl.broadcast(gl.expand_dims(row_ok, 1), offs)  # the row mask over every column
         if stream == 0:
             gl.store(o_txt_ptr + offs, o, mask=ok)
         else:

@@ -22,8 +22,11 @@ Arithmetic (FP32 inside, every operation one IEEE rounding in the order written:
   One cast to the storage dtype at ``y``. ``mean`` and ``rstd`` (FP32, per row) are saved for backward.
 * LayerNorm-modulation backward: ``g = dy·(1 + scale)``, ``dx = ((g − Σg ⊘ D) − x̂·(Σg·x̂ ⊘ D))·rstd``;
   ``d_scale[s] = Σ_rows dy·x̂`` and ``d_shift[s] = Σ_rows dy`` on the per-sample tree of :mod:`.segments`.
+  Where the forward holds thirds so does the backward: its two row sums take the thirds tree. Those vectors are
+  column sums (each column chained down the rows), so their bytes do not depend on the tile.
 * Gated residual: ``out = x + gate·y``; backward ``dx = dout`` (the same tensor), ``dy = dout·gate``,
-  ``d_gate[s] = Σ_rows dout·y`` (per-sample tree).
+  ``d_gate[s] = Σ_rows dout·y`` (per-sample tree). The backward holds a 3·2^k row in thirds too (no masked
+  lane); no sum crosses lanes there, so the bytes are the one-tile kernel's.
 
 A row's forward bytes depend only on the row and its sample's vectors; the per-sample sums depend only on
 that sample's rows. How the LayerNorm kernels are launched (rows per forward program, read-ahead, register
@@ -316,13 +319,18 @@ def _adaln_mod_bwd_kernel(
     x_ptr, scale_ptr, dy_ptr, mean_ptr, rstd_ptr, table_ptr, dx_ptr, part_ptr,
     n_chunks, D, d_float, stride_x, stride_dy, stride_dx, stride_scale, stride_part,
     NEED_VEC: tl.constexpr, AHEAD: tl.constexpr, STAGES: tl.constexpr, BLOCK_D: tl.constexpr,
+    THIRDS: tl.constexpr = False,
 ):
     """One chunk (≤ CHUNK_ROWS rows of sample s): dx per row, and the chunk's partials
     part[c, :D] = Σ dy·x̂, part[c, D:] = Σ dy chained in row order (FP32). AHEAD: the next row's x, dy,
     mean and rstd are loaded before the current row is reduced (a register double buffer); 0: each row is
     read when it is processed; STAGES (None or 2..8, with AHEAD 0): the row loop pipelined through shared
-    memory. No effect on the arithmetic."""
+    memory. No effect on the arithmetic. THIRDS (D = 3·BLOCK_D): :func:`_adaln_mod_bwd_thirds`."""
     c, r0, r1, s = _program_chunk(table_ptr, n_chunks)
+    if THIRDS:
+        _adaln_mod_bwd_thirds(x_ptr, scale_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, part_ptr, c, r0, r1, s, D, d_float,
+                              stride_x, stride_dy, stride_dx, stride_scale, stride_part, NEED_VEC, AHEAD, STAGES, BLOCK_D)
+        return
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
     scale1 = 1.0 + _sample_vector(scale_ptr, s, stride_scale, cols, mask)
@@ -367,6 +375,73 @@ def _adaln_mod_bwd_kernel(
 
 
 @triton.jit
+def _adaln_mod_bwd_thirds(x_ptr, scale_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, part_ptr, c, r0, r1, s, D, d_float,
+                          stride_x, stride_dy, stride_dx, stride_scale, stride_part,
+                          NEED_VEC: tl.constexpr, AHEAD: tl.constexpr, STAGES: tl.constexpr, W: tl.constexpr):
+    """The backward of chunk c (rows r0..r1 of sample s) with D = 3·W, each row as three full W-lane tiles. The
+    row sums Σg·x̂ and Σg add the thirds lane by lane, ``(t0 + t1) + t2``, then tl.sum one tile (the forward's
+    tree). The partials are per column, chained in row order as in the one-tile kernel: the same bytes."""
+    cols = tl.arange(0, W)
+    sc = scale_ptr + s * stride_scale
+    a0 = 1.0 + tl.load(sc + cols).to(tl.float32)
+    a1 = 1.0 + tl.load(sc + W + cols).to(tl.float32)
+    a2 = 1.0 + tl.load(sc + 2 * W + cols).to(tl.float32)
+    ps0 = tl.zeros((W,), dtype=tl.float32)
+    ps1 = tl.zeros((W,), dtype=tl.float32)
+    ps2 = tl.zeros((W,), dtype=tl.float32)
+    pb0 = tl.zeros((W,), dtype=tl.float32)
+    pb1 = tl.zeros((W,), dtype=tl.float32)
+    pb2 = tl.zeros((W,), dtype=tl.float32)
+    first = r0.to(tl.int64)
+    if AHEAD:  # a chunk has >= 1 row
+        xc0, xc1, xc2 = _load_thirds(x_ptr + first * stride_x, cols, W)
+        dc0, dc1, dc2 = _load_thirds(dy_ptr + first * stride_dy, cols, W)
+        mean_c = tl.load(mean_ptr + first)
+        rstd_c = tl.load(rstd_ptr + first)
+    for i in tl.range(0, r1 - r0, num_stages=STAGES):
+        row = first + i
+        if AHEAD:
+            nxt = row + 1
+            ok = (cols * 0 + nxt) < r1  # nothing past the chunk's last row is read
+            nclamp = tl.minimum(nxt, r1 - 1)
+            xn0, xn1, xn2 = _load_thirds_if(x_ptr + nxt * stride_x, cols, W, ok)
+            dn0, dn1, dn2 = _load_thirds_if(dy_ptr + nxt * stride_dy, cols, W, ok)
+            mean_n = tl.load(mean_ptr + nclamp)
+            rstd_n = tl.load(rstd_ptr + nclamp)
+            x0, x1, x2, d0, d1, d2, mean, rstd = xc0, xc1, xc2, dc0, dc1, dc2, mean_c, rstd_c
+        else:
+            x0, x1, x2 = _load_thirds(x_ptr + row * stride_x, cols, W)
+            d0, d1, d2 = _load_thirds(dy_ptr + row * stride_dy, cols, W)
+            mean = tl.load(mean_ptr + row)
+            rstd = tl.load(rstd_ptr + row)
+        h0 = (x0.to(tl.float32) - mean) * rstd
+        h1 = (x1.to(tl.float32) - mean) * rstd
+        h2 = (x2.to(tl.float32) - mean) * rstd
+        e0, e1, e2 = d0.to(tl.float32), d1.to(tl.float32), d2.to(tl.float32)
+        g0, g1, g2 = e0 * a0, e1 * a1, e2 * a2
+        c1 = tl.div_rn(tl.sum((g0 * h0 + g1 * h1) + g2 * h2, axis=0), d_float)
+        c2 = tl.div_rn(tl.sum((g0 + g1) + g2, axis=0), d_float)
+        out = dx_ptr + row * stride_dx
+        dt = dx_ptr.dtype.element_ty
+        tl.store(out + cols, (((g0 - c2) - h0 * c1) * rstd).to(dt))
+        tl.store(out + W + cols, (((g1 - c2) - h1 * c1) * rstd).to(dt))
+        tl.store(out + 2 * W + cols, (((g2 - c2) - h2 * c1) * rstd).to(dt))
+        if NEED_VEC:
+            ps0, ps1, ps2 = ps0 + e0 * h0, ps1 + e1 * h1, ps2 + e2 * h2
+            pb0, pb1, pb2 = pb0 + e0, pb1 + e1, pb2 + e2
+        if AHEAD:
+            xc0, xc1, xc2, dc0, dc1, dc2, mean_c, rstd_c = xn0, xn1, xn2, dn0, dn1, dn2, mean_n, rstd_n
+    if NEED_VEC:
+        base = part_ptr + c.to(tl.int64) * stride_part
+        tl.store(base + cols, ps0)
+        tl.store(base + W + cols, ps1)
+        tl.store(base + 2 * W + cols, ps2)
+        tl.store(base + D + cols, pb0)
+        tl.store(base + D + W + cols, pb1)
+        tl.store(base + D + 2 * W + cols, pb2)
+
+
+@triton.jit
 def _gate_residual_fwd_kernel(
     x_ptr, y_ptr, gate_ptr, table_ptr, out_ptr,
     n_chunks, D, stride_x, stride_y, stride_gate, stride_out,
@@ -389,10 +464,15 @@ def _gate_residual_fwd_kernel(
 def _gate_residual_bwd_kernel(
     dout_ptr, y_ptr, gate_ptr, table_ptr, dy_ptr, part_ptr,
     n_chunks, D, stride_dout, stride_y, stride_gate, stride_dy, stride_part,
-    NEED_DY: tl.constexpr, NEED_VEC: tl.constexpr, BLOCK_D: tl.constexpr,
+    NEED_DY: tl.constexpr, NEED_VEC: tl.constexpr, BLOCK_D: tl.constexpr, THIRDS: tl.constexpr = False,
 ):
-    """One chunk of sample s: dy = dout·gate[s] per row; part[c] = Σ dout·y chained in row order (FP32)."""
+    """One chunk of sample s: dy = dout·gate[s] per row; part[c] = Σ dout·y chained in row order (FP32).
+    THIRDS (D = 3·BLOCK_D): the same per-element arithmetic on three full tiles (:func:`_gate_residual_bwd_thirds`)."""
     c, r0, r1, s = _program_chunk(table_ptr, n_chunks)
+    if THIRDS:
+        _gate_residual_bwd_thirds(dout_ptr, y_ptr, gate_ptr, dy_ptr, part_ptr, c, r0, r1, s, stride_dout, stride_y,
+                                  stride_gate, stride_dy, stride_part, NEED_DY, NEED_VEC, BLOCK_D)
+        return
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
     gate = _sample_vector(gate_ptr, s, stride_gate, cols, mask)
@@ -419,6 +499,49 @@ def _gate_residual_bwd_kernel(
         dout, y = dout_n, y_n
     if NEED_VEC:
         tl.store(part_ptr + c.to(tl.int64) * stride_part + cols, p, mask=mask)
+
+
+@triton.jit
+def _gate_residual_bwd_thirds(dout_ptr, y_ptr, gate_ptr, dy_ptr, part_ptr, c, r0, r1, s, stride_dout, stride_y,
+                              stride_gate, stride_dy, stride_part, NEED_DY: tl.constexpr, NEED_VEC: tl.constexpr,
+                              W: tl.constexpr):
+    """:func:`_gate_residual_bwd_kernel` for D = 3·W, a row as three full W-lane tiles (no masked lane); one row
+    read ahead. Every output element is computed as in the one-tile kernel (no sum crosses lanes): same bytes."""
+    cols = tl.arange(0, W)
+    gp = gate_ptr + s * stride_gate
+    g0 = tl.load(gp + cols).to(tl.float32)
+    g1 = tl.load(gp + W + cols).to(tl.float32)
+    g2 = tl.load(gp + 2 * W + cols).to(tl.float32)
+    p0 = tl.zeros((W,), dtype=tl.float32)
+    p1 = tl.zeros((W,), dtype=tl.float32)
+    p2 = tl.zeros((W,), dtype=tl.float32)
+    first = r0.to(tl.int64)
+    ylim = W
+    if not NEED_VEC:  # y is read only for the gate's partials
+        ylim = 0
+    ok_y = cols < ylim
+    o0, o1, o2 = _load_thirds(dout_ptr + first * stride_dout, cols, W)  # a chunk has >= 1 row
+    y0, y1, y2 = _load_thirds_if(y_ptr + first * stride_y, cols, W, ok_y)
+    for i in range(0, r1 - r0):
+        row = first + i
+        has = (cols * 0 + row + 1) < r1
+        n0, n1, n2 = _load_thirds_if(dout_ptr + (row + 1) * stride_dout, cols, W, has)
+        m0, m1, m2 = _load_thirds_if(y_ptr + (row + 1) * stride_y, cols, W, has & ok_y)
+        f0, f1, f2 = o0.to(tl.float32), o1.to(tl.float32), o2.to(tl.float32)
+        if NEED_DY:
+            out = dy_ptr + row * stride_dy
+            dt = dy_ptr.dtype.element_ty
+            tl.store(out + cols, (f0 * g0).to(dt))
+            tl.store(out + W + cols, (f1 * g1).to(dt))
+            tl.store(out + 2 * W + cols, (f2 * g2).to(dt))
+        if NEED_VEC:
+            p0, p1, p2 = p0 + f0 * y0.to(tl.float32), p1 + f1 * y1.to(tl.float32), p2 + f2 * y2.to(tl.float32)
+        o0, o1, o2, y0, y1, y2 = n0, n1, n2, m0, m1, m2
+    if NEED_VEC:
+        base = part_ptr + c.to(tl.int64) * stride_part
+        tl.store(base + cols, p0)
+        tl.store(base + W + cols, p1)
+        tl.store(base + 2 * W + cols, p2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -491,22 +614,25 @@ def adaln_modulation_fwd(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tens
 
 
 def adaln_modulation_bwd(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
-                         seqlens: tuple[int, ...], need_vec: bool,
-                         launch: LnLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                         seqlens: tuple[int, ...], need_vec: bool, launch: LnLaunch | None = None,
+                         thirds: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Returns (dx (M, D), d_shift (B, D) | None, d_scale (B, D) | None), all in x's dtype; ``launch`` as in
-    :func:`adaln_modulation_fwd`."""
+    :func:`adaln_modulation_fwd`. ``thirds`` (None: :func:`ln_thirds`) holds a row as three tiles: the row sums of
+    dx take the forward's thirds tree; d_scale / d_shift keep their bytes (per-column chains) either way. The
+    warps come from D alone (pow2(D)), thirds or not."""
     launch = launch or current_ln_launch(x.dtype)
     m, d = x.shape
+    thirds = ln_thirds(d) if thirds is None else thirds and ln_thirds(d)
     dx = torch.empty_like(x)
     ch = seg.chunks(seqlens, x.device)
     part = torch.empty((ch.n, 2 * d), dtype=torch.float32, device=x.device) if need_vec else None
     if m:
-        block = triton.next_power_of_2(d)
+        block = d // 3 if thirds else triton.next_power_of_2(d)
         _adaln_mod_bwd_kernel[(ch.n,)](
             x, scale, dy, mean, rstd, ch.table, dx, part if need_vec else dx,
             ch.n, d, float(d), x.stride(0), dy.stride(0), dx.stride(0), _stride0(scale), 2 * d,
-            NEED_VEC=need_vec, AHEAD=launch.bwd_ahead, STAGES=launch.bwd_stages, BLOCK_D=block,
-            **launch_opts(num_warps_for(block), _interpreting(), maxnreg=launch.bwd_maxnreg),
+            NEED_VEC=need_vec, AHEAD=launch.bwd_ahead, STAGES=launch.bwd_stages, BLOCK_D=block, THIRDS=thirds,
+            **launch_opts(num_warps_for(triton.next_power_of_2(d)), _interpreting(), maxnreg=launch.bwd_maxnreg),
         )
     if not need_vec:
         return dx, None, None
@@ -568,18 +694,21 @@ def gate_residual_fwd(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, seql
 
 
 def gate_residual_bwd(dout: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, seqlens: tuple[int, ...], need_dy: bool,
-                      need_gate: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Returns (dy (M, D) | None, d_gate (B, D) | None) in y's dtype."""
+                      need_gate: bool, thirds: bool | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Returns (dy (M, D) | None, d_gate (B, D) | None) in y's dtype. ``thirds`` (None: :func:`ln_thirds`): a row
+    as three full tiles instead of one padded tile, a launch choice only (every element's arithmetic is the same)."""
     m, d = y.shape
+    thirds = ln_thirds(d) if thirds is None else thirds and ln_thirds(d)
     dy = torch.empty_like(y) if need_dy else None
     ch = seg.chunks(seqlens, y.device)
     part = torch.empty((ch.n, d), dtype=torch.float32, device=y.device) if need_gate else None
     if m and (need_dy or need_gate):
-        block = triton.next_power_of_2(d)
+        block = d // 3 if thirds else triton.next_power_of_2(d)
         _gate_residual_bwd_kernel[(ch.n,)](
             dout, y, gate, ch.table, dy if need_dy else dout, part if need_gate else dout,
             ch.n, d, dout.stride(0), y.stride(0), _stride0(gate), y.stride(0), d,
-            NEED_DY=need_dy, NEED_VEC=need_gate, BLOCK_D=block, **launch_opts(num_warps_for(block), _interpreting()),
+            NEED_DY=need_dy, NEED_VEC=need_gate, BLOCK_D=block, THIRDS=thirds,
+            **launch_opts(num_warps_for(triton.next_power_of_2(d)), _interpreting()),
         )
     dgate = seg.per_sample_sums(part, ch, y.dtype, _interpreting()) if need_gate else None
     return dy, dgate
@@ -654,8 +783,9 @@ def txt_in_rmsnorm_linear(x: torch.Tensor, gain: torch.Tensor, weight: torch.Ten
 
 _TREE = (f"per sample: rows chained in {seg.CHUNK_ROWS}-row chunks from the sample's first row, chunk partials "
          f"summed {seg.FOLD_TILE} per tl.sum tile, tiles chained; FP32")
-_LN = ("row: tl.sum over D (fixed for the compiled kernel; warps from D only), div_rn/sqrt_rn; forward with D = 3*2^k "
-       "(3072): the three 2^k-lane thirds added lane by lane ((t0 + t1) + t2), then tl.sum over one third")
+_LN = ("row: tl.sum over D (fixed for the compiled kernel; warps from D only), div_rn/sqrt_rn; with D = 3*2^k (3072) "
+       "forward and backward hold the three 2^k-lane thirds, each row sum adding them lane by lane ((t0 + t1) + t2), "
+       "then tl.sum over one third")
 _CONFIG = {"ln_launch": {str(dt).replace("torch.", ""): launch.label() for dt, launch in LN_DEFAULTS.items()},
            "gate_fwd_rows_per_program": FWD_ROWS, "chunk_rows": seg.CHUNK_ROWS, "fold_tile": seg.FOLD_TILE,
            "warps": "4 if pow2(D) <= 1024, 8 if <= 4096, else 16", "fp_fusion": False}
