@@ -53,7 +53,6 @@ from .rope import check_gain, check_stages, num_warps_for, rms_norm_rows, stages
 from .segments import check_seqlens
 
 FWD_ROWS = 4  # rows per gated-residual forward program (row-local math: no effect on bytes)
-GATE_BWD_AHEAD = 1  # rows the gated-residual backward reads ahead in thirds (1..3; no effect on bytes)
 MAX_WIDTH = 16384
 
 
@@ -66,9 +65,6 @@ class LnLaunch:
 
     fwd_rows: rows per forward program (the forward has no cross-row sum: any grouping gives the same bytes);
     fwd_ahead / bwd_ahead: 1 = the kernel reads row r+1 while it reduces row r (a register double buffer), 0 = not;
-    bwd_ahead 2 = rows r+1 and r+2 (thirds backward only; the one-tile backward reads one row ahead);
-    bwd_joint: the backward's two row sums (Σg·x̂, Σg) as one two-operand tl.reduce instead of two tl.sum (one
-    pass of shuffles and shared-memory barriers for both; each operand's tree is tl.sum's, GPU-tested byte-equal);
     fwd_maxnreg / bwd_maxnreg: a register cap for ptxas (more programs resident per SM; may spill), None = none;
     fwd_stages / bwd_stages: None, or 2..8 = the row loop software-pipelined by Triton (``tl.range(num_stages=)``):
     the next rows' loads go through shared memory (cp.async) instead of registers, into the same register layout
@@ -82,12 +78,10 @@ class LnLaunch:
     bwd_maxnreg: int | None = None
     fwd_stages: int | None = None
     bwd_stages: int | None = None
-    bwd_joint: bool = False
 
     def label(self) -> str:
         return (f"fwd rows {self.fwd_rows}, ahead {self.fwd_ahead}, maxnreg {self.fwd_maxnreg or '-'}{stages_label(self.fwd_stages)}; "
-                f"bwd ahead {self.bwd_ahead}, maxnreg {self.bwd_maxnreg or '-'}{stages_label(self.bwd_stages)}"
-                f"{', joint sums' if self.bwd_joint else ''}")
+                f"bwd ahead {self.bwd_ahead}, maxnreg {self.bwd_maxnreg or '-'}{stages_label(self.bwd_stages)}")
 
 
 # The kernels as the H200 measured them at 6ab3b56 (4-row forward programs, no read-ahead): the reference
@@ -126,17 +120,12 @@ LN_CANDIDATES = tuple(dict.fromkeys([
     *(LnLaunch(fwd_rows=r, fwd_ahead=0, fwd_maxnreg=m, fwd_stages=fs, bwd_ahead=0, bwd_maxnreg=bm, bwd_stages=bs)
       for r, m, fs, bm, bs in ((4, 80, 2, None, 2), (8, 80, 3, None, 3), (8, None, 3, 128, 4), (16, 80, 4, None, 4),
                                (16, None, 6, None, 6))),
-    # the thirds backward: two rows read ahead, and / or its two row sums as one reduction
-    *(LnLaunch(fwd_rows=1, fwd_ahead=0, bwd_ahead=a, bwd_maxnreg=m, bwd_joint=j)
-      for a, m, j in ((2, 128, False), (1, 128, True), (2, 128, True), (2, None, False), (1, None, True), (2, None, True))),
 ]))
 
 
 def _check_ln_launch(launch: object) -> None:
-    if (not isinstance(launch, LnLaunch) or launch.fwd_rows < 1 or launch.fwd_ahead not in (0, 1)
-            or launch.bwd_ahead not in (0, 1, 2) or not isinstance(launch.bwd_joint, bool)):
-        raise ValueError(f"expected an LnLaunch with fwd_rows >= 1, fwd_ahead 0 or 1, bwd_ahead 0..2 and a bool bwd_joint, "
-                         f"got {launch!r}")
+    if not isinstance(launch, LnLaunch) or launch.fwd_rows < 1 or {launch.fwd_ahead, launch.bwd_ahead} - {0, 1}:
+        raise ValueError(f"expected an LnLaunch with fwd_rows >= 1 and fwd_ahead / bwd_ahead 0 or 1, got {launch!r}")
     check_stages(launch.fwd_stages, launch.fwd_ahead, "LnLaunch forward")
     check_stages(launch.bwd_stages, launch.bwd_ahead, "LnLaunch backward")
 
@@ -330,7 +319,7 @@ def _adaln_mod_bwd_kernel(
     x_ptr, scale_ptr, dy_ptr, mean_ptr, rstd_ptr, table_ptr, dx_ptr, part_ptr,
     n_chunks, D, d_float, stride_x, stride_dy, stride_dx, stride_scale, stride_part,
     NEED_VEC: tl.constexpr, AHEAD: tl.constexpr, STAGES: tl.constexpr, BLOCK_D: tl.constexpr,
-    THIRDS: tl.constexpr = False, JOINT: tl.constexpr = False,
+    THIRDS: tl.constexpr = False,
 ):
     """One chunk (≤ CHUNK_ROWS rows of sample s): dx per row, and the chunk's partials
     part[c, :D] = Σ dy·x̂, part[c, D:] = Σ dy chained in row order (FP32). AHEAD: the next row's x, dy,
@@ -340,8 +329,7 @@ def _adaln_mod_bwd_kernel(
     c, r0, r1, s = _program_chunk(table_ptr, n_chunks)
     if THIRDS:
         _adaln_mod_bwd_thirds(x_ptr, scale_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, part_ptr, c, r0, r1, s, D, d_float,
-                              stride_x, stride_dy, stride_dx, stride_scale, stride_part, NEED_VEC, AHEAD, STAGES, JOINT,
-                              BLOCK_D)
+                              stride_x, stride_dy, stride_dx, stride_scale, stride_part, NEED_VEC, AHEAD, STAGES, BLOCK_D)
         return
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -373,7 +361,8 @@ def _adaln_mod_bwd_kernel(
         xhat = tl.where(mask, x.to(tl.float32) - mean, 0.0) * rstd
         dyf = dy.to(tl.float32)
         g = dyf * scale1
-        c1, c2 = _row_sums_over_d(g * xhat, g, d_float, JOINT)
+        c1 = tl.div_rn(tl.sum(g * xhat, axis=0), d_float)
+        c2 = tl.div_rn(tl.sum(g, axis=0), d_float)
         dx = ((g - c2) - xhat * c1) * rstd
         tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         if NEED_VEC:
@@ -386,41 +375,12 @@ def _adaln_mod_bwd_kernel(
 
 
 @triton.jit
-def _add_pair(a0, b0, a1, b1):
-    return a0 + a1, b0 + b1
-
-
-@triton.jit
-def _row_sums_over_d(u, v, d_float, JOINT: tl.constexpr):
-    """(Σu ⊘ d, Σv ⊘ d) over one tile: two tl.sum, or (JOINT) one two-operand tl.reduce with tl.sum's combine."""
-    if JOINT:
-        su, sv = tl.reduce((u, v), 0, _add_pair)
-    else:
-        su = tl.sum(u, axis=0)
-        sv = tl.sum(v, axis=0)
-    return tl.div_rn(su, d_float), tl.div_rn(sv, d_float)
-
-
-@triton.jit
-def _ln_bwd_row_thirds(x_ptr, dy_ptr, mean_ptr, rstd_ptr, row, r1, stride_x, stride_dy, cols, W: tl.constexpr):
-    """Row ``row``'s x and dy thirds (storage dtype) and its (mean, rstd); zeros / the chunk's last row's stats
-    past r1 (nothing past the chunk is read)."""
-    ok = (cols * 0 + row) < r1
-    last = tl.minimum(row, r1 - 1)
-    x0, x1, x2 = _load_thirds_if(x_ptr + row * stride_x, cols, W, ok)
-    d0, d1, d2 = _load_thirds_if(dy_ptr + row * stride_dy, cols, W, ok)
-    return x0, x1, x2, d0, d1, d2, tl.load(mean_ptr + last), tl.load(rstd_ptr + last)
-
-
-@triton.jit
 def _adaln_mod_bwd_thirds(x_ptr, scale_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, part_ptr, c, r0, r1, s, D, d_float,
                           stride_x, stride_dy, stride_dx, stride_scale, stride_part,
-                          NEED_VEC: tl.constexpr, AHEAD: tl.constexpr, STAGES: tl.constexpr, JOINT: tl.constexpr,
-                          W: tl.constexpr):
+                          NEED_VEC: tl.constexpr, AHEAD: tl.constexpr, STAGES: tl.constexpr, W: tl.constexpr):
     """The backward of chunk c (rows r0..r1 of sample s) with D = 3·W, each row as three full W-lane tiles. The
     row sums Σg·x̂ and Σg add the thirds lane by lane, ``(t0 + t1) + t2``, then tl.sum one tile (the forward's
-    tree). The partials are per column, chained in row order as in the one-tile kernel: the same bytes.
-    AHEAD (0..2): rows read that many ahead into registers; it changes when a row is read, not what is computed."""
+    tree). The partials are per column, chained in row order as in the one-tile kernel: the same bytes."""
     cols = tl.arange(0, W)
     sc = scale_ptr + s * stride_scale
     a0 = 1.0 + tl.load(sc + cols).to(tl.float32)
@@ -433,18 +393,22 @@ def _adaln_mod_bwd_thirds(x_ptr, scale_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, 
     pb1 = tl.zeros((W,), dtype=tl.float32)
     pb2 = tl.zeros((W,), dtype=tl.float32)
     first = r0.to(tl.int64)
-    if AHEAD >= 1:
-        cx0, cx1, cx2, cd0, cd1, cd2, cm, cr = _ln_bwd_row_thirds(x_ptr, dy_ptr, mean_ptr, rstd_ptr, first, r1,
-                                                                  stride_x, stride_dy, cols, W)
-    if AHEAD >= 2:
-        bx0, bx1, bx2, bd0, bd1, bd2, bm, br = _ln_bwd_row_thirds(x_ptr, dy_ptr, mean_ptr, rstd_ptr, first + 1, r1,
-                                                                  stride_x, stride_dy, cols, W)
+    if AHEAD:  # a chunk has >= 1 row
+        xc0, xc1, xc2 = _load_thirds(x_ptr + first * stride_x, cols, W)
+        dc0, dc1, dc2 = _load_thirds(dy_ptr + first * stride_dy, cols, W)
+        mean_c = tl.load(mean_ptr + first)
+        rstd_c = tl.load(rstd_ptr + first)
     for i in tl.range(0, r1 - r0, num_stages=STAGES):
         row = first + i
-        if AHEAD >= 1:
-            nx0, nx1, nx2, nd0, nd1, nd2, nm, nr = _ln_bwd_row_thirds(x_ptr, dy_ptr, mean_ptr, rstd_ptr, row + AHEAD, r1,
-                                                                      stride_x, stride_dy, cols, W)
-            x0, x1, x2, d0, d1, d2, mean, rstd = cx0, cx1, cx2, cd0, cd1, cd2, cm, cr
+        if AHEAD:
+            nxt = row + 1
+            ok = (cols * 0 + nxt) < r1  # nothing past the chunk's last row is read
+            nclamp = tl.minimum(nxt, r1 - 1)
+            xn0, xn1, xn2 = _load_thirds_if(x_ptr + nxt * stride_x, cols, W, ok)
+            dn0, dn1, dn2 = _load_thirds_if(dy_ptr + nxt * stride_dy, cols, W, ok)
+            mean_n = tl.load(mean_ptr + nclamp)
+            rstd_n = tl.load(rstd_ptr + nclamp)
+            x0, x1, x2, d0, d1, d2, mean, rstd = xc0, xc1, xc2, dc0, dc1, dc2, mean_c, rstd_c
         else:
             x0, x1, x2 = _load_thirds(x_ptr + row * stride_x, cols, W)
             d0, d1, d2 = _load_thirds(dy_ptr + row * stride_dy, cols, W)
@@ -455,7 +419,8 @@ def _adaln_mod_bwd_thirds(x_ptr, scale_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, 
         h2 = (x2.to(tl.float32) - mean) * rstd
         e0, e1, e2 = d0.to(tl.float32), d1.to(tl.float32), d2.to(tl.float32)
         g0, g1, g2 = e0 * a0, e1 * a1, e2 * a2
-        c1, c2 = _row_sums_over_d((g0 * h0 + g1 * h1) + g2 * h2, (g0 + g1) + g2, d_float, JOINT)
+        c1 = tl.div_rn(tl.sum((g0 * h0 + g1 * h1) + g2 * h2, axis=0), d_float)
+        c2 = tl.div_rn(tl.sum((g0 + g1) + g2, axis=0), d_float)
         out = dx_ptr + row * stride_dx
         dt = dx_ptr.dtype.element_ty
         tl.store(out + cols, (((g0 - c2) - h0 * c1) * rstd).to(dt))
@@ -464,11 +429,8 @@ def _adaln_mod_bwd_thirds(x_ptr, scale_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, 
         if NEED_VEC:
             ps0, ps1, ps2 = ps0 + e0 * h0, ps1 + e1 * h1, ps2 + e2 * h2
             pb0, pb1, pb2 = pb0 + e0, pb1 + e1, pb2 + e2
-        if AHEAD == 1:
-            cx0, cx1, cx2, cd0, cd1, cd2, cm, cr = nx0, nx1, nx2, nd0, nd1, nd2, nm, nr
-        elif AHEAD == 2:
-            cx0, cx1, cx2, cd0, cd1, cd2, cm, cr = bx0, bx1, bx2, bd0, bd1, bd2, bm, br
-            bx0, bx1, bx2, bd0, bd1, bd2, bm, br = nx0, nx1, nx2, nd0, nd1, nd2, nm, nr
+        if AHEAD:
+            xc0, xc1, xc2, dc0, dc1, dc2, mean_c, rstd_c = xn0, xn1, xn2, dn0, dn1, dn2, mean_n, rstd_n
     if NEED_VEC:
         base = part_ptr + c.to(tl.int64) * stride_part
         tl.store(base + cols, ps0)
@@ -503,15 +465,13 @@ def _gate_residual_bwd_kernel(
     dout_ptr, y_ptr, gate_ptr, table_ptr, dy_ptr, part_ptr,
     n_chunks, D, stride_dout, stride_y, stride_gate, stride_dy, stride_part,
     NEED_DY: tl.constexpr, NEED_VEC: tl.constexpr, BLOCK_D: tl.constexpr, THIRDS: tl.constexpr = False,
-    AHEAD: tl.constexpr = 1,
 ):
     """One chunk of sample s: dy = dout·gate[s] per row; part[c] = Σ dout·y chained in row order (FP32).
-    THIRDS (D = 3·BLOCK_D): the same per-element arithmetic on three full tiles, AHEAD (1..3) rows read ahead
-    (:func:`_gate_residual_bwd_thirds`; the one-tile loop reads one row ahead)."""
+    THIRDS (D = 3·BLOCK_D): the same per-element arithmetic on three full tiles (:func:`_gate_residual_bwd_thirds`)."""
     c, r0, r1, s = _program_chunk(table_ptr, n_chunks)
     if THIRDS:
         _gate_residual_bwd_thirds(dout_ptr, y_ptr, gate_ptr, dy_ptr, part_ptr, c, r0, r1, s, stride_dout, stride_y,
-                                  stride_gate, stride_dy, stride_part, NEED_DY, NEED_VEC, AHEAD, BLOCK_D)
+                                  stride_gate, stride_dy, stride_part, NEED_DY, NEED_VEC, BLOCK_D)
         return
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -542,21 +502,11 @@ def _gate_residual_bwd_kernel(
 
 
 @triton.jit
-def _gate_row_thirds(dout_ptr, y_ptr, row, r1, stride_dout, stride_y, cols, ylim, W: tl.constexpr):
-    """Row ``row``'s dout and y thirds (storage dtype); zeros past r1, and y zeros when ylim is 0."""
-    ok = (cols * 0 + row) < r1
-    o0, o1, o2 = _load_thirds_if(dout_ptr + row * stride_dout, cols, W, ok)
-    y0, y1, y2 = _load_thirds_if(y_ptr + row * stride_y, cols, W, ok & (cols < ylim))
-    return o0, o1, o2, y0, y1, y2
-
-
-@triton.jit
 def _gate_residual_bwd_thirds(dout_ptr, y_ptr, gate_ptr, dy_ptr, part_ptr, c, r0, r1, s, stride_dout, stride_y,
                               stride_gate, stride_dy, stride_part, NEED_DY: tl.constexpr, NEED_VEC: tl.constexpr,
-                              AHEAD: tl.constexpr, W: tl.constexpr):
-    """:func:`_gate_residual_bwd_kernel` for D = 3·W, a row as three full W-lane tiles (no masked lane); AHEAD
-    (1..3) rows read ahead into registers. Every output element is computed as in the one-tile kernel (no sum
-    crosses lanes): same bytes."""
+                              W: tl.constexpr):
+    """:func:`_gate_residual_bwd_kernel` for D = 3·W, a row as three full W-lane tiles (no masked lane); one row
+    read ahead. Every output element is computed as in the one-tile kernel (no sum crosses lanes): same bytes."""
     cols = tl.arange(0, W)
     gp = gate_ptr + s * stride_gate
     g0 = tl.load(gp + cols).to(tl.float32)
@@ -569,16 +519,15 @@ def _gate_residual_bwd_thirds(dout_ptr, y_ptr, gate_ptr, dy_ptr, part_ptr, c, r0
     ylim = W
     if not NEED_VEC:  # y is read only for the gate's partials
         ylim = 0
-    a0, a1, a2, ay0, ay1, ay2 = _gate_row_thirds(dout_ptr, y_ptr, first, r1, stride_dout, stride_y, cols, ylim, W)
-    if AHEAD >= 2:
-        b0, b1, b2, by0, by1, by2 = _gate_row_thirds(dout_ptr, y_ptr, first + 1, r1, stride_dout, stride_y, cols, ylim, W)
-    if AHEAD >= 3:
-        e0, e1, e2, ey0, ey1, ey2 = _gate_row_thirds(dout_ptr, y_ptr, first + 2, r1, stride_dout, stride_y, cols, ylim, W)
+    ok_y = cols < ylim
+    o0, o1, o2 = _load_thirds(dout_ptr + first * stride_dout, cols, W)  # a chunk has >= 1 row
+    y0, y1, y2 = _load_thirds_if(y_ptr + first * stride_y, cols, W, ok_y)
     for i in range(0, r1 - r0):
         row = first + i
-        n0, n1, n2, ny0, ny1, ny2 = _gate_row_thirds(dout_ptr, y_ptr, row + AHEAD, r1, stride_dout, stride_y, cols,
-                                                     ylim, W)
-        f0, f1, f2 = a0.to(tl.float32), a1.to(tl.float32), a2.to(tl.float32)
+        has = (cols * 0 + row + 1) < r1
+        n0, n1, n2 = _load_thirds_if(dout_ptr + (row + 1) * stride_dout, cols, W, has)
+        m0, m1, m2 = _load_thirds_if(y_ptr + (row + 1) * stride_y, cols, W, has & ok_y)
+        f0, f1, f2 = o0.to(tl.float32), o1.to(tl.float32), o2.to(tl.float32)
         if NEED_DY:
             out = dy_ptr + row * stride_dy
             dt = dy_ptr.dtype.element_ty
@@ -586,16 +535,8 @@ def _gate_residual_bwd_thirds(dout_ptr, y_ptr, gate_ptr, dy_ptr, part_ptr, c, r0
             tl.store(out + W + cols, (f1 * g1).to(dt))
             tl.store(out + 2 * W + cols, (f2 * g2).to(dt))
         if NEED_VEC:
-            p0, p1, p2 = p0 + f0 * ay0.to(tl.float32), p1 + f1 * ay1.to(tl.float32), p2 + f2 * ay2.to(tl.float32)
-        if AHEAD == 1:
-            a0, a1, a2, ay0, ay1, ay2 = n0, n1, n2, ny0, ny1, ny2
-        elif AHEAD == 2:
-            a0, a1, a2, ay0, ay1, ay2 = b0, b1, b2, by0, by1, by2
-            b0, b1, b2, by0, by1, by2 = n0, n1, n2, ny0, ny1, ny2
-        else:
-            a0, a1, a2, ay0, ay1, ay2 = b0, b1, b2, by0, by1, by2
-            b0, b1, b2, by0, by1, by2 = e0, e1, e2, ey0, ey1, ey2
-            e0, e1, e2, ey0, ey1, ey2 = n0, n1, n2, ny0, ny1, ny2
+            p0, p1, p2 = p0 + f0 * y0.to(tl.float32), p1 + f1 * y1.to(tl.float32), p2 + f2 * y2.to(tl.float32)
+        o0, o1, o2, y0, y1, y2 = n0, n1, n2, m0, m1, m2
     if NEED_VEC:
         base = part_ptr + c.to(tl.int64) * stride_part
         tl.store(base + cols, p0)
@@ -690,8 +631,7 @@ def adaln_modulation_bwd(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor,
         _adaln_mod_bwd_kernel[(ch.n,)](
             x, scale, dy, mean, rstd, ch.table, dx, part if need_vec else dx,
             ch.n, d, float(d), x.stride(0), dy.stride(0), dx.stride(0), _stride0(scale), 2 * d,
-            NEED_VEC=need_vec, AHEAD=launch.bwd_ahead if thirds else min(launch.bwd_ahead, 1), STAGES=launch.bwd_stages,
-            BLOCK_D=block, THIRDS=thirds, JOINT=launch.bwd_joint,
+            NEED_VEC=need_vec, AHEAD=launch.bwd_ahead, STAGES=launch.bwd_stages, BLOCK_D=block, THIRDS=thirds,
             **launch_opts(num_warps_for(triton.next_power_of_2(d)), _interpreting(), maxnreg=launch.bwd_maxnreg),
         )
     if not need_vec:
@@ -754,13 +694,9 @@ def gate_residual_fwd(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, seql
 
 
 def gate_residual_bwd(dout: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, seqlens: tuple[int, ...], need_dy: bool,
-                      need_gate: bool, thirds: bool | None = None,
-                      ahead: int = GATE_BWD_AHEAD) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                      need_gate: bool, thirds: bool | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Returns (dy (M, D) | None, d_gate (B, D) | None) in y's dtype. ``thirds`` (None: :func:`ln_thirds`): a row
-    as three full tiles instead of one padded tile, ``ahead`` (1..3) rows read ahead in thirds: launch choices
-    only (every element's arithmetic is the same)."""
-    if ahead not in (1, 2, 3):
-        raise ValueError(f"gate_residual_bwd: ahead must be 1, 2 or 3, got {ahead!r}")
+    as three full tiles instead of one padded tile, a launch choice only (every element's arithmetic is the same)."""
     m, d = y.shape
     thirds = ln_thirds(d) if thirds is None else thirds and ln_thirds(d)
     dy = torch.empty_like(y) if need_dy else None
@@ -771,7 +707,7 @@ def gate_residual_bwd(dout: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, s
         _gate_residual_bwd_kernel[(ch.n,)](
             dout, y, gate, ch.table, dy if need_dy else dout, part if need_gate else dout,
             ch.n, d, dout.stride(0), y.stride(0), _stride0(gate), y.stride(0), d,
-            NEED_DY=need_dy, NEED_VEC=need_gate, BLOCK_D=block, THIRDS=thirds, AHEAD=ahead,
+            NEED_DY=need_dy, NEED_VEC=need_gate, BLOCK_D=block, THIRDS=thirds,
             **launch_opts(num_warps_for(triton.next_power_of_2(d)), _interpreting()),
         )
     dgate = seg.per_sample_sums(part, ch, y.dtype, _interpreting()) if need_gate else None
