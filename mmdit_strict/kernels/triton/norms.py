@@ -104,15 +104,19 @@ LN_REFERENCE = LnLaunch(fwd_rows=4, fwd_ahead=0)
 # takes _adaln_mod_fwd_thirds_row (the row from the program id; offline sm_90: 53 registers bf16, no loop). H200 at
 # da978ed (experiments/norms/da978ed_thirds_direct): bf16 4096 / 6889 rows 0.0144 / 0.0241 ms (0.85 / 0.95 of the copy),
 # fp32 0.0273 (0.93).
+# Backward since it holds thirds too (6de295f, new dx bytes): fp32 reads one row ahead, capped at 128 registers, as bf16
+# (H200 tune at 6de295f, experiments/norms/6de295f, 96/96 candidates byte-equal: fp32 4096 rows 0.0494 -> 0.0482 ms,
+# 0.75 -> 0.77 of the copy; bf16 0.0303 ms, 0.64, where the one-tile backward ran 0.0321, 0.61).
 LN_DEFAULTS = {
     torch.bfloat16: LnLaunch(fwd_rows=1, fwd_ahead=0, bwd_ahead=1, bwd_maxnreg=128),
-    torch.float32: LnLaunch(fwd_rows=1, fwd_ahead=0, bwd_ahead=0, bwd_stages=3),
+    torch.float32: LnLaunch(fwd_rows=1, fwd_ahead=0, bwd_ahead=1, bwd_maxnreg=128),
 }
 # What the bench's "tune" section and the GPU byte test run: the reference, the defaults and these (the
 # list the H200 swept at c893898, plus the bf16 default, whose forward and backward settings it measured
 # in separate candidates).
 LN_CANDIDATES = tuple(dict.fromkeys([
-    LN_REFERENCE, *LN_DEFAULTS.values(), LnLaunch(fwd_rows=4, fwd_ahead=1, fwd_maxnreg=80, bwd_ahead=0),
+    LN_REFERENCE, *LN_DEFAULTS.values(), LnLaunch(fwd_rows=1, fwd_ahead=0, bwd_ahead=0, bwd_stages=3),  # fp32 until 6de295f
+    LnLaunch(fwd_rows=4, fwd_ahead=1, fwd_maxnreg=80, bwd_ahead=0),
     *(LnLaunch(fwd_rows=r, fwd_ahead=a, fwd_maxnreg=m, bwd_ahead=ba, bwd_maxnreg=bm)
       for r, a, m, ba, bm in ((4, 1, None, 1, None), (1, 0, None, 0, None), (1, 1, None, 1, 128), (8, 1, None, 0, None),
                               (2, 1, 80, 0, None), (1, 0, 64, 0, None), (8, 0, 64, 1, 128))),
