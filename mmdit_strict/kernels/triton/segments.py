@@ -34,7 +34,8 @@ from ..keepalive import retain
 
 CHUNK_ROWS = 16  # frozen: rows per level-1 partial of every backward row reduction (changing it changes bytes)
 FOLD_TILE = 64  # frozen: chunk partials per level-2 tile
-_FOLD_BLOCK_N = 64
+_FOLD_BLOCK_N = 64  # with FOLD_TILE and the 4 warps: the tile's layout, hence its tl.sum tree (bytes)
+_FOLD_STAGES = 2  # the tile loop's software pipelining: when a tile is read, not what is summed (no effect on bytes)
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,7 @@ def _launch_fold(part: torch.Tensor, seg: torch.Tensor, groups: int, out: torch.
     n = part.shape[1]
     if groups == 0 or n == 0:
         return
-    opts = {} if interpreting else {"num_warps": 4, "num_stages": 2, "enable_fp_fusion": False}
+    opts = {} if interpreting else {"num_warps": 4, "num_stages": _FOLD_STAGES, "enable_fp_fusion": False}
     _segment_fold_kernel[(triton.cdiv(n, _FOLD_BLOCK_N), groups)](
         part, seg, out, n, part.stride(0), out.stride(0),
         CHAIN=chain, BLOCK_C=FOLD_TILE, BLOCK_N=_FOLD_BLOCK_N, **opts,
