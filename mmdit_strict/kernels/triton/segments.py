@@ -35,7 +35,7 @@ from ..keepalive import retain
 CHUNK_ROWS = 16  # frozen: rows per level-1 partial of every backward row reduction (changing it changes bytes)
 FOLD_TILE = 64  # frozen: chunk partials per level-2 tile
 # Columns per fold program; with FOLD_TILE and the 4 warps it fixes the tile's layout, hence its tl.sum tree (bytes).
-# 16 since aaa56a1+1 (was 64: 96 programs for the LayerNorm's 6144 partial columns, 48 for the gate's 3072, at 6 %
+# 16 since 1d3c130 (was 64: 96 programs for the LayerNorm's 6144 partial columns, 48 for the gate's 3072, at 6 %
 # achieved occupancy). H200, benchmarks/fold_probe at aaa56a1 (experiments/norms/aaa56a1_fold): the fold of 256 / 431
 # chunk partials of 6144 columns 5.75 -> 3.32 / 8.80 -> 4.65 µs, of 3072 columns 5.69 -> 2.96 / 8.80 -> 4.14 µs.
 _FOLD_BLOCK_N = 16
