@@ -6,8 +6,9 @@ the bf16 LayerNorm backward. This times, CUDA-graph replay:
 
 * the fold alone for the LayerNorm's (n_chunks, 2·3072) and the gated residual's (n_chunks, 3072) partials at
   4096 and 6889 rows (256 and 431 chunks): the product launch, its tile loop pipelined deeper
-  (``_FOLD_STAGES``: same layout, same tree, so the bytes must be equal), and narrower column blocks (another
-  layout, so possibly another tree: bytes reported, not required);
+  (``_FOLD_STAGES``: same layout, same tree, so the bytes must be equal), and other column blocks and warps
+  (another layout, so possibly another tree: bytes reported, not required). At aaa56a1, where this ran, the
+  product took 64 columns; since 1d3c130 it takes 16;
 * the bf16 LayerNorm and gated-residual backwards end to end with each ``_FOLD_STAGES``.
 
 GPU only:  python -m benchmarks.fold_probe OUT.json
@@ -52,7 +53,8 @@ def main(out: str) -> None:
             part = torch.randn(n_chunks, width, device="cuda")
             want = _fold(part, seg, S._FOLD_BLOCK_N, 4, 2)
             copy = copy_reference(part.numel() * 4).best
-            variants = [(S._FOLD_BLOCK_N, 4, st) for st in STAGES] + [(32, 4, 4), (16, 4, 4), (16, 2, 4), (32, 2, 4)]
+            others = [(b, w, 4) for b, w in ((64, 4), (32, 4), (16, 4), (16, 2), (32, 2)) if (b, w) != (S._FOLD_BLOCK_N, 4)]
+            variants = [(S._FOLD_BLOCK_N, 4, st) for st in STAGES] + others
             for block_n, warps, stages in variants:
                 fn = lambda b=block_n, w=warps, s=stages: _fold(part, seg, b, w, s)  # noqa: E731
                 got = fn()
