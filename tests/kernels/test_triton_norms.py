@@ -10,6 +10,7 @@ Without CUDA the kernels run under ``TRITON_INTERPRET=1`` (FP32, tiny widths, CI
 from __future__ import annotations
 
 import pytest
+import triton
 import torch
 
 from tests.kernels.triton_rows import GPU_TARGETS, N, S, interp, on_gpu_targets, skip_unless_compiled  # noqa: I001  (interpreter mode: tests/conftest.py)
@@ -147,27 +148,38 @@ def check_invariance(d, target, batch_sizes, lo, hi):
 
 
 def check_thirds_keep_vector_bytes(d, seqlens, target):
-    """With a row held as three tiles the backward's per-sample vectors (d_scale, d_shift, d_gate) and the gated
-    residual's dy are the one-tile kernel's bytes: their sums run per column, down the rows, in either layout.
-    Only dx of the LayerNorm takes the thirds' row tree (its accuracy: the accuracy checks)."""
+    """With a row held as three tiles the LayerNorm backward's per-sample vectors (d_scale, d_shift) are the one-tile
+    kernel's bytes: their sums run per column, down the rows, in either layout. Only dx takes the thirds' row tree
+    (its accuracy: the accuracy checks)."""
     assert N.ln_thirds(d)
     gen = generator(21)
     m, b = sum(seqlens), len(seqlens)
-    x, dy, yy = (randn(m, d, gen=gen, target=target) for _ in range(3))
-    sc, gate = _vec(b, d, gen, target), _vec(b, d, gen, target)
+    x, dy = (randn(m, d, gen=gen, target=target) for _ in range(2))
+    sc = _vec(b, d, gen, target)
     _, mean, rstd = N.adaln_modulation_fwd(x, torch.zeros_like(sc), sc, seqlens, EPS, True)
     for launch in (N.LN_REFERENCE, N.LN_DEFAULTS[x.dtype]):
         thirds = N.adaln_modulation_bwd(dy, x, sc, mean, rstd, seqlens, True, launch, thirds=True)
         one = N.adaln_modulation_bwd(dy, x, sc, mean, rstd, seqlens, True, launch, thirds=False)
         for name, u, v in zip(("d_shift", "d_scale"), thirds[1:], one[1:]):
             assert_bytes_equal(u, v, f"adaln_modulation {name} thirds vs one tile [{launch.label()}] {target.label}")
+
+
+def check_gate_column_blocks_keep_bytes(d, seqlens, target, cols=None):
+    """The gated-residual backward with a chunk's columns split over programs of ``cols`` lanes (None: the product's
+    GATE_BWD_COLS) gives dy and d_gate byte-equal to one program per chunk (no sum crosses columns)."""
+    gen = generator(22)
+    m, b = sum(seqlens), len(seqlens)
+    dout, yy = (randn(m, d, gen=gen, target=target) for _ in range(2))
+    gate = _vec(b, d, gen, target)
+    whole = triton.next_power_of_2(d)
+    assert min(whole, cols or N.GATE_BWD_COLS) < whole, "the check needs more than one column block"
     for need_dy, need_gate in ((True, True), (True, False), (False, True)):
-        thirds = N.gate_residual_bwd(dy, yy, gate, seqlens, need_dy, need_gate, thirds=True)
-        one = N.gate_residual_bwd(dy, yy, gate, seqlens, need_dy, need_gate, thirds=False)
-        for name, u, v in zip(("dy", "d_gate"), thirds, one):
+        split = N.gate_residual_bwd(dout, yy, gate, seqlens, need_dy, need_gate, cols=cols)
+        one = N.gate_residual_bwd(dout, yy, gate, seqlens, need_dy, need_gate, cols=whole)
+        for name, u, v in zip(("dy", "d_gate"), split, one):
             assert (u is None) == (v is None)
             if u is not None:
-                assert_bytes_equal(u, v, f"adaln_gate_residual {name} thirds vs one tile {target.label}")
+                assert_bytes_equal(u, v, f"adaln_gate_residual {name} column blocks vs one program [d {d}] {target.label}")
 
 
 def check_sweep(d, target, counts):
@@ -235,6 +247,8 @@ def test_ln_thirds_accuracy_invariance_and_launches_interpreter():
     check_final_accuracy(D_THIRDS, (7, 0, 20), CPU_FP32)
     check_invariance(D_THIRDS, CPU_FP32, (2, 3), 1, 20)
     check_thirds_keep_vector_bytes(D_THIRDS, (5, 0, 19, 1, 16, 17), CPU_FP32)
+    check_gate_column_blocks_keep_bytes(D_THIRDS, (5, 0, 19, 1, 16, 17), CPU_FP32, cols=16)
+    check_gate_column_blocks_keep_bytes(D, (5, 0, 19, 1, 16, 17), CPU_FP32, cols=16)  # the last block part-masked
     for launch in (N.LN_REFERENCE, N.LN_DEFAULTS[torch.float32], N.LnLaunch(fwd_rows=3, fwd_ahead=1),
                    N.LnLaunch(fwd_rows=4, fwd_ahead=0, fwd_stages=2)):
         check_ln_launch_bytes(launch, D_THIRDS, (5, 0, 19, 1, 16, 17), CPU_FP32, final=False)
@@ -476,6 +490,7 @@ def test_gpu_batch_invariance(target):
 def test_gpu_thirds_keep_vector_bytes(target):
     skip_unless_compiled(target)
     check_thirds_keep_vector_bytes(QD, (300, 0, 77, 1, 16, 17), target)
+    check_gate_column_blocks_keep_bytes(QD, (300, 0, 77, 1, 16, 17), target)
 
 
 @on_gpu_targets

@@ -25,8 +25,9 @@ Arithmetic (FP32 inside, every operation one IEEE rounding in the order written:
   Where the forward holds thirds so does the backward: its two row sums take the thirds tree. Those vectors are
   column sums (each column chained down the rows), so their bytes do not depend on the tile.
 * Gated residual: ``out = x + gate·y``; backward ``dx = dout`` (the same tensor), ``dy = dout·gate``,
-  ``d_gate[s] = Σ_rows dout·y`` (per-sample tree). The backward holds a 3·2^k row in thirds too (no masked
-  lane); no sum crosses lanes there, so the bytes are the one-tile kernel's.
+  ``d_gate[s] = Σ_rows dout·y`` (per-sample tree). No sum crosses columns there, so the backward splits a chunk's
+  columns over programs of ``GATE_BWD_COLS`` lanes (3072 = three full tiles, no masked lane) with the bytes of one
+  program per chunk.
 
 A row's forward bytes depend only on the row and its sample's vectors; the per-sample sums depend only on
 that sample's rows. How the LayerNorm kernels are launched (rows per forward program, read-ahead, register
@@ -53,6 +54,10 @@ from .rope import check_gain, check_stages, num_warps_for, rms_norm_rows, stages
 from .segments import check_seqlens
 
 FWD_ROWS = 4  # rows per gated-residual forward program (row-local math: no effect on bytes)
+# Columns per gated-residual backward program (a power of two). The backward has no sum across columns, so a chunk's
+# columns split over programs give the same bytes as one program per chunk (tested): 3072 columns are three programs
+# of 1024 lanes and 4 warps each, 768 programs at 4096 rows instead of 256.
+GATE_BWD_COLS = 1024
 MAX_WIDTH = 16384
 
 
@@ -468,16 +473,13 @@ def _gate_residual_fwd_kernel(
 def _gate_residual_bwd_kernel(
     dout_ptr, y_ptr, gate_ptr, table_ptr, dy_ptr, part_ptr,
     n_chunks, D, stride_dout, stride_y, stride_gate, stride_dy, stride_part,
-    NEED_DY: tl.constexpr, NEED_VEC: tl.constexpr, BLOCK_D: tl.constexpr, THIRDS: tl.constexpr = False,
+    NEED_DY: tl.constexpr, NEED_VEC: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """One chunk of sample s: dy = dout·gate[s] per row; part[c] = Σ dout·y chained in row order (FP32).
-    THIRDS (D = 3·BLOCK_D): the same per-element arithmetic on three full tiles (:func:`_gate_residual_bwd_thirds`)."""
+    """Columns [j·BLOCK_D, (j+1)·BLOCK_D) (j = program_id(1)) of one chunk of sample s: dy = dout·gate[s] per row;
+    part[c, cols] = Σ dout·y chained in row order (FP32), one row read ahead. No sum crosses columns, so how the
+    columns are split between programs changes no byte (:data:`GATE_BWD_COLS`)."""
     c, r0, r1, s = _program_chunk(table_ptr, n_chunks)
-    if THIRDS:
-        _gate_residual_bwd_thirds(dout_ptr, y_ptr, gate_ptr, dy_ptr, part_ptr, c, r0, r1, s, stride_dout, stride_y,
-                                  stride_gate, stride_dy, stride_part, NEED_DY, NEED_VEC, BLOCK_D)
-        return
-    cols = tl.arange(0, BLOCK_D)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = cols < D
     gate = _sample_vector(gate_ptr, s, stride_gate, cols, mask)
     p = tl.zeros((BLOCK_D,), dtype=tl.float32)
@@ -485,10 +487,9 @@ def _gate_residual_bwd_kernel(
     if not NEED_VEC:  # y is read only for the gate's partials
         ylim = 0
     ymask = cols < ylim
-    row = r0.to(tl.int64)
-    dout = tl.load(dout_ptr + row * stride_dout + cols, mask=mask, other=0.0)
-    y = tl.load(y_ptr + row * stride_y + cols, mask=ymask, other=0.0)
     first = r0.to(tl.int64)
+    dout = tl.load(dout_ptr + first * stride_dout + cols, mask=mask, other=0.0)  # a chunk has >= 1 row
+    y = tl.load(y_ptr + first * stride_y + cols, mask=ymask, other=0.0)
     for i in range(0, r1 - r0):
         row = first + i
         nxt = row + 1
@@ -503,49 +504,6 @@ def _gate_residual_bwd_kernel(
         dout, y = dout_n, y_n
     if NEED_VEC:
         tl.store(part_ptr + c.to(tl.int64) * stride_part + cols, p, mask=mask)
-
-
-@triton.jit
-def _gate_residual_bwd_thirds(dout_ptr, y_ptr, gate_ptr, dy_ptr, part_ptr, c, r0, r1, s, stride_dout, stride_y,
-                              stride_gate, stride_dy, stride_part, NEED_DY: tl.constexpr, NEED_VEC: tl.constexpr,
-                              W: tl.constexpr):
-    """:func:`_gate_residual_bwd_kernel` for D = 3·W, a row as three full W-lane tiles (no masked lane); one row
-    read ahead. Every output element is computed as in the one-tile kernel (no sum crosses lanes): same bytes."""
-    cols = tl.arange(0, W)
-    gp = gate_ptr + s * stride_gate
-    g0 = tl.load(gp + cols).to(tl.float32)
-    g1 = tl.load(gp + W + cols).to(tl.float32)
-    g2 = tl.load(gp + 2 * W + cols).to(tl.float32)
-    p0 = tl.zeros((W,), dtype=tl.float32)
-    p1 = tl.zeros((W,), dtype=tl.float32)
-    p2 = tl.zeros((W,), dtype=tl.float32)
-    first = r0.to(tl.int64)
-    ylim = W
-    if not NEED_VEC:  # y is read only for the gate's partials
-        ylim = 0
-    ok_y = cols < ylim
-    o0, o1, o2 = _load_thirds(dout_ptr + first * stride_dout, cols, W)  # a chunk has >= 1 row
-    y0, y1, y2 = _load_thirds_if(y_ptr + first * stride_y, cols, W, ok_y)
-    for i in range(0, r1 - r0):
-        row = first + i
-        has = (cols * 0 + row + 1) < r1
-        n0, n1, n2 = _load_thirds_if(dout_ptr + (row + 1) * stride_dout, cols, W, has)
-        m0, m1, m2 = _load_thirds_if(y_ptr + (row + 1) * stride_y, cols, W, has & ok_y)
-        f0, f1, f2 = o0.to(tl.float32), o1.to(tl.float32), o2.to(tl.float32)
-        if NEED_DY:
-            out = dy_ptr + row * stride_dy
-            dt = dy_ptr.dtype.element_ty
-            tl.store(out + cols, (f0 * g0).to(dt))
-            tl.store(out + W + cols, (f1 * g1).to(dt))
-            tl.store(out + 2 * W + cols, (f2 * g2).to(dt))
-        if NEED_VEC:
-            p0, p1, p2 = p0 + f0 * y0.to(tl.float32), p1 + f1 * y1.to(tl.float32), p2 + f2 * y2.to(tl.float32)
-        o0, o1, o2, y0, y1, y2 = n0, n1, n2, m0, m1, m2
-    if NEED_VEC:
-        base = part_ptr + c.to(tl.int64) * stride_part
-        tl.store(base + cols, p0)
-        tl.store(base + W + cols, p1)
-        tl.store(base + 2 * W + cols, p2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -698,21 +656,20 @@ def gate_residual_fwd(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, seql
 
 
 def gate_residual_bwd(dout: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, seqlens: tuple[int, ...], need_dy: bool,
-                      need_gate: bool, thirds: bool | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Returns (dy (M, D) | None, d_gate (B, D) | None) in y's dtype. ``thirds`` (None: :func:`ln_thirds`): a row
-    as three full tiles instead of one padded tile, a launch choice only (every element's arithmetic is the same)."""
+                      need_gate: bool, cols: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Returns (dy (M, D) | None, d_gate (B, D) | None) in y's dtype. ``cols`` (None: :data:`GATE_BWD_COLS`, a power
+    of two): columns a program, ``min(pow2(D), cols)``; a launch choice only (every element's arithmetic is the same)."""
     m, d = y.shape
-    thirds = ln_thirds(d) if thirds is None else thirds and ln_thirds(d)
+    block = min(triton.next_power_of_2(d), cols or GATE_BWD_COLS)
     dy = torch.empty_like(y) if need_dy else None
     ch = seg.chunks(seqlens, y.device)
     part = torch.empty((ch.n, d), dtype=torch.float32, device=y.device) if need_gate else None
     if m and (need_dy or need_gate):
-        block = d // 3 if thirds else triton.next_power_of_2(d)
-        _gate_residual_bwd_kernel[(ch.n,)](
+        _gate_residual_bwd_kernel[(ch.n, triton.cdiv(d, block))](
             dout, y, gate, ch.table, dy if need_dy else dout, part if need_gate else dout,
             ch.n, d, dout.stride(0), y.stride(0), _stride0(gate), y.stride(0), d,
-            NEED_DY=need_dy, NEED_VEC=need_gate, BLOCK_D=block, THIRDS=thirds,
-            **launch_opts(num_warps_for(triton.next_power_of_2(d)), _interpreting()),
+            NEED_DY=need_dy, NEED_VEC=need_gate, BLOCK_D=block,
+            **launch_opts(num_warps_for(block), _interpreting()),
         )
     dgate = seg.per_sample_sums(part, ch, y.dtype, _interpreting()) if need_gate else None
     return dy, dgate
