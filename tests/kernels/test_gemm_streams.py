@@ -20,11 +20,11 @@ def test_text_stream_tiles_keep_the_image_k_step_and_differ_only_where_listed() 
         image = C.FWD[(n, k, dt)]
         assert cfg.BLOCK_K == image.BLOCK_K, f"({n}, {k}) text tile changes the K step: {cfg} vs {image}"
         assert cfg != image
-    assert sorted((n, k) for n, k, _ in C.FWD_TEXT) == sorted(_TEXT_CLASSES)
+    assert sorted(C.FWD_TEXT) == sorted((n, k, dt) for n, k in _TEXT_CLASSES for dt in ("bf16", "fp32"))
     for n, k in _TEXT_CLASSES:
-        assert C.fwd_config(n, k, torch.bfloat16, "text") == C.FWD_TEXT[(n, k, "bf16")]
-        assert C.fwd_config(n, k, torch.bfloat16, "image") == C.FWD[(n, k, "bf16")]
-        assert C.fwd_config(n, k, torch.float32, "text") == C.fwd_config(n, k, torch.float32, "image")
+        for dtype, dt in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+            assert C.fwd_config(n, k, dtype, "text") == C.FWD_TEXT[(n, k, dt)]
+            assert C.fwd_config(n, k, dtype, "image") == C.FWD[(n, k, dt)]
     # classes without a text entry (mlp_up, the modulation projections) take the image table in both streams
     for n, k in [(12288, 3072), (18432, 3072), (6144, 3072)]:
         assert C.fwd_config(n, k, torch.bfloat16, "text") == C.fwd_config(n, k, torch.bfloat16)
@@ -110,3 +110,35 @@ def test_gpu_text_tiles_give_the_image_tiles_bytes(n: int, k: int) -> None:
         want = G.gemm_fwd(x, w, b, config=image)[0]
         got = G.gemm_fwd(x, w, b, config=text)[0]
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"({n}, {k}) M={m}: text tile moved bytes"
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_text_tiles_give_the_big_tiles_bytes() -> None:
+    """fp32 on the H200: the text tile (32 x 64) of the text stream's classes and of txt_in's forward (3072, 3584)
+    and dX (3584, 3072) gives the bytes of the 64 x 128 tile they ran before (the same 32-wide K step), at
+    prompt-sized (and for txt_in image-sized) row counts."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from mmdit_strict.kernels.triton import gemm as G
+
+    assert C.fwd_config(3072, 3584, torch.float32) == C.fwd_config(3584, 3072, torch.float32) == C._TEXT_FP32
+    g = torch.Generator(device="cuda").manual_seed(11)
+    for n, k in _TEXT_CLASSES:  # the text stream's fp32 classes against the image tile
+        w = torch.randn(n, k, device="cuda", generator=g) * k**-0.5
+        for m in (1, 77, 256, 300):
+            x = torch.randn(m, k, device="cuda", generator=g)
+            want = G.gemm_fwd(x, w, None, config=C.fwd_config(n, k, torch.float32, "image"))[0]
+            got = G.gemm_fwd(x, w, None, config=C.fwd_config(n, k, torch.float32, "text"))[0]
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), f"({n}, {k}) fp32 M={m}: text tile moved bytes"
+    w = torch.randn(3072, 3584, device="cuda", generator=g) * 3584**-0.5
+    b = torch.randn(3072, device="cuda", generator=g)
+    for m in (1, 77, 256, 300, 4224):
+        x = torch.randn(m, 3584, device="cuda", generator=g)
+        want = G.gemm_fwd(x, w, b, config=C._BIG_FP32)[0]
+        got = G.gemm_fwd(x, w, b)[0]
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), f"txt_in fp32 fwd M={m}: the tile moved bytes"
+        dz = torch.randn(m, 3072, device="cuda", generator=g)
+        needs = (True, False, False, False, False)
+        want = G.gemm_bwd(dz, x, w, seqlens=(m,), needs=needs, dx_config=C._BIG_FP32)[0]
+        got = G.gemm_bwd(dz, x, w, seqlens=(m,), needs=needs)[0]
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), f"txt_in fp32 dX M={m}: the tile moved bytes"

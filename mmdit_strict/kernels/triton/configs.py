@@ -161,6 +161,14 @@ _MOD_DX_FP32 = FwdConfig(16, 32, 64, 4, 4)
 _THIN_N_FP32 = FwdConfig(64, 64, 32, 4, 3)
 _FP32_OF = {_MOD_BF16: _MOD_FP32, _FINAL_MOD_BF16: _MOD_FP32, _THIN_N_BF16: _THIN_N_FP32, _MOD_DX_BF16: _MOD_DX_FP32}
 _FWD.update({(_n, _k, _FP32): _FP32_OF.get(_cfg, _BIG_FP32) for (_n, _k, _d), _cfg in list(_FWD.items())})
+# FP32 products of text rows (128-512 a call): the 64x128 tile left 96-112 programs on 132 SMs. A 32x64 tile with
+# the same 32-wide K step gives each output element the same accumulator chain (bytes equal to the 64x128 tile's in
+# every case below, and in the GPU test). H200, 256 rows (benchmarks/gemv_probe, experiments/gemm/gemv_probe_45482cd):
+# txt_in forward (3072, 3584) 0.302 -> 0.165 ms (cuBLAS FP32, TF32 off: 0.203), its dX (3584, 3072) 0.257 -> 0.180;
+# the text stream's q/k/v and attn_out (3072, 3072) 0.257 -> 0.138, txt_mlp down (3072, 12288) 1.015 -> 0.541.
+_TEXT_FP32 = FwdConfig(32, 64, 32, 4, 3)
+_FWD[(3072, 3584, _FP32)] = _TEXT_FP32
+_FWD[(3584, 3072, _FP32)] = _TEXT_FP32
 # The forward reads W (N, K) in place instead of a prepacked Wᵀ copy (H200 at bb1b941,
 # experiments/gemm/h200_layouts_bb1b941.md; bytes equal to the copy's in every class): q/k/v 0.998×,
 # attn_out 1.004×, mlp_up 1.029×, mlp_down 1.012×, txt_in 0.999× the copy's speed; the modulation
@@ -186,6 +194,8 @@ FWD: Mapping[tuple[int, int, str], FwdConfig] = MappingProxyType(_FWD)
 FWD_TEXT: Mapping[tuple[int, int, str], FwdConfig] = MappingProxyType({
     (3072, 3072, _BF16): _TEXT_BF16,   # q, k, v (added projections), to_add_out
     (3072, 12288, _BF16): _TEXT_BF16,  # txt_mlp down
+    (3072, 3072, _FP32): _TEXT_FP32,
+    (3072, 12288, _FP32): _TEXT_FP32,
 })
 
 _DW_BF16 = DwConfig(128, 128, 64, 8, 3)
