@@ -644,14 +644,16 @@ def qk_norm_fwd(x: torch.Tensor, gain: torch.Tensor, cos: torch.Tensor | None, s
 
 def qk_norm_bwd(dy: torch.Tensor, x: torch.Tensor, gain: torch.Tensor, rstd: torch.Tensor, cos: torch.Tensor | None,
                 sin: torch.Tensor | None, seqlens: tuple[int, ...], need_gain: bool,
-                layout: str | None = None, launch: QkBwdLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                layout: str | None = None, launch: QkBwdLaunch | None = None,
+                chunk_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns (dx (M, H, d), d_gain (d,) | None) in x's dtype. ``layout`` defaults to the one in force
-    (:func:`qk_layout`), ``launch`` (contiguous layout only) to :func:`qk_bwd_launch`'s."""
+    (:func:`qk_layout`), ``launch`` (contiguous layout only) to :func:`qk_bwd_launch`'s. ``chunk_rows`` (None:
+    segments.CHUNK_ROWS) is the d_gain tree's chunk length (another length, other d_gain bytes: probes only)."""
     m, h, d = x.shape
     layout = layout or _LAYOUT.current()
     launch = launch or current_qk_bwd_launch(x.dtype, h)
     dx = torch.empty_like(x)
-    ch = seg.chunks(seqlens, x.device)
+    ch = seg.chunks(seqlens, x.device, chunk_rows or seg.CHUNK_ROWS)
     part = torch.empty((ch.n, d), dtype=torch.float32, device=x.device) if need_gain else None
     rope = cos is not None
     if m and layout == "contiguous":
