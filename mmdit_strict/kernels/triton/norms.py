@@ -748,7 +748,7 @@ _LN = ("row: tl.sum over D (fixed for the compiled kernel; warps from D only), d
        "forward and backward hold the three 2^k-lane thirds, each row sum adding them lane by lane ((t0 + t1) + t2), "
        "then tl.sum over one third")
 _CONFIG = {"ln_launch": {str(dt).replace("torch.", ""): launch.label() for dt, launch in LN_DEFAULTS.items()},
-           "gate_fwd_rows_per_program": FWD_ROWS, "chunk_rows": seg.CHUNK_ROWS, "fold_tile": seg.FOLD_TILE,
+           "gate_fwd_rows_per_program": FWD_ROWS, "gate_bwd_columns_per_program": GATE_BWD_COLS, "chunk_rows": seg.CHUNK_ROWS, "fold_tile": seg.FOLD_TILE,
            "warps": "4 if pow2(D) <= 1024, 8 if <= 4096, else 16", "fp_fusion": False}
 _SOURCE = sys.modules[__name__]
 _DT = frozenset(_DTYPES)
