@@ -8,8 +8,11 @@ the bf16 LayerNorm backward. This times, CUDA-graph replay:
   4096 and 6889 rows (256 and 431 chunks): the product launch, its tile loop pipelined deeper
   (``_FOLD_STAGES``: same layout, same tree, so the bytes must be equal), and other column blocks and warps
   (another layout, so possibly another tree: bytes reported, not required). At aaa56a1, where this ran, the
-  product took 64 columns; since 1d3c130 it takes 16;
-* the bf16 LayerNorm and gated-residual backwards end to end with each ``_FOLD_STAGES``.
+  product took 64 columns; since 1d3c130 it takes 16.
+
+At aaa56a1 the probe also timed the bf16 LayerNorm and gated-residual backwards end to end with each stage count
+(by switching the module's constant); they timed equal (``experiments/norms/aaa56a1_fold``), so that part is gone
+and the fold's launch takes its block, warps and stages as arguments instead.
 
 GPU only:  python -m benchmarks.fold_probe OUT.json
 """
@@ -35,14 +38,11 @@ def _fold(part: torch.Tensor, seg: torch.Tensor, block_n: int, warps: int, stage
     from mmdit_strict.kernels.triton import segments as S
 
     out = torch.empty((1, part.shape[1]), dtype=torch.float32, device=part.device)
-    S._segment_fold_kernel[(triton.cdiv(part.shape[1], block_n), 1)](
-        part, seg, out, part.shape[1], part.stride(0), out.stride(0), CHAIN=False, BLOCK_C=S.FOLD_TILE,
-        BLOCK_N=block_n, num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+    S._launch_fold(part, seg, 1, out, chain=False, interpreting=False, block_n=block_n, warps=warps, stages=stages)
     return out
 
 
 def main(out: str) -> None:
-    from mmdit_strict.kernels.triton import norms as N
     from mmdit_strict.kernels.triton import segments as S
 
     rows_out = []
@@ -64,27 +64,6 @@ def main(out: str) -> None:
                                  "read_fraction_of_copy": part.numel() * 4 / (ms * 1e-3) / 1e9 / copy,
                                  "bytes_equal_product": _same_bytes([got], [want])})
                 print(rows_out[-1], flush=True)
-    dt = torch.bfloat16
-    for m in (4096, 6889):
-        x, dy, y = (torch.randn(m, D, device="cuda", dtype=dt) for _ in range(3))
-        sc, gate = (0.5 * torch.randn(1, D, device="cuda", dtype=dt) for _ in range(2))
-        _, mean, rstd = N.adaln_modulation_fwd(x, torch.zeros_like(sc), sc, (m,), 1e-6, True)
-        copy = copy_reference(3 * m * D * 2).best
-        base = {}
-        for stages in STAGES:
-            S._FOLD_STAGES = stages
-            try:
-                for label, fn in (("adaln_modulation bwd", lambda: N.adaln_modulation_bwd(dy, x, sc, mean, rstd, (m,), True)),
-                                  ("adaln_gate_residual bwd", lambda: N.gate_residual_bwd(dy, y, gate, (m,), True, True))):
-                    got = [t for t in fn() if t is not None]
-                    ms = graph_ms(fn, rep=40)
-                    base.setdefault(label, got)
-                    rows_out.append({"kernel": f"{label} bf16, fold stages {stages}", "rows": m, "ms": ms,
-                                     "fraction": 3 * m * D * 2 / (ms * 1e-3) / 1e9 / copy,
-                                     "bytes_equal_stages_2": _same_bytes(got, base[label])})
-                    print(rows_out[-1], flush=True)
-            finally:
-                S._FOLD_STAGES = 2
     dump(out, rows_out)
 
 

@@ -146,14 +146,17 @@ def _segment_fold_kernel(
     tl.store(out_ptr + g.to(tl.int64) * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
-def _launch_fold(part: torch.Tensor, seg: torch.Tensor, groups: int, out: torch.Tensor, chain: bool, interpreting: bool) -> None:
+def _launch_fold(part: torch.Tensor, seg: torch.Tensor, groups: int, out: torch.Tensor, chain: bool, interpreting: bool,
+                 *, block_n: int = _FOLD_BLOCK_N, warps: int = 4, stages: int = _FOLD_STAGES) -> None:
+    """The fold of ``part``'s rows ``seg[g]:seg[g+1]`` into ``out[g]`` for each of ``groups``. ``block_n`` and
+    ``warps`` fix the tile's layout (its tl.sum tree); the product takes the defaults, benchmarks pass others."""
     n = part.shape[1]
     if groups == 0 or n == 0:
         return
-    opts = {} if interpreting else {"num_warps": 4, "num_stages": _FOLD_STAGES, "enable_fp_fusion": False}
-    _segment_fold_kernel[(triton.cdiv(n, _FOLD_BLOCK_N), groups)](
+    opts = {} if interpreting else {"num_warps": warps, "num_stages": stages, "enable_fp_fusion": False}
+    _segment_fold_kernel[(triton.cdiv(n, block_n), groups)](
         part, seg, out, n, part.stride(0), out.stride(0),
-        CHAIN=chain, BLOCK_C=FOLD_TILE, BLOCK_N=_FOLD_BLOCK_N, **opts,
+        CHAIN=chain, BLOCK_C=FOLD_TILE, BLOCK_N=block_n, **opts,
     )
 
 
