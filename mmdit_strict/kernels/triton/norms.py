@@ -656,13 +656,16 @@ def gate_residual_fwd(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, seql
 
 
 def gate_residual_bwd(dout: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, seqlens: tuple[int, ...], need_dy: bool,
-                      need_gate: bool, cols: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                      need_gate: bool, cols: int | None = None,
+                      chunk_rows: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Returns (dy (M, D) | None, d_gate (B, D) | None) in y's dtype. ``cols`` (None: :data:`GATE_BWD_COLS`, a power
-    of two): columns a program, ``min(pow2(D), cols)``; a launch choice only (every element's arithmetic is the same)."""
+    of two): columns a program, ``min(pow2(D), cols)``; a launch choice only (every element's arithmetic is the same).
+    ``chunk_rows`` (None: segments.CHUNK_ROWS) is the d_gate tree's chunk length (another length, other d_gate
+    bytes: probes only)."""
     m, d = y.shape
     block = min(triton.next_power_of_2(d), cols or GATE_BWD_COLS)
     dy = torch.empty_like(y) if need_dy else None
-    ch = seg.chunks(seqlens, y.device)
+    ch = seg.chunks(seqlens, y.device, chunk_rows or seg.CHUNK_ROWS)
     part = torch.empty((ch.n, d), dtype=torch.float32, device=y.device) if need_gate else None
     if m and (need_dy or need_gate):
         _gate_residual_bwd_kernel[(ch.n, triton.cdiv(d, block))](
