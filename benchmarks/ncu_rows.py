@@ -6,7 +6,8 @@
 
 Every kernel runs once untimed first (compile, autotune-free warm-up), then once more between
 ``cudaProfilerStart`` / ``cudaProfilerStop``, so ncu (``--profile-from-start off``) records exactly one
-launch of each: the LayerNorm-modulation forward and backward (``ROWS`` × 3072, one sample), the fused QK
+launch of each: the LayerNorm-modulation forward and backward (with and without d_scale / d_shift) and the
+gated-residual backward (``ROWS`` × 3072, one sample), the fused QK
 norm + RoPE forward and backward (``ROWS`` × 24 heads × 128), and the SM copy kernel moving the LayerNorm
 forward's bytes (read ``ROWS`` × 3072, write as many). The question it answers: where the row kernels'
 time goes when they reach 0.55-0.7 of the copy's bandwidth (DRAM throughput, occupancy, stall reasons).
@@ -38,6 +39,8 @@ def main(rows: int = 4096) -> None:
         ("sm copy of the LN forward's bytes", lambda: sm_copy(x, dst)),
         ("adaln_modulation fwd", lambda: N.adaln_modulation_fwd(x, sh, sc, (rows,), 1e-6, False)),
         ("adaln_modulation bwd", lambda: N.adaln_modulation_bwd(gy, x, sc, mean, rstd, (rows,), True)),
+        ("adaln_modulation bwd, dx only", lambda: N.adaln_modulation_bwd(gy, x, sc, mean, rstd, (rows,), False)),
+        ("adaln_gate_residual bwd", lambda: N.gate_residual_bwd(gy, x, sc, (rows,), True, True)),
         ("qk_rmsnorm_rope fwd", lambda: R.qk_norm_fwd(q, gain, c, s, 1e-6, store_rstd=False)),
         ("qk_rmsnorm_rope bwd", lambda: R.qk_norm_bwd(gq, q, gain, rs, c, s, (rows,), True)),
     )
