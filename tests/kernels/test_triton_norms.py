@@ -13,7 +13,7 @@ import pytest
 import triton
 import torch
 
-from tests.kernels.triton_rows import GPU_TARGETS, N, S, interp, on_gpu_targets, skip_unless_compiled  # noqa: I001  (interpreter mode: tests/conftest.py)
+from tests.kernels.triton_rows import GPU_TARGETS, N, R, S, interp, on_gpu_targets, skip_unless_compiled  # noqa: I001  (interpreter mode: tests/conftest.py)
 
 from mmdit_strict.bench.norms import row_tolerance  # noqa: E402
 from mmdit_strict.kernels import production as P  # noqa: E402
@@ -538,3 +538,37 @@ def test_gpu_ln_launch_bytes_equal_reference(target, launch):
     with N.ln_launch(launch):
         check_row_invariance(_with_grads(_mod, 3), modulation_item(QD, 1, 40), (2, 3, 8), target=target,
                              what=f"triton adaln_modulation [{launch.label()}] fwd+bwd {target.label}")
+
+
+@interp
+def test_probe_chunk_lengths_interpreter():
+    """The probes' chunk-length argument of the gated-residual and QK-norm backwards: dy / dx keep their bytes
+    (row-local), the per-sample vector stays within the tolerance contract of FP64 at another chunk length,
+    None is the product's CHUNK_ROWS, and nonsense is refused."""
+    gen = generator(23)
+    seq = (5, 0, 37, 1)
+    m, b = sum(seq), len(seq)
+    dout, yy = randn(m, D, gen=gen), randn(m, D, gen=gen)
+    gate = _vec(b, D, gen, CPU_FP32)
+    dy16, dg16 = N.gate_residual_bwd(dout, yy, gate, seq, True, True)
+    assert_bytes_equal(N.gate_residual_bwd(dout, yy, gate, seq, True, True, chunk_rows=S.CHUNK_ROWS)[1], dg16,
+                       "d_gate with chunk_rows = CHUNK_ROWS vs the default")
+    want = torch.stack([(dout.double() * yy.double())[sum(seq[:i]):sum(seq[:i + 1])].sum(0) for i in range(b)])
+    for ch in (4, 32):
+        dy, dg = N.gate_residual_bwd(dout, yy, gate, seq, True, True, chunk_rows=ch)
+        assert_bytes_equal(dy, dy16, f"gate dy with {ch}-row chunks")
+        ok, abs_err, rel_err = row_tolerance("adaln_gate_residual_grad", torch.float32, want).check(dg, want)
+        assert ok, f"d_gate with {ch}-row chunks: max abs error {abs_err}, max rel error {rel_err}"
+    x, dq = randn(m, 2, 8, gen=gen), randn(m, 2, 8, gen=gen)
+    gain = 1 + randn(8, gen=gen, scale=0.1)
+    _, rstd = R.qk_norm_fwd(x, gain, None, None, EPS, True)
+    dx16, _ = R.qk_norm_bwd(dq, x, gain, rstd, None, None, seq, True)
+    for ch in (4, 32):
+        assert_bytes_equal(R.qk_norm_bwd(dq, x, gain, rstd, None, None, seq, True, chunk_rows=ch)[0], dx16,
+                           f"QK-norm dx with {ch}-token chunks")
+    with pytest.raises(ValueError, match="power of two"):
+        N.gate_residual_bwd(dout, yy, gate, seq, True, True, cols=24)
+    with pytest.raises(ValueError, match="chunk_rows"):
+        N.gate_residual_bwd(dout, yy, gate, seq, True, True, chunk_rows=0)
+    with pytest.raises(ValueError, match="chunk_rows"):
+        R.qk_norm_bwd(dq, x, gain, rstd, None, None, seq, True, chunk_rows=0)

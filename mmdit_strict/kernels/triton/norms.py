@@ -662,6 +662,10 @@ def gate_residual_bwd(dout: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, s
     of two): columns a program, ``min(pow2(D), cols)``; a launch choice only (every element's arithmetic is the same).
     ``chunk_rows`` (None: segments.CHUNK_ROWS) is the d_gate tree's chunk length (another length, other d_gate
     bytes: probes only)."""
+    if cols is not None and (cols < 1 or cols & (cols - 1)):
+        raise ValueError(f"gate_residual_bwd: cols must be a power of two, got {cols}")
+    if chunk_rows is not None and chunk_rows < 1:
+        raise ValueError(f"gate_residual_bwd: chunk_rows must be >= 1, got {chunk_rows}")
     m, d = y.shape
     block = min(triton.next_power_of_2(d), cols or GATE_BWD_COLS)
     dy = torch.empty_like(y) if need_dy else None
@@ -751,7 +755,8 @@ _LN = ("row: tl.sum over D (fixed for the compiled kernel; warps from D only), d
        "forward and backward hold the three 2^k-lane thirds, each row sum adding them lane by lane ((t0 + t1) + t2), "
        "then tl.sum over one third")
 _CONFIG = {"ln_launch": {str(dt).replace("torch.", ""): launch.label() for dt, launch in LN_DEFAULTS.items()},
-           "gate_fwd_rows_per_program": FWD_ROWS, "gate_bwd_columns_per_program": GATE_BWD_COLS, "chunk_rows": seg.CHUNK_ROWS, "fold_tile": seg.FOLD_TILE,
+           "gate_fwd_rows_per_program": FWD_ROWS, "gate_bwd_columns_per_program": GATE_BWD_COLS,
+           "chunk_rows": seg.CHUNK_ROWS, "fold_tile": seg.FOLD_TILE,
            "warps": "4 if pow2(D) <= 1024, 8 if <= 4096, else 16", "fp_fusion": False}
 _SOURCE = sys.modules[__name__]
 _DT = frozenset(_DTYPES)

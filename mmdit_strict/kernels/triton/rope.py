@@ -649,6 +649,8 @@ def qk_norm_bwd(dy: torch.Tensor, x: torch.Tensor, gain: torch.Tensor, rstd: tor
     """Returns (dx (M, H, d), d_gain (d,) | None) in x's dtype. ``layout`` defaults to the one in force
     (:func:`qk_layout`), ``launch`` (contiguous layout only) to :func:`qk_bwd_launch`'s. ``chunk_rows`` (None:
     segments.CHUNK_ROWS) is the d_gain tree's chunk length (another length, other d_gain bytes: probes only)."""
+    if chunk_rows is not None and chunk_rows < 1:
+        raise ValueError(f"qk_norm_bwd: chunk_rows must be >= 1, got {chunk_rows}")
     m, h, d = x.shape
     layout = layout or _LAYOUT.current()
     launch = launch or current_qk_bwd_launch(x.dtype, h)
