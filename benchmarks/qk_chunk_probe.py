@@ -29,7 +29,7 @@ from .copy_probe import dump
 H, D = 24, 128
 
 
-def _fp64_dgain(dy, x, rstd_unused, gain, cos, sin):
+def _fp64_dgain(dy, x, cos, sin):
     """d_gain in FP64: Σ over tokens and heads of (rotated-back dy)·x̂."""
     xd = x.double()
     xh = xd * torch.rsqrt((xd * xd).mean(-1, keepdim=True) + 1e-6)
@@ -57,7 +57,7 @@ def main(out: str) -> None:
                 cs = (cos, sin) if fused else (None, None)
                 nb = 3 * m * H * D * es + (2 * m * (D // 2) * 4 if fused else 0)
                 copy = copy_reference(nb).best
-                want = _fp64_dgain(dy, x, rstd, gain, *cs)
+                want = _fp64_dgain(dy, x, *cs)
                 ref_dx = None
                 for ch in (16, 8, 4, 2):
                     fn = lambda: R.qk_norm_bwd(dy, x, gain, rstd, *cs, (m,), True, chunk_rows=ch)  # noqa: E731
