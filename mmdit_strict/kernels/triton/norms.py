@@ -264,6 +264,14 @@ def _load_thirds_if(ptr, cols, W: tl.constexpr, ok):
 
 
 @triton.jit
+def _store_thirds(ptr, cols, W: tl.constexpr, t0, t1, t2):
+    """Store three W-lane tiles as one row (the counterpart of :func:`_load_thirds`)."""
+    tl.store(ptr + cols, t0)
+    tl.store(ptr + W + cols, t1)
+    tl.store(ptr + 2 * W + cols, t2)
+
+
+@triton.jit
 def _adaln_mod_fwd_thirds_row(x_ptr, shift_ptr, scale_ptr, y_ptr, mean_ptr, rstd_ptr, table_ptr, n_chunks, d_float, eps,
                               stride_x, stride_y, stride_shift, stride_scale, STORE_STATS: tl.constexpr, W: tl.constexpr):
     """:func:`_adaln_mod_fwd_thirds` for one-row chunks (launch fwd_rows 1, no read-ahead, no stages): chunk c is
@@ -279,11 +287,11 @@ def _adaln_mod_fwd_thirds_row(x_ptr, shift_ptr, scale_ptr, y_ptr, mean_ptr, rstd
     sh = shift_ptr + s * stride_shift
     out = y_ptr + row * stride_y
     dt = y_ptr.dtype.element_ty
-    tl.store(out + cols, (h0 * (1.0 + tl.load(sc + cols).to(tl.float32)) + tl.load(sh + cols).to(tl.float32)).to(dt))
-    tl.store(out + W + cols, (h1 * (1.0 + tl.load(sc + W + cols).to(tl.float32))
-                              + tl.load(sh + W + cols).to(tl.float32)).to(dt))
-    tl.store(out + 2 * W + cols, (h2 * (1.0 + tl.load(sc + 2 * W + cols).to(tl.float32))
-                                  + tl.load(sh + 2 * W + cols).to(tl.float32)).to(dt))
+    _store_thirds(out, cols, W,
+                  (h0 * (1.0 + tl.load(sc + cols).to(tl.float32)) + tl.load(sh + cols).to(tl.float32)).to(dt),
+                  (h1 * (1.0 + tl.load(sc + W + cols).to(tl.float32)) + tl.load(sh + W + cols).to(tl.float32)).to(dt),
+                  (h2 * (1.0 + tl.load(sc + 2 * W + cols).to(tl.float32))
+                   + tl.load(sh + 2 * W + cols).to(tl.float32)).to(dt))
     if STORE_STATS:
         tl.store(mean_ptr + row, mean)
         tl.store(rstd_ptr + row, rstd)
@@ -315,9 +323,7 @@ def _adaln_mod_fwd_thirds(x_ptr, shift_ptr, scale_ptr, y_ptr, mean_ptr, rstd_ptr
         mean, rstd, h0, h1, h2 = _layer_norm_thirds(x0.to(tl.float32), x1.to(tl.float32), x2.to(tl.float32), d_float, eps)
         out = y_ptr + row * stride_y
         dt = y_ptr.dtype.element_ty
-        tl.store(out + cols, (h0 * a0 + b0).to(dt))
-        tl.store(out + W + cols, (h1 * a1 + b1).to(dt))
-        tl.store(out + 2 * W + cols, (h2 * a2 + b2).to(dt))
+        _store_thirds(out, cols, W, (h0 * a0 + b0).to(dt), (h1 * a1 + b1).to(dt), (h2 * a2 + b2).to(dt))
         if STORE_STATS:
             tl.store(mean_ptr + row, mean)
             tl.store(rstd_ptr + row, rstd)
@@ -432,9 +438,8 @@ def _adaln_mod_bwd_thirds(x_ptr, scale_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, 
         c2 = tl.div_rn(tl.sum((g0 + g1) + g2, axis=0), d_float)
         out = dx_ptr + row * stride_dx
         dt = dx_ptr.dtype.element_ty
-        tl.store(out + cols, (((g0 - c2) - h0 * c1) * rstd).to(dt))
-        tl.store(out + W + cols, (((g1 - c2) - h1 * c1) * rstd).to(dt))
-        tl.store(out + 2 * W + cols, (((g2 - c2) - h2 * c1) * rstd).to(dt))
+        _store_thirds(out, cols, W, (((g0 - c2) - h0 * c1) * rstd).to(dt), (((g1 - c2) - h1 * c1) * rstd).to(dt),
+                      (((g2 - c2) - h2 * c1) * rstd).to(dt))
         if NEED_VEC:
             ps0, ps1, ps2 = ps0 + e0 * h0, ps1 + e1 * h1, ps2 + e2 * h2
             pb0, pb1, pb2 = pb0 + e0, pb1 + e1, pb2 + e2
@@ -442,12 +447,8 @@ def _adaln_mod_bwd_thirds(x_ptr, scale_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, 
             xc0, xc1, xc2, dc0, dc1, dc2, mean_c, rstd_c = xn0, xn1, xn2, dn0, dn1, dn2, mean_n, rstd_n
     if NEED_VEC:
         base = part_ptr + c.to(tl.int64) * stride_part
-        tl.store(base + cols, ps0)
-        tl.store(base + W + cols, ps1)
-        tl.store(base + 2 * W + cols, ps2)
-        tl.store(base + D + cols, pb0)
-        tl.store(base + D + W + cols, pb1)
-        tl.store(base + D + 2 * W + cols, pb2)
+        _store_thirds(base, cols, W, ps0, ps1, ps2)
+        _store_thirds(base + D, cols, W, pb0, pb1, pb2)
 
 
 @triton.jit
