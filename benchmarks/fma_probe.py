@@ -7,8 +7,8 @@ cycle), so fewer floating-point instructions might be what they lack. This probe
 and times both builds, kernels alone, CUDA-graph replay, B = 1, against the copy reference of the same bytes. If
 contraction everywhere does not lift a kernel to 0.8 of the copy, no hand-placed ``tl.fma`` will.
 
-Also timed: the LayerNorm backward without its per-sample vectors (dx only), the ceiling of that kernel under the
-fixed per-sample tree (the partials and their fold come on top of it).
+Also timed: the LayerNorm and QK-norm backwards without their per-sample vectors (dx only), the ceiling of those
+kernels under the fixed per-sample tree (the chunk partials and their fold come on top of it).
 
 GPU only:  python -m benchmarks.fma_probe OUT.json
 """
@@ -64,6 +64,7 @@ def _cases(m: int, dt: torch.dtype) -> list[tuple[str, int, Callable[[], object]
     ang = torch.rand(m, HD // 2, device="cuda", generator=g) * 6.0
     cos, sin = torch.cos(ang), torch.sin(ang)
     _, qr = R.qk_norm_fwd(q, gain, cos, sin, 1e-6, store_rstd=True)
+    _, qn = R.qk_norm_fwd(q, gain, None, None, 1e-6, store_rstd=True)
     row = m * D * es
     return [
         ("LayerNorm fwd", 2 * row, lambda: N.adaln_modulation_fwd(x, shift, scale, seq, 1e-6, store_stats=False)[0]),
@@ -72,6 +73,9 @@ def _cases(m: int, dt: torch.dtype) -> list[tuple[str, int, Callable[[], object]
         ("gated residual bwd", 3 * row, lambda: N.gate_residual_bwd(dy, x, gate, seq, need_dy=True, need_gate=True)),
         ("fused QK norm + RoPE fwd", 2 * row, lambda: R.qk_norm_fwd(q, gain, cos, sin, 1e-6, store_rstd=False)[0]),
         ("fused QK norm + RoPE bwd", 3 * row, lambda: R.qk_norm_bwd(gq, q, gain, qr, cos, sin, seq, True)),
+        ("fused QK norm + RoPE bwd, dx only", 3 * row, lambda: R.qk_norm_bwd(gq, q, gain, qr, cos, sin, seq, False)[0]),
+        ("QK norm bwd", 3 * row, lambda: R.qk_norm_bwd(gq, q, gain, qn, None, None, seq, True)),
+        ("QK norm bwd, dx only", 3 * row, lambda: R.qk_norm_bwd(gq, q, gain, qn, None, None, seq, False)[0]),
     ]
 
 
