@@ -13,7 +13,7 @@ import pytest
 import triton
 import torch
 
-from tests.kernels.triton_rows import GPU_TARGETS, N, R, S, interp, on_gpu_targets, skip_unless_compiled  # noqa: I001  (interpreter mode: tests/conftest.py)
+from tests.kernels.triton_rows import GPU_TARGETS, INTERPRET, N, R, S, interp, on_gpu_targets, skip_unless_compiled  # noqa: I001  (interpreter mode: tests/conftest.py)
 
 from mmdit_strict.bench.norms import row_tolerance  # noqa: E402
 from mmdit_strict.kernels import production as P  # noqa: E402
@@ -259,33 +259,49 @@ def test_token_sweep_interpreter():
     check_sweep(D, CPU_FP32, (1, 7, 15, 16, 17, 33))
 
 
-@interp
-def test_fold_tree_depends_only_on_the_sample_interpreter():
-    """Level 2/3 of the segments tree: a sample of more than CHUNK_ROWS·FOLD_TILE rows (two fold tiles)
-    gets the same per-sample sum, and the gain-style total the same left fold, whatever its neighbours."""
-    big = S.CHUNK_ROWS * S.FOLD_TILE + 37
-    lens = (big, 5, 0, 40)
+def two_launch_total(part: torch.Tensor, ch, dtype: torch.dtype) -> torch.Tensor:
+    """Levels 2 and 3 as two launches: the per-sample FP32 sums written out, then the level-3 chain over them
+    (what ``total_sum`` did before it kept the per-sample sums in registers)."""
+    per = S.per_sample_sums(part, ch, torch.float32, INTERPRET)
+    out = torch.empty((1, part.shape[1]), dtype=dtype, device=part.device)
+    seg = torch.tensor([0, ch.samples], dtype=torch.int32, device=part.device)
+    S._launch_fold(per, seg, 1, out, chain=S.CHAIN, interpreting=INTERPRET)
+    return out.reshape(-1)
+
+
+def check_fold_tree(lens: tuple[int, ...], width: int, target: Target) -> None:
+    """Level 2/3 of the segments tree: each sample's per-sample sum is the same whatever its neighbours; the
+    gain-style total (one launch) equals the left fold of the samples alone and the two-launch composition,
+    in FP32 and cast to the target's dtype."""
     gen = generator(5)
-    parts = {}
-    for n in lens:
-        parts[n] = randn(-(-n // S.CHUNK_ROWS), 8, gen=gen)  # one FP32 partial row per chunk of the sample
+    parts = {n: randn(-(-n // S.CHUNK_ROWS), width, gen=gen, target=Target(target.device, torch.float32))
+             for n in set(lens)}  # one FP32 partial row per chunk of the sample
 
     def per_sample(order):
         seq = tuple(lens[i] for i in order)
-        ch = S.chunks(seq, torch.device("cpu"))
+        ch = S.chunks(seq, torch.device(target.device))
         part = torch.cat([parts[lens[i]] for i in order])
         assert part.shape[0] == ch.n
-        return S.per_sample_sums(part, ch, torch.float32, True), S.total_sum(part, ch, torch.float32, True)
+        return ch, part, S.per_sample_sums(part, ch, torch.float32, INTERPRET), S.total_sum(part, ch, torch.float32, INTERPRET)
 
-    alone = {i: per_sample([i])[0][0] for i in range(len(lens))}
-    for order in ([0, 1, 2, 3], [3, 2, 1, 0], [1, 0, 3, 2]):
-        sums, total = per_sample(order)
+    alone = {i: per_sample([i])[2][0] for i in range(len(lens))}
+    n = len(lens)
+    for order in (list(range(n)), list(reversed(range(n))), [1, 0, *range(2, n)]):
+        ch, part, sums, total = per_sample(order)
         for pos, i in enumerate(order):
             assert_bytes_equal(sums[pos], alone[i], f"sample {i} at position {pos}")
         fold = alone[order[0]].clone()
         for i in order[1:]:
             fold = fold + alone[i]
         assert_bytes_equal(total, fold, f"total of order {order} vs the left fold of the samples alone")
+        assert_bytes_equal(total, two_launch_total(part, ch, torch.float32), f"total of order {order}, one launch vs two")
+        assert_bytes_equal(S.total_sum(part, ch, target.dtype, INTERPRET), two_launch_total(part, ch, target.dtype),
+                           f"total of order {order} in {target.dtype}, one launch vs two")
+
+
+@interp
+def test_fold_tree_depends_only_on_the_sample_interpreter():
+    check_fold_tree((S.CHUNK_ROWS * S.FOLD_TILE + 37, 5, 0, 40), 8, CPU_FP32)  # a sample of two fold tiles
 
 
 @interp
@@ -497,6 +513,15 @@ def test_gpu_thirds_keep_vector_bytes(target):
 def test_gpu_token_sweep(target):
     skip_unless_compiled(target)
     check_sweep(QD, target, (1, 7, 15, 16, 17, 100, S.CHUNK_ROWS * S.FOLD_TILE + 1))
+
+
+@on_gpu_targets
+def test_gpu_fold_tree(target):
+    """The one-launch total (QK and txt_in gains) = the two-launch composition, at the product's partial widths
+    (128 for a head's gain, 3584 for txt_in's) and chunk counts of several fold tiles."""
+    skip_unless_compiled(target)
+    check_fold_tree((6889, 4096, 0, 77, 1), 128, target)
+    check_fold_tree((S.CHUNK_ROWS * S.FOLD_TILE * 2 + 5, 256, 0), 3584, target)
 
 
 @pytest.mark.gpu

@@ -114,62 +114,70 @@ def chunks(seqlens: tuple[int, ...], device: torch.device, rows: int = CHUNK_ROW
 
 
 @triton.jit
+def _fold_tiles(part_ptr, c0, c1, cols, mask_n, stride_p, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Level 2 for one sample: part[c0:c1, cols] in tiles of BLOCK_C rows from c0, each reduced by tl.sum over axis 0
+    (rows past c1 load as 0), the tile sums chained in order from 0. FP32."""
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    offs_c = tl.arange(0, BLOCK_C)
+    for t0 in range(c0, c1, BLOCK_C):
+        rows = t0 + offs_c
+        tile = tl.load(part_ptr + rows.to(tl.int64)[:, None] * stride_p + cols[None, :],
+                       mask=(rows < c1)[:, None] & mask_n[None, :], other=0.0)
+        acc = acc + tl.sum(tile, axis=0)
+    return acc
+
+
+@triton.jit(do_not_specialize=["n_groups"])
 def _segment_fold_kernel(
     part_ptr, seg_ptr, out_ptr,
-    N, stride_p, stride_o,
-    CHAIN: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
+    N, stride_p, stride_o, n_groups,
+    MODE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """out[g, cols] = fold of part[seg[g]:seg[g+1], cols].
-
-    CHAIN: acc = 0; acc = acc + part[c] for c in order (the level-3 sample fold).
-    Otherwise (level 2): tiles of BLOCK_C rows from seg[g]; each tile reduced by tl.sum over axis 0
-    (rows past seg[g+1] load as 0), acc = acc + tile_sum in tile order. FP32; one cast at the store.
-    """
+    """MODE 0 (level 2): out[g, cols] = :func:`_fold_tiles` of part[seg[g]:seg[g+1], cols].
+    MODE 1 (level 3): out[g, cols] = acc = 0; acc = acc + part[c] for c in seg[g]..seg[g+1] in order.
+    MODE 2 (levels 2 and 3 in one launch): out[0, cols] = acc = 0; acc = acc + :func:`_fold_tiles` of group s, for
+    s = 0 .. n_groups − 1 in order: the same operations as MODE 0 into FP32 rows, then MODE 1 over those rows.
+    FP32; one cast at the store. n_groups is a runtime value (never specialized: one binary for any batch)."""
     pid_n = tl.program_id(0)
     g = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = cols < N
-    c0 = tl.load(seg_ptr + g)
-    c1 = tl.load(seg_ptr + g + 1)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if CHAIN:
+    if MODE == 2:
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for s in range(0, n_groups):
+            acc = acc + _fold_tiles(part_ptr, tl.load(seg_ptr + s), tl.load(seg_ptr + s + 1), cols, mask_n, stride_p,
+                                    BLOCK_C, BLOCK_N)
+    elif MODE == 1:
+        c0 = tl.load(seg_ptr + g)
+        c1 = tl.load(seg_ptr + g + 1)
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         base = c0.to(tl.int64)
         for i in range(0, c1 - c0):
             acc = acc + tl.load(part_ptr + (base + i) * stride_p + cols, mask=mask_n, other=0.0)
     else:
-        offs_c = tl.arange(0, BLOCK_C)
-        for t0 in range(c0, c1, BLOCK_C):
-            rows = t0 + offs_c
-            tile = tl.load(part_ptr + rows.to(tl.int64)[:, None] * stride_p + cols[None, :],
-                           mask=(rows < c1)[:, None] & mask_n[None, :], other=0.0)
-            acc = acc + tl.sum(tile, axis=0)
+        acc = _fold_tiles(part_ptr, tl.load(seg_ptr + g), tl.load(seg_ptr + g + 1), cols, mask_n, stride_p,
+                          BLOCK_C, BLOCK_N)
     tl.store(out_ptr + g.to(tl.int64) * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
-def _launch_fold(part: torch.Tensor, seg: torch.Tensor, groups: int, out: torch.Tensor, chain: bool, interpreting: bool,
+TILES, CHAIN, NESTED = 0, 1, 2  # _segment_fold_kernel's modes
+
+
+def _launch_fold(part: torch.Tensor, seg: torch.Tensor, groups: int, out: torch.Tensor, chain: bool | int, interpreting: bool,
                  *, block_n: int = _FOLD_BLOCK_N, warps: int = 4, stages: int = _FOLD_STAGES) -> None:
-    """The fold of ``part``'s rows ``seg[g]:seg[g+1]`` into ``out[g]`` for each of ``groups``. ``block_n`` and
-    ``warps`` fix the tile's layout (its tl.sum tree); the product takes the defaults, benchmarks pass others."""
+    """The fold of ``part``'s rows ``seg[g]:seg[g+1]`` into ``out[g]`` for each of ``groups``: level 2 (``chain``
+    False / :data:`TILES`), level 3 (True / :data:`CHAIN`), or with :data:`NESTED` both levels over all ``groups``
+    into ``out[0]`` in one launch. ``block_n`` and ``warps`` fix the tile's layout (its tl.sum tree); the product
+    takes the defaults, benchmarks pass others."""
     n = part.shape[1]
     if groups == 0 or n == 0:
         return
+    mode = int(chain)
     opts = {} if interpreting else {"num_warps": warps, "num_stages": stages, "enable_fp_fusion": False}
-    _segment_fold_kernel[(triton.cdiv(n, block_n), groups)](
-        part, seg, out, n, part.stride(0), out.stride(0),
-        CHAIN=chain, BLOCK_C=FOLD_TILE, BLOCK_N=block_n, **opts,
+    _segment_fold_kernel[(triton.cdiv(n, block_n), 1 if mode == NESTED else groups)](
+        part, seg, out, n, part.stride(0), out.stride(0), groups,
+        MODE=mode, BLOCK_C=FOLD_TILE, BLOCK_N=block_n, **opts,
     )
-
-
-_SAMPLE_SEGS: dict[tuple, torch.Tensor] = {}
-
-
-def _all_samples(samples: int, device: torch.device) -> torch.Tensor:
-    key = (samples, str(device))
-    t = _SAMPLE_SEGS.get(key)
-    if t is None:
-        t = torch.tensor([0, samples], dtype=torch.int32).to(device)
-        _SAMPLE_SEGS[key] = t
-    return retain(t)
 
 
 def per_sample_sums(part: torch.Tensor, ch: Chunks, dtype: torch.dtype, interpreting: bool) -> torch.Tensor:
@@ -185,11 +193,14 @@ def per_sample_sums(part: torch.Tensor, ch: Chunks, dtype: torch.dtype, interpre
 
 
 def total_sum(part: torch.Tensor, ch: Chunks, dtype: torch.dtype, interpreting: bool) -> torch.Tensor:
-    """Levels 2 and 3: chunk partials ``(n_chunks, N)`` → per-sample FP32 sums folded in sample order → ``(N,)``."""
+    """Levels 2 and 3: chunk partials ``(n_chunks, N)`` → per-sample FP32 sums folded in sample order → ``(N,)``.
+
+    One launch: each program keeps its columns' per-sample sums in registers instead of writing them out and
+    folding them in a second kernel; the operations and their order are those of :func:`per_sample_sums` into FP32
+    followed by the level-3 chain (tested byte for byte on the GPU and in the interpreter)."""
     n = part.shape[1]
     if ch.n == 0:
         return torch.zeros((n,), dtype=dtype, device=part.device)
-    per = per_sample_sums(part, ch, torch.float32, interpreting)
     out = torch.empty((1, n), dtype=dtype, device=part.device)
-    _launch_fold(per, _all_samples(ch.samples, part.device), 1, out, chain=True, interpreting=interpreting)
+    _launch_fold(part, ch.first_chunk, ch.samples, out, chain=NESTED, interpreting=interpreting)
     return out.reshape(n)
