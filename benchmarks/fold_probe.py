@@ -38,7 +38,7 @@ def _fold(part: torch.Tensor, seg: torch.Tensor, block_n: int, warps: int, stage
     from mmdit_strict.kernels.triton import segments as S
 
     out = torch.empty((1, part.shape[1]), dtype=torch.float32, device=part.device)
-    S._launch_fold(part, seg, 1, out, chain=False, interpreting=False, block_n=block_n, warps=warps, stages=stages)
+    S._launch_fold(part, seg, 1, out, S.TILES, interpreting=False, block_n=block_n, warps=warps, stages=stages)
     return out
 
 

@@ -265,7 +265,7 @@ def two_launch_total(part: torch.Tensor, ch, dtype: torch.dtype) -> torch.Tensor
     per = S.per_sample_sums(part, ch, torch.float32, INTERPRET)
     out = torch.empty((1, part.shape[1]), dtype=dtype, device=part.device)
     seg = torch.tensor([0, ch.samples], dtype=torch.int32, device=part.device)
-    S._launch_fold(per, seg, 1, out, chain=S.CHAIN, interpreting=INTERPRET)
+    S._launch_fold(per, seg, 1, out, S.CHAIN, INTERPRET)
     return out.reshape(-1)
 
 

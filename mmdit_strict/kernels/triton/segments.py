@@ -163,16 +163,15 @@ def _segment_fold_kernel(
 TILES, CHAIN, NESTED = 0, 1, 2  # _segment_fold_kernel's modes
 
 
-def _launch_fold(part: torch.Tensor, seg: torch.Tensor, groups: int, out: torch.Tensor, chain: bool | int, interpreting: bool,
+def _launch_fold(part: torch.Tensor, seg: torch.Tensor, groups: int, out: torch.Tensor, mode: int, interpreting: bool,
                  *, block_n: int = _FOLD_BLOCK_N, warps: int = 4, stages: int = _FOLD_STAGES) -> None:
-    """The fold of ``part``'s rows ``seg[g]:seg[g+1]`` into ``out[g]`` for each of ``groups``: level 2 (``chain``
-    False / :data:`TILES`), level 3 (True / :data:`CHAIN`), or with :data:`NESTED` both levels over all ``groups``
-    into ``out[0]`` in one launch. ``block_n`` and ``warps`` fix the tile's layout (its tl.sum tree); the product
-    takes the defaults, benchmarks pass others."""
+    """The fold of ``part``'s rows ``seg[g]:seg[g+1]`` into ``out[g]`` for each of ``groups``: level 2 (``mode``
+    :data:`TILES`), level 3 (:data:`CHAIN`), or with :data:`NESTED` both levels over all ``groups`` into ``out[0]``
+    in one launch. ``block_n`` and ``warps`` fix the tile's layout (its tl.sum tree); the product takes the
+    defaults, benchmarks pass others."""
     n = part.shape[1]
     if groups == 0 or n == 0:
         return
-    mode = int(chain)
     opts = {} if interpreting else {"num_warps": warps, "num_stages": stages, "enable_fp_fusion": False}
     _segment_fold_kernel[(triton.cdiv(n, block_n), 1 if mode == NESTED else groups)](
         part, seg, out, n, part.stride(0), out.stride(0), groups,
@@ -188,7 +187,7 @@ def per_sample_sums(part: torch.Tensor, ch: Chunks, dtype: torch.dtype, interpre
         return torch.zeros((ch.samples, part.shape[1]), dtype=dtype, device=part.device)
     out = torch.empty((ch.samples, part.shape[1]), dtype=dtype, device=part.device)
     if ch.samples:
-        _launch_fold(part, ch.first_chunk, ch.samples, out, chain=False, interpreting=interpreting)
+        _launch_fold(part, ch.first_chunk, ch.samples, out, TILES, interpreting)
     return out
 
 
@@ -202,5 +201,5 @@ def total_sum(part: torch.Tensor, ch: Chunks, dtype: torch.dtype, interpreting: 
     if ch.n == 0:
         return torch.zeros((n,), dtype=dtype, device=part.device)
     out = torch.empty((1, n), dtype=dtype, device=part.device)
-    _launch_fold(part, ch.first_chunk, ch.samples, out, chain=NESTED, interpreting=interpreting)
+    _launch_fold(part, ch.first_chunk, ch.samples, out, NESTED, interpreting)
     return out.reshape(n)
