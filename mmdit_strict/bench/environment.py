@@ -12,16 +12,30 @@ from typing import Any
 import torch
 
 
+def _git(args: list[str], cwd: Path) -> subprocess.CompletedProcess | None:
+    try:
+        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, cwd=cwd)
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def commit() -> str:
-    """The measured commit: ``MMDIT_COMMIT`` when set (device machines may carry a stale ``.git``), else git's HEAD."""
+    """The measured commit: ``MMDIT_COMMIT`` when set (device machines may carry a stale ``.git``), else the
+    HEAD of the git repository that tracks this package's own sources; "unknown" otherwise.
+
+    git asked from the package's folder also answers for an enclosing repository that does not track
+    the package (an unpacked copy inside another project): such a HEAD is not the code that ran, so
+    the package's ``__init__.py`` must be tracked there.
+    """
     env = os.environ.get("MMDIT_COMMIT")
     if env:
         return env
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=Path(__file__).resolve().parent).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        out = ""
+    package = Path(__file__).resolve().parents[1]
+    tracked = _git(["ls-files", "--error-unmatch", "--", "__init__.py"], package)
+    if tracked is None or tracked.returncode != 0:
+        return "unknown (the package is not tracked by git here, MMDIT_COMMIT unset)"
+    head = _git(["rev-parse", "HEAD"], package)
+    out = head.stdout.strip() if head is not None and head.returncode == 0 else ""
     return out or "unknown (no git, MMDIT_COMMIT unset)"
 
 

@@ -37,7 +37,7 @@ def pipeline_folder(checkpoint: str | None) -> Path | None:
 
 
 @contextlib.contextmanager
-def _claim(path: str | Path) -> Iterator[Path]:
+def _claim(path: str | Path, kind: str = "run") -> Iterator[Path]:
     """The output-folder guard of the trajectories pipeline when present, else a plain mkdir."""
     try:
         from ..trajectories.outdir import claim_output_dir
@@ -46,13 +46,14 @@ def _claim(path: str | Path) -> Iterator[Path]:
         out.mkdir(parents=True, exist_ok=True)
         yield out
         return
-    with claim_output_dir(path) as out:
+    with claim_output_dir(path, kind=kind) as out:
         yield Path(out)
 
 
-def prepare_prompts(cfg: DictConfig) -> tuple[DictConfig, dict[str, Any]]:
+def prepare_prompts(cfg: DictConfig, kind: str = "run") -> tuple[DictConfig, dict[str, Any]]:
     """Encode ``prompts.text`` with the checkpoint folder's text encoder (step 1); return the config
-    pointing ``prompts.embeddings`` at the file, and the timing record. A no-op without ``prompts.text``."""
+    pointing ``prompts.embeddings`` at the file, and the timing record. A no-op without ``prompts.text``.
+    The file goes into ``cfg.output_dir``, claimed as a folder of the command ``kind`` (run | train)."""
     texts = OmegaConf.select(cfg, "prompts.text")
     if not texts:
         return cfg, {}
@@ -68,7 +69,7 @@ def prepare_prompts(cfg: DictConfig) -> tuple[DictConfig, dict[str, Any]]:
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
     negative = OmegaConf.select(cfg, "prompts.negative", default=" ")
-    with _claim(cfg.output_dir) as out:
+    with _claim(cfg.output_dir, kind) as out:
         t0 = time.perf_counter()
         tokenizer, encoder = load_text_components(folder, torch_dtype=dtype, device=cfg.model.device)
         t1 = time.perf_counter()

@@ -478,6 +478,6 @@ def run_training(cfg: DictConfig, progress: bool = True, on_update: UpdateHook |
         torch.set_num_threads(int(cfg.train.cpu_threads))
     from ..pipelines.chain import prepare_prompts
 
-    cfg, _ = prepare_prompts(cfg)  # prompts.text → embeddings with the pipeline folder's text encoder (else a no-op)
-    with claim_output_dir(cfg.output_dir):  # a run folder (or a new one), locked against a second run
+    cfg, _ = prepare_prompts(cfg, kind="train")  # prompts.text → embeddings with the pipeline folder's text encoder (else a no-op)
+    with claim_output_dir(cfg.output_dir, kind="train"):  # a train folder (or a new one), locked against a second run
         return Trainer(cfg, progress=progress, on_update=on_update).run()

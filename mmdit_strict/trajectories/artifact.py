@@ -199,6 +199,14 @@ _SCHEMA: dict[str, tuple[type, ...]] = {
 }
 
 
+def require_kind(traj: Trajectory, kind: str) -> Trajectory:
+    """``traj`` itself when its manifest's kind is ``kind`` (rollout | recompute); else :class:`TrajectoryError` saying which."""
+    got = traj.manifest.get("kind")
+    if got != kind:
+        raise TrajectoryError(f"{traj.path or 'artifact'} is a {got} artifact where a {kind} artifact belongs")
+    return traj
+
+
 def check_manifest(m: dict[str, Any], where: str | Path) -> None:
     """Raise :class:`TrajectoryError` unless ``m`` is a well-formed, self-consistent manifest.
 

@@ -110,6 +110,8 @@ def recompute_stage(cfg: DictConfig, rollout: artifact.Trajectory, out: Path, pr
 
 def compare_stage(cfg: DictConfig, rollout: artifact.Trajectory, recompute: artifact.Trajectory, out: Path,
                   phases: dict[str, float] | None = None, peer: dict[str, Any] | None = None) -> RunResult:
+    artifact.require_kind(rollout, "rollout")
+    artifact.require_kind(recompute, "recompute")
     t0 = time.perf_counter()
     comp = compare(rollout, recompute)
     loc = None

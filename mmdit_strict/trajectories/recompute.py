@@ -96,6 +96,26 @@ def check_fault(spec: str | None, num_layers: int, num_steps: int) -> None:
                          f"(keys look like {examples}, embed.timestep_embed_mlp)")
 
 
+#: Settings a recompute replays from its rollout: they must be the rollout's own (the rest is the training side's choice).
+REPLAYED = ("seed", "sampler")
+
+
+def check_replay_settings(cfg: DictConfig, rollout: artifact.Trajectory) -> None:
+    """A clear error, naming every key, when ``cfg`` sets a replayed setting otherwise than the rollout recorded it."""
+    from omegaconf import OmegaConf
+
+    recorded = rollout.manifest["config"]
+    diffs = []
+    for section in REPLAYED:
+        now, then = OmegaConf.to_container(cfg, resolve=True).get(section), recorded.get(section)
+        pairs = {k: (now.get(k), then.get(k)) for k in sorted(set(now) | set(then))} if isinstance(now, dict) and isinstance(then, dict) \
+            else {"": (now, then)}
+        diffs += [f"{section}{'.' + k if k else ''}={a!r} (rollout: {b!r})" for k, (a, b) in pairs.items() if a != b]
+    if diffs:
+        raise ValueError(f"recompute settings differ from the rollout it replays ({rollout.path}): {', '.join(diffs)}; "
+                         "drop these overrides or sample a new rollout with them")
+
+
 def _grad_record(trainable: list, sink) -> dict | None:
     """Hashes of one step's LoRA gradients: folded in global sample order (split-invariant) and as autograd summed them.
 
@@ -120,6 +140,8 @@ def _grad_record(trainable: list, sink) -> dict | None:
 
 def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | Path, progress: bool = True) -> artifact.Trajectory:
     """Recompute v_t, x_{t+1}, logp_t for every recorded step and write the artifact to ``out_dir``."""
+    artifact.require_kind(rollout, "rollout")
+    check_replay_settings(cfg, rollout)
     if not rollout.has_tensors():
         raise artifact.TrajectoryError("the rollout artifact holds no tensors; rerun rollout with rollout.save_tensors=true")
     t0 = time.perf_counter()

@@ -10,16 +10,21 @@ the key of the current inputs, part by part:
     lora_sha256     the LoRA adapter's tensors ("none" without an adapter)
     prompts_sha256  the prompt embeddings and the negative prompt
     mmdit_strict    the package version
+    code            sha256 of the package's own sources (every ``.py`` and ``.yaml`` file under
+                    ``mmdit_strict/``) and the torch / Triton versions: the code that makes the bytes
     rollout         recompute only: sha256 of the rollout tensor file it replays
 
-Retraining into the same checkpoint folder or re-exporting the prompt embeddings therefore
-re-runs the stages, and :func:`describe_mismatch` says which part changed.
+Retraining into the same checkpoint folder, re-exporting the prompt embeddings, pulling another
+commit or editing a kernel therefore re-runs the stages, and :func:`describe_mismatch` says which
+part changed.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -35,6 +40,7 @@ _MEANING = {
     "lora_sha256": "the LoRA adapter differs",
     "prompts_sha256": "the prompt embeddings differ",
     "mmdit_strict": "another mmdit_strict version made it",
+    "code": "the mmdit_strict sources or the torch / Triton versions differ",
     "rollout": "the rollout it replays differs",
 }
 
@@ -55,6 +61,27 @@ def _version() -> str:
     return str(__version__)
 
 
+@functools.lru_cache(maxsize=1)
+def code_sha256() -> str:
+    """sha256 over the package's sources (relative path and bytes of every ``.py`` / ``.yaml``, in path order)
+    and the torch and Triton versions: what decides the bytes besides the inputs."""
+    import torch
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256(f"torch {torch.__version__}\ntriton {triton_version}\n".encode())
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".yaml") and "__pycache__" not in p.parts):
+        data = path.read_bytes()
+        h.update(f"{path.relative_to(root).as_posix()}\0{len(data)}\0".encode())
+        h.update(data)
+    return h.hexdigest()
+
+
 def rollout_key(cfg: DictConfig, model_hashes: dict[str, str | None], prompt_hashes: dict[str, Any]) -> dict[str, str]:
     """The rollout stage's key: its settings (not the recompute side's), architecture, weights, LoRA, prompts, version."""
     return {
@@ -64,6 +91,7 @@ def rollout_key(cfg: DictConfig, model_hashes: dict[str, str | None], prompt_has
         "lora_sha256": str(model_hashes["lora_sha256"] or "none"),
         "prompts_sha256": _sha256_json(prompt_hashes),
         "mmdit_strict": _version(),
+        "code": code_sha256(),
     }
 
 
@@ -76,6 +104,7 @@ def recompute_key(cfg: DictConfig, model_hashes: dict[str, str | None], rollout:
         "lora_sha256": str(model_hashes["lora_sha256"] or "none"),
         "prompts_sha256": _sha256_json(rollout.manifest["prompt_hashes"]),
         "mmdit_strict": _version(),
+        "code": code_sha256(),
         "rollout": str(rollout.manifest["files"][TENSORS]),
     }
 
