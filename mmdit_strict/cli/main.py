@@ -26,8 +26,9 @@ _EXIT_HELP = """exit status:
 
 _OVERRIDES_HELP = (
     "hydra-style overrides: group=option (model=tiny, runtime=off, experiment=recompute_off) and "
-    "key=value (sampler.num_steps=4, recompute.micro_batch=2, model.checkpoint=null); +key=value adds a new "
-    "key under extra, ++key=value adds or sets, ~key deletes, ~group drops a group; flags may come anywhere"
+    "key=value (sampler.num_steps=4, recompute.micro_batch=2, model.checkpoint=null); +key=value adds a key that "
+    "does not exist yet where it names it (+extra.note=v under the free-form extra section), ++key=value adds or "
+    "sets, ~key deletes, ~group drops a group; flags may come anywhere"
 )
 
 
@@ -73,9 +74,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if cfg.rollout.save_tensors and (timings or pipeline_folder(cfg.model.checkpoint)):
         images = finish_images(cfg, timings)  # final latents → PNGs (VAE) + report section
         print(f"images: {images['contact_sheet']} ({images['mode']})")
-    log_run(cfg, result)
     print(result.summary)
-    print(f"report: {Path(cfg.output_dir) / 'report' / 'report.md'}")
+    print(f"report: {Path(cfg.output_dir) / 'report' / 'report.md'}", flush=True)
+    log_run(cfg, result)  # after the result line: a wandb failure here cannot hide it
     return EXIT_OK if result.byte_identical else EXIT_DRIFT
 
 
@@ -127,8 +128,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     """Flow-GRPO LoRA training; exit 1 when ``train.recompute_old_logp`` finds the training logp off the rollout's bytes."""
     from ..training import run_training
     from ..training.loop import OldLogpMismatch
+    from .wandb_log import require_wandb
 
     cfg = _compose(args)
+    require_wandb(cfg.wandb.mode)
     try:
         result = run_training(cfg, progress=not args.quiet and cfg.progress)
     except OldLogpMismatch as exc:
@@ -197,9 +200,20 @@ def cmd_report(args: argparse.Namespace) -> int:
     return EXIT_OK if result.byte_identical else EXIT_DRIFT
 
 
+def _require_gpu(what: str) -> None:
+    """Exit 2 (a ValueError) before any work when ``what`` needs a CUDA GPU and there is none: 1 means drift."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(f"{what} needs a CUDA GPU and this machine has none "
+                         "(on the CPU: `mmdit-strict bench cpu_strict`, and the test suite qualifies the CPU backend)")
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
+    if args.which != "cpu_strict":
+        _require_gpu(f"bench {args.which}")
     module = importlib.import_module(f"mmdit_strict.bench.{args.which}")
     return int(module.main(["--out", args.out]) or 0)
 
@@ -229,10 +243,7 @@ def cmd_operators(args: argparse.Namespace) -> int:
 
 def cmd_qualify(args: argparse.Namespace) -> int:
     """GPU qualification of the strict kernels: accuracy vs FP64, raw-byte invariance, speed vs cuBLAS."""
-    import torch
-
-    if not torch.cuda.is_available():
-        raise ValueError("qualify needs a CUDA GPU (the CPU strict backend is qualified by the test suite)")
+    _require_gpu("qualify")
     rc = 0
     section = getattr(args, "section", "all")
     if section in ("gemm", "all"):
@@ -329,32 +340,76 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
     return args
 
 
+def _output_kind(args: argparse.Namespace) -> str:
+    """The kind of output folder the command makes (see ``trajectories.outdir``)."""
+    return "train" if args.command == "train" else "run"
+
+
 def _multirun(args: argparse.Namespace) -> int:
-    """Run ``args.func`` once per point of the sweep's cartesian product, job i in ``OUTPUT_DIR/i``."""
+    """Run ``args.func`` once per point of the sweep's cartesian product, job i in ``OUTPUT_DIR/i``.
+
+    Every job's config is composed and validated, and its folder and wandb set-up checked, before the
+    first one runs. ``OUTPUT_DIR/multirun.yaml`` is written at the start (every job ``pending``) and
+    rewritten as each job ends, whatever happens to it; an error stops the sweep (the rest stay
+    ``not run``).
+    """
     import copy
 
-    from ..config.compose import compose
+    import yaml
+
+    from ..config.compose import ConfigError, compose
     from ..config.overrides import expand_multirun, parse_override
     from ..io import atomic_write_text
+    from ..trajectories.outdir import check_output_dir
+    from .wandb_log import require_wandb
 
     if any(parse_override(o).key == "output_dir" and "," in (parse_override(o).raw or "") for o in args.overrides):
         raise ValueError("output_dir cannot be swept: multirun jobs go to OUTPUT_DIR/<job number>")
     jobs = expand_multirun(args.overrides)
     base = Path(compose(jobs[0], config_dir=args.config_dir).output_dir)
-    rows, worst = [], EXIT_OK
+    rows = []
     for i, job in enumerate(jobs):
+        try:
+            cfg = compose([*job, f"output_dir={base / str(i)}"], config_dir=args.config_dir)
+            check_output_dir(cfg.output_dir, kind=_output_kind(args))
+            require_wandb(cfg.wandb.mode)
+        except (ConfigError, ValueError) as exc:
+            raise type(exc)(f"multirun job {i} ({' '.join(job)}): {exc}; no job was run") from exc
+        rows.append({"job": i, "overrides": job, "output_dir": str(base / str(i)), "status": "pending", "exit_code": None})
+
+    def write() -> None:
+        base.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(base / "multirun.yaml", yaml.safe_dump({"jobs": rows}, sort_keys=False))
+
+    write()
+    worst = EXIT_OK
+    for row in rows:
         sub = copy.copy(args)
-        sub.overrides = [*job, f"output_dir={base / str(i)}"]
-        print(f"[multirun] job {i}: {' '.join(job)}", flush=True)
-        rc = args.func(sub)
-        rows.append({"job": i, "overrides": job, "output_dir": str(base / str(i)), "exit_code": rc})
+        sub.overrides = [*row["overrides"], f"output_dir={row['output_dir']}"]
+        print(f"[multirun] job {row['job']}: {' '.join(row['overrides'])}", flush=True)
+        row["status"] = "running"
+        write()
+        try:
+            rc = args.func(sub)
+        except BaseException as exc:
+            rc = EXIT_ERROR
+            row["error"] = " ".join(str(exc).split()) or type(exc).__name__
+            if not isinstance(exc, Exception):
+                row.update(status="interrupted", exit_code=rc)
+                write()
+                raise
+            _report_error(args, exc, expected=isinstance(exc, (ValueError, OSError)))
+        row.update(status={EXIT_OK: "done", EXIT_DRIFT: "drift"}.get(rc, "error"), exit_code=rc)
         worst = max(worst, rc)
         if rc == EXIT_ERROR:
+            for rest in rows:
+                if rest["status"] == "pending":
+                    rest["status"] = "not run"
+        write()
+        if rc == EXIT_ERROR:
             break
-    import yaml
-
-    atomic_write_text(base / "multirun.yaml", yaml.safe_dump({"jobs": rows}, sort_keys=False))
-    print(f"[multirun] {len(rows)}/{len(jobs)} jobs → {base / 'multirun.yaml'}")
+    done = sum(r["exit_code"] is not None for r in rows)
+    print(f"[multirun] {done}/{len(jobs)} jobs → {base / 'multirun.yaml'}")
     return worst
 
 

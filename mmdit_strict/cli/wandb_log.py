@@ -3,16 +3,39 @@
 from __future__ import annotations
 
 import logging
+import netrc
 import os
+import sys
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from omegaconf import DictConfig, OmegaConf
 
 logger = logging.getLogger(__name__)
 
 
+def wandb_key_configured() -> bool:
+    """Whether a wandb credential is configured where ``wandb login`` and wandb's environment put one:
+    ``WANDB_API_KEY``, ``WANDB_IDENTITY_TOKEN_FILE``, or a netrc entry (``$NETRC`` or ``~/.netrc``)
+    for the host of ``WANDB_BASE_URL`` (default ``api.wandb.ai``). Looked up, not verified."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or ""
+    path = Path(os.environ.get("NETRC") or Path.home() / ".netrc")
+    try:
+        return netrc.netrc(str(path)).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
 def require_wandb(mode: str) -> None:
-    """Fail before any work when ``mode`` logs to wandb and the package is missing (not after the run)."""
+    """Fail before any work (not after the run) when ``mode`` logs to wandb and the package is missing,
+    or, for ``online``, when no credential is configured and there is no terminal to ask for one on.
+
+    The credential is looked up, not verified against the server: that needs the network, and
+    ``wandb.init`` reports a rejected key itself.
+    """
     if mode == "disabled":
         return
     try:
@@ -20,6 +43,9 @@ def require_wandb(mode: str) -> None:
     except ImportError:
         raise ValueError(f"wandb.mode={mode} needs the wandb package: pip install wandb, "
                          "or pass wandb.mode=disabled") from None
+    if mode == "online" and not wandb_key_configured() and not sys.stdin.isatty():
+        raise ValueError("wandb.mode=online needs a wandb login and none is configured: run `wandb login`, "
+                         "set WANDB_API_KEY, or pass wandb.mode=offline")
 
 
 def log_run(cfg: DictConfig, result: Any) -> None:
