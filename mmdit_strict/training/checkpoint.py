@@ -7,12 +7,14 @@ Layout under ``<output_dir>/checkpoints/``::
         ema.safetensors           EMA of the LoRA (only with train.ema)
         optimizer.pt              AdamW state + LR schedule state (torch.save, weights_only loadable)
         state.json                epoch/update counters, stat tracker, RNG states, data position,
-                                  the run's config and the sha256 of every file above
+                                  the run's config and, under "files", the sha256 of every file above
     latest                        text: the name of the newest complete folder (atomic rename)
 
-Guarantees: a crash while saving leaves the previous checkpoint and ``latest`` untouched; reading
-verifies every file against the sha256 recorded in ``state.json`` and raises
-:class:`TrainCheckpointError` naming the file that does not match.
+Guarantees: a crash while saving leaves the previous checkpoint and ``latest`` untouched. Reading
+trusts nothing unverified and raises :class:`TrainCheckpointError` naming the file or value at fault:
+``latest`` must name a folder directly inside this ``checkpoints/`` (after resolving symlinks), and
+``state.json``'s ``files`` must list ``lora.safetensors``, ``optimizer.pt`` and every other file in the
+folder, each matching its recorded sha256.
 """
 
 from __future__ import annotations
@@ -33,11 +35,12 @@ from ..trajectories.hashing import file_sha256
 
 LATEST = "latest"
 STATE = "state.json"
+#: Files every checkpoint holds (``ema.safetensors`` too with ``train.ema``).
+REQUIRED = ("lora.safetensors", "optimizer.pt")
 
 
 class TrainCheckpointError(ValueError):
     """A training checkpoint is missing, incomplete or corrupt."""
-
 
 
 def rng_state() -> dict[str, Any]:
@@ -86,30 +89,73 @@ def save_checkpoint(root: str | Path, epoch: int, lora: dict[str, torch.Tensor],
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
-    """The folder ``latest`` names, or None when there is no checkpoint yet."""
-    ptr = Path(root) / LATEST
+    """The folder ``latest`` names, or None when there is no checkpoint yet.
+
+    ``latest`` must hold the plain name of a folder directly inside ``root`` that has a ``state.json``;
+    a path, ``.``/``..``, or a name whose folder resolves outside ``root`` (a symlink) is refused with
+    :class:`TrainCheckpointError` naming the value.
+    """
+    root = Path(root)
+    ptr = root / LATEST
     if not ptr.exists():
         return None
-    folder = Path(root) / ptr.read_text().strip()
-    if not (folder / STATE).exists():
-        raise TrainCheckpointError(f"{ptr} names {folder.name}, which has no {STATE}: the checkpoint folder was removed or damaged")
+    value = ptr.read_text().strip()
+    if not value or value in (".", "..") or "/" in value or "\\" in value:
+        raise TrainCheckpointError(f"{ptr} holds {value!r}, which is not the name of a checkpoint folder in {root}")
+    folder = root / value
+    if folder.resolve().parent != root.resolve():
+        raise TrainCheckpointError(f"{ptr} names {value!r}, which resolves to {folder.resolve()}, outside {root.resolve()}: "
+                                   "a run resumes only from its own checkpoints")
+    if not (folder / STATE).is_file():
+        raise TrainCheckpointError(f"{ptr} names {value!r}, which has no {STATE}: the checkpoint folder was removed or damaged")
     return folder
 
 
+def _verified_files(folder: Path, state: Any) -> dict[str, str]:
+    """``state["files"]`` after checking it covers the folder and every listed file matches its sha256."""
+    where = folder / STATE
+    if not isinstance(state, dict):
+        raise TrainCheckpointError(f"{where} is not a JSON object")
+    if "files" not in state:
+        raise TrainCheckpointError(f"{where} has no 'files' list: the checkpoint's files cannot be verified")
+    files = state["files"]
+    if not isinstance(files, dict) or not files:
+        raise TrainCheckpointError(f"{where}: 'files' is empty or not a name → sha256 mapping: the checkpoint's files "
+                                   "cannot be verified")
+    for name, digest in files.items():
+        if not isinstance(name, str) or Path(name).name != name or name in (".", "..", STATE):
+            raise TrainCheckpointError(f"{where}: 'files' lists {name!r}, which is not a file name of this folder")
+        if not isinstance(digest, str):
+            raise TrainCheckpointError(f"{where}: 'files' gives {name!r} a sha256 of {digest!r}")
+    for name in REQUIRED:
+        if name not in files:
+            raise TrainCheckpointError(f"{folder / name} is not listed in {STATE}'s 'files': it cannot be verified")
+    unlisted = sorted(p.name for p in folder.iterdir() if p.name != STATE and p.name not in files)
+    if unlisted:
+        raise TrainCheckpointError(f"{folder} holds {', '.join(unlisted)}, not listed in {STATE}'s 'files': "
+                                   "files the checkpoint did not record are not trusted")
+    for name, digest in files.items():
+        path = folder / name
+        if not path.is_file():
+            raise TrainCheckpointError(f"{path} is missing (listed in {STATE})")
+        if file_sha256(path) != digest:
+            raise TrainCheckpointError(f"{path} does not match the sha256 recorded in {STATE}: corrupt or modified")
+    return files
+
+
 def load_checkpoint(folder: str | Path, device: str | torch.device = "cpu") -> dict[str, Any]:
-    """Read and verify a checkpoint folder: ``{"lora", "ema" (or None), "optimizer", "state"}``."""
+    """Read and verify a checkpoint folder: ``{"lora", "ema" (or None), "optimizer", "state"}``.
+
+    Raises :class:`TrainCheckpointError` unless ``state.json`` lists (under ``files``) ``lora.safetensors``,
+    ``optimizer.pt`` and every other file in the folder, each present and matching its sha256.
+    """
     folder = Path(folder)
     try:
         state = json.loads((folder / STATE).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise TrainCheckpointError(f"cannot read {folder / STATE}: {exc}") from exc
-    for fname, digest in state.get("files", {}).items():
-        path = folder / fname
-        if not path.exists():
-            raise TrainCheckpointError(f"{path} is missing (listed in {STATE})")
-        if file_sha256(path) != digest:
-            raise TrainCheckpointError(f"{path} does not match the sha256 recorded in {STATE}: corrupt or modified")
+    files = _verified_files(folder, state)
     lora = load_file(str(folder / "lora.safetensors"), device=str(device))
-    ema = load_file(str(folder / "ema.safetensors"), device=str(device)) if (folder / "ema.safetensors").exists() else None
+    ema = load_file(str(folder / "ema.safetensors"), device=str(device)) if "ema.safetensors" in files else None
     optimizer = torch.load(folder / "optimizer.pt", map_location=device, weights_only=True)
     return {"lora": lora, "ema": ema, "optimizer": optimizer, "state": state}

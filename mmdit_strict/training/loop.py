@@ -201,12 +201,19 @@ class Trainer:
                              "that run or choose another output_dir")
         data = ckpt.load_checkpoint(folder, self.device)
         state = data["state"]
+        missing = [k for k in ("epoch", "updates", "resume_key", "stat_tracker", "rng") if k not in state]
+        if missing:
+            raise ckpt.TrainCheckpointError(f"{folder / ckpt.STATE} lacks {missing}: not a complete training checkpoint")
         now = _resume_key(self.cfg)
         then = state["resume_key"]
         diff = sorted(k for k in set(now) | set(then) if now.get(k) != then.get(k))
         if diff:
             raise ValueError(f"resume: the config differs from the checkpointed run in {diff[:8]}; "
                              "use the same settings or another output_dir")
+        finished, wanted = int(state["epoch"]) + 1, int(self.tcfg.num_epochs)
+        if wanted < finished:
+            raise ValueError(f"the run in {self.out} already finished {finished} epochs; train.num_epochs={wanted} is smaller: "
+                             f"pass train.num_epochs>={finished} or another output_dir")
         own = {n: p for n, p in self.named}
         if set(own) != set(data["lora"]):
             raise ckpt.TrainCheckpointError(f"{folder}: LoRA tensors do not match the model's adapter")
@@ -225,6 +232,8 @@ class Trainer:
         self.updates = int(state["updates"])
         self.wandb_id = state.get("wandb_id")
         logger.info("train: resumed from %s (next epoch %d)", folder, self.start_epoch)
+        if self.start_epoch == wanted:
+            logger.info("train: all %d epochs are finished; nothing left to train", wanted)
 
     def _save(self, epoch: int) -> None:
         lora = {n: p.detach() for n, p in self.named}

@@ -3,6 +3,10 @@
 wandb runs offline by default with its folder beside the outputs (``<output_dir>/wandb``); the run id
 is kept in the checkpoint so a resumed run appends to the same wandb run. ``metrics.jsonl`` is cut
 back to the resumed epoch on resume, so it always describes exactly one uninterrupted history.
+
+A last line without its newline that does not parse is an append cut short (a kill mid-write): readers
+skip it and a resume drops it with a warning. A damaged line before that is a :class:`MetricsError`
+naming the file and line: history is never dropped silently.
 """
 
 from __future__ import annotations
@@ -32,20 +36,62 @@ def peak_memory_mb(device: torch.device) -> float:
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
 
 
-def read_metrics(out_dir: str | Path) -> list[dict[str, Any]]:
-    path = Path(out_dir) / METRICS
+class MetricsError(ValueError):
+    """``metrics.jsonl`` holds a damaged line before its last one."""
+
+
+def _row(path: Path, lineno: int, raw: bytes) -> dict[str, Any]:
+    try:
+        row = json.loads(raw)
+    except ValueError as exc:
+        why = f"column {exc.colno}: {exc.msg}" if isinstance(exc, json.JSONDecodeError) else str(exc)
+        raise MetricsError(f"{path}: line {lineno} is not JSON ({why}); repair or remove that line") from exc
+    if not isinstance(row, dict) or isinstance(row.get("epoch"), bool) or not isinstance(row.get("epoch"), int):
+        raise MetricsError(f"{path}: line {lineno} is not an epoch row (a JSON object with an integer 'epoch'); "
+                           "repair or remove that line")
+    return row
+
+
+def _read(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """The rows of ``path`` and the byte count of its torn last line (0 when the file ends on a whole line)."""
     if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [], 0
+    *whole, tail = path.read_bytes().split(b"\n")
+    rows = [_row(path, i, raw) for i, raw in enumerate(whole, 1) if raw.strip()]
+    if not tail.strip():
+        return rows, 0
+    try:
+        json.loads(tail)
+    except ValueError:
+        return rows, len(tail)
+    return [*rows, _row(path, len(whole) + 1, tail)], 0
+
+
+def read_metrics(out_dir: str | Path) -> list[dict[str, Any]]:
+    """The epoch rows of ``<out_dir>/metrics.jsonl`` ([] when absent).
+
+    An unterminated last line that does not parse (an append in progress or cut short) is not a row and
+    is skipped; any other damaged line raises :class:`MetricsError` naming the file and line number.
+    """
+    return _read(Path(out_dir) / METRICS)[0]
 
 
 class MetricLogger:
-    """Append epoch rows to ``metrics.jsonl`` and wandb (``mode``: offline | online | disabled)."""
+    """Append epoch rows to ``metrics.jsonl`` and wandb (``mode``: offline | online | disabled).
+
+    Opening it rewrites ``metrics.jsonl`` with the rows before ``start_epoch`` (a torn last line is
+    dropped with a warning; other damage raises :class:`MetricsError`).
+    """
 
     def __init__(self, out_dir: str | Path, mode: str, project: str, entity: str | None, config: dict,
                  start_epoch: int, run_id: str | None = None) -> None:
         self.out_dir = Path(out_dir)
-        rows = [r for r in read_metrics(self.out_dir) if r["epoch"] < start_epoch]
+        path = self.out_dir / METRICS
+        rows, torn = _read(path)
+        if torn:
+            logger.warning("%s: dropped a torn last line (%d bytes without a newline: an append cut short); "
+                           "the file now ends at its last whole line", path, torn)
+        rows = [r for r in rows if r["epoch"] < start_epoch]
         atomic_write_text(self.out_dir / METRICS, "".join(json.dumps(r) + "\n" for r in rows))
         self.run = None
         self.run_id = run_id

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -55,3 +56,63 @@ def test_rng_state_round_trip() -> None:
     a = torch.rand(3)
     ckpt.set_rng_state(state)
     assert torch.equal(torch.rand(3), a)
+
+
+def _rewrite_state(folder, **changes) -> None:
+    state = json.loads((folder / ckpt.STATE).read_text())
+    for key, value in changes.items():
+        if value is None:
+            state.pop(key, None)
+        else:
+            state[key] = value
+    (folder / ckpt.STATE).write_text(json.dumps(state))
+
+
+def _flip_last_byte(path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 1  # in the tensor data: the file still parses
+    path.write_bytes(bytes(raw))
+
+
+def test_file_list_is_required_and_complete(tmp_path) -> None:
+    """trust row 8: an emptied, missing or partial file list in state.json is refused, naming what is unverified;
+    so is a file in the folder that the list does not cover."""
+    folder = _save(tmp_path, 0, 1.0)
+    files = json.loads((folder / ckpt.STATE).read_text())["files"]
+    _flip_last_byte(folder / "lora.safetensors")
+    _rewrite_state(folder, files={})
+    with pytest.raises(ckpt.TrainCheckpointError, match=r"'files'.*empty"):
+        ckpt.load_checkpoint(folder)
+    _rewrite_state(folder, files=None)
+    with pytest.raises(ckpt.TrainCheckpointError, match=r"no 'files'"):
+        ckpt.load_checkpoint(folder)
+    _rewrite_state(folder, files={"optimizer.pt": files["optimizer.pt"]})
+    with pytest.raises(ckpt.TrainCheckpointError, match=r"lora.safetensors is not listed"):
+        ckpt.load_checkpoint(folder)
+    _flip_last_byte(folder / "lora.safetensors")  # back to the saved bytes
+    _rewrite_state(folder, files=files)
+    ckpt.load_checkpoint(folder)
+    (folder / "ema.safetensors").write_bytes((folder / "lora.safetensors").read_bytes())
+    with pytest.raises(ckpt.TrainCheckpointError, match=r"ema.safetensors, not listed"):
+        ckpt.load_checkpoint(folder)
+    (folder / "ema.safetensors").unlink()
+    _rewrite_state(folder, files={**files, "../lora.safetensors": files["lora.safetensors"]})
+    with pytest.raises(ckpt.TrainCheckpointError, match=r"'\.\./lora.safetensors'"):
+        ckpt.load_checkpoint(folder)
+
+
+def test_latest_must_name_a_folder_of_this_run(tmp_path) -> None:
+    """trust row 9: ``latest`` naming another run's checkpoint (by a relative path or through a symlink) is refused."""
+    mine, other = tmp_path / "run" / "checkpoints", tmp_path / "other" / "checkpoints"
+    _save(mine, 0, 1.0)
+    _save(other, 0, 2.0)
+    assert ckpt.latest_checkpoint(mine) == mine / "epoch_000000"
+    for value in ("../../other/checkpoints/epoch_000000", str(other / "epoch_000000"), "..", ".", ""):
+        (mine / ckpt.LATEST).write_text(value + "\n")
+        with pytest.raises(ckpt.TrainCheckpointError, match="latest") as info:
+            ckpt.latest_checkpoint(mine)
+        assert repr(value) in str(info.value)
+    (mine / "epoch_000001").symlink_to(other / "epoch_000000")
+    (mine / ckpt.LATEST).write_text("epoch_000001\n")
+    with pytest.raises(ckpt.TrainCheckpointError, match="epoch_000001.*outside"):
+        ckpt.latest_checkpoint(mine)

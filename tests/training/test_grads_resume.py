@@ -1,12 +1,19 @@
-"""LoRA gradients are the same bytes for micro-batches of 1, 2 and 4; a killed run resumes to the same LoRA bytes."""
+"""LoRA gradients are the same bytes for micro-batches of 1, 2 and 4; a killed run resumes to the same LoRA bytes;
+resume refuses what it cannot trust (a changed config, fewer epochs, an unverified or foreign checkpoint)."""
 
 from __future__ import annotations
 
+import json
+import logging
+import shutil
+
 import pytest
 
+from mmdit_strict.cli.main import main
 from mmdit_strict.config.compose import compose
 from mmdit_strict.training.checkpoint import latest_checkpoint, load_checkpoint
 from mmdit_strict.training.loop import Trainer, run_training
+from mmdit_strict.training.metrics import read_metrics
 from tests.harness import assert_bytes_equal
 from tests.training.conftest import SMALL
 
@@ -127,3 +134,58 @@ def test_resume_refuses_a_different_config(tmp_path) -> None:
                      progress=False)
     res = run_training(compose([f"output_dir={tmp_path}", *SMALL, "train.num_epochs=2", "resume=true"]), progress=False)
     assert [r["epoch"] for r in res.metrics] == [0, 1]
+
+
+def _copy_run(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.slow
+def test_resume_refuses_fewer_epochs_than_finished(tmp_path, uninterrupted, capsys) -> None:
+    """trust row 10: train.num_epochs below the epochs a run already finished is exit 2 naming both counts;
+    the same count is a resume with nothing left to train."""
+    out = _copy_run(uninterrupted[0], tmp_path / "run")
+    cmd = ["train", f"output_dir={out}", *COMMON, "resume=true", "--quiet"]
+    assert main([*cmd, "train.num_epochs=3"]) == 2
+    err = capsys.readouterr().err
+    assert "already finished 4 epochs" in err and "train.num_epochs=3" in err and "train.num_epochs>=4" in err, err
+    assert main([*cmd, "train.num_epochs=4"]) == 0
+    assert len(read_metrics(out)) == 4
+
+
+@pytest.mark.slow
+def test_resume_verifies_the_checkpoint_it_reads(tmp_path, uninterrupted, capsys) -> None:
+    """trust rows 8 and 9 through `mmdit-strict train`: an emptied file list over a corrupt LoRA, and a `latest`
+    naming another run's checkpoint, are exit 2 naming the file / the value (never a resume)."""
+    out = _copy_run(uninterrupted[0], tmp_path / "run")
+    _copy_run(uninterrupted[0], tmp_path / "other")
+    cmd = ["train", f"output_dir={out}", *COMMON, "resume=true", "--quiet"]
+    folder = out / "checkpoints" / "epoch_000003"
+    state = json.loads((folder / "state.json").read_text())
+    (folder / "state.json").write_text(json.dumps({**state, "files": {}}))
+    raw = bytearray((folder / "lora.safetensors").read_bytes())
+    raw[-1] ^= 1
+    (folder / "lora.safetensors").write_bytes(bytes(raw))
+    assert main(cmd) == 2
+    err = capsys.readouterr().err
+    assert "state.json" in err and "'files'" in err, err
+    value = "../../other/checkpoints/epoch_000003"
+    (out / "checkpoints" / "latest").write_text(value + "\n")
+    assert main(cmd) == 2
+    err = capsys.readouterr().err
+    assert repr(value) in err, err
+
+
+@pytest.mark.slow
+def test_resume_repairs_a_torn_metrics_tail(tmp_path, uninterrupted, caplog) -> None:
+    """trust row 11 through `mmdit-strict train`: a metrics.jsonl whose last append was cut short resumes
+    (exit 0) with the file cut back to its last whole line and a warning naming it."""
+    out = _copy_run(uninterrupted[0], tmp_path / "run")
+    whole = (out / "metrics.jsonl").read_text()
+    with open(out / "metrics.jsonl", "a") as fh:
+        fh.write('{"epoch": 4, "rew')
+    with caplog.at_level(logging.WARNING):
+        assert main(["train", f"output_dir={out}", *COMMON, "resume=true", "--quiet"]) == 0
+    assert (out / "metrics.jsonl").read_text() == whole
+    assert any(str(out / "metrics.jsonl") in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)

@@ -1,0 +1,46 @@
+"""metrics.jsonl: a tail torn by a kill is repaired on resume; damage before the tail is an error naming the line."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from mmdit_strict.training.metrics import METRICS, MetricLogger, read_metrics
+
+ROWS = [{"epoch": e, "reward_mean": 0.5 + e} for e in range(3)]
+
+
+def _write(out, text: str) -> None:
+    (out / METRICS).write_text(text)
+
+
+def _lines(rows) -> str:
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+def test_torn_last_line_is_repaired_on_resume(tmp_path, caplog) -> None:
+    """trust row 11: a last line cut short by a kill (no newline) is not a row; resuming truncates the file to the
+    last whole line with a warning naming the file."""
+    _write(tmp_path, _lines(ROWS) + '{"epoch": 3, "rew')
+    assert read_metrics(tmp_path) == ROWS
+    with caplog.at_level(logging.WARNING, logger="mmdit_strict.training.metrics"):
+        MetricLogger(tmp_path, "disabled", "p", None, {}, start_epoch=3).finish()
+    assert (tmp_path / METRICS).read_text() == _lines(ROWS)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and str(tmp_path / METRICS) in warned[0], warned
+    # a whole last row that only lacks its newline is kept
+    _write(tmp_path, _lines(ROWS).rstrip("\n"))
+    assert read_metrics(tmp_path) == ROWS
+
+
+@pytest.mark.parametrize("bad", ['{"epoch": 1, "rew', "[1, 2]", '{"reward_mean": 1.0}'])
+def test_damage_before_the_tail_names_the_line(tmp_path, bad: str) -> None:
+    """trust row 11: a corrupt line that is not the torn tail is an error naming the file and the line number,
+    on read and on resume (the history is never dropped silently)."""
+    _write(tmp_path, _lines(ROWS[:1]) + bad + "\n" + _lines(ROWS[2:]))
+    with pytest.raises(ValueError, match=rf"{METRICS}: line 2"):
+        read_metrics(tmp_path)
+    with pytest.raises(ValueError, match=rf"{METRICS}: line 2"):
+        MetricLogger(tmp_path, "disabled", "p", None, {}, start_epoch=3)
