@@ -144,6 +144,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"metrics: {result.out_dir / 'metrics.jsonl'}; checkpoints: {result.out_dir / 'checkpoints'}")
     for kind, folder in result.export.items():
         print(f"LoRA ({kind}): {folder}")
+    if result.wandb_error:  # after the result lines, which it must not hide
+        print(f"mmdit-strict train: error: wandb logging failed after the training: {result.wandb_error}", file=sys.stderr)
+        return EXIT_ERROR
     return EXIT_OK
 
 

@@ -84,6 +84,7 @@ class TrainResult:
     metrics: list[dict[str, Any]]
     lora: dict[str, torch.Tensor]
     export: dict[str, Path] = field(default_factory=dict)
+    wandb_error: str | None = None  # wandb failed when closing its run (the training itself finished)
 
 
 def _side_runtime(value: str | None, default: str) -> Runtime:
@@ -422,6 +423,7 @@ class Trainer:
                             OmegaConf.to_container(self.cfg, resolve=True), self.start_epoch, self.wandb_id)
         self.wandb_id = mlog.run_id
         bar = tqdm(range(self.start_epoch, E), desc="train", disable=not self.progress, initial=self.start_epoch, total=E)
+        wandb_error = None
         try:
             for epoch in bar:
                 row = self.train_epoch(epoch)
@@ -432,7 +434,7 @@ class Trainer:
         finally:
             bar.close()
             rows = read_metrics(self.out)
-            mlog.finish({"reward_mean_last": rows[-1]["reward_mean"]} if rows else None)
+            wandb_error = mlog.finish({"reward_mean_last": rows[-1]["reward_mean"]} if rows else None)
         rows = read_metrics(self.out)
         if rows:
             names = " + ".join(f"{w:g}·{n}" for n, w in self.rewards.weights.items())
@@ -442,7 +444,8 @@ class Trainer:
         if self.tcfg.export:
             exported = export_lora(self.model, self.out / "lora", int(self.cfg.lora.rank), float(self.cfg.lora.alpha),
                                    list(self.cfg.lora.targets))
-        return TrainResult(self.out, E, read_metrics(self.out), {n: p.detach().clone() for n, p in self.named}, exported)
+        return TrainResult(self.out, E, read_metrics(self.out), {n: p.detach().clone() for n, p in self.named}, exported,
+                           wandb_error)
 
     def train_epoch(self, epoch: int) -> dict[str, Any]:
         """One epoch; returns its metrics row."""

@@ -110,12 +110,20 @@ class MetricLogger:
             scalars = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
             self.run.log(scalars, step=int(row["epoch"]))
 
-    def finish(self, summary: dict[str, Any] | None = None) -> None:
-        if self.run is not None:
+    def finish(self, summary: dict[str, Any] | None = None) -> str | None:
+        """Close the wandb run; returns wandb's error as one line instead of raising it, so a failure
+        after the training (a sync that cannot reach the server) never hides the run's result."""
+        if self.run is None:
+            return None
+        run, self.run = self.run, None
+        try:
             for k, v in (summary or {}).items():
-                self.run.summary[k] = v
-            self.run.finish()
-            self.run = None
+                run.summary[k] = v
+            run.finish()
+        except Exception as exc:  # wandb's errors have no common base class
+            logger.error("wandb: closing the run failed: %s", exc)
+            return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+        return None
 
 
 def plot_rewards(rows: list[dict[str, Any]], path: str | Path, title: str) -> Path:

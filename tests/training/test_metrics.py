@@ -44,3 +44,22 @@ def test_damage_before_the_tail_names_the_line(tmp_path, bad: str) -> None:
         read_metrics(tmp_path)
     with pytest.raises(ValueError, match=rf"{METRICS}: line 2"):
         MetricLogger(tmp_path, "disabled", "p", None, {}, start_epoch=3)
+
+
+def test_wandb_failure_when_closing_is_returned_not_raised(tmp_path, monkeypatch) -> None:
+    """trust row 7 (train): wandb failing as its run closes, after the training, comes back as one line for the
+    command to print after its result instead of an exception that would hide it."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    mlog = MetricLogger(tmp_path, "offline", "p", None, {}, start_epoch=0)
+    mlog.log({"epoch": 0, "reward_mean": 1.0})
+    real_finish = mlog.run.finish
+
+    def unreachable(*args, **kwargs):
+        real_finish()
+        raise ConnectionError("wandb: the server cannot be reached")
+
+    monkeypatch.setattr(mlog.run, "finish", unreachable)
+    assert mlog.finish({"reward_mean_last": 1.0}) == "ConnectionError: wandb: the server cannot be reached"
+    assert mlog.finish() is None  # closed once
+    assert read_metrics(tmp_path) == [{"epoch": 0, "reward_mean": 1.0}]
