@@ -22,7 +22,7 @@ import argparse
 
 import torch
 
-from mmdit_strict.bench.environment import environment_line
+from mmdit_strict.environment import environment_line
 from mmdit_strict.bench.gemm import (
     DEVICE,
     ReportWriter,

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from mmdit_strict.bench.environment import environment_line
+from mmdit_strict.environment import environment_line
 from mmdit_strict.bench.gemm import (
     ReportWriter,
     _bench,

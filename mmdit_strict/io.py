@@ -31,7 +31,3 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
 
 def atomic_write_text(path: str | Path, text: str) -> Path:
     return atomic_write(path, lambda p: p.write_text(text))
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
-    return atomic_write(path, lambda p: p.write_bytes(data))

@@ -86,7 +86,7 @@ def replace_block(text: str, name: str, body: str) -> str:
 def machine() -> dict:
     import torch
 
-    from mmdit_strict.bench.environment import commit
+    from mmdit_strict.environment import commit
 
     return {"commit": commit(), "cpu": platform.processor() or platform.machine(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,

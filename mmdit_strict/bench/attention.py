@@ -50,7 +50,7 @@ from typing import Any, Sequence
 import torch
 
 from . import markdown as md
-from .environment import environment_line, gpu_environment
+from ..environment import environment_line, gpu_environment
 import torch.nn.functional as F
 
 HEADS, HEAD_DIM = 24, 128

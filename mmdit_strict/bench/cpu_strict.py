@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..model.inputs import random_inputs
-from .environment import commit as measured_commit
+from ..environment import commit as measured_commit
 
 # name → (batch, latent grid (h, w) in tokens, valid text tokens per sample, padded text length)
 SHAPES: dict[str, tuple[int, tuple[int, int], tuple[int, ...], int]] = {

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from . import markdown as md
-from .environment import environment_line, gpu_environment
+from ..environment import environment_line, gpu_environment
 from .timing import graph_ms
 
 # the batch layouts the qualification reads the model's GEMM classes from: (latent grid, prompt tokens

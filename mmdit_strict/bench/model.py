@@ -32,7 +32,7 @@ import torch
 from ..config.arch import ArchConfig, preset
 from ..kernels.runtime import Runtime
 from ..model.inputs import random_inputs
-from .environment import environment_line, gpu_environment
+from ..environment import environment_line, gpu_environment
 
 PEAK_TFLOPS = 790.0  # BF16 dense matrix rate measured on the H200 (docs/design.md, anchors)
 LORA_TARGETS = (

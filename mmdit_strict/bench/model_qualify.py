@@ -36,7 +36,7 @@ from ..kernels.trace import capture_trace
 from ..model.init import build_model
 from ..model.inputs import random_inputs
 from ..model.mmdit import MMDiT
-from .environment import commit, environment_line, gpu_environment
+from ..environment import commit, environment_line, gpu_environment
 
 TEXT_LENS = (77, 5, 130, 33, 256, 1, 64, 100)  # valid prompt tokens of the 8 pool samples
 PADS = (1, 7, 64)

@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from . import markdown as md
-from .environment import environment_line, gpu_environment
+from ..environment import environment_line, gpu_environment
 from .bandwidth import copy_reference
 from .timing import graph_ms, plain_ms
 

@@ -136,14 +136,6 @@ def read_state_dict(files: Iterable[Path]) -> dict[str, torch.Tensor]:
     return state
 
 
-def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Raise :class:`CheckpointError` naming every missing, unexpected or mis-shaped tensor."""
-    _require_match(model, {k: tuple(v.shape) for k, v in state.items()}, [k for k, v in state.items() if not v.is_floating_point()])
-    nonfinite = sorted(k for k, v in state.items() if not torch.isfinite(v).all())
-    if nonfinite:
-        raise CheckpointError(f"checkpoint tensors contain NaN/Inf: {_clip(nonfinite)}")
-
-
 def _clip(items: list[str], n: int = 8) -> str:
     return ", ".join(items[:n]) + (f", … (+{len(items) - n} more)" if len(items) > n else "")
 

@@ -38,11 +38,6 @@ def timestep_sinusoid(sigma: torch.Tensor, channels: int, scale: float) -> torch
     return P.timestep_sinusoid(sigma, channels, scale)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs of ``x (B, T, H, d)`` by tables ``(B, T, d/2)``; FP32 math."""
-    return P.multi_axis_rope(x, cos, sin)
-
-
 def production_op(name: str, where: str, ref: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
     """Call operator ``name``'s production implementation, recorded in the trace and seen by capture/fault."""
     return observe_operator(name, where, dispatch_in(Runtime.OFF, name, ref.device, ref.dtype, *args, **kwargs))

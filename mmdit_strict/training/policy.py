@@ -22,7 +22,7 @@ from torch import nn
 
 from ..model import MMDiT
 from ..sampling import sde_step
-from ..trajectories.engine import pad_prompts
+from ..trajectories.engine import velocity
 from ..trajectories.setup import Prompts
 from .rollout import EpochSamples
 
@@ -82,43 +82,6 @@ def grad_keys(samples: EpochSamples, pairs: Sequence[tuple[int, int]], cfg_scale
     return [(pair_key(samples, p), br) for br in cfg_branches(cfg_scale) for p in pairs]
 
 
-def pair_velocity(
-    model: MMDiT, x: torch.Tensor, cond: Sequence[torch.Tensor], neg: torch.Tensor, sigmas: Sequence[float],
-    grid: tuple[int, int], cfg_scale: float, cfg_layout: str, keys: Sequence[tuple[int, int]],
-) -> torch.Tensor:
-    """CFG-combined velocity ``(B, T, 64)`` FP32 where sample ``i`` is at its own ``sigmas[i]``.
-
-    The same composition as the rollout's :func:`~mmdit_strict.trajectories.engine.velocity` (pad to the
-    longest prompt, one forward per CFG branch or both branches in one, :func:`cfg_combine`), with a
-    per-sample timestep so pairs of different steps share a forward. Gradient sample keys are
-    ``(keys[i], branch)``.
-    """
-    from ..kernels.grad_sink import sample_keys
-    from ..sampling import cfg_combine
-
-    B = x.shape[0]
-    shapes = [[(1, grid[0], grid[1])]] * B
-    t1 = torch.tensor([float(s) for s in sigmas], dtype=torch.float32, device=x.device)
-
-    def forward(xs: torch.Tensor, prompts: Sequence[torch.Tensor], branches: Sequence[int]) -> torch.Tensor:
-        ehs, mask = pad_prompts(prompts)
-        with sample_keys([(k, br) for br in branches for k in keys]):
-            return model(xs, ehs, mask, t1.repeat(len(branches)), shapes * len(branches), return_dict=False)[0]
-
-    if cfg_scale == 1.0:
-        return forward(x, cond, (0,)).float()
-    negs = [neg] * B
-    if cfg_layout == "batched":
-        both = forward(torch.cat([x, x]), list(cond) + negs, (0, 1)).float()
-        v_cond, v_neg = both[:B], both[B:]
-    elif cfg_layout == "sequential":
-        v_cond = forward(x, cond, (0,)).float()
-        v_neg = forward(x, negs, (1,)).float()
-    else:
-        raise ValueError(f"cfg_layout must be 'batched' or 'sequential', got {cfg_layout!r}")
-    return cfg_combine(v_cond, v_neg, float(cfg_scale))
-
-
 def evaluate_pairs(
     model: MMDiT, samples: EpochSamples, pairs: Sequence[tuple[int, int]], prompts: Prompts, sigmas: torch.Tensor,
     grid: tuple[int, int], cfg_scale: float, cfg_layout: str, eta: float,
@@ -137,7 +100,7 @@ def evaluate_pairs(
     keys = [pair_key(samples, p) for p in pairs]
     sig = sigmas[steps].contiguous()
     sig_prev = sigmas[[s + 1 for s in steps]].contiguous()
-    v = pair_velocity(model, x_t.to(model.dtype), [prompts.embeds[samples.prompt_ids[n]] for n in rows], prompts.negative,
-                      sig.tolist(), grid, cfg_scale, cfg_layout, keys)
+    v = velocity(model, x_t.to(model.dtype), [prompts.embeds[samples.prompt_ids[n]] for n in rows], prompts.negative,
+                 sig.tolist(), grid, cfg_scale, cfg_layout, sample_ids=keys)
     res = sde_step(v, x_t, sig, sig_prev, prev_sample=x_next, eta=eta, sigma_max=float(sigmas[1]))
     return PairEval(res.logp, res.mean, res.std)

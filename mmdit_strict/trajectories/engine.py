@@ -6,7 +6,7 @@ the config lets them differ in: runtime mode, batch composition, CFG layout, pad
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Hashable, Sequence
 
 import torch
 
@@ -38,30 +38,34 @@ def velocity(
     x: torch.Tensor,  # (B, T, 64) in the model dtype
     cond: Sequence[torch.Tensor],  # B prompts, each (L_i, C)
     neg: torch.Tensor,  # (L_neg, C)
-    sigma: float,
+    sigma: float | Sequence[float],
     grid: tuple[int, int],
     cfg_scale: float,
     cfg_layout: str,
     pad_to: int | None = None,
     block_hashes: list[list[str]] | None = None,
-    sample_ids: Sequence[int] | None = None,
+    sample_ids: Sequence[Hashable] | None = None,
 ) -> torch.Tensor:
-    """CFG-combined velocity ``(B, T, 64)`` in FP32.
+    """CFG-combined velocity ``(B, T, 64)`` in FP32; ``sigma`` is one value for the batch or one per sample.
 
     In ``audit`` runtime, ``block_hashes`` (if given) receives, per sample of the conditional
     branch, the sha256 of every block's image-stream output rows. ``sample_ids`` labels each sample's
-    rows as ``(sample_id, branch)`` (0 = cond, 1 = neg) for split-invariant gradient folding.
+    rows as ``(sample_id, branch)`` (0 = cond, 1 = neg) for split-invariant gradient folding (any
+    hashable label: the trainer labels (sample, step) pairs).
     """
     B = x.shape[0]
     shapes = [[(1, grid[0], grid[1])]] * B
     negs = [neg] * B
 
     ids = list(sample_ids) if sample_ids is not None else list(range(B))
+    per_sample = None if isinstance(sigma, (int, float)) else torch.tensor([float(s) for s in sigma], dtype=torch.float32,
+                                                                           device=x.device)
 
     def forward(xs: torch.Tensor, prompts: Sequence[torch.Tensor], branches: Sequence[int]) -> torch.Tensor:
         ehs, mask = pad_prompts(prompts, pad_to)
         n = xs.shape[0]
-        t = torch.full((n,), sigma, dtype=torch.float32, device=xs.device)
+        t = torch.full((n,), sigma, dtype=torch.float32, device=xs.device) if per_sample is None \
+            else per_sample.repeat(len(branches))
         keys = [(i, br) for br in branches for i in ids]
         with sample_keys(keys):
             return model(xs, ehs, mask, t, [shapes[0]] * n, return_dict=False)[0]

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from ..bench.environment import run_environment
+from ..environment import run_environment
 from ..config.compose import save_resolved
 from . import artifact
 from .compare import Comparison, compare

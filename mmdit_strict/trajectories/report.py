@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..bench.environment import environment_line
+from ..environment import environment_line
 from ..io import atomic_write_text
 from .artifact import Trajectory
 from .compare import Comparison
@@ -139,7 +139,7 @@ def write_report(out_dir: str | Path, rollout: Trajectory, recompute: Trajectory
 
     ``phases``: wall seconds per phase of the run (build, hash_weights, rollout, peer_rollout,
     recompute, compare); ``peer``: :func:`~mmdit_strict.trajectories.peer.peer_rollout`'s result;
-    ``environment``: where the run executed (:func:`~mmdit_strict.bench.environment.run_environment`)."""
+    ``environment``: where the run executed (:func:`~mmdit_strict.environment.run_environment`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for name in PLOTS:  # a plot this comparison does not draw must not survive from an earlier one

@@ -220,7 +220,7 @@ def test_commit_is_unknown_for_a_copy_inside_another_repository(tmp_path: Path) 
     subprocess.run([*git, "commit", "-qm", "theirs"], cwd=other, check=True)
     theirs = subprocess.run(["git", "rev-parse", "HEAD"], cwd=other, capture_output=True, text=True).stdout.strip()
     _copy_package(other / "vendor")
-    probe = "from mmdit_strict.bench.environment import commit; print(commit())"
+    probe = "from mmdit_strict.environment import commit; print(commit())"
     env = {**os.environ, "PYTHONPATH": str(other / "vendor"), "MMDIT_COMMIT": ""}
     untracked = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert untracked.returncode == 0, untracked.stderr

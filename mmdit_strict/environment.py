@@ -1,4 +1,4 @@
-"""What a benchmark report records about where it ran: commit, GPU, driver and library versions."""
+"""Where a run or a benchmark executed: commit, GPU or CPU, driver and library versions (for every report)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def commit() -> str:
     env = os.environ.get("MMDIT_COMMIT")
     if env:
         return env
-    package = Path(__file__).resolve().parents[1]
+    package = Path(__file__).resolve().parent
     tracked = _git(["ls-files", "--error-unmatch", "--", "__init__.py"], package)
     if tracked is None or tracked.returncode != 0:
         return "unknown (the package is not tracked by git here, MMDIT_COMMIT unset)"
