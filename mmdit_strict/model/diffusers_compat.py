@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # diffusers' file name for a saved adapter
 LORA_METADATA_KEY = "lora_adapter_metadata"  # diffusers' safetensors metadata key holding the LoraConfig
+PEFT_WEIGHT_NAME = "adapter_model.safetensors"  # PEFT's file name for a saved adapter
+PEFT_CONFIG_NAME = "adapter_config.json"  # PEFT's LoraConfig, beside its weights
+PEFT_KEY_PREFIX = "base_model.model"  # PeftModel's wrapper path, in front of PEFT's saved tensor names
 
 
 def check_attention_kwargs(attention_kwargs: Mapping[str, Any] | None) -> None:
@@ -58,25 +61,42 @@ def _lora_layers(model: torch.nn.Module) -> Iterator[Any]:
 def read_lora_file(
     source: str | os.PathLike | Mapping[str, torch.Tensor], weight_name: str | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
-    """A LoRA state dict and its saved ``LoraConfig`` (or None) from a dict, a file or a folder."""
+    """A LoRA state dict and its saved ``LoraConfig`` (or None) from a dict, a file or a folder.
+
+    A folder is read through ``weight_name``, else diffusers' ``pytorch_lora_weights.safetensors``, else
+    PEFT's ``adapter_model.safetensors``. The config is the file's ``lora_adapter_metadata`` or, failing
+    that, an ``adapter_config.json`` beside the file (PEFT's layout). Keys and config come back as stored
+    (any ``transformer.`` / ``base_model.model.`` prefix included).
+    """
     if isinstance(source, Mapping):
         return dict(source), None
     from safetensors import safe_open
 
     path = Path(source).expanduser()
     if path.is_dir():
-        path = path / (weight_name or LORA_WEIGHT_NAME)
+        name = weight_name or next((n for n in (LORA_WEIGHT_NAME, PEFT_WEIGHT_NAME) if (path / n).is_file()), LORA_WEIGHT_NAME)
+        path = path / name
     if not path.is_file():
         raise FileNotFoundError(
-            f"no LoRA file at {path}: pass a state dict, a .safetensors file or a folder holding {weight_name or LORA_WEIGHT_NAME}"
+            f"no LoRA file at {path}: pass a state dict, a .safetensors file or a folder holding "
+            f"{weight_name or f'{LORA_WEIGHT_NAME} or {PEFT_WEIGHT_NAME}'}"
         )
     if path.suffix != ".safetensors":
         raise ValueError(f"{path}: only safetensors LoRA files are read (convert pickled weights first)")
     with safe_open(str(path), framework="pt", device="cpu") as fh:
         state = {k: fh.get_tensor(k) for k in fh.keys()}
         meta = fh.metadata() or {}
-    config = json.loads(meta[LORA_METADATA_KEY]) if LORA_METADATA_KEY in meta else None
-    return state, config
+    if LORA_METADATA_KEY in meta:
+        return state, json.loads(meta[LORA_METADATA_KEY])
+    peft_config = path.with_name(PEFT_CONFIG_NAME)
+    return state, json.loads(peft_config.read_text()) if peft_config.is_file() else None
+
+
+def _under_prefix(entries: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    """The entries named ``prefix.<name>``, renamed ``<name>``; all of them unchanged when none is."""
+    head = prefix + "."
+    inner = {k[len(head):]: v for k, v in entries.items() if k.startswith(head)}
+    return inner or dict(entries)
 
 
 def lora_config_from_state(
@@ -167,9 +187,11 @@ class DiffusersCompatMixin:
         """Load a diffusers/PEFT LoRA (state dict, ``.safetensors`` file or folder) as a new adapter.
 
         Keys are ``<module>.lora_A.weight`` / ``<module>.lora_B.weight``, optionally under ``prefix.``
-        (what ``QwenImagePipeline.load_lora_weights`` passes). The ``LoraConfig`` comes from ``metadata``
-        or the file's ``lora_adapter_metadata``, else it is inferred from the tensor shapes. The new
-        adapter becomes the active one; tensors are cast to the model's dtype and device.
+        (what ``QwenImagePipeline.load_lora_weights`` passes) or PEFT's ``base_model.model.``. The
+        ``LoraConfig`` comes from ``metadata`` or the saved config (:func:`read_lora_file`), its entries
+        under ``prefix.`` when they are, else it is inferred from the tensor shapes. A PEFT adapter folder
+        (``adapter_model.safetensors`` + ``adapter_config.json``) loads as it is. The new adapter becomes
+        the active one; tensors are cast to the model's dtype and device.
         """
         from peft import LoraConfig
         from peft.utils import set_peft_model_state_dict
@@ -177,18 +199,33 @@ class DiffusersCompatMixin:
         if hotswap:
             raise ValueError("hotswap is not supported: delete_adapters() the old adapter and load the new one")
         state, saved = read_lora_file(pretrained_model_name_or_path_or_dict, weight_name)
+        cfg_dict = dict(metadata) if metadata else saved
         if prefix:
-            prefixed = {k[len(prefix) + 1:]: v for k, v in state.items() if k.startswith(prefix + ".")}
-            state = prefixed or state  # a file saved by save_lora_adapter carries no prefix
+            # a pipeline's file (save_lora_weights, our export) names tensors and config entries under the
+            # component's prefix; a file saved by save_lora_adapter carries none
+            state = _under_prefix(state, prefix)
+            cfg_dict = _under_prefix(cfg_dict, prefix) if cfg_dict else cfg_dict
             if network_alphas:
                 network_alphas = {k[len(prefix) + 1:] if k.startswith(prefix + ".") else k: v for k, v in network_alphas.items()}
+        peft_saved = any(k.startswith(PEFT_KEY_PREFIX + ".") for k in state)
+        state = _under_prefix(state, PEFT_KEY_PREFIX)  # PEFT's saved names, as set_peft_model_state_dict reads them
         bad = sorted(k for k in state if ".lora_A." not in k and ".lora_B." not in k)
         if bad:
             raise ValueError(f"not LoRA tensors (expected '.lora_A.' / '.lora_B.' names): {bad[:4]}")
-        cfg_dict = dict(metadata) if metadata else saved
         if cfg_dict:
             known = set(LoraConfig.__dataclass_fields__)
             config = LoraConfig(**{k: v for k, v in cfg_dict.items() if k in known and k not in ("peft_type", "task_type")})
+            if not config.target_modules and not getattr(config, "target_parameters", None):
+                raise ValueError(
+                    f"the saved LoraConfig names no target_modules (its entries: {sorted(cfg_dict)[:6]}); "
+                    "entries stored under a component name need prefix= set to that name"
+                )
+        elif peft_saved and not network_alphas:
+            # PEFT keeps alpha in adapter_config.json only: inferring alpha = r would silently rescale the adapter
+            raise ValueError(
+                "PEFT-saved LoRA tensors came without their adapter_config.json (alpha unknown): load the adapter "
+                "folder itself (model.load_lora_adapter(folder) or peft.PeftModel.from_pretrained(model, folder))"
+            )
         else:
             config = lora_config_from_state(state, network_alphas)
         if getattr(config, "use_dora", False):
@@ -263,9 +300,11 @@ class DiffusersCompatMixin:
 
     def save_lora_adapter(self, save_directory: str | os.PathLike, adapter_name: str = "default",
                           weight_name: str = LORA_WEIGHT_NAME) -> Path:
-        """Write one adapter as diffusers does (``pytorch_lora_weights.safetensors`` + its LoraConfig)."""
+        """Write one adapter as diffusers does (``pytorch_lora_weights.safetensors`` + its LoraConfig);
+        the same adapter always gives the same file bytes."""
         from peft.utils import get_peft_model_state_dict
-        from safetensors.torch import save_file
+
+        from ..trajectories.artifact import save_safetensors  # byte-stable header (sorted metadata)
 
         config = self._adapter_configs().get(adapter_name)
         if config is None:
@@ -278,7 +317,7 @@ class DiffusersCompatMixin:
         cfg = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.to_dict().items()}
         out = Path(save_directory)
         out.mkdir(parents=True, exist_ok=True)
-        save_file(state, str(out / weight_name), metadata={"format": "pt", LORA_METADATA_KEY: json.dumps(cfg, sort_keys=True, default=str)})
+        save_safetensors(state, out / weight_name, metadata={"format": "pt", LORA_METADATA_KEY: json.dumps(cfg, sort_keys=True, default=str)})
         return out / weight_name
 
     def set_attention_backend(self, backend: str) -> None:

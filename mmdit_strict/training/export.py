@@ -3,9 +3,12 @@
 * ``<dir>/peft/``: ``adapter_config.json`` (PEFT ``LoraConfig``) and ``adapter_model.safetensors``
   with PEFT's saved key names (``base_model.model.<module>.lora_A.weight``).
 * ``<dir>/diffusers/pytorch_lora_weights.safetensors``: keys ``transformer.<module>.lora_A.weight``
-  and the adapter config in the file's ``lora_adapter_metadata`` (``transformer.``-prefixed), which
-  ``QwenImageTransformer2DModel.load_lora_adapter(folder)`` and ``QwenImagePipeline.load_lora_weights``
-  read. Module names are diffusers' (our parameter tree uses them).
+  and the adapter config in the file's ``lora_adapter_metadata`` (``transformer.``-prefixed, as
+  diffusers' pipeline-level ``save_lora_weights`` writes it), which ``load_lora_adapter(folder)`` of
+  ``QwenImageTransformer2DModel`` or ``MMDiT`` and ``QwenImagePipeline.load_lora_weights`` read.
+  Module names are diffusers' (our parameter tree uses them).
+
+The same adapter always gives the same bytes in every file (sorted JSON, sorted safetensors header).
 """
 
 from __future__ import annotations
@@ -14,9 +17,9 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from ..io import atomic_write, atomic_write_text
+from ..trajectories.artifact import save_safetensors
 
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"
@@ -46,16 +49,19 @@ def adapter_config(rank: int, alpha: float, targets: list[str]) -> dict:
 
 
 def export_lora(model: torch.nn.Module, out_dir: str | Path, rank: int, alpha: float, targets: list[str]) -> dict[str, Path]:
-    """Write both formats under ``out_dir`` (each file atomically). Returns ``{"peft": dir, "diffusers": dir}``."""
+    """Write both formats under ``out_dir`` (each file atomically; byte-identical for the same adapter).
+
+    Returns ``{"peft": dir, "diffusers": dir}``.
+    """
     out_dir = Path(out_dir)
     tensors = lora_tensors(model)
     config = adapter_config(rank, alpha, targets)
     peft_dir, diff_dir = out_dir / "peft", out_dir / "diffusers"
     peft_sd = {f"base_model.model.{k}": v for k, v in tensors.items()}
-    atomic_write(peft_dir / PEFT_WEIGHTS, lambda p: save_file(peft_sd, str(p), metadata={"format": "pt"}))
+    atomic_write(peft_dir / PEFT_WEIGHTS, lambda p: save_safetensors(peft_sd, p, metadata={"format": "pt"}))
     atomic_write_text(peft_dir / PEFT_CONFIG, json.dumps(config, indent=2, sort_keys=True, default=str))
     diff_sd = {f"transformer.{k}": v for k, v in tensors.items()}
     meta = {"format": "pt", "lora_adapter_metadata": json.dumps({f"transformer.{k}": v for k, v in config.items()},
                                                                  indent=2, sort_keys=True, default=str)}
-    atomic_write(diff_dir / DIFFUSERS_WEIGHTS, lambda p: save_file(diff_sd, str(p), metadata=meta))
+    atomic_write(diff_dir / DIFFUSERS_WEIGHTS, lambda p: save_safetensors(diff_sd, p, metadata=meta))
     return {"peft": peft_dir, "diffusers": diff_dir}
