@@ -1,11 +1,15 @@
-"""Atomic file writes: write to a temp file in the same folder, fsync, then rename into place."""
+"""File writes every layer uses: atomic writes (temp file in the same folder, fsync, rename into place) and
+byte-stable safetensors files (the same tensors and metadata always give the same file bytes)."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
+
+import torch
 
 
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
@@ -31,3 +35,46 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
 
 def atomic_write_text(path: str | Path, text: str) -> Path:
     return atomic_write(path, lambda p: p.write_text(text))
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The raw bytes of ``t`` in row-major order (on the host)."""
+    t = t.detach().to("cpu").contiguous().reshape(-1)
+    if t.numel() == 0:
+        return b""
+    return t.view(torch.uint8).numpy().tobytes() if t.dtype != torch.uint8 else t.numpy().tobytes()
+
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> None:
+    """Write ``tensors`` as a safetensors file whose bytes depend only on names, dtypes, shapes and values.
+
+    The header is JSON with every key sorted (``__metadata__`` included) and no spaces, padded with
+    spaces to a multiple of 8 bytes; tensor data follows in name order. (The safetensors library's
+    own writer orders the metadata through a hash map, so two writes of the same tensors can differ.)
+    """
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    ordered = []
+    offset = 0
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu").contiguous()
+        if t.dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"cannot store tensor {name!r} of dtype {t.dtype} in safetensors")
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        ordered.append(t)
+        offset += size
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as fh:
+        fh.write(len(text).to_bytes(8, "little"))
+        fh.write(text)
+        for t in ordered:
+            fh.write(tensor_bytes(t))

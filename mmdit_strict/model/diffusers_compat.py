@@ -304,7 +304,7 @@ class DiffusersCompatMixin:
         the same adapter always gives the same file bytes."""
         from peft.utils import get_peft_model_state_dict
 
-        from ..trajectories.artifact import save_safetensors  # byte-stable header (sorted metadata)
+        from ..io import save_safetensors  # byte-stable header (sorted metadata)
 
         config = self._adapter_configs().get(adapter_name)
         if config is None:

@@ -150,7 +150,7 @@ def write_prompt_file(path: str | Path, enc: EncodedPrompts, *, pipeline_folder:
                       max_sequence_length: int = MAX_SEQUENCE_LENGTH) -> Path:
     """Write ``enc`` (layout in the module docstring) atomically and byte-stably (same inputs, same
     bytes); the header names what made it."""
-    from ..trajectories.artifact import save_safetensors  # byte-stable header (sorted keys)
+    from ..io import save_safetensors  # byte-stable header (sorted keys)
 
     if enc.negative_embeds is None:
         raise ValueError("the prompt file needs a negative prompt (rollout's CFG uses it); pass negative_prompt=' '")

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..io import atomic_write, atomic_write_text
-from ..trajectories.artifact import save_safetensors
+from ..io import atomic_write, atomic_write_text, save_safetensors
 
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"

@@ -31,7 +31,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from .hashing import file_sha256, tensor_bytes, tensor_sha256
+from ..io import save_safetensors
+from .hashing import file_sha256, tensor_sha256
 
 FORMAT = "mmdit-strict-trajectory"
 FORMAT_VERSION = 1
@@ -86,41 +87,6 @@ def hardware_info(device: str) -> dict[str, Any]:
         info["gpu"] = torch.cuda.get_device_name()
         info["cuda"] = torch.version.cuda
     return info
-
-
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
-    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-}
-
-
-def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> None:
-    """Write ``tensors`` as a safetensors file whose bytes depend only on names, dtypes, shapes and values.
-
-    The header is JSON with every key sorted (``__metadata__`` included) and no spaces, padded with
-    spaces to a multiple of 8 bytes; tensor data follows in name order. (The safetensors library's
-    own writer orders the metadata through a hash map, so two writes of the same tensors can differ.)
-    """
-    header: dict[str, Any] = {}
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    ordered = []
-    offset = 0
-    for name in sorted(tensors):
-        t = tensors[name].detach().to("cpu").contiguous()
-        if t.dtype not in _SAFETENSORS_DTYPES:
-            raise ValueError(f"cannot store tensor {name!r} of dtype {t.dtype} in safetensors")
-        size = t.numel() * t.element_size()
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
-        ordered.append(t)
-        offset += size
-    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    with open(path, "wb") as fh:
-        fh.write(len(text).to_bytes(8, "little"))
-        fh.write(text)
-        for t in ordered:
-            fh.write(tensor_bytes(t))
 
 
 def write(traj: Trajectory, directory: str | Path) -> Path:

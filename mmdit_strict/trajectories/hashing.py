@@ -6,12 +6,7 @@ import hashlib
 
 import torch
 
-
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    t = t.detach().to("cpu").contiguous().reshape(-1)
-    if t.numel() == 0:
-        return b""
-    return t.view(torch.uint8).numpy().tobytes() if t.dtype != torch.uint8 else t.numpy().tobytes()
+from ..io import tensor_bytes
 
 
 def tensor_sha256(t: torch.Tensor) -> str:

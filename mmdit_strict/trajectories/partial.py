@@ -37,7 +37,7 @@ from safetensors.torch import load_file
 
 from ..io import atomic_write, atomic_write_text
 from ..kernels.trace import OperatorTrace
-from .artifact import save_safetensors
+from ..io import save_safetensors
 from .hashing import file_sha256
 from .record import StepRecorder
 from .stagekey import describe_mismatch

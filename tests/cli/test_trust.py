@@ -252,3 +252,15 @@ def test_wandb_online_finds_a_configured_login(tmp_path: Path, monkeypatch: pyte
     rc.unlink()
     monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
     require_wandb("online")
+
+
+def test_help_says_where_a_plus_override_adds_its_key() -> None:
+    """Row 15: `--help` said `+key=v` adds under `extra`; it adds the key where it names it."""
+    from mmdit_strict.cli.main import build_parser
+    from mmdit_strict.config.compose import compose
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    text = " ".join(sub.choices["run"].format_help().split())
+    assert "adds a key that does not exist yet where it names it" in text and "+extra.note=v" in text
+    cfg = compose(["+note=1", "+extra.note=2"])
+    assert cfg.note == 1 and cfg.extra.note == 2
