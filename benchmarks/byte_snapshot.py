@@ -71,7 +71,7 @@ def _lora(model: Any) -> None:
 
 
 def _case(arch: Any, dtype: torch.dtype, device: str, grid: tuple[int, int], name: str) -> dict[str, str]:
-    from mmdit_strict.kernels.grad_sink import collect_sample_grads
+    from mmdit_strict.kernels.grad_sink import collect_sample_grads, sample_keys
     from mmdit_strict.model.strict import capture_operators
 
     out: dict[str, str] = {}
@@ -102,7 +102,7 @@ def _case(arch: Any, dtype: torch.dtype, device: str, grid: tuple[int, int], nam
     for _, p in params:
         p.requires_grad_(True)
     lora_model.enable_gradient_checkpointing(True)
-    with collect_sample_grads() as sink:
+    with collect_sample_grads() as sink, sample_keys([(i, 0) for i in range(len(lens))]):
         loss = (lora_model(**inp).sample.float() * weight).sum()
         loss.backward()
     for n, p in params:
