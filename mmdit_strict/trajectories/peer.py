@@ -40,8 +40,8 @@ def peer_rollout(cfg: DictConfig, model: MMDiT, prompts: Prompts, progress: bool
     arch = model.config
     device = next(model.parameters()).device
     twin = diffusers_twin(model)
-    grid = latent_grid(cfg, arch)
-    sigmas = schedule(cfg, arch)
+    grid = latent_grid(cfg.sampler, arch)
+    sigmas = schedule(cfg.sampler, arch)
     S = sigmas.shape[0] - 1
     ids = list(range(len(prompts.embeds)))
     bs = int(cfg.rollout.batch_size)

@@ -146,7 +146,7 @@ def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | 
         raise artifact.TrajectoryError("the rollout artifact holds no tensors; rerun rollout with rollout.save_tensors=true")
     t0 = time.perf_counter()
     runtime = side_runtime(cfg, "recompute")
-    model = build_side_model(cfg, runtime)
+    model = build_side_model(cfg.model, cfg.lora, runtime)
     model.enable_gradient_checkpointing(bool(cfg.recompute.grad_checkpointing))
     hashes = model_hashes(model)
     for key, val in hashes.items():

@@ -54,10 +54,10 @@ def warm_up(cfg: DictConfig, model: MMDiT, prompts: Prompts) -> float:
     """
     t0 = time.perf_counter()
     arch = model.config
-    grid = latent_grid(cfg, arch)
-    sigmas = schedule(cfg, arch)
+    grid = latent_grid(cfg.sampler, arch)
+    sigmas = schedule(cfg.sampler, arch)
     ids = list(range(len(prompts.embeds)))
-    x = initial_latents(int(cfg.seed), ids, (grid[0] * grid[1], arch.in_channels), cfg.model.device)
+    x = initial_latents(cfg.seed, ids, (grid[0] * grid[1], arch.in_channels), cfg.model.device)
     with runtime_mode(model.runtime), torch.no_grad():
         for batch in {tuple(b) for b in rollout_batches(cfg, len(ids))}:
             velocity(model, x[list(batch)].to(model.dtype), [prompts.embeds[i] for i in batch], prompts.negative,
@@ -78,16 +78,16 @@ def run_rollout(cfg: DictConfig, out_dir: str | Path, progress: bool = True, mod
     t0 = time.perf_counter()
     runtime = side_runtime(cfg, "rollout")
     if model is None:
-        model = build_side_model(cfg, runtime)
+        model = build_side_model(cfg.model, cfg.lora, runtime)
     elif model.runtime is not runtime:
         raise ValueError(f"run_rollout got a model in runtime {model.runtime.value}, the rollout side runs {runtime.value}")
     hashes = hashes if hashes is not None else model_hashes(model)
     arch = model.config
     device = cfg.model.device
-    prompts = make_prompts(cfg, arch, device)
-    check_pad_to("rollout", cfg.rollout.pad_to, prompts, float(cfg.sampler.cfg_scale))
-    grid = latent_grid(cfg, arch)
-    sigmas = schedule(cfg, arch)
+    prompts = make_prompts(cfg.prompts, arch, device, cfg.model.dtype)
+    check_pad_to("rollout", cfg.rollout.pad_to, prompts, cfg.sampler.cfg_scale)
+    grid = latent_grid(cfg.sampler, arch)
+    sigmas = schedule(cfg.sampler, arch)
     S = sigmas.shape[0] - 1
     ids = list(range(len(prompts.embeds)))
     x = initial_latents(int(cfg.seed), ids, (grid[0] * grid[1], arch.in_channels), device)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mmdit_strict.config.compose import compose
+from tests.training.conftest import compose_train
 from mmdit_strict.tolerances import tolerance
 from mmdit_strict.training.loop import Trainer
 from tests.helpers import make_inputs
@@ -19,7 +19,7 @@ from tests.training.conftest import SMALL
 def trained(tiny_ckpt, tmp_path_factory):
     path, _ = tiny_ckpt
     out = tmp_path_factory.mktemp("export")
-    cfg = compose([f"output_dir={out}", *SMALL, f"model.checkpoint={path}", "lora.init=random", "train.num_epochs=1",
+    cfg = compose_train([f"output_dir={out}", *SMALL, f"model.checkpoint={path}", "lora.init=random", "train.num_epochs=1",
                    "train.export=true", "lora.rank=3", "lora.alpha=6.0",
                    'lora.targets=["to_q","to_k","to_v","to_out.0","add_q_proj","add_k_proj","add_v_proj","to_add_out","img_mlp.net.0.proj","img_mlp.net.2","txt_mlp.net.0.proj","txt_mlp.net.2"]'])
     tr = Trainer(cfg, progress=False)
