@@ -171,17 +171,18 @@ def compose(overrides: Sequence[str] = (), config_dir: str | Path | None = None,
                 check_global(node, f"{g}={opt}", [ng for nd in nested for ng in nd])
             elif g not in valid:
                 raise _foreign([g], command, valid, f"config group {g}={opt}")
-            if nested:  # an experiment may pick group options
-                for nd in nested:
-                    for ng, nopt in nd.items():
-                        if ng in group_choice:
-                            continue
-                        npath = cdir / ng / f"{nopt}.yaml"
-                        if not npath.exists():
-                            raise ConfigError(f"{path}: unknown option {nopt!r} for group {ng!r}")
-                        nnode, _ = _load_yaml(npath)
-                        merged = OmegaConf.merge(merged, {ng: nnode})
-                        choices[ng] = str(nopt)
+            for nd in nested:  # an experiment may pick group options
+                for ng, nopt in nd.items():
+                    if ng not in valid:
+                        raise _foreign([ng], command, valid, f"{g}={opt} (its defaults pick {ng}={nopt})")
+                    if ng in group_choice:
+                        continue
+                    npath = cdir / ng / f"{nopt}.yaml"
+                    if not npath.exists():
+                        raise ConfigError(f"{path}: unknown option {nopt!r} for group {ng!r}")
+                    nnode, _ = _load_yaml(npath)
+                    merged = OmegaConf.merge(merged, {ng: nnode})
+                    choices[ng] = str(nopt)
             merged = OmegaConf.merge(merged, node if is_global else {g: node})
             choices[g] = opt
     except (ConfigKeyError, ValidationError) as exc:

@@ -13,7 +13,7 @@ import yaml
 from mmdit_strict.cli.main import main
 from mmdit_strict.config.compose import ConfigError, compose
 from mmdit_strict.config.schema import SCHEMAS, TrainRunConfig, TrajectoryConfig, section_names
-from mmdit_strict.training.loop import RESUME_FREE
+from mmdit_strict.training.loop import RESUME_FREE, resume_differences
 
 TRAJECTORY_KEYS = ["seed", "output_dir", "resume", "progress", "model", "runtime", "sampler", "prompts", "rollout",
                    "recompute", "lora", "compare", "wandb", "extra"]
@@ -118,3 +118,12 @@ def test_resume_free_keys_are_train_schema_keys() -> None:
             hints = typing.get_type_hints(node)
             assert part in hints, f"RESUME_FREE key {key!r} is not in the train schema"
             node = hints[part]
+
+
+def test_resume_compares_train_schema_keys_only() -> None:
+    """A checkpoint keyed under a wider schema (trajectory sections too) still resumes; a train key that differs does not."""
+    now = {"train.learning_rate": 0.05, "sample.batch_size": 4}
+    wider = {**now, "recompute.micro_batch": 3, "compare.localize": True}
+    assert resume_differences(now, wider) == []
+    assert resume_differences(now, {**wider, "train.learning_rate": 0.01}) == ["train.learning_rate"]
+    assert resume_differences(now, {"sample.batch_size": 4}) == ["train.learning_rate"]

@@ -57,10 +57,10 @@ def test_checkpoint_overwritten_between_kill_and_resume_is_not_spliced(tmp_path:
     cfg = compose([f"output_dir={tmp_path}", *SMALL, "sampler.num_steps=3", f"model.checkpoint={ckpt}"])
     real = rollout_mod.step_latents
 
-    def killed_at_2(cfg, v, x, sigmas, step, ids, prev_sample=None):
+    def killed_at_2(sampler, seed, v, x, sigmas, step, ids, prev_sample=None):
         if step == 2:
             raise KeyboardInterrupt
-        return real(cfg, v, x, sigmas, step, ids, prev_sample=prev_sample)
+        return real(sampler, seed, v, x, sigmas, step, ids, prev_sample=prev_sample)
 
     monkeypatch.setattr(rollout_mod, "step_latents", killed_at_2)
     with pytest.raises(KeyboardInterrupt):
