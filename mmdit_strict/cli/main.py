@@ -32,10 +32,16 @@ _OVERRIDES_HELP = (
 )
 
 
-def _compose(args: argparse.Namespace):
+def _schema_command(args: argparse.Namespace) -> str:
+    """The command whose schema ``args`` composes (``config --for`` names one; else the command itself)."""
+    return getattr(args, "for_command", None) or args.command
+
+
+def _compose(args: argparse.Namespace, overrides: Sequence[str] | None = None):
     from ..config.compose import compose
 
-    return compose(args.overrides, config_dir=args.config_dir)
+    return compose(args.overrides if overrides is None else overrides, config_dir=args.config_dir,
+                   command=_schema_command(args))
 
 
 def _add_overrides(p: argparse.ArgumentParser) -> None:
@@ -301,7 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("report", cmd_report, "re-run compare + localize on a run folder and write its report", overrides=False)
     p.add_argument("run_dir", help="a folder made by `mmdit-strict run`")
     p.add_argument("--print", action="store_true", help="print the markdown report")
-    add("config", cmd_config, "print the composed, resolved config")
+    p = add("config", cmd_config, "print the composed, resolved config of a command (--for; default run)")
+    p.add_argument("--for", dest="for_command", default="run", choices=["run", "rollout", "sample", "recompute", "train"],
+                   help="the command whose keys to compose: run, rollout, sample and recompute share one schema, "
+                   "train has its own (default: run)")
     p = add("encode", cmd_encode, "encode prompts with a Qwen-Image pipeline folder's text encoder into a "
             "safetensors file for prompts.embeddings (Qwen-Image's template, first 34 tokens dropped)", overrides=False)
     p.add_argument("pipeline", help="pipeline folder holding tokenizer/ and text_encoder/")
@@ -360,7 +369,7 @@ def _multirun(args: argparse.Namespace) -> int:
 
     import yaml
 
-    from ..config.compose import ConfigError, compose
+    from ..config.compose import ConfigError
     from ..config.overrides import expand_multirun, parse_override
     from ..io import atomic_write_text
     from ..trajectories.outdir import check_output_dir
@@ -369,11 +378,11 @@ def _multirun(args: argparse.Namespace) -> int:
     if any(parse_override(o).key == "output_dir" and "," in (parse_override(o).raw or "") for o in args.overrides):
         raise ValueError("output_dir cannot be swept: multirun jobs go to OUTPUT_DIR/<job number>")
     jobs = expand_multirun(args.overrides)
-    base = Path(compose(jobs[0], config_dir=args.config_dir).output_dir)
+    base = Path(_compose(args, jobs[0]).output_dir)
     rows = []
     for i, job in enumerate(jobs):
         try:
-            cfg = compose([*job, f"output_dir={base / str(i)}"], config_dir=args.config_dir)
+            cfg = _compose(args, [*job, f"output_dir={base / str(i)}"])
             check_output_dir(cfg.output_dir, kind=_output_kind(args))
             require_wandb(cfg.wandb.mode)
         except (ConfigError, ValueError) as exc:
