@@ -27,7 +27,7 @@ _EXIT_HELP = """exit status:
 _OVERRIDES_HELP = (
     "hydra-style overrides: group=option (model=tiny, runtime=off, experiment=recompute_off) and "
     "key=value (sampler.num_steps=4, recompute.micro_batch=2, model.checkpoint=null); +key=value adds a key that "
-    "does not exist yet where it names it (+extra.note=v under the free-form extra section), ++key=value adds or "
+    "does not exist yet to a free-form section (+extra.note=v, +train.reward_fn.NAME=w), ++key=value adds or "
     "sets, ~key deletes, ~group drops a group; flags may come anywhere"
 )
 
@@ -40,8 +40,13 @@ def _schema_command(args: argparse.Namespace) -> str:
 def _compose(args: argparse.Namespace, overrides: Sequence[str] | None = None):
     from ..config.compose import compose
 
-    return compose(args.overrides if overrides is None else overrides, config_dir=args.config_dir,
-                   command=_schema_command(args))
+    overrides = args.overrides if overrides is None else overrides
+    command = _schema_command(args)
+    if command == "train":
+        from ..training.rewards import compose_train
+
+        return compose_train(overrides, config_dir=args.config_dir)
+    return compose(overrides, config_dir=args.config_dir, command=command)
 
 
 def _add_overrides(p: argparse.ArgumentParser) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
@@ -104,7 +104,7 @@ def _foreign(keys: Sequence[str], command: str, valid: Sequence[str], where: str
 
 
 def compose(overrides: Sequence[str] = (), config_dir: str | Path | None = None, config_name: str = "config",
-            command: str = "run") -> DictConfig:
+            command: str = "run", checks: Sequence[Callable[[DictConfig], list[str]]] = ()) -> DictConfig:
     """Compose ``config_name`` with ``overrides`` onto ``command``'s schema; return it validated, resolved, read-only.
 
     A ConfigError names any key, group or experiment key ``command`` does not read, with its valid keys.
@@ -240,7 +240,7 @@ def compose(overrides: Sequence[str] = (), config_dir: str | Path | None = None,
         OmegaConf.resolve(merged)
     except OmegaConfBaseException as exc:
         raise ConfigError(f"cannot resolve interpolations: {exc}") from exc
-    found = problems(merged)
+    found = problems(merged) + [p for check in checks for p in check(merged)]
     if found:
         raise ConfigError("; ".join(found))
     merged_choices = OmegaConf.create({"choices": choices})

@@ -168,7 +168,6 @@ def _train_problems(cfg: DictConfig) -> list[str]:
     if threads is not None and (not _is_int(threads) or threads < 1):
         out.append(f"train.cpu_threads must be null or >= 1, got {threads}")
     out += _window_problems(cfg)
-    out += _reward_problems(cfg)
     return out
 
 
@@ -181,17 +180,6 @@ def _window_problems(cfg: DictConfig) -> list[str]:
             and 0 <= bounds[0] < bounds[1] <= steps and bounds[1] - bounds[0] >= size):
         return [f"sample.sde_window_range must be [lo, hi) with 0 <= lo < hi <= sample.num_steps={steps} and "
                 f"hi - lo >= sample.sde_window_size={size}, got {bounds}"]
-    return []
-
-
-def _reward_problems(cfg: DictConfig) -> list[str]:
-    """The rewards resolve (built-in names, importable plug-ins) with finite weights and known kwargs."""
-    from ..training.rewards import RewardSet
-
-    try:
-        RewardSet(OmegaConf.to_container(cfg.train.reward_fn), OmegaConf.to_container(cfg.train.reward_kwargs))
-    except ValueError as exc:
-        return [str(exc)]
     return []
 
 

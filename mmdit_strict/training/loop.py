@@ -157,7 +157,7 @@ def image_source(mcfg: ModelConfig, rewards: RewardSet) -> ImageSource:
 class Trainer:
     """One training run in ``cfg.output_dir`` (see the module docstring).
 
-    ``cfg`` is a composed ``train`` config (``compose(..., command="train")``), validated at compose
+    ``cfg`` is a composed ``train`` config (:func:`~mmdit_strict.training.rewards.compose_train`), validated at compose
     time; the trainer reads its sections as typed objects (:class:`SampleConfig`, :class:`TrainConfig`,
     :class:`ModelConfig`, :class:`LoraConfig`).
     """

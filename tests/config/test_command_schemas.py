@@ -14,6 +14,7 @@ from mmdit_strict.cli.main import main
 from mmdit_strict.config.compose import ConfigError, compose
 from mmdit_strict.config.schema import SCHEMAS, TrainRunConfig, TrajectoryConfig, section_names
 from mmdit_strict.training.loop import RESUME_FREE, resume_differences
+from mmdit_strict.training.rewards import compose_train
 
 TRAJECTORY_KEYS = ["seed", "output_dir", "resume", "progress", "model", "runtime", "sampler", "prompts", "rollout",
                    "recompute", "lora", "compare", "wandb", "extra"]
@@ -104,7 +105,7 @@ def test_train_value_is_refused_at_compose_before_any_folder(tmp_path: Path, cap
 ])
 def test_train_values_are_checked_at_compose(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        compose(["experiment=grpo_tiny", *overrides], command="train")
+        compose_train(["experiment=grpo_tiny", *overrides])
 
 
 def test_resume_free_keys_are_train_schema_keys() -> None:

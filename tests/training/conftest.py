@@ -8,7 +8,7 @@ import pytest
 import torch
 from omegaconf import DictConfig
 
-from mmdit_strict.config.compose import compose
+from mmdit_strict.training.rewards import compose_train as train_config
 
 # a small strict GRPO run: 2 prompts × 2 images, 3 steps → 12 (sample, step) pairs per epoch
 SMALL = [
@@ -22,7 +22,7 @@ SMALL = [
 
 def compose_train(overrides: Sequence[str]) -> DictConfig:
     """The config `mmdit-strict train` composes from ``overrides``."""
-    return compose(overrides, command="train")
+    return train_config(overrides)
 
 
 @pytest.fixture(autouse=True, scope="module")
