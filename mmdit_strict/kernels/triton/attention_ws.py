@@ -1,13 +1,13 @@
 """Warp-specialized forward of the strict joint attention (Gluon, Hopper): :attr:`AttentionConfig.fwd_ws`.
 
-The same arithmetic as ``attention._attn_fwd_kernel`` on its frozen bf16 tiles (128 query rows, 128-key
+The same arithmetic as ``attention_fwd_kernels._attn_fwd_kernel`` on its frozen bf16 tiles (128 query rows, 128-key
 steps, TMA loads), scheduled differently. One program = one (query tile, head), as there, split into
 three partitions that talk through mbarriers instead of CTA-wide barriers:
 
 * a **loader** warp issues the TMA copies: the query tile's two 64-row halves once, then every key tile's
   K and V boxes, in the forward's key order (the sample's text tiles ascending, then its image tiles), into a
   ring of ``STAGES`` shared-memory slots. Every descriptor spans exactly one segment (as in
-  ``attention._segment_desc``), so a box's rows past the segment arrive as zeros and no other sample's row
+  ``attention_fwd_kernels._segment_desc``), so a box's rows past the segment arrive as zeros and no other sample's row
   can be read.
 * two **consumer** warpgroups, one per 64-row half of the query tile. Each runs the online softmax of its
   rows over all key tiles. Per key tile ``j`` it issues ``acc·α_{j-1} + P̃_{j-1} V_{j-1}`` and
@@ -80,7 +80,7 @@ if gluon is not None:
 
     @gluon.jit
     def _ws_softmax(m_i, l_i, s, qk_scale):
-        """``attention._fwd_stats`` in the consumer's layout: P (FP32), α, the new row max and row sum."""
+        """``attention_fwd_kernels._fwd_stats`` in the consumer's layout: P (FP32), α, the new row max and row sum."""
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         p = gl.exp2(gl.fma(s, qk_scale, -gl.expand_dims(m_new, 1)))
         alpha = gl.exp2(m_i - m_new)
@@ -178,7 +178,7 @@ if gluon is not None:
 
     @gluon.jit
     def _ws_desc(base_ptr, row0, n, row_stride, col, ROWS: gl.constexpr, D: gl.constexpr):
-        """TMA descriptor over exactly one segment (``attention._segment_desc``): rows past it read as zeros."""
+        """TMA descriptor over exactly one segment (``attention_fwd_kernels._segment_desc``): rows past it read as zeros."""
         layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         return tma.make_tensor_descriptor(base_ptr + row0.to(gl.int64) * row_stride + col, shape=[gl.maximum(n, 1), D],
                                           strides=[row_stride, 1], block_shape=[ROWS, D], layout=layout)
