@@ -81,7 +81,7 @@ def _compile_all(A, torch, triton_dir: Path, override: dict, sass_dir: Path | No
         setattr(A, k, v)
     try:
         heads, d, nt, ni, dt = 24, 128, 77, 6889, dtype
-        cfg = {**A.config_for(d, dt), **override}
+        cfg = A.config_for(d, dt).replace(**override)
         s = [torch.zeros(n, heads, d, dtype=dt) for n in (nt, nt, nt, ni, ni, ni)]
         lse = torch.zeros(nt + ni, heads)
         o = (torch.zeros_like(s[0]), torch.zeros_like(s[3]))

@@ -106,7 +106,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    """Issue 2's ``sample``: a rollout of the tiny default, printing the per-step hashes."""
+    """``sample``: a rollout of the tiny default, printing the per-step hashes."""
     from ..config.compose import save_resolved
     from ..trajectories import run_rollout
 
