@@ -74,7 +74,7 @@ def _compile_all(A, torch, triton_dir: Path, override: dict, sass_dir: Path | No
     W._attn_fwd_ws_kernel = compiler.wrap(ws_kernel, recorder("_attn_fwd_ws_kernel"))
     capability = torch.cuda.get_device_capability
     torch.cuda.get_device_capability = lambda device=None: (9, 0)  # the CPU tensors stand for the H200's
-    patched = {"_interpreting": lambda: False, "_ensure_allocator": lambda: None,
+    patched = {"interpreting": lambda: False, "_ensure_allocator": lambda: None,
                "_tile_table": lambda tseq, iseq, block, device: (torch.zeros(4, 9, dtype=torch.int32), 4)}
     saved.update({k: getattr(A, k) for k in patched})
     for k, v in patched.items():

@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     compile_cls = _compiler(triton_dir, Path(args.sass_dir) if args.sass_dir else None, rows)
     for mod in (R, N):  # the launchers pick compile options as on the GPU, and take CPU tensors
-        mod._interpreting = lambda: False
+        mod.interpreting = lambda: False
     for label, mod, attr, call in _cases(torch, R, N):
         saved = getattr(mod, attr)
         setattr(mod, attr, compile_cls(saved, label))

@@ -49,12 +49,12 @@ from typing import Any, Sequence
 
 import torch
 
+from ..dtypes import EXECUTION_BY_SHORT_NAME as DTYPES
 from . import markdown as md
 from ..environment import environment_line, gpu_environment
 import torch.nn.functional as F
 
 HEADS, HEAD_DIM = 24, 128
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 IMAGES = (4096, 6032, 6889)
 TEXTS = {1: (128,), 2: (128, 77), 8: (128, 77, 0, 256, 13, 200, 128, 64)}
 PROBE = (77, 6889)

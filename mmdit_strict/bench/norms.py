@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..dtypes import EXECUTION_BY_SHORT_NAME as DTYPES
 from ..environment import gpu_environment
 from .bandwidth import copy_reference
 from .timing import graph_ms, plain_ms
@@ -44,7 +45,6 @@ from .norms_report import BATCHES, PADS, _f, render  # noqa: F401  (the report o
 EPS = 1e-6
 D, HEADS, HEAD_DIM, CT = 3072, 24, 128, 3584
 IMAGE_TEXT = ((4096, 0), (6032, 128), (6889, 256))
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DEVICE = "cuda"  # a CPU dry run of the accuracy / invariance logic (interpreter, fp32, small widths) swaps in "cpu"
 
 

@@ -165,6 +165,7 @@ def cmd_encode(args: argparse.Namespace) -> int:
     """Prompts → embeddings + masks with a pipeline folder's Qwen2.5-VL text encoder (a ``prompts.embeddings`` file)."""
     import torch
 
+    from ..dtypes import from_config
     from ..pipelines.encode import encode_prompts, load_text_components, write_prompt_file
 
     prompts = list(args.prompt or [])
@@ -172,7 +173,7 @@ def cmd_encode(args: argparse.Namespace) -> int:
         prompts += [line for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
     if not prompts:
         raise ValueError("no prompts: pass --prompt TEXT (repeatable) or --prompts-file FILE (one prompt per line)")
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    dtype = from_config(args.dtype)
     tokenizer, encoder = load_text_components(args.pipeline, torch_dtype=dtype, device=args.device)
     encoded = encode_prompts(tokenizer, encoder, prompts, args.negative_prompt, batch_size=args.batch_size,
                              device=args.device, max_sequence_length=args.max_sequence_length)

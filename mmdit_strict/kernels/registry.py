@@ -17,6 +17,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..dtypes import SHORT_NAMES
+
 from .runtime import Runtime, current_runtime
 from .trace import record
 
@@ -46,7 +48,7 @@ OPERATORS: tuple[str, ...] = (
     "flow_sde_step_logp",
 )
 
-DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+DTYPE_NAMES = SHORT_NAMES  # the package's one dtype-name map (mmdit_strict/dtypes.py)
 
 
 class NoStrictKernelError(RuntimeError):

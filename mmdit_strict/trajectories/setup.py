@@ -11,8 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from omegaconf import DictConfig
 
+from ..dtypes import BY_CONFIG_NAME as DTYPES
 from ..config.arch import ArchConfig, preset
 from ..config.schema import LoraConfig, ModelConfig, PromptsConfig, SamplerConfig
 from ..kernels.runtime import Runtime
@@ -20,7 +22,6 @@ from ..model import MMDiT, build_model
 from ..sampling import sigma_table
 from .hashing import tensor_sha256
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass

@@ -20,7 +20,7 @@ triton = pytest.importorskip("triton")
 from mmdit_strict.kernels.triton import attention as A  # noqa: E402
 from mmdit_strict.kernels.triton import attention_unfused as U  # noqa: E402
 
-INTERPRET = A._interpreting()
+INTERPRET = A.interpreting()
 
 from mmdit_strict.bench import attention as bench  # noqa: E402
 from mmdit_strict.tolerances import tolerance  # noqa: E402

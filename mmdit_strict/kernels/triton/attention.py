@@ -70,7 +70,7 @@ from ..registry import KernelImpl, register
 from . import attention_bwd_kernels, attention_fwd_kernels, attention_ws
 from .attention_bwd_kernels import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _bwd_delta_kernel
 from .attention_fwd_kernels import _attn_fwd_kernel
-from .gemm import _DTYPES, _interpreting, launch_opts
+from .gemm import DTYPES, interpreting, launch_opts
 
 # ----------------------------------------------------------------------------------------------
 # Configurations: frozen per (head_dim, dtype), never keyed by batch or token counts
@@ -209,7 +209,7 @@ def _ensure_allocator() -> None:
     Triton keeps the allocator in a context variable, which a new thread does not inherit; autograd runs the
     backward (and a checkpointed forward's recomputation) on its own device thread, so set it once per thread.
     """
-    if not getattr(_ALLOCATOR_SET, "done", False) and not _interpreting():
+    if not getattr(_ALLOCATOR_SET, "done", False) and not interpreting():
         triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
         _ALLOCATOR_SET.done = True
 
@@ -234,13 +234,13 @@ def _ws_fits(cfg: AttentionConfig, dtype: torch.dtype, d: int, tma: bool, *queri
         raise ValueError(f"fwd_ws runs bf16, d = 128, fwd tiles (128, 128) and 2-3 stages; got {dtype}, d = {d}, fwd {f}")
     if not cfg.fwd_tma:
         raise ValueError("fwd_ws loads through TMA: set fwd_tma")
-    if _interpreting() or not tma or any(t.data_ptr() % 16 for t in queries if t.numel()):
+    if interpreting() or not tma or any(t.data_ptr() % 16 for t in queries if t.numel()):
         return False
     return attention_ws.available() and torch.cuda.get_device_capability(queries[0].device)[0] == 9
 
 
 def _launch_opts(warps: int, stages: int) -> dict:
-    return launch_opts(warps, _interpreting(), num_stages=stages)
+    return launch_opts(warps, interpreting(), num_stages=stages)
 
 
 def _scales(head_dim: int) -> tuple[float, float]:
@@ -270,9 +270,9 @@ def check_inputs(q_txt, k_txt, v_txt, q_img, k_img, v_img, txt_seqlens, img_seql
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"expected {name} of shape (rows, H, d), got {getattr(t, 'shape', type(t).__name__)}")
     dtype, device = q_img.dtype, q_img.device
-    if dtype not in _DTYPES:
+    if dtype not in DTYPES:
         raise ValueError(f"strict joint attention runs fp32 or bf16, got {dtype}")
-    if device.type != "cuda" and not (_interpreting() and device.type == "cpu"):
+    if device.type != "cuda" and not (interpreting() and device.type == "cpu"):
         raise ValueError(f"the triton joint attention needs CUDA tensors (CPU only under TRITON_INTERPRET=1), got {device}")
     heads, head_dim = q_img.shape[1:]
     config_for(head_dim, dtype)
@@ -424,7 +424,7 @@ REDUCTION_ORDER = (
 )
 
 register(KernelImpl(
-    op="joint_attention_fused", backend="triton", device="cuda", dtypes=frozenset(_DTYPES), fn=joint_attention_fused,
+    op="joint_attention_fused", backend="triton", device="cuda", dtypes=frozenset(DTYPES), fn=joint_attention_fused,
     strict=True, split_k=False,
     kernel_name="_attn_fwd_ws_kernel/_attn_fwd_kernel/_bwd_delta_kernel/_attn_bwd_dkdv_kernel/_attn_bwd_dq_kernel",
     source=(sys.modules[__name__], attention_fwd_kernels, attention_bwd_kernels, attention_ws),

@@ -54,7 +54,7 @@ import triton
 from ..registry import KernelImpl, register
 from . import norms_kernels
 from . import segments as seg
-from .gemm import _DTYPES, _interpreting, check_dtype_device, gemm, launch_opts
+from .gemm import DTYPES, interpreting, check_dtype_device, gemm, launch_opts
 from .norms_kernels import (_adaln_mod_bwd_kernel, _adaln_mod_fwd_kernel, _gate_residual_bwd_kernel,
                             _gate_residual_fwd_kernel)
 from .rope import check_gain, check_stages, num_warps_for, rms_norm_rows, stages_label
@@ -136,7 +136,7 @@ def check_rows(op: str, name: str, t: object, width: int | None = None) -> torch
     """A (M, D) row tensor: fp32|bf16, contiguous, on CUDA (CPU only under TRITON_INTERPRET=1)."""
     if not isinstance(t, torch.Tensor) or t.dim() != 2:
         raise ValueError(f"{op}: expected {name} of shape (M, D), got {getattr(t, 'shape', type(t).__name__)}")
-    check_dtype_device(op, name, t, _interpreting())
+    check_dtype_device(op, name, t, interpreting())
     if width is not None and t.shape[1] != width:
         raise ValueError(f"{op}: expected {name} of shape (M, {width}), got {tuple(t.shape)}")
     if not 1 <= t.shape[1] <= MAX_WIDTH:
@@ -191,7 +191,7 @@ def adaln_modulation_fwd(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tens
         ch.n, d, float(d), float(eps), x.stride(0), y.stride(0), _stride0(shift), _stride0(scale),
         STORE_STATS=store_stats, AHEAD=launch.fwd_ahead, STAGES=launch.fwd_stages, BLOCK_D=block, THIRDS=thirds,
         ONE_ROW=thirds and launch.fwd_rows == 1 and not launch.fwd_ahead and launch.fwd_stages is None,
-        **launch_opts(num_warps_for(block), _interpreting(), maxnreg=launch.fwd_maxnreg),
+        **launch_opts(num_warps_for(block), interpreting(), maxnreg=launch.fwd_maxnreg),
     )
     return y, mean, rstd
 
@@ -215,11 +215,11 @@ def adaln_modulation_bwd(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor,
             x, scale, dy, mean, rstd, ch.table, dx, part if need_vec else dx,
             ch.n, d, float(d), x.stride(0), dy.stride(0), dx.stride(0), _stride0(scale), 2 * d,
             NEED_VEC=need_vec, AHEAD=launch.bwd_ahead, STAGES=launch.bwd_stages, BLOCK_D=block, THIRDS=thirds,
-            **launch_opts(num_warps_for(triton.next_power_of_2(d)), _interpreting(), maxnreg=launch.bwd_maxnreg),
+            **launch_opts(num_warps_for(triton.next_power_of_2(d)), interpreting(), maxnreg=launch.bwd_maxnreg),
         )
     if not need_vec:
         return dx, None, None
-    vec = seg.per_sample_sums(part, ch, x.dtype, _interpreting())  # (B, 2D): [d_scale | d_shift]
+    vec = seg.per_sample_sums(part, ch, x.dtype, interpreting())  # (B, 2D): [d_scale | d_shift]
     return dx, vec[:, d:], vec[:, :d]
 
 
@@ -273,7 +273,7 @@ def gate_residual_fwd(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, seql
     block = triton.next_power_of_2(d)
     _gate_residual_fwd_kernel[(ch.n,)](
         x, y, gate, ch.table, out, ch.n, d, x.stride(0), y.stride(0), _stride0(gate), out.stride(0),
-        BLOCK_D=block, **launch_opts(num_warps_for(block), _interpreting()),
+        BLOCK_D=block, **launch_opts(num_warps_for(block), interpreting()),
     )
     return out
 
@@ -299,9 +299,9 @@ def gate_residual_bwd(dout: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, s
             dout, y, gate, ch.table, dy if need_dy else dout, part if need_gate else dout,
             ch.n, d, dout.stride(0), y.stride(0), _stride0(gate), y.stride(0), d,
             NEED_DY=need_dy, NEED_VEC=need_gate, BLOCK_D=block,
-            **launch_opts(num_warps_for(block), _interpreting()),
+            **launch_opts(num_warps_for(block), interpreting()),
         )
-    dgate = seg.per_sample_sums(part, ch, y.dtype, _interpreting()) if need_gate else None
+    dgate = seg.per_sample_sums(part, ch, y.dtype, interpreting()) if need_gate else None
     return dy, dgate
 
 
@@ -383,7 +383,7 @@ _CONFIG = {"ln_launch": {str(dt).replace("torch.", ""): launch.label() for dt, l
            "chunk_rows": seg.CHUNK_ROWS, "fold_tile": seg.FOLD_TILE,
            "warps": "4 if pow2(D) <= 1024, 8 if <= 4096, else 16", "fp_fusion": False}
 _SOURCE = (sys.modules[__name__], norms_kernels)
-_DT = frozenset(_DTYPES)
+_DT = frozenset(DTYPES)
 for _op, _fn, _kernel, _order in (
     ("adaln_modulation", adaln_modulation, "_adaln_mod_fwd_kernel/_adaln_mod_bwd_kernel/_segment_fold_kernel",
      f"{_LN}; d_scale/d_shift {_TREE}"),

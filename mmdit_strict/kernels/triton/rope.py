@@ -59,7 +59,7 @@ import triton
 from ..registry import KernelImpl, register
 from . import rope_kernels
 from . import segments as seg
-from .gemm import _DTYPES, _interpreting, check_dtype_device, launch_opts
+from .gemm import DTYPES, interpreting, check_dtype_device, launch_opts
 from .rope_kernels import _qk_bwd_chunk_kernel, _qk_fwd_kernel
 from .segments import check_seqlens
 
@@ -166,7 +166,7 @@ def num_warps_for(elems: int) -> int:
 
 
 def _opts(elems: int, maxnreg: int | None = None) -> dict:
-    return launch_opts(num_warps_for(elems), _interpreting(), maxnreg=maxnreg)
+    return launch_opts(num_warps_for(elems), interpreting(), maxnreg=maxnreg)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -178,7 +178,7 @@ def check_heads(op: str, x: object) -> torch.Tensor:
     """x (M, H, d): fp32|bf16, even d, contiguous, on CUDA (CPU only under TRITON_INTERPRET=1)."""
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
         raise ValueError(f"{op}: expected x of shape (M, H, d), got {getattr(x, 'shape', type(x).__name__)}")
-    check_dtype_device(op, "x", x, _interpreting())
+    check_dtype_device(op, "x", x, interpreting())
     m, h, d = x.shape
     if h < 1 or d < 2 or d % 2 or d > MAX_HEAD_WIDTH:
         raise ValueError(f"{op}: expected H >= 1 and an even head width 2..{MAX_HEAD_WIDTH}, got x of shape {tuple(x.shape)}")
@@ -253,7 +253,7 @@ def _contig_fwd(x: torch.Tensor, gain: torch.Tensor | None, cos: torch.Tensor | 
         m, h, d, float(d), float(eps), float(sign), h * d, h * d, d // 2,
         int(norm), int(rope), int(rstd is not None),
         TOKENS=config.tokens, STAGES=config.stages, BLOCK_H=bh, BLOCK_H2=bh2, BLOCK_D=bd,
-        **launch_opts(warps, _interpreting()),
+        **launch_opts(warps, interpreting()),
     )
     return y
 
@@ -293,7 +293,7 @@ def qk_norm_bwd(dy: torch.Tensor, x: torch.Tensor, gain: torch.Tensor, rstd: tor
             int(rope), int(need_gain),
             AHEAD=config.ahead, STAGES=config.stages, BLOCK_H=bh, BLOCK_D=bd, **_opts(bh * bd, config.maxnreg),
         )
-    dgain = seg.total_sum(part, ch, gain.dtype, _interpreting()) if need_gain else None
+    dgain = seg.total_sum(part, ch, gain.dtype, interpreting()) if need_gain else None
     return dx, dgain
 
 
@@ -404,7 +404,7 @@ def _launch_labels(table: Mapping) -> dict[str, str]:
 
 
 _SOURCE = (sys.modules[__name__], rope_kernels)
-_DT = frozenset(_DTYPES)
+_DT = frozenset(DTYPES)
 _CONFIG = {"programs": "one token per forward program; backward chunks of segments.CHUNK_ROWS tokens",
            "tiles": "(pow2(H), pow2(d)) contiguous heads; rotation pairs by reshape + split/join in registers",
            "warps": "from pow2(H)·pow2(d) only", "fp_fusion": False,
