@@ -32,7 +32,7 @@ class KernelSetting(Generic[T]):
 
     def use(self, value: T) -> AbstractContextManager[object]:
         """A context manager in which ``get()`` is ``value``. Checked here; binding the value already in force
-        is skipped (nothing to set or restore: the strict model binds a GEMM stream around every product)."""
+        is skipped (nothing to set or restore)."""
         self._check(value)
         if self._var.get() == value:
             return contextlib.nullcontext()

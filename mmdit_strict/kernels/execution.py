@@ -102,13 +102,13 @@ class ExecutionContext:
     fault: str | None = None
     capture: dict[str, torch.Tensor] | None = None
     gemm_calls: list[Any] | None = None
-    grad_sink: "SampleGradSink | None" = None
+    grad_sink: SampleGradSink | None = None
     sample_keys: tuple[Hashable, ...] | None = None
-    trace: "OperatorTrace | None" = None
+    trace: OperatorTrace | None = None
     keepalive: list[Any] | None = None
     layout: Layout = Layout()
     # copies made by switched(), one per (field, value): the strict model switches streams around every product
-    _switched: dict[tuple[str, Hashable], "ExecutionContext"] = field(default_factory=dict, init=False, repr=False)
+    _switched: dict[tuple[str, Hashable], ExecutionContext] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.runtime is not None and not isinstance(self.runtime, Runtime):
@@ -135,7 +135,7 @@ class ExecutionContext:
         return other
 
     @property
-    def strict_math(self) -> bool:
+    def pins_strict_math(self) -> bool:
         """True when entering this context pins the strict math policy (a runtime other than ``off``)."""
         return self.runtime is not None and self.runtime is not Runtime.OFF
 
@@ -187,11 +187,8 @@ class switch:
 
     def __enter__(self) -> None:
         ctx = _CURRENT.get()
-        hit = ctx._switched.get((self.name, self.value)) if getattr(ctx, self.name) != self.value else ctx
-        if hit is ctx:
-            self._token = None
-        else:
-            self._token = _CURRENT.set(hit if hit is not None else ctx.switched(self.name, self.value))
+        other = ctx.switched(self.name, self.value)
+        self._token = None if other is ctx else _CURRENT.set(other)
 
     def __exit__(self, *exc: object) -> None:
         if self._token is not None:
@@ -233,23 +230,19 @@ def tf32_state() -> dict[str, bool]:
 def using(ctx: ExecutionContext) -> Iterator[ExecutionContext]:
     """Run the block in ``ctx``; a strict-like runtime (anything but ``off``) also pins :func:`strict_math`."""
     with bind(ctx):
-        if ctx.strict_math:
+        if ctx.pins_strict_math:
             with strict_math():
                 yield ctx
         else:
             yield ctx
 
 
-def execution(**changes: Any) -> contextlib.AbstractContextManager[ExecutionContext]:
+@contextlib.contextmanager
+def execution(**changes: Any) -> Iterator[ExecutionContext]:
     """Run the block in the context in force with ``changes`` (field names of :class:`ExecutionContext`;
-    ``runtime`` may be given by name). Entered with :func:`using`."""
+    ``runtime`` may be given by name), entered with :func:`using`; yields that context."""
     if isinstance(changes.get("runtime"), str):
         changes["runtime"] = Runtime.parse(changes["runtime"])
-    return _entering(changes)
-
-
-@contextlib.contextmanager
-def _entering(changes: dict[str, Any]) -> Iterator[ExecutionContext]:
     with using(_CURRENT.get().replace(**changes)) as ctx:
         yield ctx
 
