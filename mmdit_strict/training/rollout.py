@@ -32,14 +32,10 @@ from ..trajectories.setup import Prompts
 
 @contextlib.contextmanager
 def side(model: MMDiT, runtime: Runtime) -> Iterator[None]:
-    """Run ``model`` in ``runtime`` inside the block (its forward and the operator registry), then restore."""
-    before = model.runtime
-    model.set_runtime(runtime)
-    try:
-        with runtime_mode(runtime):
-            yield
-    finally:
-        model.set_runtime(before)
+    """Run ``model`` in ``runtime`` inside the block: the execution context's runtime, which its forward and
+    the operator registry read (the model's default is left as it is)."""
+    with runtime_mode(runtime):
+        yield
 
 
 
