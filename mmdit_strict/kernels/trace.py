@@ -39,8 +39,7 @@ class OperatorTrace:
         from .registry import DTYPE_NAMES
 
         dname = DTYPE_NAMES.get(dtype, str(dtype))
-        pick = getattr(impl, "variant", None)  # selectable kernel variants: one record per variant
-        key = (op, device, dname, impl.backend) + ((pick()["variant"],) if pick is not None else ())
+        key = (op, device, dname, impl.backend)
         rec = self.records.get(key)
         if rec is None:
             rec = TraceRecord(
@@ -71,8 +70,7 @@ class OperatorTrace:
         trace = cls()
         for r in records:
             rec = TraceRecord(**r)
-            variant = (rec.kernel["variant"],) if "variant" in rec.kernel else ()
-            trace.records[(rec.op, rec.device, rec.dtype, rec.actual_backend) + variant] = rec
+            trace.records[(rec.op, rec.device, rec.dtype, rec.actual_backend)] = rec
         return trace
 
     def record_dicts(self) -> list[dict[str, Any]]:
