@@ -390,7 +390,8 @@ def _multirun(args: argparse.Namespace) -> int:
         try:
             cfg = _compose(args, [*job, f"output_dir={base / str(i)}"])
             check_output_dir(cfg.output_dir, kind=_output_kind(args))
-            require_wandb(cfg.wandb.mode)
+            if args.command in ("run", "train"):  # the commands that log to wandb
+                require_wandb(cfg.wandb.mode)
         except (ConfigError, ValueError) as exc:
             raise type(exc)(f"multirun job {i} ({' '.join(job)}): {exc}; no job was run") from exc
         rows.append({"job": i, "overrides": job, "output_dir": str(base / str(i)), "status": "pending", "exit_code": None})

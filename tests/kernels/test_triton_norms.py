@@ -442,6 +442,7 @@ def test_ln_config_is_kept_by_the_autograd_node():
     assert N.adaln_modulation(x, shift, scale, seqlens=(5,), eps=1e-6).grad_fn.config is None  # the frozen table
 
 
+@interp  # the config checks run before any launch; the launches here take host tensors
 def test_ln_configs_are_frozen_and_checked():
     assert {dt: N.ln_config(dt) for dt in (torch.bfloat16, torch.float32)} == dict(N.LN_CONFIGS)
     assert set(N.LN_CONFIGS.values()) <= set(L.LN_CANDIDATES) and L.LN_REFERENCE in L.LN_CANDIDATES
@@ -457,7 +458,7 @@ def test_ln_configs_are_frozen_and_checked():
     from mmdit_strict.kernels.registry import implementations
 
     (impl,) = [i for i in implementations("adaln_modulation") if i.backend == "triton"]
-    assert impl.config["ln_launch"]["bfloat16"] == N.LN_CONFIGS[torch.bfloat16].label() and impl.variant is None
+    assert impl.config["ln_launch"]["bfloat16"] == N.LN_CONFIGS[torch.bfloat16].label()
 
 
 def test_registered_for_cuda_strict_fp32_and_bf16():
