@@ -113,6 +113,17 @@ class WandbConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """Many processes under ``torchrun`` (docs/distributed.md); ignored by a single process.
+
+    None of these enters a stage key: the bytes do not depend on the world size or the transport.
+    """
+
+    backend: str = "auto"  # auto: nccl for model.device=cuda, gloo on CPUs | gloo | nccl (gloo with cuda stages tensors through the host)
+    timeout_s: float = 300.0  # bound on every collective: a dead or stuck rank ends the job (exit 2), never a hang
+
+
+@dataclass
 class RunConfig:
     """Everything one ``mmdit-strict`` command needs."""
 
@@ -129,6 +140,7 @@ class RunConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     compare: CompareConfig = field(default_factory=CompareConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)  # torchrun: backend, collective timeout
     sample: SampleConfig = field(default_factory=SampleConfig)  # `train`: GRPO rollout side
     train: TrainConfig = field(default_factory=TrainConfig)  # `train`: GRPO optimisation side
     extra: dict = field(default_factory=dict)  # free-form user keys (``+extra.foo=1``)
@@ -144,5 +156,6 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "recompute.cfg_layout": ("batched", "sequential"),
     "lora.init": ("zero_b", "random"),
     "wandb.mode": ("offline", "online", "disabled"),
+    "distributed.backend": ("auto", "gloo", "nccl"),
     **TRAIN_CHOICES,
 }

@@ -109,6 +109,9 @@ def problems(cfg: DictConfig) -> list[str]:
         if not _get(cfg, "lora.targets"):
             out.append("lora.targets must name at least one module when lora.rank > 0")
 
+    timeout = _get(cfg, "distributed.timeout_s")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 86400):
+        out.append(f"distributed.timeout_s must be between 0 and 86400 seconds (exclusive of 0), got {timeout}")
     out += _fault_problems(cfg, steps, arch)
     return out
 

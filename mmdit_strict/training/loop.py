@@ -66,7 +66,8 @@ EVAL_ID_BASE = 1 << 40
 
 #: Config keys that may change between a run and its resume (everything else must match).
 RESUME_FREE = ("resume", "progress", "wandb", "output_dir", "_choices_", "train.num_epochs", "train.eval_freq",
-               "train.save_freq", "train.export", "train.recompute_old_logp", "train.cpu_threads", "train.grad_sink")
+               "train.save_freq", "train.export", "train.recompute_old_logp", "train.cpu_threads", "train.grad_sink",
+               "distributed")
 
 UpdateHook = Callable[[int, int, int], None]
 

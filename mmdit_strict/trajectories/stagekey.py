@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from .artifact import TENSORS, Trajectory
 
-RUN_LEVEL = ("output_dir", "resume", "progress", "wandb", "compare", "_choices_")
+RUN_LEVEL = ("output_dir", "resume", "progress", "wandb", "compare", "distributed", "_choices_")
 
 _MEANING = {
     "config": "the settings the stage reads differ",
