@@ -18,6 +18,8 @@ import contextlib
 import contextvars
 import dataclasses
 import os
+import socket
+import time
 from datetime import timedelta
 from typing import Any, Callable, Iterator, TypeVar
 
@@ -240,11 +242,31 @@ def finish(rc: int) -> int:
         return max(rc, 2)
     got: list[Any] = [None] * s.world_size
     try:
-        _collective(s, "exit", lambda: dist.all_gather_object(got, {"label": "exit", "rc": rc, "error": None}))
+        mine = {"label": "exit", "rc": rc, "error": None, "pid": os.getpid(), "host": socket.gethostname()}
+        _collective(s, "exit", lambda: dist.all_gather_object(got, mine))
     except PeerFailed:
         return 2
     if any(g["label"] != "exit" for g in got):
         s.broken = True  # those ranks see this one's exit record and stop
         return 2
     codes = [int(g["rc"]) for g in got]
+    if not s.root and got[0]["host"] == socket.gethostname():
+        _wait_for_exit(int(got[0]["pid"]), s.timeout_s)
     return 2 if 2 in codes else codes[0]
+
+
+def _wait_for_exit(pid: int, limit_s: float) -> None:
+    """Wait (at most ``limit_s``) until process ``pid`` has ended.
+
+    torchrun stops every worker as soon as one exits non-zero; rank 0, which prints the result and
+    writes the report, therefore leaves first, and the other ranks follow (or are stopped by torchrun).
+    """
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        except PermissionError:
+            return
+        time.sleep(0.05)
