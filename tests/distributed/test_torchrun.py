@@ -115,11 +115,18 @@ def test_ranks_with_different_configs_are_refused(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_a_dead_rank_ends_the_job(tmp_path: Path) -> None:
+    """Rank 1 dies at step 1: the job exits non-zero within 60 s; its step checkpoint resumes on 1 rank."""
     t0 = time.perf_counter()
     proc = torchrun(2, "rollout", f"output_dir={tmp_path / 'x'}", *SMALL, worker=True, MMDIT_TEST_DIE="1:1", timeout=120)
     assert proc.returncode != 0
     assert time.perf_counter() - t0 < 60
     assert not (tmp_path / "x" / "rollout").exists()  # no artifact from a job that lost a rank
+    # rank 0 kept step 0 (every rank's rows) in its step checkpoint: one process resumes it, same bytes
+    assert (tmp_path / "x" / "rollout.partial" / "step_00000.safetensors").exists()
+    resumed = ok(plain("-v", "rollout", f"output_dir={tmp_path / 'x'}", *SMALL))
+    assert "resuming after step 1 of 2" in resumed.stderr
+    ok(plain("rollout", f"output_dir={tmp_path / 'fresh'}", *SMALL))
+    assert sha(tmp_path / "x" / "rollout" / "tensors.safetensors") == sha(tmp_path / "fresh" / "rollout" / "tensors.safetensors")
 
 
 @pytest.mark.gpu
