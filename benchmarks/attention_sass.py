@@ -74,14 +74,14 @@ def _compile_all(A, torch, triton_dir: Path, override: dict, sass_dir: Path | No
     W._attn_fwd_ws_kernel = compiler.wrap(ws_kernel, recorder("_attn_fwd_ws_kernel"))
     capability = torch.cuda.get_device_capability
     torch.cuda.get_device_capability = lambda device=None: (9, 0)  # the CPU tensors stand for the H200's
-    patched = {"_interpreting": lambda: False, "_ensure_allocator": lambda: None,
+    patched = {"interpreting": lambda: False, "_ensure_allocator": lambda: None,
                "_tile_table": lambda tseq, iseq, block, device: (torch.zeros(4, 9, dtype=torch.int32), 4)}
     saved.update({k: getattr(A, k) for k in patched})
     for k, v in patched.items():
         setattr(A, k, v)
     try:
         heads, d, nt, ni, dt = 24, 128, 77, 6889, dtype
-        cfg = {**A.config_for(d, dt), **override}
+        cfg = A.config_for(d, dt).replace(**override)
         s = [torch.zeros(n, heads, d, dtype=dt) for n in (nt, nt, nt, ni, ni, ni)]
         lse = torch.zeros(nt + ni, heads)
         o = (torch.zeros_like(s[0]), torch.zeros_like(s[3]))

@@ -88,30 +88,30 @@ def _cases(torch, R, N):
         x = torch.zeros(64, h, d, dtype=dt)
         gain, rstd = torch.ones(d, dtype=dt), torch.zeros(64, h)
         cs = torch.zeros(64, d // 2) if rope else None
-        return lambda: R.qk_norm_bwd(x, x, gain, rstd, cs, cs, (64,), True, layout="contiguous", launch=launch)
+        return lambda: R.qk_norm_bwd(x, x, gain, rstd, cs, cs, (64,), True, config=launch)
 
     def ln(dt, fwd, launch):
         x, v, st = torch.zeros(64, 3072, dtype=dt), torch.zeros(1, 3072, dtype=dt), torch.zeros(64)
         if fwd:
-            return lambda: N.adaln_modulation_fwd(x, v, v, (64,), 1e-6, True, launch=launch)
-        return lambda: N.adaln_modulation_bwd(x, x, v, st, st, (64,), True, launch=launch)
+            return lambda: N.adaln_modulation_fwd(x, v, v, (64,), 1e-6, True, config=launch)
+        return lambda: N.adaln_modulation_bwd(x, x, v, st, st, (64,), True, config=launch)
 
     def qk_fwd(h, d, dt, rope, launch):
         x = torch.zeros(64, h, d, dtype=dt)
         gain, rstd = torch.ones(d, dtype=dt), torch.zeros(64, h)
         cs = torch.zeros(64, d // 2) if rope else None
-        return lambda: R._contig_fwd(x, gain, cs, cs, 1e-6, rstd, 1.0, launch=launch)
+        return lambda: R._contig_fwd(x, gain, cs, cs, 1e-6, rstd, 1.0, config=launch)
 
     cases = []
     for dn, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-        for launch in R.QK_FWD_CANDIDATES:
+        for launch in L.QK_FWD_CANDIDATES:
             cases.append((f"qk_fwd 24x128 [{launch.label()}] {dn}", R, "_qk_fwd_kernel", qk_fwd(24, 128, dt, True, launch)))
             cases.append((f"qk_fwd 1x3584 (txt_in) [{launch.label()}] {dn}", R, "_qk_fwd_kernel", qk_fwd(1, 3584, dt, False, launch)))
-        for launch in R.QK_BWD_CANDIDATES:
+        for launch in L.QK_BWD_CANDIDATES:
             cases.append((f"qk_bwd 24x128 [{launch.label()}] {dn}", R, "_qk_bwd_chunk_kernel", qk(24, 128, dt, True, launch)))
             cases.append((f"qk_bwd 1x3584 (txt_in) [{launch.label()}] {dn}", R, "_qk_bwd_chunk_kernel", qk(1, 3584, dt, False, launch)))
         fwd_seen, bwd_seen = set(), set()
-        for launch in N.LN_CANDIDATES:  # the row grouping does not change the binary: one compile per (ahead, maxnreg, stages)
+        for launch in L.LN_CANDIDATES:  # the row grouping does not change the binary: one compile per (ahead, maxnreg, stages)
             fwd = (launch.fwd_ahead, launch.fwd_maxnreg, launch.fwd_stages)
             if fwd not in fwd_seen:
                 fwd_seen.add(fwd)
@@ -135,10 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     from mmdit_strict.kernels.triton import norms as N
     from mmdit_strict.kernels.triton import rope as R
 
+    from benchmarks import row_launches as L
+
     rows: list[dict] = []
     compile_cls = _compiler(triton_dir, Path(args.sass_dir) if args.sass_dir else None, rows)
     for mod in (R, N):  # the launchers pick compile options as on the GPU, and take CPU tensors
-        mod._interpreting = lambda: False
+        mod.interpreting = lambda: False
     for label, mod, attr, call in _cases(torch, R, N):
         saved = getattr(mod, attr)
         setattr(mod, attr, compile_cls(saved, label))

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from .dtypes import short_name
 from omegaconf import OmegaConf
 
 _PATH = Path(__file__).with_name("tolerances.yaml")
-_DTYPE_KEYS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float64: "fp64", torch.float16: "fp16"}
 ENTRY_KEYS = frozenset({"rtol", "atol", "atol_max", "reason"})
 
 
@@ -78,7 +79,7 @@ def from_entry(entry: dict, where: str) -> Tolerance:
 
 def tolerance(section: str, check: str, dtype: torch.dtype | str) -> Tolerance:
     """Look up ``section.check.dtype`` in the contract; a missing entry is an error, never a default."""
-    key = dtype if isinstance(dtype, str) else _DTYPE_KEYS.get(dtype, str(dtype))
+    key = dtype if isinstance(dtype, str) else short_name(dtype)
     try:
         entry = _contract()[section][check][key]
     except KeyError:

@@ -27,11 +27,11 @@ run cut short still leaves what it measured):
   its own padded shape and the ratio is of TFLOP/s (for B = 1 it equals the time ratio);
 * candidate configurations (informational): overrides of the frozen configurations at 4096 + 128,
   B = 1, passed explicitly through the op's ``config`` argument (the frozen table is not touched); bytes
-  compared with the frozen configuration where the tiles are the frozen ones (load paths, stages and
-  ``resident_loads`` only change how the same values reach the same arithmetic).
+  compared with the frozen configuration where the tiles are the frozen ones (the load flags, stages and
+  the warp-specialized forward only change how the same values reach the same arithmetic).
 
-``--override-bf16`` / ``--override-fp32`` (JSON objects, e.g. ``'{"resident_loads": "direct", "fwd_loads":
-"tma"}'``) qualify a candidate before it is frozen: the accuracy, invariance and speed sections then run
+``--override-bf16`` / ``--override-fp32`` (JSON objects of ``AttentionConfig`` fields, e.g.
+``'{"resident_direct": true, "fwd": [128, 64, 8, 3]}'``) qualify a candidate before it is frozen: the accuracy, invariance and speed sections then run
 the op with the frozen configuration of that dtype updated by the override (passed through ``config``),
 and the report records the override beside the configuration it produced.
 """
@@ -49,12 +49,12 @@ from typing import Any, Sequence
 
 import torch
 
+from ..dtypes import EXECUTION_BY_SHORT_NAME as DTYPES
 from . import markdown as md
 from ..environment import environment_line, gpu_environment
 import torch.nn.functional as F
 
 HEADS, HEAD_DIM = 24, 128
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 IMAGES = (4096, 6032, 6889)
 TEXTS = {1: (128,), 2: (128, 77), 8: (128, 77, 0, 256, 13, 200, 128, 64)}
 PROBE = (77, 6889)
@@ -63,26 +63,12 @@ NEIGHBOURS = ((0, 4096), (256, 6032), (77, 4096), (0, 6889), (256, 6889), (77, 6
 PROBE_FP32 = (77, 1999)
 NEIGHBOURS_FP32 = ((0, 1029), (256, 1500))
 REF_HEADS = 2  # accuracy is checked on heads 0..REF_HEADS-1 against the CPU FP64 reference
-# Candidate overrides of the frozen d=128 configurations (informational; see ``candidates``), as
-# (dtype, part, override). Earlier runs: 90d39bb (tiles and warps), f02d17b (load paths, backward neighbours), c68c981
-# (resident/stat/TMA options, the 128x128 forward tile) and 6ab3b56 (its qualification); see experiments/attention/.
-# At 5656ade (experiments/attention/5656ade/cand) the forward issue order "fwd_overlap": "pv_async" (each tile's P V left
-# running on the tensor cores under the next tile's softmax; same operations in the same order, so the frozen bytes)
-# ran 439 TFLOP/s at 2 stages vs 500 frozen; its 3-stage row (launching since b1d6ccd: 230,400 B of shared memory as
-# the frozen forward) kept the frozen bytes but ran 440 vs 494 at acf771d (experiments/attention/acf771d/cand); kept
-# below as the reference of the in-CTA overlap. The frozen forward (128x128, 8 warps, 3 stages: 242
-# registers, 230,400 B) runs one CTA per SM, so the tensor cores idle during each tile's softmax. The new rows are
-# The warp-specialized forward (attention_ws, config fwd_kernel): one TMA loader warp and two consumer warpgroups on the
-# frozen 128 x 128 tiles, with ("ws") and without ("ws_free") the turn-taking on the tensor cores, at the frozen 3 K/V
-# stages and at 2. Offline sm_90 compile (Triton 3.6): kernel cap 168 registers (consumers re-allocated to 240), no
-# spill, 229,712 B of shared memory at 3 stages; no CTA-wide barrier in the key loop. The same operations in the same
-# order as the frozen forward, so its bytes must equal the frozen ones (the table's byte columns tell). The earlier
-# rows (pv_async, two-CTA tiles, maxnreg) were timed at 5656ade, acf771d and 9b01937 (experiments/attention/NOTES.md).
+# Candidate overrides of the frozen d=128 configurations (informational; see ``candidates``), as (dtype, part,
+# override): ``AttentionConfig.replace`` keywords. The frozen configuration itself is the table's baseline row.
 CANDIDATES = (
-    ("bf16", "fwd", {}),  # the frozen configuration itself: the baseline of the table
-    ("bf16", "fwd", {"fwd_kernel": "ws"}),
-    ("bf16", "fwd", {"fwd_kernel": "ws_free"}),
-    ("bf16", "fwd", {"fwd_kernel": "ws", "fwd": (128, 128, 8, 2)}),
+    ("bf16", "fwd", {}),
+    ("bf16", "fwd", {"fwd_ws": False}),  # the Triton forward on the same tiles
+    ("bf16", "fwd", {"fwd": (128, 128, 8, 2)}),
 )
 DEVICE = "cuda"
 
@@ -198,14 +184,14 @@ def _sdpa_batch(samples: Sequence[Sample], backend: str | None):
     return fwd, qkv, (lt, lt + li)
 
 
-def _op(A, config: dict | None):
+def _op(A, config: Any | None):
     """The op under test: the frozen configuration, or the one ``config`` names (passed through the op's ``config``)."""
     if config is None:
         return A.joint_attention_fused
     return functools.partial(A.joint_attention_fused, config=config)
 
 
-def accuracy_case(A, ref_ops, dtype_name: str, nt: int, ni: int, config: dict | None = None) -> dict:
+def accuracy_case(A, ref_ops, dtype_name: str, nt: int, ni: int, config: Any | None = None) -> dict:
     """Kernel and SDPA vs the FP64 reference on one sample, heads 0..REF_HEADS-1 (``config``: see :func:`_op`)."""
     dtype = DTYPES[dtype_name]
     s = make_sample(nt, ni, heads=HEADS, head_dim=HEAD_DIM, dtype=dtype, seed=11)
@@ -250,7 +236,7 @@ def accuracy_case(A, ref_ops, dtype_name: str, nt: int, ni: int, config: dict | 
 # ----------------------------------------------------------------------------------------- invariance
 
 
-def invariance(A, dtype_name: str, batch_sizes: Sequence[int], repeats: int, config: dict | None = None) -> dict:
+def invariance(A, dtype_name: str, batch_sizes: Sequence[int], repeats: int, config: Any | None = None) -> dict:
     """Byte counts: probe alone vs batched at every position; NaN neighbours; repeated backward (``config``: see :func:`_op`)."""
     dtype = DTYPES[dtype_name]
     fn = _op(A, config)
@@ -307,7 +293,7 @@ def _bench(fn) -> dict:
     return {"ms": med, "ms_q20": lo, "ms_q80": hi}
 
 
-def speed_case(A, dtype_name: str, ni: int, texts: Sequence[int], cfg: dict | None = None, sdpa: bool = True) -> dict:
+def speed_case(A, dtype_name: str, ni: int, texts: Sequence[int], cfg: Any | None = None, sdpa: bool = True) -> dict:
     dtype = DTYPES[dtype_name]
     samples = [make_sample(nt, ni, heads=HEADS, head_dim=HEAD_DIM, dtype=dtype, seed=100 + b) for b, nt in enumerate(texts)]
     packed, tseq, iseq = pack(samples)
@@ -340,15 +326,15 @@ def candidates(A) -> list[dict]:
     """Each override of :data:`CANDIDATES` on the frozen configuration of its dtype, at 4096 + 128, B = 1.
 
     Forward and backward bytes (the backward from the frozen forward's O and LSE) are compared with the
-    frozen configuration's for every row. Where an override keeps the tiles and warps (another load path,
-    ``resident_loads``, stage count) the same values reach the same arithmetic, so the bytes must not move;
+    frozen configuration's for every row. Where an override keeps the tiles and warps (a load flag,
+    the warp-specialized forward, stage count) the same values reach the same arithmetic, so the bytes must not move;
     other tiles change the reduction order and usually the bytes (a new kernel identity if frozen).
     """
     rows = []
     frozen = {}
     for dtype_name, part, override in CANDIDATES:
         dtype = DTYPES[dtype_name]
-        base = dict(A.config_for(HEAD_DIM, dtype))
+        base = A.config_for(HEAD_DIM, dtype)
         if dtype_name not in frozen:
             s = make_sample(TEXTS[1][0], IMAGES[0], heads=HEADS, head_dim=HEAD_DIM, dtype=dtype, seed=100)
             packed, tseq, iseq = pack([s])
@@ -357,9 +343,9 @@ def candidates(A) -> list[dict]:
             grads = A.attention_bwd(do_t, do_i, *packed, o_t, o_i, lse, tseq, iseq, base)
             frozen[dtype_name] = (packed, tseq, iseq, (o_t, o_i, lse), (do_t, do_i), grads)
         packed, tseq, iseq, fwd_ref, (do_t, do_i), bwd_ref = frozen[dtype_name]
-        cfg = {**base, **override}
         label = {k: list(v) if isinstance(v, tuple) else v for k, v in override.items()} or "frozen"
         try:
+            cfg = base.replace(**override)
             r = speed_case(A, dtype_name, IMAGES[0], TEXTS[1], cfg, sdpa=False)
             row = {"dtype": dtype_name, "part": part, "config": label, "fwd_tflops": r["ours_fwd"]["tflops"],
                    "fwd_ms": r["ours_fwd"]["ms"], "bwd_tflops": r["ours_bwd"]["tflops"], "bwd_ms": r["ours_bwd"]["ms"]}
@@ -481,9 +467,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mmdit_strict.reference import ops as ref_ops
 
     out = Path(args.out)
-    configs = {dt: ({**A.config_for(HEAD_DIM, DTYPES[dt]), **overrides[dt]} if overrides[dt] else None) for dt in DTYPES}
-    rep: dict = {"env": _env(), "config_bf16": configs["bf16"] or A.config_for(HEAD_DIM, torch.bfloat16),
-                 "config_fp32": configs["fp32"] or A.config_for(HEAD_DIM, torch.float32),
+    configs = {dt: (A.config_for(HEAD_DIM, DTYPES[dt]).replace(**overrides[dt]) if overrides[dt] else None) for dt in DTYPES}
+    rep: dict = {"env": _env(), "config_bf16": (configs["bf16"] or A.config_for(HEAD_DIM, torch.bfloat16)).as_dict(),
+                 "config_fp32": (configs["fp32"] or A.config_for(HEAD_DIM, torch.float32)).as_dict(),
                  "overrides": {dt: o for dt, o in overrides.items() if o}}
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     failed = False

@@ -3,10 +3,10 @@
 Two copies of the same bytes are timed (CUDA-graph replay) and the faster one is the reference:
 
 * ``torch``: ``dst.copy_(src)`` — a device-to-device memcpy, which the driver serves by a method of its own
-  choosing: on the H200 at a30f5c9 it ran at 4.2 TB/s for 25 MB but 2.6 TB/s for 42 MB and 2.7 TB/s for 1 GiB
-  (experiments/norms/a30f5c9_copy), so alone it is no steady yardstick;
+  choosing, whose speed on the H200 varies with the size (from 2.6 to 4.2 TB/s; experiments/norms/), so alone
+  it is no steady yardstick;
 * ``sm``: :func:`sm_copy`, a plain Triton kernel that streams the bytes through the SMs in 16 KiB blocks
-  (3.5–4.1 TB/s at every size there).
+  (3.5–4.1 TB/s at every size on the H200).
 
 The larger figure is the bar's denominator: a kernel is compared with the best copy the device did for those
 bytes in the same run, never with a slow one.

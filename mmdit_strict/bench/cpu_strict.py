@@ -1,4 +1,4 @@
-"""CPU strict vs production forward of the tiny model on this CPU (issue 3: strict ≤ 3× production).
+"""CPU strict vs production forward of the tiny model on this CPU (the budget: strict ≤ 3× production).
 
     python -m mmdit_strict.bench.cpu_strict --out DIR [--repeats 21] [--warmup 3] [--backward]
 
@@ -166,7 +166,7 @@ def to_markdown(report: dict[str, Any]) -> str:
                    if "diffusers" in r[kind] else "— | — |")
             )
     worst = report["worst_forward_ratio"]
-    lines += ["", f"Worst forward ratio of medians: **{worst:.2f}×** (issue 3 asks for at most 3×): "
+    lines += ["", f"Worst forward ratio of medians: **{worst:.2f}×** (the budget is at most 3×): "
               f"{'within' if worst <= report['budget_forward_ratio'] else 'OVER'} the budget.",
               "A load average above the core count means other processes shared the CPU: medians then carry "
               "their noise (the interleaving spreads it over both runtimes; the min column is the quiet-machine figure).", ""]

@@ -42,8 +42,10 @@ import traceback
 from pathlib import Path
 
 import torch
+
 import torch.nn.functional as F
 
+from ..dtypes import EXECUTION_BY_SHORT_NAME as DTYPES
 from . import markdown as md
 from ..environment import environment_line, gpu_environment
 from .timing import graph_ms
@@ -53,7 +55,6 @@ from .timing import graph_ms
 MODEL_LAYOUTS = (((64, 64), (128,)), ((64, 64), (128, 16)))
 _PER_SAMPLE_ROWS = ("mod", "final_mod", "temb_1", "temb_2")  # M = batch rows: accuracy at B = 1, 3, 256, 2048
 INVARIANCE_M = (1, 2, 3, 7, 64, 127, 128, 129, 1000, 4224, 6889, 8448)
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DEVICE = "cuda"  # the interpreter dry run (tests/CI smoke) swaps in "cpu"
 
 

@@ -135,10 +135,7 @@ def run(args: argparse.Namespace, on_case: Callable[[dict[str, Any]], None] | No
     ti = grid[0] * grid[1]
     from ..model.graphs import GraphCache
 
-    from ..kernels.triton.rope import current_qk_layout
-
-    default_layout = current_qk_layout()  # the QK-norm/RoPE layout the model runs by default
-    graph_caches = {lay: GraphCache() for lay in (default_layout, *args.qk_layouts)}
+    graph_cache = GraphCache()
     cases = {
         "fwd_b1": ([args.txt], False),
         "fwd_b2_cfg": ([args.txt, max(1, args.txt // 2)], False),
@@ -154,22 +151,17 @@ def run(args: argparse.Namespace, on_case: Callable[[dict[str, Any]], None] | No
             kw = dict(inp, img_shapes=[[(1, grid[0], grid[1])]] * len(txt_lens), return_dict=False)
             return theirs(**kw)[0]
 
-        def ours_call(runtime: str, graphs: bool = False, layout: str = default_layout) -> Callable[[], torch.Tensor]:
+        def ours_call(runtime: str, graphs: bool = False) -> Callable[[], torch.Tensor]:
             def call() -> torch.Tensor:
-                from ..kernels.triton.rope import qk_layout
-
                 ours.set_runtime(runtime)
-                ours.graph_cache = graph_caches[layout] if graphs else None
-                with qk_layout(layout):
-                    return ours(**inp, return_dict=False)[0]
+                ours.graph_cache = graph_cache if graphs else None
+                return ours(**inp, return_dict=False)[0]
 
             return call
 
         engine_calls = {"diffusers_eager": diffusers_call, **{f"ours_{r}": ours_call(r) for r in args.runtimes}}
         if not train:  # graphs replay no-grad forwards only
             engine_calls.update({f"ours_{r}_graph": ours_call(r, True) for r in args.runtimes if r in ("strict", "auto")})
-            engine_calls.update({f"ours_{r}_graph_qk_{lay}": ours_call(r, True, lay) for lay in args.qk_layouts
-                                 if lay != default_layout for r in args.runtimes if r == "strict"})
         for name, call in engine_calls.items():
             if train:
                 def step(call: Callable[[], torch.Tensor] = call) -> None:
@@ -250,8 +242,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--txt", type=int, default=128, help="valid prompt tokens of the first sample")
     p.add_argument("--runtimes", nargs="+", default=["strict", "off"], choices=[r.value for r in Runtime])
     p.add_argument("--lora-rank", type=int, default=64)
-    p.add_argument("--qk-layouts", nargs="*", default=[], choices=["pairs", "contiguous"],
-                   help="extra QK-norm/RoPE kernel layouts to time as strict graph engines (beside the default one)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     args = p.parse_args(argv)

@@ -29,8 +29,10 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
+
 from tqdm import tqdm
 
+from ..dtypes import BY_CONFIG_NAME as DTYPES
 from ..config.arch import ArchConfig, preset
 from ..kernels.trace import capture_trace
 from ..model.init import build_model
@@ -40,7 +42,6 @@ from ..environment import commit, environment_line, gpu_environment
 
 TEXT_LENS = (77, 5, 130, 33, 256, 1, 64, 100)  # valid prompt tokens of the 8 pool samples
 PADS = (1, 7, 64)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _grid(text: str) -> tuple[int, int]:

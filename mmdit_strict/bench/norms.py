@@ -18,90 +18,34 @@
   against the eager PyTorch composition it replaces (``kernels/production.py``), both graph-replayed;
 * the environment: GPU, driver, torch, Triton, CUDA, git commit.
 
-``--variants default,reference`` runs the speed / accuracy / invariance sections again for the kernels
-launched as the H200 measured them at 6ab3b56 (:data:`VARIANTS`; ``reference`` = ``norms.LN_REFERENCE`` and
-``rope.QK_BWD_REFERENCE``: same kernels, same arithmetic, other launch settings), each for the operators whose
-launches it changes, timed right after the default row of the same case; the ``variant_bytes`` section
-compares each variant's forward and gradients with the default's raw bytes on one batch (every tensor must
-be equal). The ``tune`` section times the LayerNorm forward / backward and the QK backward kernels alone for
-every launch candidate (``norms.LN_CANDIDATES``, ``rope.QK_BWD_CANDIDATES``) and checks each candidate's bytes
-against the reference launch on one batch.
+Everything runs the product path (the frozen launch tables). Other launches of the same kernels are timed by
+``python -m benchmarks.norms_tune`` (candidates in ``benchmarks/row_launches.py``).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
-from . import markdown as md
-from ..environment import environment_line, gpu_environment
+from ..dtypes import EXECUTION_BY_SHORT_NAME as DTYPES
+from ..environment import gpu_environment
 from .bandwidth import copy_reference
 from .timing import graph_ms, plain_ms
 
 from mmdit_strict.tolerances import Tolerance, tolerance
 
+from .norms_report import BATCHES, PADS, _f, render  # noqa: F401  (the report of this bench)
+
 EPS = 1e-6
 D, HEADS, HEAD_DIM, CT = 3072, 24, 128, 3584
 IMAGE_TEXT = ((4096, 0), (6032, 128), (6889, 256))
-BATCHES = (2, 3, 8, 64)
-PADS = (0, 1, 7, 64, 256)
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DEVICE = "cuda"  # a CPU dry run of the accuracy / invariance logic (interpreter, fp32, small widths) swaps in "cpu"
-
-
-@dataclass(frozen=True)
-class Variant:
-    """Launch settings the bench runs beside the library's defaults.
-
-    ``ln`` / ``qk`` / ``qk_fwd``: the name of a ``norms.LnLaunch`` / ``rope.QkBwdLaunch`` / ``rope.QkFwdLaunch``
-    of those modules (``None``: the library's per-dtype defaults, ``LN_DEFAULTS`` / ``QK_BWD_DEFAULTS`` /
-    ``QK_FWD_DEFAULTS``); ``ops``:
-    the operators whose launches it changes (``None``: all); ``may_differ``: tensors whose bytes it may
-    change against the default (none: launch settings never change bytes)."""
-
-    ln: str | None = None
-    qk: str | None = None
-    qk_fwd: str | None = None
-    ops: tuple[str, ...] | None = None
-    may_differ: tuple[str, ...] = ()
-
-
-_QK_OPS = ("qk_rmsnorm", "qk_rmsnorm_rope (fused)", "txt_in_rmsnorm_linear")  # txt_in: the one-head norm's backward
-_LN_OPS = ("adaln_modulation", "final_adaln_out")
-
-
-VARIANTS = {
-    "default": Variant(),
-    "reference": Variant(ln="LN_REFERENCE", qk="QK_BWD_REFERENCE", ops=_LN_OPS + _QK_OPS),  # the 6ab3b56 launches
-    # the QK forward with 24 heads as 16 + 8 (RoPE's backward runs the forward kernel too)
-    "split_heads": Variant(qk_fwd="QK_FWD_SPLIT", ops=("qk_rmsnorm", "multi_axis_rope", "qk_rmsnorm_rope (fused)")),
-}
-
-
-@contextlib.contextmanager
-def variant(name: str) -> Iterator[Variant]:
-    """Run the row operators inside the block as variant ``name`` of :data:`VARIANTS`."""
-    from mmdit_strict.kernels.triton import norms as N
-    from mmdit_strict.kernels.triton import rope as R
-
-    if name not in VARIANTS:
-        raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {name!r}")
-    v = VARIANTS[name]
-    with contextlib.ExitStack() as stack:
-        if v.qk:
-            stack.enter_context(R.qk_bwd_launch(getattr(R, v.qk)))
-        if v.qk_fwd:
-            stack.enter_context(R.qk_fwd_launch(getattr(R, v.qk_fwd)))
-        if v.ln:
-            stack.enter_context(N.ln_launch(getattr(N, v.ln)))
-        yield v
 
 
 def row_tolerance(check: str, dtype: torch.dtype | str, ref: torch.Tensor) -> Tolerance:
@@ -392,33 +336,6 @@ def invariance_case(spec: Spec, dname: str, probe_rows: int, hi: int, seed: int)
             "pass": checked == equal, "failures": failures}
 
 
-def variant_bytes_case(spec: Spec, dname: str, name: str, seed: int) -> dict:
-    """One batch (a 4096-row sample, an empty one, then 77, 1 and 17 rows; text streams 256, 0, 77, 1, 17)
-    through the default kernels and through variant ``name``: forward and every gradient, ``torch.equal``.
-    Tensors the variant may change (:attr:`Variant.may_differ`) are reported, not required equal."""
-    dt = DTYPES[dname]
-    g = torch.Generator(device=DEVICE).manual_seed(seed)
-    lens = ((256,) if spec.stream == "text" else (4096,)) + (0, 77, 1, 17)
-    samples = [spec.sample(n, g, dt) for n in lens]
-    shared = spec.shared(g, dt)
-    gy = _randn((sum(lens),) + spec_out_shape(spec, samples[0], shared), g, dt)
-    with variant("default"):
-        _, out0, gs0, gsh0 = _run(spec, spec.fn, samples, shared, gy)
-    with variant(name) as v:
-        _, out1, gs1, gsh1 = _run(spec, spec.fn, samples, shared, gy)
-    names = (["out"] + [f"d_in{k}" for k, t in enumerate(gs0) if t is not None]
-             + [f"d_shared{k}" for k, t in enumerate(gsh0) if t is not None])
-    want = [out0] + [t for t in gs0 + gsh0 if t is not None]
-    got = [out1] + [t for t in gs1 + gsh1 if t is not None]
-    tensors = []
-    for tname, a, b in zip(names, got, want):
-        eq = a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-        diff = float((a.double() - b.double()).abs().max()) if a.shape == b.shape and a.numel() else 0.0
-        tensors.append({"tensor": tname, "equal": bool(eq), "max_abs_diff": diff, "may_differ": tname in v.may_differ})
-    return {"op": spec.name, "dtype": dname, "variant": name, "seqlens": list(lens), "tensors": tensors,
-            "pass": all(t["equal"] or t["may_differ"] for t in tensors)}
-
-
 # ----------------------------------------------------------------------------------------------
 # speed
 # ----------------------------------------------------------------------------------------------
@@ -512,86 +429,6 @@ def speed_case(spec: Spec, dname: str, rows: int, seed: int) -> dict:
     return row
 
 
-def _bytes_equal(got, want) -> bool:
-    return all(a is None and b is None or (a is not None and b is not None and a.dtype == b.dtype and a.shape == b.shape
-                                            and torch.equal(a, b)) for a, b in zip(got, want))
-
-
-def tune_case(kind: str, dname: str, rows: int, seed: int) -> list[dict]:
-    """Every launch candidate of one kernel family on one single-sample case: kernel time (CUDA-graph replay),
-    GB/s and fraction of the same-size copy, and whether its outputs equal the reference launch's bytes.
-
-    kind: "ln" (adaln_modulation's forward — no statistics stored, as under no_grad — and backward),
-    "qk" / "qk_rope" (the QK norm backward without / with the rotation, 24 × 128), "txt" (one head of 3584);
-    "qk_fwd" / "qk_rope_fwd" / "txt_fwd" the QK forward kernel's launches (norm, fused norm + RoPE, txt_in's norm)."""
-    from mmdit_strict.kernels.triton import norms as N
-    from mmdit_strict.kernels.triton import rope as R
-
-    dt = DTYPES[dname]
-    es = torch.empty((), dtype=dt).element_size()
-    g = torch.Generator(device=DEVICE).manual_seed(seed)
-    seq = (rows,)
-    out: list[dict] = []
-
-    def record(kernel, launch, ms, nbytes, equal, ref):
-        row = {"kernel": kernel, "dtype": dname, "rows": rows, "launch": launch.label(), "reference": launch == ref,
-               "ms": ms, "bytes": nbytes, "equal_reference": bool(equal)}
-        if ms:
-            row["gbps"] = nbytes / (ms * 1e-3) / 1e9
-            row["copy_gbps"] = copy_gbps(nbytes)
-            row["fraction"] = row["gbps"] / row["copy_gbps"]
-        out.append(row)
-
-    if kind == "ln":
-        x, gy = _randn((rows, D), g, dt), _randn((rows, D), g, dt)
-        sh, sc = _randn((1, D), g, dt, 0.5), _randn((1, D), g, dt, 0.5)
-        want_f = N.adaln_modulation_fwd(x, sh, sc, seq, EPS, True, launch=N.LN_REFERENCE)
-        want_b = N.adaln_modulation_bwd(gy, x, sc, want_f[1], want_f[2], seq, True, launch=N.LN_REFERENCE)
-        for c in N.LN_CANDIDATES:
-            got_f = N.adaln_modulation_fwd(x, sh, sc, seq, EPS, True, launch=c)
-            got_b = N.adaln_modulation_bwd(gy, x, sc, want_f[1], want_f[2], seq, True, launch=c)
-            ms_f = _graph_ms(lambda: N.adaln_modulation_fwd(x, sh, sc, seq, EPS, False, launch=c), rep=30)
-            ms_b = _graph_ms(lambda: N.adaln_modulation_bwd(gy, x, sc, want_f[1], want_f[2], seq, True, launch=c), rep=30)
-            record("adaln_modulation fwd", c, ms_f, 2 * rows * D * es, _bytes_equal(got_f, want_f), N.LN_REFERENCE)
-            record("adaln_modulation bwd", c, ms_b, 3 * rows * D * es, _bytes_equal(got_b, want_b), N.LN_REFERENCE)
-        return out
-    h, d = (1, CT) if kind.startswith("txt") else (HEADS, HEAD_DIM)
-    x, gy = _randn((rows, h, d), g, dt), _randn((rows, h, d), g, dt)
-    gain = (1 + _randn((d,), g, torch.float32, 0.1)).to(dt)
-    c, s = _tables(rows, g) if kind.startswith("qk_rope") else (None, None)
-    if kind.endswith("_fwd"):
-        name = {"qk_fwd": "qk_rmsnorm fwd", "qk_rope_fwd": "qk_rmsnorm_rope (fused) fwd",
-                "txt_fwd": "txt_in rmsnorm fwd (1 x 3584)"}[kind]
-
-        def fwd(launch, rstd):
-            return R._contig_fwd(x, gain, c, s, EPS, rstd, 1.0, launch=launch)
-
-        want_r = torch.empty((rows, h), dtype=torch.float32, device=DEVICE)
-        want = (fwd(R.QK_FWD_REFERENCE, want_r), want_r)
-        for cand in R.QK_FWD_CANDIDATES:
-            got_r = torch.empty_like(want_r)
-            got = (fwd(cand, got_r), got_r)
-            ms = _graph_ms(lambda: fwd(cand, None), rep=30)  # no rstd stored: the no-grad forward
-            record(name, cand, ms, 2 * rows * h * d * es, _bytes_equal(got, want), R.QK_FWD_REFERENCE)
-        return out
-    _, rstd = R.qk_norm_fwd(x, gain, c, s, EPS, store_rstd=True)
-    want = R.qk_norm_bwd(gy, x, gain, rstd, c, s, seq, True, launch=R.QK_BWD_REFERENCE)
-    name = {"qk": "qk_rmsnorm bwd", "qk_rope": "qk_rmsnorm_rope (fused) bwd", "txt": "txt_in rmsnorm bwd (1 x 3584)"}[kind]
-    for cand in R.QK_BWD_CANDIDATES:
-        got = R.qk_norm_bwd(gy, x, gain, rstd, c, s, seq, True, launch=cand)
-        ms = _graph_ms(lambda: R.qk_norm_bwd(gy, x, gain, rstd, c, s, seq, True, launch=cand), rep=30)
-        record(name, cand, ms, 3 * rows * h * d * es, _bytes_equal(got, want), R.QK_BWD_REFERENCE)
-    return out
-
-
-TUNE_CASES = (("qk_rope_fwd", "bf16", 4096), ("qk_rope_fwd", "bf16", 6889), ("qk_rope_fwd", "fp32", 4096),
-              ("qk_fwd", "bf16", 4096), ("txt_fwd", "bf16", 256), ("txt_fwd", "fp32", 256),
-              ("ln", "bf16", 4096), ("ln", "bf16", 6889), ("ln", "fp32", 4096),
-              ("qk", "bf16", 4096), ("qk", "bf16", 6889), ("qk", "fp32", 4096),
-              ("qk_rope", "bf16", 4096), ("qk_rope", "bf16", 6889), ("qk_rope", "fp32", 4096),
-              ("txt", "bf16", 256), ("txt", "fp32", 256))
-
-
 def model_trace_case(layers: int = 2, grid: tuple[int, int] = (32, 32), txt_lens: tuple[int, ...] = (77, 5),
                      arch_name: str = "qwen-image", dtype: torch.dtype = torch.bfloat16) -> dict:
     """The qwen-image architecture (``layers`` blocks, random bf16 weights) in ``runtime=auto``: which
@@ -632,118 +469,14 @@ def _env() -> dict:
     return gpu_environment()
 
 
-def _f(v, spec=".3e"):
-    return format(v, spec) if isinstance(v, (int, float)) else "—"
-
-
-def _label(row: dict) -> str:
-    """The op column: the operator, with its kernel variant when not the default."""
-    v = row.get("variant", "default")
-    return row["op"] if v == "default" else f"{row['op']} [{v}]"
-
-
-def _speed_row(s: dict) -> str:
-    def bw(kind):
-        if f"{kind}_gbps" not in s:
-            return "—"
-        return f"{s[kind + '_gbps']:.0f} ({s[kind + '_copy_gbps']:.0f}, {s[kind + '_fraction']:.2f})"
-
-    return md.row(_label(s), s["dtype"], s["rows"], _f(s.get("fwd_ms"), ".4f"), bw("fwd"), _f(s.get("bwd_ms"), ".4f"), bw("bwd"),
-                  _f(s.get("torch_fwd_ms"), ".4f"), _f(s.get("fwd_speedup_vs_torch"), ".2f"), _f(s.get("fwd_bwd_ms"), ".4f"),
-                  _f(s.get("torch_fwd_bwd_ms"), ".4f"), _f(s.get("fwd_bwd_speedup_vs_torch"), ".2f"),
-                  f"{_f(s.get('fwd_plain_ms'), '.4f')} ({_f(s.get('torch_fwd_plain_ms'), '.4f')}), "
-                  f"{_f(s.get('fwd_bwd_plain_ms'), '.4f')} ({_f(s.get('torch_fwd_bwd_plain_ms'), '.4f')})")
-
-
-def _variant_row(v: dict) -> str:
-    eq = [t["tensor"] for t in v["tensors"] if t["equal"]]
-    ne = [f"{t['tensor']}{'*' if t['may_differ'] else ''} ({t['max_abs_diff']:.2e})" for t in v["tensors"] if not t["equal"]]
-    return md.row(v["op"], v["dtype"], v["variant"], v["seqlens"], ", ".join(eq) or "—", ", ".join(ne) or "—",
-                  "PASS" if v["pass"] else "FAIL")
-
-
-def _tune_row(t: dict) -> str:
-    return md.row(t["kernel"], t["dtype"], t["rows"], t["launch"] + (" (reference)" if t["reference"] else ""),
-                  _f(t.get("ms"), ".4f"),
-                  f"{t['gbps']:.0f} ({t['copy_gbps']:.0f}, {t['fraction']:.2f})" if "gbps" in t else "—",
-                  "yes" if t["equal_reference"] else "NO")
-
-
-def render(report: dict) -> str:
-    e = report["env"]
-    lines = ["# Strict row operators — GPU qualification report", "",
-             environment_line(e, f"QK layout {e.get('qk_layout', 'pairs')}; kernel variants {', '.join(e.get('variants', ['default']))}"), ""]
-    lines += md.rows_section(
-        report.get("accuracy"), lambda acc: f"Accuracy vs the FP64 CPU reference ({md.passed(acc)})",
-        ("op", "dtype", "rows", "tensor", "max abs", "max\\|ref\\|", "rel-fro", "torch max abs", "pass"),
-        lambda a: md.row(_label(a), a["dtype"], a["rows"], a["tensor"], _f(a["max_abs"]), _f(a["max_ref"]),
-                         _f(a["rel_fro"], ".2e"), _f(a.get("torch_max_abs")), "PASS" if a["pass"] else "FAIL"),
-        ["Rule (tolerances.yaml `row_ops.<op>[_grad].<dtype>`): `|kernel−ref| ≤ rtol·|ref| + atol_max·max|ref|` per tensor. "
-         "`torch` = the production PyTorch op in the same dtype, for comparison."])
-    lines += md.rows_section(
-        report.get("invariance"),
-        lambda inv: f"Raw-byte invariance ({sum(a['equal'] for a in inv)}/{sum(a['checked'] for a in inv)} tensors equal)",
-        ("op", "dtype", "probe rows", "companion rows", "equal / checked", "failures"),
-        lambda a: md.row(_label(a), a["dtype"], a["probe_rows"], "{}..{}".format(*a.get("companion_rows", ["?", "?"])),
-                         f"{a['equal']}/{a['checked']}", ", ".join(a["failures"][:3])),
-        [f"Every sample of batches B ∈ {list(BATCHES)} (the probe first, middle and last among random companions) vs the same "
-         f"sample alone, and the probe with companions {list(PADS)} rows longer: forward output and every per-row / per-sample "
-         "gradient, `torch.equal`."])
-    lines += md.rows_section(
-        report.get("speed"), "Speed (B = 1; CUDA-graph replay, GPU time)",
-        ("op", "dtype", "rows", "fwd ms", "fwd GB/s (copy, fraction)", "bwd ms", "bwd GB/s (copy, fraction)", "torch fwd ms",
-         "fwd speedup", "fwd+bwd ms", "torch fwd+bwd ms", "fwd+bwd speedup",
-         "without graph: fwd ms (torch), fwd+bwd ms (torch)"),
-        _speed_row,
-        ["GB/s = bytes the kernel must move (reads + writes of its row tensors; weights for the GEMM ones) / time; "
-         "copy = the faster of `dst.copy_(src)` and an SM copy kernel moving the same number of bytes, same run (`bench/bandwidth.py`; the driver's memcpy alone ran at 2.6 TB/s for some sizes). fwd+bwd and the eager PyTorch composition "
-         "(`kernels/production.py`) both through autograd; speedup = torch ms / ours ms."])
-    lines += md.rows_section(
-        report.get("variant_bytes"), lambda vb: f"Kernel variants vs the default's bytes ({md.passed(vb)})",
-        ("op", "dtype", "variant", "seqlens", "tensors equal", "differing (max abs diff)", "pass"),
-        _variant_row,
-        ["One batch through the default kernels and through the variant: forward and every gradient, `torch.equal`; "
-         "tensors marked * are expected to change (another summation tree) and are not required equal."])
-    lines += md.rows_section(
-        report.get("tune"),
-        lambda tu: f"Launch candidates ({sum(t['equal_reference'] for t in tu)}/{len(tu)} byte-equal to the reference launch)",
-        ("kernel", "dtype", "rows", "launch", "ms", "GB/s (copy, fraction)", "bytes = reference"),
-        _tune_row,
-        ["The kernel alone, B = 1, CUDA-graph replay (median of 30 ms of replays); bytes as in the speed table; "
-         "the reference launch is the kernels as measured at 6ab3b56. `bytes = reference`: every output of the "
-         "launch on that case equals the reference launch's, `torch.equal`."])
-    mt = report.get("model_trace")
-    if mt:
-        lines += [f"## qwen-image architecture, runtime=auto ({mt['layers']} blocks, grid {mt['grid']}, text {mt['txt_lens']}, {mt.get('dtype')})", "",
-                  f"- forward fallbacks: {', '.join(mt['forward']) or 'none'}",
-                  f"- forward + backward fallbacks: {', '.join(mt['forward+backward']) or 'none'}",
-                  f"- backends: {', '.join(mt['forward_backends'])}", ""]
-    return "\n".join(lines + md.errors_and_wall_time(report)) + "\n"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--sections", default="speed,accuracy,invariance,variant_bytes,model",
-                    help="comma list of tune (every launch candidate, kernels alone), speed, accuracy, invariance, "
-                         "variant_bytes (each --variants entry vs the default's bytes), "
-                         "model (the qwen-image architecture's fallbacks in runtime=auto)")
+    ap.add_argument("--sections", default="speed,accuracy,invariance,model",
+                    help="comma list of speed, accuracy, invariance, model (the qwen-image architecture's fallbacks in runtime=auto)")
     ap.add_argument("--ops", default=None, help="comma list of operator names (default: all)")
-    ap.add_argument("--tune-kinds", default=None,
-                    help=f"tune section: comma list of kernel families (default: all of {', '.join(dict.fromkeys(k for k, _, _ in TUNE_CASES))})")
     ap.add_argument("--budget-s", type=float, default=300.0, help="skip remaining cases past this wall time")
-    ap.add_argument("--qk-layout", default="contiguous", choices=("pairs", "contiguous"),
-                    help="how the QK norm / RoPE kernels hold a head (rope.QK_LAYOUTS; contiguous is the default)")
-    ap.add_argument("--variants", default="default",
-                    help=f"comma list of kernel variants to run, each beside the default for the operators it changes: {', '.join(VARIANTS)}")
-    args = ap.parse_args(argv)
-    bad = [n for n in args.variants.split(",") if n not in VARIANTS]
-    if bad or "default" not in args.variants.split(","):
-        ap.error(f"--variants: expected a comma list of {', '.join(VARIANTS)} including default, got {args.variants!r}")
-    from mmdit_strict.kernels.triton import rope as R
-
-    with R.qk_layout(args.qk_layout):
-        return _main(args)
+    return _main(ap.parse_args(argv))
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -756,8 +489,10 @@ def _main(args: argparse.Namespace) -> int:
     t0 = time.time()
     specs = [s for s in _specs() if args.ops is None or s.name in args.ops.split(",")]
     sections = args.sections.split(",")
-    report: dict[str, Any] = {"env": {**_env(), "qk_layout": args.qk_layout, "variants": args.variants.split(",")},
-                              "accuracy": [], "invariance": [], "speed": [], "variant_bytes": [], "tune": [], "errors": []}
+    unknown = set(sections) - {"speed", "accuracy", "invariance", "model"}
+    if unknown:
+        raise SystemExit(f"--sections: unknown {sorted(unknown)}")
+    report: dict[str, Any] = {"env": _env(), "accuracy": [], "invariance": [], "speed": [], "errors": []}
 
     def guarded(what: str, fn: Callable[[], Any]) -> Any:
         if time.time() - t0 > args.budget_s:
@@ -769,70 +504,42 @@ def _main(args: argparse.Namespace) -> int:
             report["errors"].append(f"{what}: {type(exc).__name__}: {exc}")
             return None
 
-    names = args.variants.split(",")
-
     def flush() -> None:
         """Write the report as it stands (after each section and operator: a run cut short keeps what it measured)."""
         report["wall_s"] = time.time() - t0
         (out_dir / "norms.json").write_text(json.dumps(report, indent=1))
         (out_dir / "norms.md").write_text(render(report))
 
-    def variants_of(spec: Spec) -> list[str]:
-        """The requested variants that change ``spec``'s kernels (the default always), default first."""
-        return [n for n in names if n == "default" or (VARIANTS[n].ops is None or spec.name in VARIANTS[n].ops)]
-
-    def in_variant(name: str, what: str, fn: Callable[[], Any]) -> Any:
-        with variant(name):
-            r = guarded(what if name == "default" else f"{what} [{name}]", fn)
-        for row in r if isinstance(r, list) else [r] if r else []:
-            row["variant"] = name
-        return r
-
-    if "tune" in sections:
-        for kind, dname, rows in TUNE_CASES:
-            if args.tune_kinds and kind not in args.tune_kinds.split(","):
-                continue
-            r = guarded(f"tune {kind} {dname} {rows}", lambda: tune_case(kind, dname, rows, 50))
-            report["tune"] += r or []
-            torch.cuda.empty_cache()
-            flush()
     if "speed" in sections:
         for spec in specs:
             for dname in DTYPES:
                 for rows in ((256,) if spec.stream == "text" else (4096, 6889) if dname == "bf16" else (4096,)):
-                    for name in variants_of(spec):  # each variant timed right after the default of the same case
-                        r = in_variant(name, f"speed {spec.name} {dname} {rows}", lambda: speed_case(spec, dname, rows, 30))
-                        if r:
-                            report["speed"].append(r)
+                    r = guarded(f"speed {spec.name} {dname} {rows}", lambda: speed_case(spec, dname, rows, 30))
+                    if r:
+                        report["speed"].append(r)
             flush()
     for spec in specs:
         for dname in DTYPES:
-            for name in variants_of(spec):
-                if "accuracy" in sections:
-                    for i, (img, txt) in enumerate(IMAGE_TEXT):
-                        for stream, rows in (("image", img), ("text", txt)):
-                            if spec.stream not in (stream, "both"):
-                                continue
-                            r = in_variant(name, f"accuracy {spec.name} {dname} {rows}", lambda: accuracy_case(spec, dname, rows, 10 + i))
-                            report["accuracy"] += r or []
-                if "invariance" in sections:
-                    probe, hi = (77, 256) if spec.stream == "text" else (4096, 1024)
-                    r = in_variant(name, f"invariance {spec.name} {dname}", lambda: invariance_case(spec, dname, probe, hi, 20))
-                    if r:
-                        report["invariance"].append(r)
-                if "variant_bytes" in sections and name != "default":
-                    r = guarded(f"variant_bytes {spec.name} {dname} [{name}]", lambda: variant_bytes_case(spec, dname, name, 40))
-                    if r:
-                        report["variant_bytes"].append(r)
-                torch.cuda.empty_cache()
+            if "accuracy" in sections:
+                for i, (img, txt) in enumerate(IMAGE_TEXT):
+                    for stream, rows in (("image", img), ("text", txt)):
+                        if spec.stream not in (stream, "both"):
+                            continue
+                        r = guarded(f"accuracy {spec.name} {dname} {rows}", lambda: accuracy_case(spec, dname, rows, 10 + i))
+                        report["accuracy"] += r or []
+            if "invariance" in sections:
+                probe, hi = (77, 256) if spec.stream == "text" else (4096, 1024)
+                r = guarded(f"invariance {spec.name} {dname}", lambda: invariance_case(spec, dname, probe, hi, 20))
+                if r:
+                    report["invariance"].append(r)
+            torch.cuda.empty_cache()
         flush()
     if "model" in sections:
         mt = guarded("model trace", model_trace_case)
         if mt:
             report["model_trace"] = mt
     flush()
-    ok = (all(a["pass"] for a in report["accuracy"] + report["invariance"] + report["variant_bytes"])
-          and all(t["equal_reference"] for t in report["tune"]) and not report["errors"])
+    ok = all(a["pass"] for a in report["accuracy"] + report["invariance"]) and not report["errors"]
     return 0 if ok else 1
 
 

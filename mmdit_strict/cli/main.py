@@ -27,16 +27,28 @@ _EXIT_HELP = """exit status:
 _OVERRIDES_HELP = (
     "hydra-style overrides: group=option (model=tiny, runtime=off, experiment=recompute_off) and "
     "key=value (sampler.num_steps=4, recompute.micro_batch=2, model.checkpoint=null); +key=value adds a key that "
-    "does not exist yet where it names it (+extra.note=v under the free-form extra section), ++key=value adds or "
+    "does not exist yet to a free-form section (+extra.note=v, +train.reward_fn.NAME=w), ++key=value adds or "
     "sets, ~key deletes, ~group drops a group; flags may come anywhere"
 )
 
 
-def _compose(args: argparse.Namespace):
+def _schema_command(args: argparse.Namespace) -> str:
+    """The command whose schema ``args`` composes (``config --for`` names one; else the command itself)."""
+    return getattr(args, "for_command", None) or args.command
+
+
+def _compose(args: argparse.Namespace, overrides: Sequence[str] | None = None):
     from ..config.compose import compose
 
-    cfg = compose(args.overrides, config_dir=args.config_dir)
-    _agree_across_ranks(cfg)
+    overrides = args.overrides if overrides is None else overrides
+    command = _schema_command(args)
+    if command == "train":
+        from ..training.rewards import compose_train
+
+        return compose_train(overrides, config_dir=args.config_dir)
+    cfg = compose(overrides, config_dir=args.config_dir, command=command)
+    if command in DISTRIBUTED_COMMANDS and args.command != "config":
+        _agree_across_ranks(cfg)
     return cfg
 
 
@@ -69,7 +81,7 @@ def _distributed_settings(args: argparse.Namespace) -> tuple[float, str, str]:
     try:
         from ..config.compose import compose
 
-        cfg = compose(args.overrides, config_dir=args.config_dir)
+        cfg = compose(args.overrides, config_dir=args.config_dir, command=args.command)
         return float(cfg.distributed.timeout_s), str(cfg.distributed.backend), str(cfg.model.device)
     except Exception:
         d = DistributedConfig()
@@ -86,6 +98,7 @@ def _main_distributed(args: argparse.Namespace) -> int:
     import os
 
     from .. import distributed
+    from ..kernels.execution import Layout, execution
 
     if args.command not in DISTRIBUTED_COMMANDS or getattr(args, "multirun", False):
         what = "-m sweeps" if getattr(args, "multirun", False) else args.command
@@ -94,7 +107,8 @@ def _main_distributed(args: argparse.Namespace) -> int:
     with distributed.session(timeout, backend, device) as sess, contextlib.ExitStack() as stack:
         if not sess.root:
             stack.enter_context(contextlib.redirect_stdout(open(os.devnull, "w")))
-        rc = _run_command(args)
+        with execution(layout=Layout(sess.rank, sess.world_size)):  # the execution context knows this rank
+            rc = _run_command(args)
         return distributed.finish(rc)
 
 
@@ -158,7 +172,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    """Issue 2's ``sample``: a rollout of the tiny default, printing the per-step hashes."""
+    """``sample``: a rollout of the tiny default, printing the per-step hashes."""
     from ..config.compose import save_resolved
     from ..trajectories import run_rollout
 
@@ -229,6 +243,7 @@ def cmd_encode(args: argparse.Namespace) -> int:
     """Prompts → embeddings + masks with a pipeline folder's Qwen2.5-VL text encoder (a ``prompts.embeddings`` file)."""
     import torch
 
+    from ..dtypes import from_config
     from ..pipelines.encode import encode_prompts, load_text_components, write_prompt_file
 
     prompts = list(args.prompt or [])
@@ -236,7 +251,7 @@ def cmd_encode(args: argparse.Namespace) -> int:
         prompts += [line for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
     if not prompts:
         raise ValueError("no prompts: pass --prompt TEXT (repeatable) or --prompts-file FILE (one prompt per line)")
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    dtype = from_config(args.dtype)
     tokenizer, encoder = load_text_components(args.pipeline, torch_dtype=dtype, device=args.device)
     encoded = encode_prompts(tokenizer, encoder, prompts, args.negative_prompt, batch_size=args.batch_size,
                              device=args.device, max_sequence_length=args.max_sequence_length)
@@ -376,7 +391,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("report", cmd_report, "re-run compare + localize on a run folder and write its report", overrides=False)
     p.add_argument("run_dir", help="a folder made by `mmdit-strict run`")
     p.add_argument("--print", action="store_true", help="print the markdown report")
-    add("config", cmd_config, "print the composed, resolved config")
+    p = add("config", cmd_config, "print the composed, resolved config of a command (--for; default run)")
+    p.add_argument("--for", dest="for_command", default="run", choices=["run", "rollout", "sample", "recompute", "train"],
+                   help="the command whose keys to compose: run, rollout, sample and recompute share one schema, "
+                   "train has its own (default: run)")
     p = add("encode", cmd_encode, "encode prompts with a Qwen-Image pipeline folder's text encoder into a "
             "safetensors file for prompts.embeddings (Qwen-Image's template, first 34 tokens dropped)", overrides=False)
     p.add_argument("pipeline", help="pipeline folder holding tokenizer/ and text_encoder/")
@@ -435,7 +453,7 @@ def _multirun(args: argparse.Namespace) -> int:
 
     import yaml
 
-    from ..config.compose import ConfigError, compose
+    from ..config.compose import ConfigError
     from ..config.overrides import expand_multirun, parse_override
     from ..io import atomic_write_text
     from ..trajectories.outdir import check_output_dir
@@ -444,13 +462,14 @@ def _multirun(args: argparse.Namespace) -> int:
     if any(parse_override(o).key == "output_dir" and "," in (parse_override(o).raw or "") for o in args.overrides):
         raise ValueError("output_dir cannot be swept: multirun jobs go to OUTPUT_DIR/<job number>")
     jobs = expand_multirun(args.overrides)
-    base = Path(compose(jobs[0], config_dir=args.config_dir).output_dir)
+    base = Path(_compose(args, jobs[0]).output_dir)
     rows = []
     for i, job in enumerate(jobs):
         try:
-            cfg = compose([*job, f"output_dir={base / str(i)}"], config_dir=args.config_dir)
+            cfg = _compose(args, [*job, f"output_dir={base / str(i)}"])
             check_output_dir(cfg.output_dir, kind=_output_kind(args))
-            require_wandb(cfg.wandb.mode)
+            if args.command in ("run", "train"):  # the commands that log to wandb
+                require_wandb(cfg.wandb.mode)
         except (ConfigError, ValueError) as exc:
             raise type(exc)(f"multirun job {i} ({' '.join(job)}): {exc}; no job was run") from exc
         rows.append({"job": i, "overrides": job, "output_dir": str(base / str(i)), "status": "pending", "exit_code": None})

@@ -13,20 +13,23 @@ overrides work as in hydra:
 
 Values are parsed as hydra does (``null`` → None, numbers, booleans, lists; ``overrides.py``).
 
-The result is validated against :class:`~mmdit_strict.config.schema.RunConfig`.
+Each command composes its own schema (:data:`~mmdit_strict.config.schema.SCHEMAS`): a group, an
+experiment key or an override naming a section the command does not read is refused with the
+command's valid keys. The result is validated (:func:`~mmdit_strict.config.validate.problems`) before
+it is returned, so every check on a value happens before any work.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from .overrides import Override, OverrideError, parse_override
-from .schema import CHOICES, RunConfig
+from .schema import choices_for, commands_reading, schema_for, section_names
 from .validate import problems
 
 GLOBAL_PACKAGE = "# @package _global_"
@@ -86,14 +89,45 @@ def _valid_keys(node: Any, prefix: str) -> list[str]:
     return sorted(f"{prefix}{k}" for k in node.keys())
 
 
-def compose(overrides: Sequence[str] = (), config_dir: str | Path | None = None, config_name: str = "config") -> DictConfig:
-    """Compose ``config_name`` with ``overrides`` and return a validated, resolved, read-only config."""
+def _foreign(keys: Sequence[str], command: str, valid: Sequence[str], where: str) -> ConfigError:
+    """The error for ``where`` setting top-level ``keys`` that ``command``'s schema lacks."""
+    owners = []
+    for k in keys:
+        readers = commands_reading(k)
+        if readers:
+            owners.append(f"{k} is read by {' / '.join(readers)}")
+    return ConfigError(
+        f"{where} sets {', '.join(repr(k) for k in keys)}, which `mmdit-strict {command}` does not read"
+        + (f" ({'; '.join(owners)})" if owners else "")
+        + f"; valid keys for {command}: {', '.join(valid)}"
+    )
+
+
+def compose(overrides: Sequence[str] = (), config_dir: str | Path | None = None, config_name: str = "config",
+            command: str = "run", checks: Sequence[Callable[[DictConfig], list[str]]] = ()) -> DictConfig:
+    """Compose ``config_name`` with ``overrides`` onto ``command``'s schema; return it validated, resolved, read-only.
+
+    A ConfigError names any key, group or experiment key ``command`` does not read, with its valid keys.
+    """
+    try:
+        schema = schema_for(command)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    valid = section_names(schema)
     cdir = Path(config_dir) if config_dir else default_config_dir()
     primary_path = cdir / f"{config_name}.yaml"
     if not primary_path.exists():
         raise ConfigError(f"no {config_name}.yaml in {cdir}")
     primary, _ = _load_yaml(primary_path)
     known_groups = groups(cdir)
+
+    def check_global(node: DictConfig, where: str, nested_groups: Sequence[str] = ()) -> None:
+        bad = [str(k) for k in node.keys() if str(k) not in valid and k != "defaults"]
+        bad += [g for g in nested_groups if g not in valid and g not in bad]
+        if bad:
+            raise _foreign(bad, command, valid, where)
+
+    check_global(primary, str(primary_path))
 
     parsed = [_parse_override(o) for o in overrides]
     group_choice: dict[str, str | None] = {
@@ -116,7 +150,7 @@ def compose(overrides: Sequence[str] = (), config_dir: str | Path | None = None,
         if g not in listed:
             order.insert(len(order) - 1 if order and order[-1][0] == "_self_" else len(order), (g, None))
 
-    merged = OmegaConf.structured(RunConfig)
+    merged = OmegaConf.structured(schema)
     choices: dict[str, str] = {}
     try:
         for g, opt in order:
@@ -131,18 +165,24 @@ def compose(overrides: Sequence[str] = (), config_dir: str | Path | None = None,
                 raise ConfigError(f"unknown option {opt!r} for config group {g!r}; choose one of {known_groups.get(g, [])}")
             node, is_global = _load_yaml(path)
             nested_defaults = node.pop("defaults", None)
-            if nested_defaults is not None:  # an experiment may pick group options
-                for nd in OmegaConf.to_container(nested_defaults):  # type: ignore[union-attr]
-                    for ng, nopt in dict(nd).items():
-                        ng = str(ng).replace("override ", "").strip("/ ")
-                        if ng in group_choice:
-                            continue
-                        npath = cdir / ng / f"{nopt}.yaml"
-                        if not npath.exists():
-                            raise ConfigError(f"{path}: unknown option {nopt!r} for group {ng!r}")
-                        nnode, _ = _load_yaml(npath)
-                        merged = OmegaConf.merge(merged, {ng: nnode})
-                        choices[ng] = str(nopt)
+            nested = [{str(ng).replace("override ", "").strip("/ "): nopt for ng, nopt in dict(nd).items()}
+                      for nd in (OmegaConf.to_container(nested_defaults) if nested_defaults is not None else [])]  # type: ignore[union-attr]
+            if is_global:
+                check_global(node, f"{g}={opt}", [ng for nd in nested for ng in nd])
+            elif g not in valid:
+                raise _foreign([g], command, valid, f"config group {g}={opt}")
+            for nd in nested:  # an experiment may pick group options
+                for ng, nopt in nd.items():
+                    if ng not in valid:
+                        raise _foreign([ng], command, valid, f"{g}={opt} (its defaults pick {ng}={nopt})")
+                    if ng in group_choice:
+                        continue
+                    npath = cdir / ng / f"{nopt}.yaml"
+                    if not npath.exists():
+                        raise ConfigError(f"{path}: unknown option {nopt!r} for group {ng!r}")
+                    nnode, _ = _load_yaml(npath)
+                    merged = OmegaConf.merge(merged, {ng: nnode})
+                    choices[ng] = str(nopt)
             merged = OmegaConf.merge(merged, node if is_global else {g: node})
             choices[g] = opt
     except (ConfigKeyError, ValidationError) as exc:
@@ -150,6 +190,9 @@ def compose(overrides: Sequence[str] = (), config_dir: str | Path | None = None,
 
     for o in value_overrides:
         key, value = o.key, o.raw if o.raw is not None else ""
+        top = key.split(".")[0]
+        if top not in valid:
+            raise _foreign([top], command, valid, f"unknown config key {key!r}: the override")
         add = o.op in ("add", "force")
         parent_key, _, leaf = key.rpartition(".")
         parent = OmegaConf.select(merged, parent_key) if parent_key else merged
@@ -189,7 +232,7 @@ def compose(overrides: Sequence[str] = (), config_dir: str | Path | None = None,
         except (ValidationError, ConfigKeyError) as exc:
             raise ConfigError(f"bad value for {key}: {value!r} ({exc.msg if hasattr(exc, 'msg') else exc})") from exc
 
-    for key, allowed in CHOICES.items():
+    for key, allowed in choices_for(schema).items():
         val = OmegaConf.select(merged, key)
         if val not in allowed:
             raise ConfigError(f"{key}={val!r} is not one of {[a for a in allowed]}")
@@ -197,7 +240,7 @@ def compose(overrides: Sequence[str] = (), config_dir: str | Path | None = None,
         OmegaConf.resolve(merged)
     except OmegaConfBaseException as exc:
         raise ConfigError(f"cannot resolve interpolations: {exc}") from exc
-    found = problems(merged)
+    found = problems(merged) + [p for check in checks for p in check(merged)]
     if found:
         raise ConfigError("; ".join(found))
     merged_choices = OmegaConf.create({"choices": choices})

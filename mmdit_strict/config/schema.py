@@ -1,13 +1,22 @@
-"""Typed run configuration (the schema every YAML in ``configs/`` is validated against).
+"""Typed configuration of each command (the schemas every YAML in ``configs/`` is validated against).
+
+Each command composes only the sections it reads (:data:`SCHEMAS`):
+
+* ``run``, ``rollout``, ``sample``, ``recompute``: :class:`TrajectoryConfig` (model, runtime, sampler,
+  prompts, rollout, recompute, lora, compare, wandb, distributed, seed, output_dir, resume, progress, extra);
+* ``train``: :class:`TrainRunConfig` (model, runtime, sampler, prompts, lora, sample, train, wandb,
+  seed, output_dir, resume, progress, extra).
 
 Unknown keys are errors: the composed config is merged onto these dataclasses with OmegaConf's
-struct mode, so a typo names itself and the valid keys beside it.
+struct mode, so a typo, or a section another command reads, names itself and the valid keys beside it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
+
+from omegaconf import OmegaConf
 
 from .training import TRAIN_CHOICES, SampleConfig, TrainConfig
 
@@ -124,8 +133,8 @@ class DistributedConfig:
 
 
 @dataclass
-class RunConfig:
-    """Everything one ``mmdit-strict`` command needs."""
+class TrajectoryConfig:
+    """What ``run``, ``rollout``, ``sample`` and ``recompute`` read: both trajectory sides, compare and report."""
 
     seed: int = 0
     output_dir: str = "runs/default"
@@ -141,9 +150,56 @@ class RunConfig:
     compare: CompareConfig = field(default_factory=CompareConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)  # torchrun: backend, collective timeout
-    sample: SampleConfig = field(default_factory=SampleConfig)  # `train`: GRPO rollout side
-    train: TrainConfig = field(default_factory=TrainConfig)  # `train`: GRPO optimisation side
     extra: dict = field(default_factory=dict)  # free-form user keys (``+extra.foo=1``)
+
+
+@dataclass
+class TrainRunConfig:
+    """What ``train`` reads: the model, the GRPO rollout side (``sample``) and optimisation side (``train``)."""
+
+    seed: int = 0
+    output_dir: str = "runs/default"
+    resume: bool = True  # continue from the latest verified training checkpoint in output_dir
+    progress: bool = True
+    model: ModelConfig = field(default_factory=ModelConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)  # sample.* interpolate num_steps, eta, cfg_scale
+    prompts: PromptsConfig = field(default_factory=PromptsConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)  # GRPO rollout side
+    train: TrainConfig = field(default_factory=TrainConfig)  # GRPO optimisation side
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    extra: dict = field(default_factory=dict)  # free-form user keys (``+extra.foo=1``)
+
+
+#: The schema each command composes (the ``config`` command prints any of them with ``--for``).
+SCHEMAS: dict[str, type] = {
+    "run": TrajectoryConfig,
+    "rollout": TrajectoryConfig,
+    "sample": TrajectoryConfig,
+    "recompute": TrajectoryConfig,
+    "train": TrainRunConfig,
+}
+
+
+def schema_for(command: str) -> type:
+    """The dataclass ``command`` composes; a ValueError naming the commands that compose one otherwise."""
+    try:
+        return SCHEMAS[command]
+    except KeyError:
+        raise ValueError(f"no config schema for command {command!r}; choose one of {sorted(SCHEMAS)}") from None
+
+
+def section_names(schema: type) -> list[str]:
+    """The top-level keys of ``schema``, in declaration order."""
+    import dataclasses
+
+    return [f.name for f in dataclasses.fields(schema)]
+
+
+def commands_reading(key: str) -> list[str]:
+    """The commands whose schema has the top-level key ``key``, in :data:`SCHEMAS` order."""
+    return [c for c, s in SCHEMAS.items() if key in section_names(s)]
 
 
 CHOICES: dict[str, tuple[Any, ...]] = {
@@ -159,3 +215,22 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "distributed.backend": ("auto", "gloo", "nccl"),
     **TRAIN_CHOICES,
 }
+
+
+def choices_for(schema: type) -> dict[str, tuple[Any, ...]]:
+    """The entries of :data:`CHOICES` whose section ``schema`` has."""
+    names = set(section_names(schema))
+    return {k: v for k, v in CHOICES.items() if k.split(".")[0] in names}
+
+
+T = TypeVar("T")
+
+
+def to_typed(node: Any, cls: type[T]) -> T:
+    """``node`` (a composed section, typed or plain, or already a ``cls``) as a ``cls`` instance.
+
+    Values are resolved and checked against ``cls``'s field types, so readers need no casts.
+    """
+    if isinstance(node, cls):
+        return node
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), OmegaConf.to_container(node, resolve=True)))  # type: ignore[return-value]

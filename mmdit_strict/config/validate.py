@@ -1,6 +1,7 @@
-"""Checks on a composed run config that need more than a type: ranges, bounds, and values that
-only make sense together. :func:`problems` runs at compose time, so a bad value is refused before
-any model is built or any file is written.
+"""Checks on a composed config that need more than a type: ranges, bounds, and values that only
+make sense together. :func:`problems` runs at compose time on whichever command's schema was
+composed (the sections present decide which checks apply), so a bad value is refused before any
+model is built or any file is written.
 
 Bounds exist where a value could exhaust the machine or make a run meaningless:
 
@@ -8,6 +9,9 @@ Bounds exist where a value could exhaust the machine or make a run meaningless:
 * ``sampler.height``/``width`` ≤ 4096 pixels (65 536 image tokens; the reference shapes reach 1664);
 * ``prompts.num_prompts`` ≤ 4096, prompt and ``pad_to`` lengths ≤ 4096 tokens;
 * ``model.preset=qwen-image`` on a CPU (a 20 B-parameter model) only with ``model.allow_large_cpu=true``.
+
+``train`` adds its own: a LoRA to train, positive counts and frequencies, an SDE noise level, a
+learning rate, an EMA decay in [0, 1), an SDE window that fits the steps, and rewards that resolve.
 """
 
 from __future__ import annotations
@@ -83,6 +87,28 @@ def problems(cfg: DictConfig) -> list[str]:
     if embeddings and not Path(embeddings).is_file():
         out.append(f"prompts.embeddings={embeddings} is not a file")
 
+    if "rollout" in cfg:
+        out += _trajectory_problems(cfg, embeddings, hi, neg)
+    rank = _get(cfg, "lora.rank")
+    if not _is_int(rank) or rank < 0:
+        out.append(f"lora.rank must be >= 0 (0 means no LoRA), got {rank}")
+    elif rank > 0:
+        alpha = float(_get(cfg, "lora.alpha"))
+        if not (math.isfinite(alpha) and alpha > 0):
+            out.append(f"lora.alpha must be a finite number > 0, got {alpha}")
+        if not _get(cfg, "lora.targets"):
+            out.append("lora.targets must name at least one module when lora.rank > 0")
+
+    if "recompute" in cfg:
+        out += _fault_problems(cfg, steps, arch)
+    if "train" in cfg:
+        out += _train_problems(cfg)
+    return out
+
+
+def _trajectory_problems(cfg: DictConfig, embeddings: Any, hi: Any, neg: Any) -> list[str]:
+    """The rollout and recompute sides' batch sizes and padding."""
+    out: list[str] = []
     for key in ("rollout.batch_size", "recompute.micro_batch"):
         v = _get(cfg, key)
         if not _is_int(v) or v < 1:
@@ -98,22 +124,66 @@ def problems(cfg: DictConfig) -> list[str]:
             out.append(f"{side}.pad_to={pad} is shorter than prompts.max_tokens={hi} (a prompt may be that long)")
         elif synthetic and _is_int(neg) and float(_get(cfg, "sampler.cfg_scale")) != 1.0 and pad < neg:
             out.append(f"{side}.pad_to={pad} is shorter than prompts.negative_tokens={neg}")
-
-    rank = _get(cfg, "lora.rank")
-    if not _is_int(rank) or rank < 0:
-        out.append(f"lora.rank must be >= 0 (0 means no LoRA), got {rank}")
-    elif rank > 0:
-        alpha = float(_get(cfg, "lora.alpha"))
-        if not (math.isfinite(alpha) and alpha > 0):
-            out.append(f"lora.alpha must be a finite number > 0, got {alpha}")
-        if not _get(cfg, "lora.targets"):
-            out.append("lora.targets must name at least one module when lora.rank > 0")
-
     timeout = _get(cfg, "distributed.timeout_s")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 86400):
         out.append(f"distributed.timeout_s must be between 0 and 86400 seconds (exclusive of 0), got {timeout}")
-    out += _fault_problems(cfg, steps, arch)
     return out
+
+
+def _train_problems(cfg: DictConfig) -> list[str]:
+    """``train``'s sections: what the trainer, optimizer, EMA, SDE window and rewards need."""
+    out: list[str] = []
+    rank = _get(cfg, "lora.rank")
+    if _is_int(rank) and rank == 0:
+        out.append("train needs a LoRA adapter: set lora.rank > 0")
+    if not _get(cfg, "sampler.sde"):
+        out.append("sampler.sde must be true for train (GRPO samples with the SDE and trains on its logp)")
+    for key in ("train.num_epochs", "train.num_inner_epochs", "train.micro_batch", "train.gradient_accumulation_steps",
+                "train.save_freq", "train.eval_num_prompts", "sample.num_steps", "sample.num_image_per_prompt",
+                "sample.prompts_per_epoch", "sample.batch_size"):
+        v = _get(cfg, key)
+        if not _is_int(v) or v < 1:
+            out.append(f"{key} must be >= 1, got {v}")
+    for key in ("train.eval_freq", "train.lr_warmup_steps", "sample.sde_window_size"):
+        v = _get(cfg, key)
+        if not _is_int(v) or v < 0:
+            out.append(f"{key} must be >= 0, got {v}")
+    for key in ("train.beta", "train.max_grad_norm", "train.clip_range", "train.adv_clip_max", "train.adam_weight_decay",
+                "train.adam_epsilon"):
+        v = float(_get(cfg, key))
+        if not (math.isfinite(v) and v >= 0):
+            out.append(f"{key} must be a finite number >= 0, got {v}")
+    for key in ("train.learning_rate", "sample.noise_level"):
+        v = float(_get(cfg, key))
+        if not (math.isfinite(v) and v > 0):
+            what = " (the SDE needs noise)" if key == "sample.noise_level" else ""
+            out.append(f"{key} must be a finite number > 0{what}, got {v}")
+    if not math.isfinite(float(_get(cfg, "sample.guidance_scale"))):
+        out.append(f"sample.guidance_scale must be a finite number, got {_get(cfg, 'sample.guidance_scale')}")
+    for key in ("train.adam_beta1", "train.adam_beta2", "train.ema_decay"):
+        v = float(_get(cfg, key))
+        if not 0.0 <= v < 1.0:
+            out.append(f"{key} must be in [0, 1), got {v}")
+    frac = float(_get(cfg, "train.timestep_fraction"))
+    if not 0.0 < frac <= 1.0:
+        out.append(f"train.timestep_fraction must be in (0, 1], got {frac}")
+    threads = _get(cfg, "train.cpu_threads")
+    if threads is not None and (not _is_int(threads) or threads < 1):
+        out.append(f"train.cpu_threads must be null or >= 1, got {threads}")
+    out += _window_problems(cfg)
+    return out
+
+
+def _window_problems(cfg: DictConfig) -> list[str]:
+    size, steps, rng = (_get(cfg, k) for k in ("sample.sde_window_size", "sample.num_steps", "sample.sde_window_range"))
+    if rng is None or not (_is_int(size) and _is_int(steps)) or size <= 0 or size >= steps:
+        return []
+    bounds = list(rng)
+    if not (len(bounds) == 2 and all(_is_int(b) for b in bounds)
+            and 0 <= bounds[0] < bounds[1] <= steps and bounds[1] - bounds[0] >= size):
+        return [f"sample.sde_window_range must be [lo, hi) with 0 <= lo < hi <= sample.num_steps={steps} and "
+                f"hi - lo >= sample.sde_window_size={size}, got {bounds}"]
+    return []
 
 
 def _fault_problems(cfg: DictConfig, steps: Any, arch: Any) -> list[str]:

@@ -29,17 +29,13 @@ Both give the same bytes: the streamed fold performs the stored fold's additions
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import itertools
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from ..context import bound
-
-_KEYS: contextvars.ContextVar[tuple[Hashable, ...] | None] = contextvars.ContextVar("mmdit_sample_keys", default=None)
-_SINK: contextvars.ContextVar[SampleGradSink | None] = contextvars.ContextVar("mmdit_grad_sink", default=None)
+from .execution import bind, current
 
 
 @dataclass
@@ -267,25 +263,23 @@ def execution_order(batches: Sequence[Sequence[Hashable]]) -> list[int]:
 
 @contextlib.contextmanager
 def collect_sample_grads(sink: SampleGradSink | None = None) -> Iterator[SampleGradSink]:
-    """Forward and backward passes inside the block deposit per-sample partials into ``sink``."""
-    with bound(_SINK, sink if sink is not None else SampleGradSink()) as active_sink:
+    """Forward and backward passes inside the block deposit per-sample partials into ``sink`` (a new stored
+    one by default): the ``grad_sink`` field of the execution context."""
+    active_sink = sink if sink is not None else SampleGradSink()
+    with bind(current().replace(grad_sink=active_sink)):
         yield active_sink
 
 
 @contextlib.contextmanager
 def sample_keys(keys: Sequence[Hashable]) -> Iterator[None]:
-    """Declare the sample key of each sample of the forward(s) run inside the block, in batch order."""
-    with bound(_KEYS, tuple(keys)):
+    """Declare the sample key of each sample of the forward(s) run inside the block, in batch order
+    (the ``sample_keys`` field of the execution context)."""
+    with bind(current().replace(sample_keys=tuple(keys))):
         yield
 
 
 def active() -> tuple[SampleGradSink | None, tuple[Hashable, ...] | None]:
-    """The sink and sample keys in force (read by operators at forward time)."""
-    return _SINK.get(), _KEYS.get()
-
-
-@contextlib.contextmanager
-def restore(state: tuple[SampleGradSink | None, tuple[Hashable, ...] | None]) -> Iterator[None]:
-    """Re-establish a sink/keys state captured with :func:`active` (for checkpoint recomputation)."""
-    with bound(_SINK, state[0]), bound(_KEYS, state[1]):
-        yield
+    """The sink and sample keys in force (read by the GEMM autograd functions at forward time, which hold
+    them for their backward)."""
+    ctx = current()
+    return ctx.grad_sink, ctx.sample_keys

@@ -4,24 +4,23 @@ Kernels read per-layout tables (row offsets, tile schedules, RoPE tables) from c
 repeated batch layout copies nothing from the host. A captured CUDA graph stores the raw addresses of
 those tables; if a cache later drops an entry, the graph would read freed memory. Every cache lookup
 passes what it returns through :func:`retain`; while :func:`retaining` is active (a graph capture),
-the objects are collected into a list the graph keeps.
+the objects are collected into a list the graph keeps (the ``keepalive`` field of the execution
+context, :mod:`.execution`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from typing import Any, Iterator, TypeVar
 
-from ..context import bound
+from .execution import bind, current
 
 T = TypeVar("T")
-_SINK: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar("mmdit_keepalive", default=None)
 
 
 def retain(obj: T) -> T:
     """Return ``obj``; inside :func:`retaining`, also hold a reference to it."""
-    sink = _SINK.get()
+    sink = current().keepalive
     if sink is not None:
         sink.append(obj)
     return obj
@@ -30,5 +29,6 @@ def retain(obj: T) -> T:
 @contextlib.contextmanager
 def retaining() -> Iterator[list[Any]]:
     """Collect every object passed to :func:`retain` inside the block."""
-    with bound(_SINK, []) as held:
+    held: list[Any] = []
+    with bind(current().replace(keepalive=held)):
         yield held

@@ -21,13 +21,15 @@ import math
 from typing import Sequence
 
 import torch
+
+from ..dtypes import EXECUTION_DTYPES
 import torch.nn.functional as F
 
 from .cpu.primitives import row_sample_index
 from .keepalive import retain
 from .registry import KernelImpl, register
 
-_DTYPES = frozenset({torch.float32, torch.bfloat16})
+DTYPES = frozenset(EXECUTION_DTYPES)  # what the production backend registers for
 
 
 def per_row(v: torch.Tensor, x: torch.Tensor, seqlens: Sequence[int] | None) -> torch.Tensor:
@@ -211,6 +213,6 @@ _FNS = {
 }
 for _device in ("cpu", "cuda"):
     for _op, _fn in _FNS.items():
-        register(KernelImpl(op=_op, backend="torch", device=_device, dtypes=_DTYPES, fn=_fn, strict=False,
+        register(KernelImpl(op=_op, backend="torch", device=_device, dtypes=DTYPES, fn=_fn, strict=False,
                             kernel_name=f"aten_{_fn.__name__}", reduction_order="library-chosen (not batch-invariant)",
                             accumulator="library"))

@@ -17,6 +17,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..dtypes import SHORT_NAMES
+
 from .runtime import Runtime, current_runtime
 from .trace import record
 
@@ -46,7 +48,7 @@ OPERATORS: tuple[str, ...] = (
     "flow_sde_step_logp",
 )
 
-DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+DTYPE_NAMES = SHORT_NAMES  # the package's one dtype-name map (mmdit_strict/dtypes.py)
 
 
 class NoStrictKernelError(RuntimeError):
@@ -69,10 +71,6 @@ class KernelImpl:
         config: static launch configuration (tile sizes, warps); never depends on batch or tokens.
         reduction_order: the documented reduction tree, one line.
         accumulator: accumulator dtype.
-        variant: for an implementation with selectable kernel variants (a context manager of its module
-            picks one, e.g. the QK norm backward), a callable returning the identity fields of the
-            variant in force: ``variant`` (its name) and whatever it changes (``kernel``,
-            ``reduction_order``). ``None``: one variant. The trace keeps one record per variant.
         split_k: whether a reduction of this implementation may be split into partial sums that are
             combined in an order set at run time (split-K / split-KV, atomics). ``False``: declared
             unsplit — every output element is reduced by one chain in a fixed order. ``None``: not
@@ -95,14 +93,13 @@ class KernelImpl:
     # Each must give the bytes of the unfused pair; the model uses it when both ops resolve to this backend.
     fusions: dict = field(default_factory=dict)
     split_k: bool | None = None
-    variant: Callable[[], dict[str, Any]] | None = None
 
     @property
     def source_hash(self) -> str:
         return _source_hash(self.source if self.source is not None else self.fn)
 
     def identity(self) -> dict[str, Any]:
-        ident = {
+        return {
             "op": self.op,
             "backend": self.backend,
             "device": self.device,
@@ -114,9 +111,6 @@ class KernelImpl:
             "split_k": self.split_k,
             "strict": self.strict,
         }
-        if self.variant is not None:
-            ident.update(self.variant())
-        return ident
 
 
 def _hash_of_source(obj: Any) -> str:

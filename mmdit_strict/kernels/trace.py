@@ -6,7 +6,6 @@ Capture with :func:`capture_trace`; the resulting :class:`OperatorTrace` dumps t
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,8 +13,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..context import bound
-from .runtime import Runtime, tf32_state
+from .execution import Runtime, bind, current, tf32_state
 
 
 @dataclass
@@ -41,8 +39,7 @@ class OperatorTrace:
         from .registry import DTYPE_NAMES
 
         dname = DTYPE_NAMES.get(dtype, str(dtype))
-        pick = getattr(impl, "variant", None)  # selectable kernel variants: one record per variant
-        key = (op, device, dname, impl.backend) + ((pick()["variant"],) if pick is not None else ())
+        key = (op, device, dname, impl.backend)
         rec = self.records.get(key)
         if rec is None:
             rec = TraceRecord(
@@ -73,8 +70,7 @@ class OperatorTrace:
         trace = cls()
         for r in records:
             rec = TraceRecord(**r)
-            variant = (rec.kernel["variant"],) if "variant" in rec.kernel else ()
-            trace.records[(rec.op, rec.device, rec.dtype, rec.actual_backend) + variant] = rec
+            trace.records[(rec.op, rec.device, rec.dtype, rec.actual_backend)] = rec
         return trace
 
     def record_dicts(self) -> list[dict[str, Any]]:
@@ -127,22 +123,22 @@ def current_policy() -> dict[str, Any]:
     }
 
 
-_TRACE: contextvars.ContextVar[OperatorTrace | None] = contextvars.ContextVar("mmdit_strict_trace", default=None)
-
-
 @contextlib.contextmanager
 def capture_trace(trace: OperatorTrace | None = None) -> Iterator[OperatorTrace]:
-    """Record every dispatched operator inside the block into ``trace`` (a new one by default)."""
-    with bound(_TRACE, trace if trace is not None else OperatorTrace()) as active:
+    """Record every dispatched operator inside the block into ``trace`` (a new one by default): the
+    ``trace`` field of the execution context."""
+    active = trace if trace is not None else OperatorTrace()
+    with bind(current().replace(trace=active)):
         yield active
 
 
 def active_trace() -> OperatorTrace | None:
     """The trace :func:`capture_trace` is recording into, if any."""
-    return _TRACE.get()
+    return current().trace
 
 
 def record(op: str, impl: Any, runtime: Runtime, device: str, dtype: torch.dtype, fell_back: bool) -> None:
-    trace = _TRACE.get()
+    """Count one dispatch of ``op`` to ``impl`` in the trace of the context in force (if any)."""
+    trace = current().trace
     if trace is not None:
         trace.add(op, impl, runtime, device, dtype, fell_back)

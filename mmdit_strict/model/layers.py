@@ -53,7 +53,7 @@ def is_plain_linear(module: nn.Module) -> bool:
 
 @functools.cache
 def _module_impl(op: str, cls: type, device: str) -> KernelImpl:
-    return KernelImpl(op=op, backend="torch", device=device, dtypes=P._DTYPES, fn=cls.forward, strict=False,
+    return KernelImpl(op=op, backend="torch", device=device, dtypes=P.DTYPES, fn=cls.forward, strict=False,
                       kernel_name=f"module_{cls.__name__}", reduction_order="library-chosen (not batch-invariant)",
                       accumulator="library")
 

@@ -4,6 +4,11 @@
 With ``runtime="off"`` it runs the production operators (``kernels/production.py``: cuBLAS / MKL GEMMs,
 SDPA) on padded tensors (``layers.py``); with ``strict`` / ``auto`` /
 ``audit`` it runs the strict graph of registry operators on packed rows (``strict.py``).
+
+Which runtime a forward runs in is read from one place: the execution context
+(``kernels/execution.py``). The model's ``runtime`` argument is a default, entered by the forward only
+where the caller has not chosen a runtime (``with runtime_mode("off"): model(...)`` runs ``off`` whatever
+the model's default).
 """
 
 from __future__ import annotations
@@ -14,14 +19,14 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-import torch.utils.checkpoint
 from torch import nn
 
 from ..config.arch import ArchConfig
-from ..kernels.runtime import Runtime, runtime_mode
+from ..kernels.execution import Runtime, current, using
 from .diffusers_compat import DiffusersCompatMixin, check_attention_kwargs
 from .layers import AdaNormOut, DoubleStreamBlock, RMSNorm, TimeTextEmbed, is_plain_linear, linear_op, module_op, production_op
 from .rope import normalize_img_shapes, rope_tables
+from .strict import checkpointed, instrumented, strict_forward
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +72,16 @@ class MMDiT(DiffusersCompatMixin, nn.Module):
 
     Drop-in for diffusers' ``QwenImageTransformer2DModel`` inside ``QwenImagePipeline`` (see
     ``diffusers_compat.py`` for the pipeline-facing surface: ``cache_context``, LoRA methods, …).
+
+    ``runtime`` is the model's default runtime: a forward runs in the runtime of the execution context
+    in force when a caller chose one (``runtime_mode`` / ``execution``), else in this default, which it
+    enters for its operators (and for its checkpoint recomputes).
     """
 
     def __init__(self, config: ArchConfig, runtime: str | Runtime = "off") -> None:
         super().__init__()
         self.config = config
-        self.runtime = Runtime.parse(runtime)
+        self._default_runtime = Runtime.parse(runtime)
         d = config.hidden_size
         self.img_in = nn.Linear(config.in_channels, d)
         self.txt_norm = RMSNorm(config.joint_attention_dim, config.eps)
@@ -95,8 +104,25 @@ class MMDiT(DiffusersCompatMixin, nn.Module):
     def device(self) -> torch.device:
         return self.img_in.weight.device
 
+    @property
+    def default_runtime(self) -> Runtime:
+        """The runtime a forward runs in where the caller has not chosen one."""
+        return self._default_runtime
+
+    @property
+    def runtime(self) -> Runtime:
+        """The runtime the next forward runs in here: the execution context's if a caller chose one, else
+        :attr:`default_runtime`. Assigning sets the default (as :meth:`set_runtime`)."""
+        chosen = current().runtime
+        return self._default_runtime if chosen is None else chosen
+
+    @runtime.setter
+    def runtime(self, runtime: str | Runtime) -> None:
+        self._default_runtime = Runtime.parse(runtime)
+
     def set_runtime(self, runtime: str | Runtime) -> "MMDiT":
-        self.runtime = Runtime.parse(runtime)
+        """Set :attr:`default_runtime`; returns the model."""
+        self._default_runtime = Runtime.parse(runtime)
         return self
 
     def enable_cuda_graphs(self, enabled: bool = True, max_graphs: int = 8) -> "MMDiT":
@@ -296,22 +322,23 @@ class MMDiT(DiffusersCompatMixin, nn.Module):
         if encoder_hidden_states is None or timestep is None:
             raise ValueError("encoder_hidden_states and timestep are required")
         inputs = self.validate_inputs(hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_shapes)
-        if self.runtime is Runtime.OFF:
-            out = self.production_forward(inputs)  # its operator calls record themselves in the trace
+        ctx = current()
+        runtime = self._default_runtime if ctx.runtime is None else ctx.runtime
+        if ctx.runtime is None:  # the caller chose no runtime: run in the model's default
+            ctx = ctx.replace(runtime=runtime)
+        if runtime is Runtime.OFF:
+            with using(ctx):
+                out = self.production_forward(inputs)  # its operator calls record themselves in the trace
         else:
-            from .strict import strict_forward
-
-            from .strict import instrumented
-
-            audit = self.runtime is Runtime.AUDIT
+            audit = runtime is Runtime.AUDIT
             blocks: dict[str, torch.Tensor] | None = {} if audit else None
             graphed = (
                 self.graph_cache is not None and hidden_states.is_cuda and not torch.is_grad_enabled()
-                and self.runtime in (Runtime.STRICT, Runtime.AUTO) and not instrumented()
+                and runtime in (Runtime.STRICT, Runtime.AUTO) and not instrumented()
             )
-            with runtime_mode(self.runtime):
+            with using(ctx):
                 if graphed:
-                    out = self.graph_cache.run(inputs, self.runtime, lambda i: strict_forward(self, i))
+                    out = self.graph_cache.run(inputs, runtime, lambda i: strict_forward(self, i))
                 else:
                     out = strict_forward(self, inputs, block_capture=blocks)
             if audit:
@@ -369,7 +396,7 @@ class MMDiT(DiffusersCompatMixin, nn.Module):
         rope = tuple(torch.stack([t[i] for t in tables]) for i in range(4))
         for i, block in enumerate(self.transformer_blocks):
             if self.gradient_checkpointing and torch.is_grad_enabled():
-                img, txt = torch.utils.checkpoint.checkpoint(block, img, txt, txt_lens, temb, rope, use_reentrant=False)
+                img, txt = checkpointed(block, img, txt, txt_lens, temb, rope)
             else:
                 img, txt = block(img, txt, txt_lens, temb, rope)
             if capture is not None:

@@ -9,7 +9,6 @@ GEMM operators' ``lora`` argument.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -17,18 +16,14 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from ..context import bound
+from ..kernels.execution import bind, current, current_runtime, in_context
 from ..kernels.registry import dispatch, resolve
 from ..kernels.trace import record
-from ..kernels.runtime import current_runtime, runtime_mode
 from ..kernels.streams import gemm_stream
 from .rope import packed_rope_tables
 
 if TYPE_CHECKING:
     from .mmdit import MMDiT, ModelInputs
-
-_CAPTURE: contextvars.ContextVar[dict[str, torch.Tensor] | None] = contextvars.ContextVar("mmdit_capture", default=None)
-_GEMMS: contextvars.ContextVar[list["GemmCall"] | None] = contextvars.ContextVar("mmdit_gemm_calls", default=None)
 
 
 @dataclass(frozen=True)
@@ -47,18 +42,19 @@ class GemmCall:
 
 @contextlib.contextmanager
 def record_gemms() -> Iterator[list[GemmCall]]:
-    """List every GEMM the strict forwards inside the block run (shapes only; nothing else changes)."""
-    with bound(_GEMMS, []) as calls:
+    """List every GEMM the strict forwards inside the block run (shapes only; nothing else changes): the
+    ``gemm_calls`` field of the execution context."""
+    calls: list[GemmCall] = []
+    with bind(current().replace(gemm_calls=calls)):
         yield calls
 
 
 def _note_gemm(op: str, where: str, rows: int, weight: torch.Tensor, bias: torch.Tensor | None,
                prologue: str = "none", epilogue: str = "none") -> None:
-    log = _GEMMS.get()
+    log = current().gemm_calls
     if log is not None:
         log.append(GemmCall(op, where, int(rows), int(weight.shape[0]), int(weight.shape[1]), bias is not None,
                             prologue, epilogue))
-_FAULT: contextvars.ContextVar[str | None] = contextvars.ContextVar("mmdit_fault", default=None)
 
 
 @contextlib.contextmanager
@@ -68,9 +64,9 @@ def inject_fault(key: str | None) -> Iterator[None]:
     (A one-ULP bump is usually absorbed by the next rounding and never reaches v_t.)
 
     A deliberate, known mismatch: it validates that compare/localize name the right step, block and
-    operator. ``None`` does nothing.
+    operator. ``None`` does nothing. The ``fault`` field of the execution context.
     """
-    with bound(_FAULT, key):
+    with bind(current().replace(fault=key)):
         yield
 
 
@@ -86,15 +82,17 @@ def capture_operators() -> Iterator[dict[str, torch.Tensor]]:
     """Record every operator output of forwards in the block: ``{"block3.img.mlp_up_gemm_gelu": (M, N)}``.
 
     Strict forwards record packed rows; the production forward (runtime ``off``) records its padded
-    ``(B, T, ...)`` tensors (per-sample vectors ``(B, ...)`` in both), under the same keys."""
-    with bound(_CAPTURE, {}) as store:
+    ``(B, T, ...)`` tensors (per-sample vectors ``(B, ...)`` in both), under the same keys. The ``capture``
+    field of the execution context."""
+    store: dict[str, torch.Tensor] = {}
+    with bind(current().replace(capture=store)):
         yield store
 
 
 @contextlib.contextmanager
 def uninstrumented() -> Iterator[None]:
     """Neither capture nor fault injection inside the block (audit's side run of the production forward)."""
-    with bound(_CAPTURE, None), bound(_FAULT, None):
+    with bind(current().replace(capture=None, fault=None)):
         yield
 
 
@@ -105,10 +103,11 @@ def _op(name: str, where: str, ref: torch.Tensor, *args: Any, **kwargs: Any) -> 
 def observe_operator(name: str, where: str, out: Any) -> Any:
     """The capture / fault hook every operator call of a forward passes its output through (strict and
     production alike): plants the fault named ``{where}.{name}`` and records the output under that key."""
-    fault = _FAULT.get()
+    ctx = current()
+    fault = ctx.fault
     if fault is not None and fault == f"{where}.{name}":
         out = tuple(_bump(o) for o in out) if isinstance(out, tuple) else _bump(out)
-    store = _CAPTURE.get()
+    store = ctx.capture
     if store is not None:
         key = f"{where}.{name}"
         if isinstance(out, tuple):
@@ -121,7 +120,8 @@ def observe_operator(name: str, where: str, out: Any) -> Any:
 
 def instrumented() -> bool:
     """True while operator capture or fault injection is active (a CUDA graph would hide both)."""
-    return _CAPTURE.get() is not None or _FAULT.get() is not None
+    ctx = current()
+    return ctx.capture is not None or ctx.fault is not None
 
 
 def _fusion(first: str, second: str, ref: torch.Tensor) -> Callable[..., Any] | None:
@@ -227,6 +227,12 @@ def _block(
     return img, txt
 
 
+def checkpointed(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` under gradient checkpointing (non-reentrant): its recompute during backward runs in the
+    execution context in force now, whatever context the backward runs in."""
+    return torch.utils.checkpoint.checkpoint(in_context(fn), *args, use_reentrant=False)
+
+
 def pack_text(ehs: torch.Tensor, lens: list[int]) -> torch.Tensor:
     """(B, L, C) padded → (sum lens, C) valid rows, sample by sample."""
     return torch.cat([ehs[b, :n] for b, n in enumerate(lens)], dim=0)
@@ -255,23 +261,9 @@ def strict_forward(model: "MMDiT", inputs: "ModelInputs", block_capture: dict[st
     txt = _op("txt_in_rmsnorm_linear", "txt_in", txt_rows, txt_rows, model.txt_norm.weight, w, b, seqlens=tseq, eps=eps, lora=lora)
 
     heads, head_dim = cfg.num_attention_heads, cfg.attention_head_dim
-    # Checkpointing re-runs a block during backward, outside the caller's context blocks (runtime
-    # mode, gradient sink and sample keys, fault injection): snapshot them now, re-enter them there.
-    forward_context = contextvars.copy_context()
-    mode = current_runtime()
-
-    def recomputable_block(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        def run() -> tuple[torch.Tensor, torch.Tensor]:
-            with runtime_mode(mode):
-                return _block(*args)
-
-        return forward_context.copy().run(run)
-
     for i, block in enumerate(model.transformer_blocks):
         if model.gradient_checkpointing and torch.is_grad_enabled():
-            img, txt = torch.utils.checkpoint.checkpoint(
-                recomputable_block, i, block, img, txt, temb, rope, iseq, tseq, heads, head_dim, eps, use_reentrant=False
-            )
+            img, txt = checkpointed(_block, i, block, img, txt, temb, rope, iseq, tseq, heads, head_dim, eps)
         else:
             img, txt = _block(i, block, img, txt, temb, rope, iseq, tseq, heads, head_dim, eps)
         if block_capture is not None:

@@ -24,6 +24,8 @@ from typing import Any, Iterator
 
 from omegaconf import DictConfig, OmegaConf
 
+from ..dtypes import from_config
+
 REPORT_BEGIN = "<!-- mmdit-strict:images -->"
 REPORT_END = "<!-- /mmdit-strict:images -->"
 
@@ -67,7 +69,7 @@ def prepare_prompts(cfg: DictConfig, kind: str = "run") -> tuple[DictConfig, dic
 
     from .encode import encode_prompts, load_text_components, write_prompt_file
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
+    dtype = from_config(cfg.model.dtype)
     negative = OmegaConf.select(cfg, "prompts.negative", default=" ")
     with _claim(cfg.output_dir, kind) as out:
         t0 = time.perf_counter()

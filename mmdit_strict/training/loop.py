@@ -39,6 +39,8 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from ..config.compose import save_resolved
+from ..config.schema import LoraConfig, ModelConfig, PromptsConfig, TrainRunConfig, section_names, to_typed
+from ..config.training import SampleConfig, TrainConfig
 from ..kernels.grad_sink import (
     SampleGradSink,
     collect_sample_grads,
@@ -48,7 +50,7 @@ from ..kernels.grad_sink import (
 from ..kernels.runtime import Runtime
 from ..sampling import sigma_table
 from ..trajectories.outdir import claim_output_dir
-from ..trajectories.setup import DTYPES, build_side_model, latent_grid, make_prompts
+from ..trajectories.setup import DTYPES, build_side_model, latent_grid, make_prompts, resolve_runtime
 from . import checkpoint as ckpt
 from .advantages import StatTracker
 from .export import export_lora
@@ -64,10 +66,11 @@ logger = logging.getLogger(__name__)
 #: Initial-latent ids of the evaluation samples (far above any training sample id).
 EVAL_ID_BASE = 1 << 40
 
-#: Config keys that may change between a run and its resume (everything else must match).
+#: Keys of the ``train`` schema (:class:`~mmdit_strict.config.schema.TrainRunConfig`) that may change between a
+#: run and its resume: they decide neither the bytes of the LoRA nor the order of the work. Every other key of
+#: the schema must match the checkpoint's.
 RESUME_FREE = ("resume", "progress", "wandb", "output_dir", "_choices_", "train.num_epochs", "train.eval_freq",
-               "train.save_freq", "train.export", "train.recompute_old_logp", "train.cpu_threads", "train.grad_sink",
-               "distributed")
+               "train.save_freq", "train.export", "train.recompute_old_logp", "train.cpu_threads", "train.grad_sink")
 
 UpdateHook = Callable[[int, int, int], None]
 
@@ -88,10 +91,6 @@ class TrainResult:
     wandb_error: str | None = None  # wandb failed when closing its run (the training itself finished)
 
 
-def _side_runtime(value: str | None, default: str) -> Runtime:
-    return Runtime.parse(value if value is not None else default)
-
-
 def _flat(cfg: DictConfig) -> dict[str, Any]:
     out: dict[str, Any] = {}
 
@@ -107,7 +106,19 @@ def _flat(cfg: DictConfig) -> dict[str, Any]:
 
 
 def _resume_key(cfg: DictConfig) -> dict[str, Any]:
+    """Every key of the composed ``train`` config but the :data:`RESUME_FREE` ones, flattened (``train.learning_rate``)."""
     return {k: v for k, v in _flat(cfg).items() if not any(k == f or k.startswith(f + ".") for f in RESUME_FREE)}
+
+
+def resume_differences(now: dict[str, Any], then: dict[str, Any]) -> list[str]:
+    """The keys whose values differ between two resume keys, sorted.
+
+    Only sections of the ``train`` schema are compared: a checkpoint keyed by an older, wider schema
+    (one that also held the trajectory commands' sections, which ``train`` never read) still resumes.
+    """
+    sections = set(section_names(TrainRunConfig))
+    then = {k: v for k, v in then.items() if k.split(".")[0] in sections}
+    return sorted(k for k in set(now) | set(then) if now.get(k) != then.get(k))
 
 
 def train_steps_of(seed: int, sample_id: int, sde_steps: list[int], fraction: float) -> list[int]:
@@ -120,56 +131,63 @@ def train_steps_of(seed: int, sample_id: int, sde_steps: list[int], fraction: fl
     return sorted(random.Random(f"steps|{seed}|{sample_id}").sample(list(sde_steps), k))
 
 
-def prompt_texts(cfg: DictConfig, n: int) -> list[str]:
+def prompt_texts(pcfg: PromptsConfig, n: int) -> list[str]:
     """The prompt strings rewards see: ``prompts.text``, the prompt file's recorded texts, else ``"prompt <i>"``."""
-    texts = OmegaConf.select(cfg, "prompts.text")
-    if not texts and cfg.prompts.embeddings:
+    texts = pcfg.text
+    if not texts and pcfg.embeddings:
         from ..pipelines.encode import read_prompt_metadata
 
-        texts = read_prompt_metadata(cfg.prompts.embeddings).get("prompts")
+        texts = read_prompt_metadata(pcfg.embeddings).get("prompts")
     if texts and len(texts) == n:
         return [str(t) for t in texts]
     return [f"prompt {i}" for i in range(n)]
 
 
-def image_source(cfg: DictConfig, rewards: RewardSet) -> ImageSource:
+def image_source(mcfg: ModelConfig, rewards: RewardSet) -> ImageSource:
     """The VAE of ``model.checkpoint`` when it is a pipeline folder with one (and a reward wants images), else the preview."""
     from ..pipelines.chain import pipeline_folder
     from ..pipelines.vae import load_vae
 
-    folder = pipeline_folder(cfg.model.checkpoint)
+    folder = pipeline_folder(mcfg.checkpoint)
     if folder is None or not any(s.takes == "images" for s in rewards.specs):
         return ImageSource()
-    return ImageSource(load_vae(folder, device=cfg.model.device, torch_dtype=DTYPES[cfg.model.dtype]))
+    return ImageSource(load_vae(folder, device=mcfg.device, torch_dtype=DTYPES[mcfg.dtype]))
 
 
 class Trainer:
-    """One training run in ``cfg.output_dir`` (see the module docstring)."""
+    """One training run in ``cfg.output_dir`` (see the module docstring).
+
+    ``cfg`` is a composed ``train`` config (:func:`~mmdit_strict.training.rewards.compose_train`), validated at compose
+    time; the trainer reads its sections as typed objects (:class:`SampleConfig`, :class:`TrainConfig`,
+    :class:`ModelConfig`, :class:`LoraConfig`).
+    """
 
     def __init__(self, cfg: DictConfig, progress: bool = True, on_update: UpdateHook | None = None) -> None:
         self.cfg = cfg
-        self.scfg, self.tcfg = cfg.sample, cfg.train
+        self.scfg: SampleConfig = to_typed(cfg.sample, SampleConfig)
+        self.tcfg: TrainConfig = to_typed(cfg.train, TrainConfig)
+        self.mcfg: ModelConfig = to_typed(cfg.model, ModelConfig)
+        self.lcfg: LoraConfig = to_typed(cfg.lora, LoraConfig)
         self.progress = progress
         self.on_update = on_update
         self.out = Path(cfg.output_dir)
-        self.seed = int(cfg.seed)
-        self._check_config()
-        self.rewards = RewardSet(OmegaConf.to_container(self.tcfg.reward_fn), OmegaConf.to_container(self.tcfg.reward_kwargs))
-        self.rollout_rt = _side_runtime(self.scfg.runtime, cfg.runtime.mode)
-        self.train_rt = _side_runtime(self.tcfg.runtime, cfg.runtime.mode)
-        self.model = build_side_model(cfg, self.rollout_rt)
-        self.model.enable_gradient_checkpointing(bool(self.tcfg.grad_checkpointing))
+        self.seed: int = cfg.seed
+        self.rewards = RewardSet(self.tcfg.reward_fn, self.tcfg.reward_kwargs)
+        self.rollout_rt = resolve_runtime(self.scfg.runtime, cfg.runtime.mode)
+        self.train_rt = resolve_runtime(self.tcfg.runtime, cfg.runtime.mode)
+        self.model = build_side_model(self.mcfg, self.lcfg, self.rollout_rt)
+        self.model.enable_gradient_checkpointing(self.tcfg.grad_checkpointing)
         self.device = self.model.device
-        self.prompts = make_prompts(cfg, self.model.config, cfg.model.device)
-        self.prompt_texts = prompt_texts(cfg, len(self.prompts.embeds))
-        self.grid = latent_grid(cfg, self.model.config)
-        self.sigmas = sigma_table(int(self.scfg.num_steps), self.grid[0] * self.grid[1])
+        self.prompts = make_prompts(cfg.prompts, self.model.config, self.mcfg.device, self.mcfg.dtype)
+        self.prompt_texts = prompt_texts(cfg.prompts, len(self.prompts.embeds))
+        self.grid = latent_grid(cfg.sampler, self.model.config)
+        self.sigmas = sigma_table(self.scfg.num_steps, self.grid[0] * self.grid[1])
         self.named = sorted(((n, p) for n, p in self.model.named_parameters() if p.requires_grad), key=lambda t: t[0])
         self.params = [p for _, p in self.named]
         self.optimizer, self.scheduler = build_optimizer(self.params, self.tcfg)
-        self.ema = LoraEMA(self.named, float(self.tcfg.ema_decay)) if self.tcfg.ema else None
-        self.tracker = StatTracker(bool(self.tcfg.per_prompt_stat_tracking), bool(self.tcfg.global_std))
-        self.images = image_source(cfg, self.rewards)
+        self.ema = LoraEMA(self.named, self.tcfg.ema_decay) if self.tcfg.ema else None
+        self.tracker = StatTracker(self.tcfg.per_prompt_stat_tracking, self.tcfg.global_std)
+        self.images = image_source(self.mcfg, self.rewards)
         self.start_epoch = 0
         self.updates = 0
         self.wandb_id: str | None = None
@@ -178,22 +196,6 @@ class Trainer:
         self._maybe_resume()
 
     # ------------------------------------------------------------------ setup
-    def _check_config(self) -> None:
-        c, t, s = self.cfg, self.tcfg, self.scfg
-        if c.lora.rank <= 0:
-            raise ValueError("train needs a LoRA adapter: set lora.rank > 0")
-        for key, val, lo in (("train.num_epochs", t.num_epochs, 1), ("train.num_inner_epochs", t.num_inner_epochs, 1),
-                             ("train.micro_batch", t.micro_batch, 1), ("train.gradient_accumulation_steps", t.gradient_accumulation_steps, 1),
-                             ("train.save_freq", t.save_freq, 1), ("sample.num_steps", s.num_steps, 1)):
-            if int(val) < lo:
-                raise ValueError(f"{key} must be >= {lo}, got {val}")
-        if t.eval_freq < 0 or t.beta < 0 or t.max_grad_norm < 0:
-            raise ValueError(f"train.eval_freq, train.beta and train.max_grad_norm must be >= 0, got {t.eval_freq}, {t.beta}, {t.max_grad_norm}")
-        if not math.isfinite(float(s.noise_level)) or float(s.noise_level) <= 0:
-            raise ValueError(f"sample.noise_level must be > 0 (the SDE needs noise), got {s.noise_level}")
-        if c.model.dtype not in DTYPES:
-            raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}")
-
     def _maybe_resume(self) -> None:
         folder = ckpt.latest_checkpoint(self.ckpt_root) if self.ckpt_root.exists() else None
         if folder is None:
@@ -206,13 +208,11 @@ class Trainer:
         missing = [k for k in ("epoch", "updates", "resume_key", "stat_tracker", "rng") if k not in state]
         if missing:
             raise ckpt.TrainCheckpointError(f"{folder / ckpt.STATE} lacks {missing}: not a complete training checkpoint")
-        now = _resume_key(self.cfg)
-        then = state["resume_key"]
-        diff = sorted(k for k in set(now) | set(then) if now.get(k) != then.get(k))
+        diff = resume_differences(_resume_key(self.cfg), state["resume_key"])
         if diff:
             raise ValueError(f"resume: the config differs from the checkpointed run in {diff[:8]}; "
                              "use the same settings or another output_dir")
-        finished, wanted = int(state["epoch"]) + 1, int(self.tcfg.num_epochs)
+        finished, wanted = int(state["epoch"]) + 1, self.tcfg.num_epochs
         if wanted < finished:
             raise ValueError(f"the run in {self.out} already finished {finished} epochs; train.num_epochs={wanted} is smaller: "
                              f"pass train.num_epochs>={finished} or another output_dir")
@@ -241,8 +241,8 @@ class Trainer:
         lora = {n: p.detach() for n, p in self.named}
         state = {
             "epoch": epoch, "updates": self.updates, "stat_tracker": self.tracker.state_dict(), "rng": ckpt.rng_state(),
-            "data_position": {"next_epoch": epoch + 1, "prompts_consumed": (epoch + 1) * int(self.scfg.prompts_per_epoch)},
-            "noise": {"seed": self.seed, "next_sample_id": (epoch + 1) * int(self.scfg.prompts_per_epoch) * int(self.scfg.num_image_per_prompt)},
+            "data_position": {"next_epoch": epoch + 1, "prompts_consumed": (epoch + 1) * self.scfg.prompts_per_epoch},
+            "noise": {"seed": self.seed, "next_sample_id": (epoch + 1) * self.scfg.prompts_per_epoch * self.scfg.num_image_per_prompt},
             "resume_key": _resume_key(self.cfg), "wandb_id": self.wandb_id,
         }
         opt = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
@@ -253,17 +253,16 @@ class Trainer:
         return self.rewards(final.detach(), self.grid, [self.prompt_texts[p] for p in prompt_ids], meta, self.images)
 
     def _pairs(self, samples: EpochSamples) -> list[tuple[int, int]]:
-        frac = float(self.tcfg.timestep_fraction)
         return [(n, step) for n, sid in enumerate(samples.sample_ids)
-                for step in train_steps_of(self.seed, sid, samples.sde_steps[n], frac)]
+                for step in train_steps_of(self.seed, sid, samples.sde_steps[n], self.tcfg.timestep_fraction)]
 
     def _eval_pairs(self, samples: EpochSamples, pairs: list[tuple[int, int]]):
-        scale = float(self.scfg.guidance_scale) if self.tcfg.cfg else 1.0
+        scale = self.scfg.guidance_scale if self.tcfg.cfg else 1.0
         return evaluate_pairs(self.model, samples, pairs, self.prompts, self.sigmas, self.grid, scale,
-                              str(self.tcfg.cfg_layout), float(self.scfg.noise_level))
+                              self.tcfg.cfg_layout, self.scfg.noise_level)
 
     def _check_old_logp(self, samples: EpochSamples, pairs: list[tuple[int, int]]) -> None:
-        mb = int(self.tcfg.micro_batch)
+        mb = self.tcfg.micro_batch
         with side(self.model, self.train_rt), torch.no_grad():
             for i in range(0, len(pairs), mb):
                 chunk = pairs[i:i + mb]
@@ -279,7 +278,7 @@ class Trainer:
 
     def _update_batches(self, samples: EpochSamples, chunk: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
         """One update's pairs cut into micro-batches (by gradient key first with ``train.sort_update_pairs``)."""
-        mb = int(self.tcfg.micro_batch)
+        mb = self.tcfg.micro_batch
         if self.tcfg.sort_update_pairs:
             chunk = sorted(chunk, key=lambda p: pair_key(samples, p))
         return [chunk[m0:m0 + mb] for m0 in range(0, len(chunk), mb)]
@@ -289,17 +288,16 @@ class Trainer:
         pairs = self._pairs(samples)
         if t.recompute_old_logp:
             self._check_old_logp(samples, pairs)
-        per_update = int(t.micro_batch) * int(t.gradient_accumulation_steps)
-        scale = float(self.scfg.guidance_scale) if t.cfg else 1.0
+        per_update = t.micro_batch * t.gradient_accumulation_steps
         adv_dev = adv.to(device=self.device, dtype=torch.float32)
         ratios, clipped, approx, policy, kl, norms, folds = [], [], [], [], [], [], set()
         first_ratios: torch.Tensor | None = None
         first_dlogp = torch.zeros(1)
         t_opt = 0.0
         sink_mb, sink_peak, sink_bound = 0.0, 0, 0
-        n_updates = sum(math.ceil(len(pairs) / per_update) for _ in range(int(t.num_inner_epochs)))
+        n_updates = t.num_inner_epochs * math.ceil(len(pairs) / per_update)
         bar = tqdm(total=n_updates, desc=f"epoch {epoch} train [{self.train_rt.value}]", disable=not self.progress, leave=False)
-        for inner in range(int(t.num_inner_epochs)):
+        for inner in range(t.num_inner_epochs):
             order = list(pairs)
             if t.shuffle:
                 random.Random(f"pairs|{self.seed}|{epoch}|{inner}").shuffle(order)
@@ -307,7 +305,7 @@ class Trainer:
                 chunk = order[u0:u0 + per_update]
                 weight = 1.0 / len(chunk)
                 batches = self._update_batches(samples, chunk)
-                keys = [grad_keys(samples, b, scale) for b in batches]
+                keys = [grad_keys(samples, b, self.scfg.guidance_scale if t.cfg else 1.0) for b in batches]
                 run = execution_order(keys)
                 streamed = t.grad_sink == "streamed"
                 sink = SampleGradSink([k for ks in keys for k in ks]) if streamed else SampleGradSink()
@@ -323,8 +321,7 @@ class Trainer:
                                 ref_mean = self._eval_pairs(samples, part).mean
                         old = torch.stack([samples.logp[s, n] for n, s in part])
                         a = torch.stack([adv_dev[n] for n, _ in part])
-                        pl = grpo_loss(ev.logp, old, a, weight, float(t.clip_range), float(t.adv_clip_max), float(t.beta),
-                                       ev.mean, ref_mean, ev.std)
+                        pl = grpo_loss(ev.logp, old, a, weight, t.clip_range, t.adv_clip_max, t.beta, ev.mean, ref_mean, ev.std)
                         pl.loss.backward()
                         sink.done(keys[j])
                         update_ratios.append(pl.ratio)
@@ -362,7 +359,7 @@ class Trainer:
             "policy_loss": float(torch.cat(policy).double().mean()), "kl_loss": float(torch.cat(kl).double().mean()),
             "grad_norm": float(sum(norms) / len(norms)), "grad_norm_last": float(norms[-1]),
             "lr": float(self.scheduler.get_last_lr()[0]), "grad_fold": "+".join(sorted(folds)),
-            "grad_sink": str(t.grad_sink), "grad_sink_peak_buffer_mb": sink_mb,
+            "grad_sink": t.grad_sink, "grad_sink_peak_buffer_mb": sink_mb,
             "grad_sink_peak_per_param": sink_peak, "grad_sink_bound_per_param": sink_bound, "_time_optimizer": t_opt,
         }
 
@@ -390,7 +387,7 @@ class Trainer:
         if not grads:
             raise RuntimeError("no LoRA parameter received a gradient: check lora.targets and train.runtime")
         if self.tcfg.max_grad_norm > 0:
-            norm = float(torch.nn.utils.clip_grad_norm_(self.params, float(self.tcfg.max_grad_norm), foreach=False))
+            norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.tcfg.max_grad_norm, foreach=False))
         else:
             norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double()) for g in grads])))
         self.optimizer.step()
@@ -402,7 +399,7 @@ class Trainer:
         return norm
 
     def _evaluate(self) -> dict[str, float]:
-        n = min(int(self.tcfg.eval_num_prompts), len(self.prompts.embeds))
+        n = min(self.tcfg.eval_num_prompts, len(self.prompts.embeds))
         pids = list(range(n))
         if self.ema is not None:
             self.ema.swap()
@@ -419,8 +416,8 @@ class Trainer:
         """Train epochs ``start_epoch .. num_epochs - 1``; returns the metrics and the final LoRA."""
         self.out.mkdir(parents=True, exist_ok=True)
         save_resolved(self.cfg, self.out)
-        E = int(self.tcfg.num_epochs)
-        mlog = MetricLogger(self.out, str(self.cfg.wandb.mode), str(self.cfg.wandb.project), self.cfg.wandb.entity,
+        E = self.tcfg.num_epochs
+        mlog = MetricLogger(self.out, self.cfg.wandb.mode, self.cfg.wandb.project, self.cfg.wandb.entity,
                             OmegaConf.to_container(self.cfg, resolve=True), self.start_epoch, self.wandb_id)
         self.wandb_id = mlog.run_id
         bar = tqdm(range(self.start_epoch, E), desc="train", disable=not self.progress, initial=self.start_epoch, total=E)
@@ -430,7 +427,7 @@ class Trainer:
                 row = self.train_epoch(epoch)
                 mlog.log(row)
                 bar.set_postfix(reward=f"{row['reward_mean']:+.4f}", ratio1=f"{row['first_update_ratio_exact_one_frac']:.2f}")
-                if (epoch + 1) % int(self.tcfg.save_freq) == 0 or epoch + 1 == E:
+                if (epoch + 1) % self.tcfg.save_freq == 0 or epoch + 1 == E:
                     self._save(epoch)
         finally:
             bar.close()
@@ -440,11 +437,10 @@ class Trainer:
         if rows:
             names = " + ".join(f"{w:g}·{n}" for n, w in self.rewards.weights.items())
             plot_rewards(rows, self.out / "reward_curve.png",
-                         f"Flow-GRPO LoRA, {self.cfg.model.preset} model, reward {names}, seed {self.seed}")
+                         f"Flow-GRPO LoRA, {self.mcfg.preset} model, reward {names}, seed {self.seed}")
         exported = {}
         if self.tcfg.export:
-            exported = export_lora(self.model, self.out / "lora", int(self.cfg.lora.rank), float(self.cfg.lora.alpha),
-                                   list(self.cfg.lora.targets))
+            exported = export_lora(self.model, self.out / "lora", self.lcfg.rank, self.lcfg.alpha, self.lcfg.targets)
         return TrainResult(self.out, E, read_metrics(self.out), {n: p.detach().clone() for n, p in self.named}, exported,
                            wandb_error)
 
@@ -472,7 +468,7 @@ class Trainer:
         row.update({"time_rollout_s": t1 - t0, "time_reward_s": t2 - t1, "time_train_s": t3 - t2 - t_opt,
                     "time_optimizer_s": t_opt, "peak_memory_mb": peak_memory_mb(self.device),
                     "sde_window_starts": samples.window_starts, "prompt_ids": sorted(set(samples.prompt_ids))})
-        if self.tcfg.eval_freq and (epoch + 1) % int(self.tcfg.eval_freq) == 0:
+        if self.tcfg.eval_freq and (epoch + 1) % self.tcfg.eval_freq == 0:
             te = time.perf_counter()
             row.update(self._evaluate())
             row["time_eval_s"] = time.perf_counter() - te
@@ -482,13 +478,12 @@ class Trainer:
 def run_training(cfg: DictConfig, progress: bool = True, on_update: UpdateHook | None = None) -> TrainResult:
     """Train (or resume) the run configured by ``cfg`` in ``cfg.output_dir``.
 
-    The folder is claimed and locked like every run folder (a new or empty folder, or one an earlier
-    run marked); ``train.cpu_threads`` (when set) applies ``torch.set_num_threads`` to the whole process.
+    ``cfg`` is a composed ``train`` config (validated at compose time). The folder is claimed and locked
+    like every run folder (a new or empty folder, or one an earlier run marked); ``train.cpu_threads``
+    (when set) applies ``torch.set_num_threads`` to the whole process.
     """
     if cfg.train.cpu_threads is not None:
-        if int(cfg.train.cpu_threads) < 1:
-            raise ValueError(f"train.cpu_threads must be >= 1, got {cfg.train.cpu_threads}")
-        torch.set_num_threads(int(cfg.train.cpu_threads))
+        torch.set_num_threads(cfg.train.cpu_threads)
     from ..pipelines.chain import prepare_prompts
 
     cfg, _ = prepare_prompts(cfg, kind="train")  # prompts.text → embeddings with the pipeline folder's text encoder (else a no-op)

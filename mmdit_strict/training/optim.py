@@ -14,16 +14,15 @@ from ..config.training import TrainConfig
 
 
 def build_optimizer(params: Sequence[torch.nn.Parameter], tcfg: TrainConfig) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over ``params`` with Flow-GRPO's knobs, and a linear warm-up then constant schedule."""
-    if tcfg.learning_rate <= 0:
-        raise ValueError(f"train.learning_rate must be > 0, got {tcfg.learning_rate}")
+    """AdamW over ``params`` with Flow-GRPO's knobs, and a linear warm-up then constant schedule.
+
+    ``tcfg``'s values are checked when the config is composed (``config/validate.py``).
+    """
     opt = torch.optim.AdamW(
-        list(params), lr=float(tcfg.learning_rate), betas=(float(tcfg.adam_beta1), float(tcfg.adam_beta2)),
-        weight_decay=float(tcfg.adam_weight_decay), eps=float(tcfg.adam_epsilon), foreach=False,
+        list(params), lr=tcfg.learning_rate, betas=(tcfg.adam_beta1, tcfg.adam_beta2),
+        weight_decay=tcfg.adam_weight_decay, eps=tcfg.adam_epsilon, foreach=False,
     )
-    warmup = int(tcfg.lr_warmup_steps)
-    if warmup < 0:
-        raise ValueError(f"train.lr_warmup_steps must be >= 0, got {warmup}")
+    warmup = tcfg.lr_warmup_steps
 
     def factor(update: int) -> float:
         return min(1.0, (update + 1) / warmup) if warmup > 0 else 1.0

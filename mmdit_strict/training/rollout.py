@@ -32,14 +32,10 @@ from ..trajectories.setup import Prompts
 
 @contextlib.contextmanager
 def side(model: MMDiT, runtime: Runtime) -> Iterator[None]:
-    """Run ``model`` in ``runtime`` inside the block (its forward and the operator registry), then restore."""
-    before = model.runtime
-    model.set_runtime(runtime)
-    try:
-        with runtime_mode(runtime):
-            yield
-    finally:
-        model.set_runtime(before)
+    """Run ``model`` in ``runtime`` inside the block: the execution context's runtime, which its forward and
+    the operator registry read (the model's default is left as it is)."""
+    with runtime_mode(runtime):
+        yield
 
 
 
@@ -93,12 +89,10 @@ def window_start(seed: int, epoch: int, group: int, num_steps: int, size: int, w
 
 def plan_epoch(seed: int, epoch: int, num_prompts: int, scfg: SampleConfig, num_steps: int) -> tuple[list[int], list[int], list[int], list[int], list[list[int]]]:
     """(sample_ids, prompt_ids, init_ids, window_starts, sde_steps) of one epoch."""
-    G = int(scfg.num_image_per_prompt)
-    if G < 1:
-        raise ValueError(f"sample.num_image_per_prompt must be >= 1, got {G}")
-    prompts = epoch_prompts(seed, epoch, num_prompts, int(scfg.prompts_per_epoch))
+    G = scfg.num_image_per_prompt
+    prompts = epoch_prompts(seed, epoch, num_prompts, scfg.prompts_per_epoch)
     P = len(prompts)
-    size = int(scfg.sde_window_size)
+    size = scfg.sde_window_size
     sids, pids, init_ids, starts, sde_steps = [], [], [], [], []
     for g, p in enumerate(prompts):
         start = window_start(seed, epoch, g, num_steps, size, scfg.sde_window_range)
@@ -122,9 +116,7 @@ def rollout_epoch(
     S = sigmas.shape[0] - 1
     sids, pids, init_ids, starts, sde_steps = plan_epoch(seed, epoch, len(prompts.embeds), scfg, S)
     N = len(sids)
-    bs = int(scfg.batch_size)
-    if bs < 1:
-        raise ValueError(f"sample.batch_size must be >= 1, got {bs}")
+    bs = scfg.batch_size
     device = model.device
     T, C = grid[0] * grid[1], model.config.in_channels
     xs = torch.empty(S + 1, N, T, C, dtype=torch.float32, device=device)
@@ -138,13 +130,13 @@ def rollout_epoch(
                 rows = list(range(b0, min(N, b0 + bs)))
                 x = xs[step, rows]
                 v = velocity(model, x.to(model.dtype), [prompts.embeds[pids[n]] for n in rows], prompts.negative,
-                             s, grid, float(scfg.guidance_scale), str(scfg.cfg_layout))
+                             s, grid, scfg.guidance_scale, scfg.cfg_layout)
                 sde = [j for j, n in enumerate(rows) if step in sde_steps[n]]
                 ode = [j for j, n in enumerate(rows) if step not in sde_steps[n]]
                 if sde:
                     ids = [sids[rows[j]] for j in sde]
                     noise = step_noise(seed, ids, step, (T, C), device)
-                    res = sde_step(v[sde], x[sde], s, sp, noise=noise, eta=float(scfg.noise_level), sigma_max=sigma_max)
+                    res = sde_step(v[sde], x[sde], s, sp, noise=noise, eta=scfg.noise_level, sigma_max=sigma_max)
                     idx = [rows[j] for j in sde]
                     xs[step + 1, idx] = res.x_prev
                     logp[step, idx] = res.logp
@@ -163,7 +155,7 @@ def ode_sample(model: MMDiT, runtime: Runtime, prompts: Prompts, prompt_ids: Seq
     S = sigmas.shape[0] - 1
     T, C = grid[0] * grid[1], model.config.in_channels
     x = initial_latents(seed, [id_base + i for i in range(len(prompt_ids))], (T, C), model.device)
-    bs = max(1, int(scfg.batch_size))
+    bs = scfg.batch_size
     with side(model, runtime):
         for step in range(S):
             s, sp = float(sigmas[step]), float(sigmas[step + 1])
@@ -171,7 +163,7 @@ def ode_sample(model: MMDiT, runtime: Runtime, prompts: Prompts, prompt_ids: Seq
             for b0 in range(0, x.shape[0], bs):
                 rows = list(range(b0, min(x.shape[0], b0 + bs)))
                 v = velocity(model, x[rows].to(model.dtype), [prompts.embeds[prompt_ids[n]] for n in rows], prompts.negative,
-                             s, grid, float(scfg.guidance_scale), str(scfg.cfg_layout))
+                             s, grid, scfg.guidance_scale, scfg.cfg_layout)
                 nxt[rows] = euler_step(v, x[rows], s, sp)
             x = nxt
     return x

@@ -89,7 +89,7 @@ def _replay(traj: Trajectory, ref: Trajectory, step: int, position: int) -> dict
     """Captured operator rows of the drifting sample, per CFG branch, for one side."""
     runtime = Runtime.parse(traj.manifest["runtime"])
     cfg = OmegaConf.create(traj.manifest["config"])
-    model = build_side_model(cfg, runtime)
+    model = build_side_model(cfg.model, cfg.lora, runtime)
     for key, val in model_hashes(model).items():
         if val != traj.manifest[key]:
             raise TrajectoryError(

@@ -67,7 +67,7 @@ class Resumed:
     step_extras: list[Any] = field(default_factory=list)  # per finished step, what the side passed as ``extra``
 
 
-def start(artifact_dir: str | Path, key: dict[str, str]) -> None:
+def start(artifact_dir: str | Path, key: dict[str, Any]) -> None:
     """Begin a fresh checkpoint for a side with stage key ``key`` (dropping any older one)."""
     discard(artifact_dir)
     target = partial_dir(artifact_dir)
@@ -92,7 +92,7 @@ def save_step(artifact_dir: str | Path, rec: StepRecorder, step: int, trace: Ope
         os.fsync(fh.fileno())
 
 
-def load(artifact_dir: str | Path, key: dict[str, str], rec: StepRecorder, label: str = "side") -> Resumed | None:
+def load(artifact_dir: str | Path, key: dict[str, Any], rec: StepRecorder, label: str = "side") -> Resumed | None:
     """Fill ``rec`` from the verified steps of a checkpoint made under ``key``; None when none can be used.
 
     A checkpoint of another key is dropped (the log says which parts differ). Steps are restored in

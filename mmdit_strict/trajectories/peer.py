@@ -40,12 +40,12 @@ def peer_rollout(cfg: DictConfig, model: MMDiT, prompts: Prompts, progress: bool
     arch = model.config
     device = next(model.parameters()).device
     twin = diffusers_twin(model)
-    grid = latent_grid(cfg, arch)
-    sigmas = schedule(cfg, arch)
+    grid = latent_grid(cfg.sampler, arch)
+    sigmas = schedule(cfg.sampler, arch)
     S = sigmas.shape[0] - 1
     ids = list(range(len(prompts.embeds)))
     bs = int(cfg.rollout.batch_size)
-    batches = rollout_batches(cfg, len(ids))
+    batches = rollout_batches(cfg.rollout.batch_size, len(ids))
     x = initial_latents(int(cfg.seed), ids, (grid[0] * grid[1], arch.in_channels), str(device))
     scale = float(cfg.sampler.cfg_scale)
     padded = {tuple(b): (pad_prompts([prompts.embeds[i] for i in b]), pad_prompts([prompts.negative] * len(b)))
@@ -80,7 +80,7 @@ def peer_rollout(cfg: DictConfig, model: MMDiT, prompts: Prompts, progress: bool
                 xb = x[batch]
                 v_cond = forward(xb, sigma, cond, cmask)
                 v = cfg_combine(v_cond, forward(xb, sigma, neg, nmask), scale) if scale != 1.0 else v_cond
-                x_next[batch], _ = step_latents(cfg, v, xb, sigmas, step, batch)
+                x_next[batch], _ = step_latents(cfg.sampler, cfg.seed, v, xb, sigmas, step, batch)
                 bar.update(1)
             x = x_next
             _sync(device)

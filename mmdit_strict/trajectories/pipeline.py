@@ -53,7 +53,7 @@ class RunResult:
         return summary_line(self.comparison, self.localization)
 
 
-def _reusable(path: Path, resume: bool, key: dict[str, str], stage: str) -> artifact.Trajectory | None:
+def _reusable(path: Path, resume: bool, key: dict[str, Any], stage: str) -> artifact.Trajectory | None:
     """The verified artifact at ``path`` when it was made under ``key``; None (saying why) otherwise."""
     if not resume or not (path / artifact.MANIFEST).exists():
         return None
@@ -76,13 +76,13 @@ def rollout_stage(cfg: DictConfig, out: Path, progress: bool,
     ``compare.peer_loop``, the peer's timing of the same sampling; returns (rollout, model hashes, peer)."""
     phases = phases if phases is not None else {}
     t0 = time.perf_counter()
-    model = build_side_model(cfg, side_runtime(cfg, "rollout"))
+    model = build_side_model(cfg.model, cfg.lora, side_runtime(cfg, "rollout"))
     phases["build"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     hashes = model_hashes(model)
     phases["hash_weights"] = time.perf_counter() - t0
     distributed.agree("rollout model", hashes)  # torchrun: every rank built the same model
-    prompts = make_prompts(cfg, model.config, cfg.model.device)
+    prompts = make_prompts(cfg.prompts, model.config, cfg.model.device, cfg.model.dtype)
     for side in ("rollout", "recompute"):
         check_pad_to(side, cfg[side].pad_to, prompts, float(cfg.sampler.cfg_scale))
     check_fault(cfg.recompute.inject_fault, model.config.num_layers, int(cfg.sampler.num_steps))

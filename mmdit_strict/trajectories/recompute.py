@@ -165,7 +165,7 @@ def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | 
         raise artifact.TrajectoryError("the rollout artifact holds no tensors; rerun rollout with rollout.save_tensors=true")
     t0 = time.perf_counter()
     runtime = side_runtime(cfg, "recompute")
-    model = build_side_model(cfg, runtime)
+    model = build_side_model(cfg.model, cfg.lora, runtime)
     model.enable_gradient_checkpointing(bool(cfg.recompute.grad_checkpointing))
     hashes = model_hashes(model)
     distributed.agree("recompute model", hashes)  # torchrun: every rank built the same model
@@ -210,7 +210,7 @@ def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | 
                         v = velocity(model, x_t.to(model.dtype), [prompts.embeds[i] for i in mb], prompts.negative,
                                      float(sigmas[step]), grid, float(cfg.sampler.cfg_scale), cfg.recompute.cfg_layout,
                                      cfg.recompute.pad_to, block_hashes=blocks, sample_ids=mb_ids)
-                        x_next, logp = step_latents(cfg, v, x_t, sigmas, step, mb_ids, prev_sample=x_rec)
+                        x_next, logp = step_latents(cfg.sampler, cfg.seed, v, x_t, sigmas, step, mb_ids, prev_sample=x_rec)
                         if logp.requires_grad:
                             (-logp.sum()).backward()
                     rec.put(step, mb, v, x_next, logp, blocks)

@@ -63,7 +63,7 @@ def build_trajectory(
     kind: str, cfg: DictConfig, model: MMDiT, runtime: Runtime, prompts: Prompts, sigmas: torch.Tensor,
     sample_ids: list[int], grid: tuple[int, int], rec: StepRecorder, trace: OperatorTrace, wall_s: float,
     side: dict[str, Any], save_tensors: bool, *, hashes: dict[str, str | None] | None = None,
-    stage_key: dict[str, str] | None = None,
+    stage_key: dict[str, Any] | None = None,
 ) -> Trajectory:
     """The side's artifact in memory; ``hashes`` (weights/LoRA) are computed from ``model`` when not given."""
     S = sigmas.shape[0] - 1

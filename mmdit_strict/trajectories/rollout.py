@@ -18,33 +18,34 @@ from ..sampling import euler_step, initial_latents, sde_step, step_noise
 from . import artifact, partial
 from .engine import velocity
 from .record import StepRecorder, build_trajectory, model_hashes
+from ..config.schema import SamplerConfig
 from .setup import Prompts, build_side_model, check_pad_to, latent_grid, make_prompts, schedule, side_runtime
 from .stagekey import rollout_key
 
 logger = logging.getLogger(__name__)
 
 
-def step_latents(cfg: DictConfig, v: torch.Tensor, x: torch.Tensor, sigmas: torch.Tensor, step: int, ids: list[int],
-                 prev_sample: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x_{t+1}, logp_t) of one step; with ``prev_sample`` the logp is of that recorded sample."""
+def step_latents(sampler: SamplerConfig, seed: int, v: torch.Tensor, x: torch.Tensor, sigmas: torch.Tensor, step: int,
+                 ids: list[int], prev_sample: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_{t+1}, logp_t) of one step (``sampler.sde``, ``sampler.eta``; noise keyed by ``seed`` and the sample ids);
+    with ``prev_sample`` the logp is of that recorded sample."""
     sigma, sigma_prev = float(sigmas[step]), float(sigmas[step + 1])
-    if not cfg.sampler.sde:
+    if not sampler.sde:
         x_next = euler_step(v, x, sigma, sigma_prev)
         return x_next, torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
-    noise = step_noise(int(cfg.seed), ids, step, tuple(x.shape[1:]), x.device)
-    kw = dict(eta=float(cfg.sampler.eta), sigma_max=float(sigmas[1]))
+    noise = step_noise(seed, ids, step, tuple(x.shape[1:]), x.device)
+    kw = dict(eta=float(sampler.eta), sigma_max=float(sigmas[1]))
     res = sde_step(v, x, sigma, sigma_prev, noise=noise, **kw)
     if prev_sample is None:
         return res.x_prev, res.logp
     return res.x_prev, sde_step(v, x, sigma, sigma_prev, prev_sample=prev_sample, **kw).logp
 
 
-def rollout_batches(cfg: DictConfig, n: int) -> list[list[int]]:
+def rollout_batches(batch_size: int, n: int) -> list[list[int]]:
     """The rollout's batches of sample ids (``rollout.batch_size`` at a time, in order)."""
-    bs = int(cfg.rollout.batch_size)
-    if bs < 1:
-        raise ValueError(f"rollout.batch_size must be >= 1, got {bs}")
-    return [list(range(i, min(i + bs, n))) for i in range(0, n, bs)]
+    if batch_size < 1:
+        raise ValueError(f"rollout.batch_size must be >= 1, got {batch_size}")
+    return [list(range(i, min(i + batch_size, n))) for i in range(0, n, batch_size)]
 
 
 def warm_up(cfg: DictConfig, model: MMDiT, prompts: Prompts) -> float:
@@ -55,14 +56,14 @@ def warm_up(cfg: DictConfig, model: MMDiT, prompts: Prompts) -> float:
     """
     t0 = time.perf_counter()
     arch = model.config
-    grid = latent_grid(cfg, arch)
-    sigmas = schedule(cfg, arch)
+    grid = latent_grid(cfg.sampler, arch)
+    sigmas = schedule(cfg.sampler, arch)
     ids = list(range(len(prompts.embeds)))
-    x = initial_latents(int(cfg.seed), ids, (grid[0] * grid[1], arch.in_channels), cfg.model.device)
+    x = initial_latents(cfg.seed, ids, (grid[0] * grid[1], arch.in_channels), cfg.model.device)
     with runtime_mode(model.runtime), torch.no_grad():
-        for batch in {tuple(b) for b in distributed.SidePlan(ids, int(cfg.rollout.batch_size)).batches}:
+        for batch in {tuple(b) for b in distributed.SidePlan(ids, cfg.rollout.batch_size).batches}:
             velocity(model, x[list(batch)].to(model.dtype), [prompts.embeds[i] for i in batch], prompts.negative,
-                     float(sigmas[0]), grid, float(cfg.sampler.cfg_scale), cfg.rollout.cfg_layout, cfg.rollout.pad_to)
+                     float(sigmas[0]), grid, cfg.sampler.cfg_scale, cfg.rollout.cfg_layout, cfg.rollout.pad_to)
     if x.device.type == "cuda":
         torch.cuda.synchronize(x.device)
     return time.perf_counter() - t0
@@ -79,23 +80,23 @@ def run_rollout(cfg: DictConfig, out_dir: str | Path, progress: bool = True, mod
     t0 = time.perf_counter()
     runtime = side_runtime(cfg, "rollout")
     if model is None:
-        model = build_side_model(cfg, runtime)
+        model = build_side_model(cfg.model, cfg.lora, runtime)
     elif model.runtime is not runtime:
         raise ValueError(f"run_rollout got a model in runtime {model.runtime.value}, the rollout side runs {runtime.value}")
     hashes = hashes if hashes is not None else model_hashes(model)
     distributed.agree("rollout model", hashes)  # torchrun: every rank built the same model
     arch = model.config
     device = cfg.model.device
-    prompts = make_prompts(cfg, arch, device)
-    check_pad_to("rollout", cfg.rollout.pad_to, prompts, float(cfg.sampler.cfg_scale))
-    grid = latent_grid(cfg, arch)
-    sigmas = schedule(cfg, arch)
+    prompts = make_prompts(cfg.prompts, arch, device, cfg.model.dtype)
+    check_pad_to("rollout", cfg.rollout.pad_to, prompts, cfg.sampler.cfg_scale)
+    grid = latent_grid(cfg.sampler, arch)
+    sigmas = schedule(cfg.sampler, arch)
     S = sigmas.shape[0] - 1
     ids = list(range(len(prompts.embeds)))
     x = initial_latents(int(cfg.seed), ids, (grid[0] * grid[1], arch.in_channels), device)
     rec = StepRecorder(S, x)
-    bs = int(cfg.rollout.batch_size)
-    rollout_batches(cfg, len(ids))  # checks rollout.batch_size
+    bs = cfg.rollout.batch_size
+    rollout_batches(bs, len(ids))  # checks rollout.batch_size
     plan = distributed.SidePlan(list(range(len(ids))), bs)  # torchrun: this rank's share of the samples
     batches = plan.batches
     key = rollout_key(cfg, hashes, prompts.hashes())
@@ -117,9 +118,9 @@ def run_rollout(cfg: DictConfig, out_dir: str | Path, progress: bool = True, mod
                 xb = x[batch]
                 blocks: list[list[str]] = []
                 v = velocity(model, xb.to(model.dtype), [prompts.embeds[i] for i in batch], prompts.negative,
-                             float(sigmas[step]), grid, float(cfg.sampler.cfg_scale), cfg.rollout.cfg_layout, cfg.rollout.pad_to,
+                             float(sigmas[step]), grid, cfg.sampler.cfg_scale, cfg.rollout.cfg_layout, cfg.rollout.pad_to,
                              block_hashes=blocks)
-                xn, logp = step_latents(cfg, v, xb, sigmas, step, batch)
+                xn, logp = step_latents(cfg.sampler, cfg.seed, v, xb, sigmas, step, batch)
                 rec.put(step, batch, v, xn, logp, blocks)
                 x_next[batch] = xn
                 bar.update(1)

@@ -1,4 +1,8 @@
-"""Build what a run side needs from the config: model (+ LoRA), prompts, schedule."""
+"""Build what a run side needs from its config sections: model (+ LoRA), prompts, schedule.
+
+Each builder takes the typed sections it reads (:mod:`mmdit_strict.config.schema`; a composed
+DictConfig section or the dataclass itself), not the whole config.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +11,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from omegaconf import DictConfig
 
+from ..dtypes import BY_CONFIG_NAME as DTYPES
 from ..config.arch import ArchConfig, preset
+from ..config.schema import LoraConfig, ModelConfig, PromptsConfig, SamplerConfig
 from ..kernels.runtime import Runtime
 from ..model import MMDiT, build_model
 from ..sampling import sigma_table
 from .hashing import tensor_sha256
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -29,15 +35,21 @@ class Prompts:
         return {"prompts": [tensor_sha256(e) for e in self.embeds], "negative": tensor_sha256(self.negative)}
 
 
+def resolve_runtime(value: str | None, mode: str) -> Runtime:
+    """A side's runtime: its own setting (``rollout.runtime``, ``train.runtime``, ...), else ``runtime.mode``."""
+    return Runtime.parse(value if value is not None else mode)
+
+
 def side_runtime(cfg: DictConfig, side: str) -> Runtime:
-    value = cfg[side].runtime
-    return Runtime.parse(value if value is not None else cfg.runtime.mode)
+    """The runtime of section ``side`` (``rollout`` or ``recompute``) of a trajectory config."""
+    return resolve_runtime(cfg[side].runtime, cfg.runtime.mode)
 
 
-def arch_from_config(cfg: DictConfig) -> ArchConfig:
-    arch = preset(cfg.model.preset)
-    if cfg.model.num_layers is not None:
-        arch = dataclasses.replace(arch, num_layers=int(cfg.model.num_layers))
+def arch_from_config(model: ModelConfig) -> ArchConfig:
+    """The preset's architecture, with ``model.num_layers`` applied when set."""
+    arch = preset(model.preset)
+    if model.num_layers is not None:
+        arch = dataclasses.replace(arch, num_layers=model.num_layers)
     return arch
 
 
@@ -53,17 +65,17 @@ def check_device(device: str) -> None:
         raise ValueError(f"model.device={device}: only cpu and cuda are supported")
 
 
-def build_side_model(cfg: DictConfig, runtime: Runtime) -> MMDiT:
-    """The model one side runs: checkpoint or deterministic init, then the policy's LoRA."""
-    dtype = DTYPES[cfg.model.dtype]
-    check_device(cfg.model.device)
-    if cfg.model.checkpoint:
-        model = MMDiT.from_pretrained(cfg.model.checkpoint, runtime=runtime, dtype=dtype, device=cfg.model.device)
+def build_side_model(mcfg: ModelConfig, lcfg: LoraConfig, runtime: Runtime) -> MMDiT:
+    """The model one side runs: checkpoint or deterministic init, then the policy's LoRA (``lcfg.rank`` > 0)."""
+    dtype = DTYPES[mcfg.dtype]
+    check_device(mcfg.device)
+    if mcfg.checkpoint:
+        model = MMDiT.from_pretrained(mcfg.checkpoint, runtime=runtime, dtype=dtype, device=mcfg.device)
     else:
-        model = build_model(arch_from_config(cfg), seed=cfg.model.init_seed, runtime=runtime.value, dtype=dtype, device=cfg.model.device)
-    if cfg.lora.rank > 0:
-        attach_lora(model, cfg.lora)
-    if cfg.model.get("cuda_graphs", True) and torch.device(cfg.model.device).type == "cuda":
+        model = build_model(arch_from_config(mcfg), seed=mcfg.init_seed, runtime=runtime.value, dtype=dtype, device=mcfg.device)
+    if lcfg.rank > 0:
+        attach_lora(model, lcfg)
+    if getattr(mcfg, "cuda_graphs", True) and torch.device(mcfg.device).type == "cuda":
         model.enable_cuda_graphs()  # used by no-grad strict/auto forwards only (rollout); same bytes as eager
     model.requires_grad_(False)
     for name, p in model.named_parameters():
@@ -72,13 +84,13 @@ def build_side_model(cfg: DictConfig, runtime: Runtime) -> MMDiT:
     return model
 
 
-def attach_lora(model: MMDiT, lcfg: DictConfig) -> MMDiT:
+def attach_lora(model: MMDiT, lcfg: LoraConfig) -> MMDiT:
     """Inject a PEFT LoRA adapter (unmerged) and initialise it deterministically from ``lcfg.seed``."""
-    from peft import LoraConfig, inject_adapter_in_model
+    from peft import LoraConfig as PeftLoraConfig, inject_adapter_in_model
 
-    config = LoraConfig(r=int(lcfg.rank), lora_alpha=float(lcfg.alpha), target_modules=list(lcfg.targets), lora_dropout=0.0)
+    config = PeftLoraConfig(r=lcfg.rank, lora_alpha=float(lcfg.alpha), target_modules=list(lcfg.targets), lora_dropout=0.0)
     inject_adapter_in_model(config, model)
-    gen = torch.Generator().manual_seed(int(lcfg.seed))
+    gen = torch.Generator().manual_seed(lcfg.seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
             if "lora_A" in name:
@@ -97,9 +109,8 @@ def base_state(model: MMDiT) -> dict[str, torch.Tensor]:
     return {k.replace(".base_layer", ""): v for k, v in model.state_dict().items() if "lora_" not in k}
 
 
-def make_prompts(cfg: DictConfig, arch: ArchConfig, device: str) -> Prompts:
-    """Load prompt embeddings from safetensors, or draw synthetic ones keyed by (seed, prompt id)."""
-    p = cfg.prompts
+def make_prompts(p: PromptsConfig, arch: ArchConfig, device: str, dtype: str) -> Prompts:
+    """Load prompt embeddings from safetensors, or draw synthetic ones keyed by (``p.seed``, prompt id); ``dtype`` is ``model.dtype``."""
     if p.embeddings:
         from safetensors.torch import load_file
 
@@ -125,13 +136,13 @@ def make_prompts(cfg: DictConfig, arch: ArchConfig, device: str) -> Prompts:
             embeds.append(torch.randn(n, arch.joint_attention_dim, generator=g))
         g = torch.Generator().manual_seed(7_777_777 + p.seed)
         neg = torch.randn(p.negative_tokens, arch.joint_attention_dim, generator=g)
-    dtype = DTYPES[cfg.model.dtype]
+    torch_dtype = DTYPES[dtype]
     for e in embeds + [neg]:
         if e.dim() != 2 or e.shape[1] != arch.joint_attention_dim:
             raise ValueError(f"prompt embeddings must be (L, {arch.joint_attention_dim}), got {tuple(e.shape)}")
         if not torch.isfinite(e).all():
             raise ValueError("prompt embeddings contain NaN or Inf")
-    return Prompts([e.to(device=device, dtype=dtype) for e in embeds], neg.to(device=device, dtype=dtype))
+    return Prompts([e.to(device=device, dtype=torch_dtype) for e in embeds], neg.to(device=device, dtype=torch_dtype))
 
 
 def check_pad_to(name: str, pad_to: int | None, prompts: Prompts, cfg_scale: float) -> None:
@@ -145,14 +156,15 @@ def check_pad_to(name: str, pad_to: int | None, prompts: Prompts, cfg_scale: flo
         raise ValueError(f"{name}.pad_to={pad_to} is shorter than the longest prompt ({longest} tokens)")
 
 
-def latent_grid(cfg: DictConfig, arch: ArchConfig) -> tuple[int, int]:
+def latent_grid(sampler: SamplerConfig, arch: ArchConfig) -> tuple[int, int]:
     """(h, w) tokens of the packed latent grid: pixels / (VAE 8 × patch)."""
     unit = 8 * arch.patch_size
-    if cfg.sampler.height % unit or cfg.sampler.width % unit:
-        raise ValueError(f"sampler.height and sampler.width must be multiples of {unit}, got {cfg.sampler.height}×{cfg.sampler.width}")
-    return cfg.sampler.height // unit, cfg.sampler.width // unit
+    if sampler.height % unit or sampler.width % unit:
+        raise ValueError(f"sampler.height and sampler.width must be multiples of {unit}, got {sampler.height}×{sampler.width}")
+    return sampler.height // unit, sampler.width // unit
 
 
-def schedule(cfg: DictConfig, arch: ArchConfig) -> torch.Tensor:
-    h, w = latent_grid(cfg, arch)
-    return sigma_table(int(cfg.sampler.num_steps), h * w)
+def schedule(sampler: SamplerConfig, arch: ArchConfig) -> torch.Tensor:
+    """The sigma table of ``sampler.num_steps`` steps at this image size."""
+    h, w = latent_grid(sampler, arch)
+    return sigma_table(sampler.num_steps, h * w)

@@ -3,8 +3,12 @@
 A stage's artifact, or a side's step checkpoint, is reused only when the key stored with it equals
 the key of the current inputs, part by part:
 
-    config          sha256 of the settings the stage reads (run-level keys such as output_dir,
-                    resume, progress, wandb and compare are left out)
+    config          the settings the stage reads, key by key (``sampler.eta``: 0.7), so a mismatch
+                    names the keys that changed: the rollout reads seed, model, prompts, sampler,
+                    lora and rollout; the recompute reads seed, model, sampler, lora and recompute
+                    (its prompts are the rollout's). A side's ``runtime`` is stored as resolved
+                    (its own setting, else ``runtime.mode``). Nothing else (output_dir, resume,
+                    progress, wandb, compare, extra, the other side) is part of a key.
     fingerprint     the architecture (the checkpoint's config.json or the preset)
     weights_sha256  the base weights as loaded: the checkpoint's contents, not its path
     lora_sha256     the LoRA adapter's tensors ("none" without an adapter)
@@ -16,7 +20,7 @@ the key of the current inputs, part by part:
 
 Retraining into the same checkpoint folder, re-exporting the prompt embeddings, pulling another
 commit or editing a kernel therefore re-runs the stages, and :func:`describe_mismatch` says which
-part changed.
+part changed (for ``config``, which keys).
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from .artifact import TENSORS, Trajectory
 
-RUN_LEVEL = ("output_dir", "resume", "progress", "wandb", "compare", "distributed", "_choices_")
+#: The sections (and top-level keys) each stage reads; its own side's ``runtime`` is stored resolved.
+ROLLOUT_READS = ("seed", "model", "prompts", "sampler", "lora", "rollout")
+RECOMPUTE_READS = ("seed", "model", "sampler", "lora", "recompute")
 
 _MEANING = {
     "config": "the settings the stage reads differ",
@@ -49,10 +55,23 @@ def _sha256_json(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def config_sha256(cfg: DictConfig, ignore: tuple[str, ...] = ()) -> str:
-    """sha256 of the resolved config without the run-level keys and the top-level sections in ``ignore``."""
-    skip = RUN_LEVEL + tuple(ignore)
-    return _sha256_json({k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in skip})
+def stage_settings(cfg: DictConfig, reads: tuple[str, ...], side: str) -> dict[str, Any]:
+    """The keys of ``cfg`` under ``reads``, flattened (``sampler.eta``), with ``<side>.runtime`` resolved."""
+    tree = OmegaConf.to_container(cfg, resolve=True)
+    out: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict) and node:
+            for k, v in node.items():
+                walk(v, f"{prefix}.{k}" if prefix else str(k))
+        else:
+            out[prefix] = node
+
+    for name in reads:
+        walk(tree.get(name), name)  # type: ignore[union-attr]
+    own = tree[side].get("runtime")  # type: ignore[index]
+    out[f"{side}.runtime"] = own if own is not None else tree["runtime"]["mode"]  # type: ignore[index]
+    return out
 
 
 def _version() -> str:
@@ -82,10 +101,10 @@ def code_sha256() -> str:
     return h.hexdigest()
 
 
-def rollout_key(cfg: DictConfig, model_hashes: dict[str, str | None], prompt_hashes: dict[str, Any]) -> dict[str, str]:
+def rollout_key(cfg: DictConfig, model_hashes: dict[str, str | None], prompt_hashes: dict[str, Any]) -> dict[str, Any]:
     """The rollout stage's key: its settings (not the recompute side's), architecture, weights, LoRA, prompts, version."""
     return {
-        "config": config_sha256(cfg, ignore=("recompute",)),
+        "config": stage_settings(cfg, ROLLOUT_READS, "rollout"),
         "fingerprint": str(model_hashes["fingerprint"]),
         "weights_sha256": str(model_hashes["weights_sha256"]),
         "lora_sha256": str(model_hashes["lora_sha256"] or "none"),
@@ -95,10 +114,10 @@ def rollout_key(cfg: DictConfig, model_hashes: dict[str, str | None], prompt_has
     }
 
 
-def recompute_key(cfg: DictConfig, model_hashes: dict[str, str | None], rollout: Trajectory) -> dict[str, str]:
+def recompute_key(cfg: DictConfig, model_hashes: dict[str, str | None], rollout: Trajectory) -> dict[str, Any]:
     """The recompute stage's key: its settings, architecture, weights, LoRA, the replayed prompts and rollout file, version."""
     return {
-        "config": config_sha256(cfg),
+        "config": stage_settings(cfg, RECOMPUTE_READS, "recompute"),
         "fingerprint": str(model_hashes["fingerprint"]),
         "weights_sha256": str(model_hashes["weights_sha256"]),
         "lora_sha256": str(model_hashes["lora_sha256"] or "none"),
@@ -109,13 +128,30 @@ def recompute_key(cfg: DictConfig, model_hashes: dict[str, str | None], rollout:
     }
 
 
-def describe_mismatch(stored: dict[str, Any] | None, current: dict[str, str]) -> str:
-    """One line naming every part of ``current`` that ``stored`` lacks or holds differently."""
+def _settings_changes(stored: Any, current: Any) -> str:
+    """``sampler.eta 0.7 → 0.5, rollout.batch_size 4 → 2`` (keys present on one side only: ``(absent)``)."""
+    if not (isinstance(stored, dict) and isinstance(current, dict)):
+        return "stored as a digest by an older mmdit_strict, so the keys cannot be named"
+    absent = object()
+    diffs = []
+    for k in sorted(set(stored) | set(current)):
+        a, b = stored.get(k, absent), current.get(k, absent)
+        if a != b:
+            diffs.append(f"{k} {'(absent)' if a is absent else repr(a)} → {'(absent)' if b is absent else repr(b)}")
+    return ", ".join(diffs)
+
+
+def describe_mismatch(stored: dict[str, Any] | None, current: dict[str, Any]) -> str:
+    """One line naming every part of ``current`` that ``stored`` lacks or holds differently (for ``config``, the keys)."""
     if not stored:
         return "it was stored without a content key (an older mmdit_strict made it)"
     parts = []
     for name in sorted(set(stored) | set(current)):
         if stored.get(name) != current.get(name):
-            was, now = str(stored.get(name))[:12], str(current.get(name))[:12]
-            parts.append(f"{name} changed ({_MEANING.get(name, 'differs')}: {was}… → {now}…)")
+            if name == "config":
+                detail = _settings_changes(stored.get(name), current.get(name))
+            else:
+                was, now = str(stored.get(name))[:12], str(current.get(name))[:12]
+                detail = f"{was}… → {now}…"
+            parts.append(f"{name} changed ({_MEANING.get(name, 'differs')}: {detail})")
     return "; ".join(parts) if parts else "no difference"

@@ -14,7 +14,7 @@ from mmdit_strict.kernels.triton import configs as C  # noqa: E402
 from mmdit_strict.kernels.triton import gemm as G  # noqa: E402
 
 
-@pytest.mark.skipif(not G._interpreting(), reason="interpreter dry run; on CUDA the bench runs for real")
+@pytest.mark.skipif(not G.interpreting(), reason="interpreter dry run; on CUDA the bench runs for real")
 def test_layout_case_compares_bytes_and_leaves_configs_alone(monkeypatch) -> None:
     monkeypatch.setattr(bench, "DEVICE", "cpu")
     monkeypatch.setattr(bench, "_bench", lambda fn: (fn(), {"median_ms": 1.0})[1])

@@ -25,10 +25,10 @@ def main() -> int:
 
             real = rollout.step_latents
 
-            def dying(cfg, v, x, sigmas, step, ids, prev_sample=None):  # type: ignore[no-untyped-def]
+            def dying(sampler, seed, v, x, sigmas, step, ids, prev_sample=None):  # type: ignore[no-untyped-def]
                 if step == die_step:
                     os._exit(3)
-                return real(cfg, v, x, sigmas, step, ids, prev_sample)
+                return real(sampler, seed, v, x, sigmas, step, ids, prev_sample)
 
             rollout.step_latents = dying
     from mmdit_strict.cli.main import main as cli

@@ -18,6 +18,7 @@ from tests.kernels.triton_rows import GPU_TARGETS, INTERPRET, N, R, S, interp, o
 from mmdit_strict.bench.norms import row_tolerance  # noqa: E402
 from mmdit_strict.kernels import production as P  # noqa: E402
 from mmdit_strict.reference import ops as ref  # noqa: E402
+from benchmarks import row_launches as L  # noqa: E402
 from tests.harness import (  # noqa: E402
     CPU_FP32,
     BadCase,
@@ -91,8 +92,13 @@ def gate_item(d: int, lo: int, hi: int):
     return make
 
 
-def _mod(x, shift, scale, *, seqlens):
-    return N.adaln_modulation(x, shift, scale, seqlens=seqlens, eps=EPS)
+def _mod(x, shift, scale, *, seqlens, config=None):
+    return N.adaln_modulation(x, shift, scale, seqlens=seqlens, eps=EPS, config=config)
+
+
+def _mod_with(config):
+    """:func:`_mod` under the launch ``config``."""
+    return lambda x, shift, scale, *, seqlens: _mod(x, shift, scale, seqlens=seqlens, config=config)
 
 
 def _gate(x, y, gate, *, seqlens):
@@ -157,7 +163,7 @@ def check_thirds_keep_vector_bytes(d, seqlens, target):
     x, dy = (randn(m, d, gen=gen, target=target) for _ in range(2))
     sc = _vec(b, d, gen, target)
     _, mean, rstd = N.adaln_modulation_fwd(x, torch.zeros_like(sc), sc, seqlens, EPS, True)
-    for launch in (N.LN_REFERENCE, N.LN_DEFAULTS[x.dtype]):
+    for launch in (L.LN_REFERENCE, N.LN_CONFIGS[x.dtype]):
         thirds = N.adaln_modulation_bwd(dy, x, sc, mean, rstd, seqlens, True, launch, thirds=True)
         one = N.adaln_modulation_bwd(dy, x, sc, mean, rstd, seqlens, True, launch, thirds=False)
         for name, u, v in zip(("d_shift", "d_scale"), thirds[1:], one[1:]):
@@ -249,8 +255,8 @@ def test_ln_thirds_accuracy_invariance_and_launches_interpreter():
     check_thirds_keep_vector_bytes(D_THIRDS, (5, 0, 19, 1, 16, 17), CPU_FP32)
     check_gate_column_blocks_keep_bytes(D_THIRDS, (5, 0, 19, 1, 16, 17), CPU_FP32, cols=16)
     check_gate_column_blocks_keep_bytes(D, (5, 0, 19, 1, 16, 17), CPU_FP32, cols=16)  # the last block part-masked
-    for launch in (N.LN_REFERENCE, N.LN_DEFAULTS[torch.float32], N.LnLaunch(fwd_rows=3, fwd_ahead=1),
-                   N.LnLaunch(fwd_rows=4, fwd_ahead=0, fwd_stages=2)):
+    for launch in (L.LN_REFERENCE, N.LN_CONFIGS[torch.float32], N.LnConfig(fwd_rows=3, fwd_ahead=1),
+                   N.LnConfig(fwd_rows=4, fwd_ahead=0, fwd_stages=2)):
         check_ln_launch_bytes(launch, D_THIRDS, (5, 0, 19, 1, 16, 17), CPU_FP32, final=False)
 
 
@@ -364,19 +370,19 @@ def test_bad_inputs_raise_clear_errors():
     ])
 
 
-# ---- LayerNorm launch settings (norms.LnLaunch: rows per forward program, read-ahead, register cap) -----------
-# None of them touches the arithmetic: every candidate must give the reference launch's bytes (the kernels as the
-# H200 measured them at 6ab3b56). The interpreter checks the row grouping and the read-ahead paths (it ignores
-# the register cap); the GPU test checks every candidate as compiled.
+# ---- LayerNorm launch configurations (norms.LnConfig: rows per forward program, read-ahead, register cap) -------
+# None of them touches the arithmetic: every candidate (benchmarks/row_launches.py) must give the reference
+# launch's bytes. The interpreter checks the row grouping and the read-ahead paths (it ignores the register cap);
+# the GPU test checks every candidate as compiled.
 
-LN_OTHERS = [c for c in N.LN_CANDIDATES if c != N.LN_REFERENCE]
+LN_OTHERS = [c for c in L.LN_CANDIDATES if c != L.LN_REFERENCE]
 # the interpreter ignores register caps and pipelining stages, but runs the loops they shape
-_INTERP_LN = list(dict.fromkeys(N.LnLaunch(c.fwd_rows, c.fwd_ahead, None, c.bwd_ahead, None, c.fwd_stages, c.bwd_stages)
+_INTERP_LN = list(dict.fromkeys(N.LnConfig(c.fwd_rows, c.fwd_ahead, None, c.bwd_ahead, None, c.fwd_stages, c.bwd_stages)
                                 for c in LN_OTHERS))
 
 
-def _mod_grads(x, sh, sc, gy, seq):
-    return run_with_grads(lambda a, b, c: N.adaln_modulation(a, b, c, seqlens=seq, eps=EPS), [x, sh, sc], gy)
+def _mod_grads(x, sh, sc, gy, seq, config):
+    return run_with_grads(lambda a, b, c: N.adaln_modulation(a, b, c, seqlens=seq, eps=EPS, config=config), [x, sh, sc], gy)
 
 
 def check_ln_launch_bytes(launch, d, seq, target, final=True):
@@ -386,13 +392,11 @@ def check_ln_launch_bytes(launch, d, seq, target, final=True):
     b, m = len(seq), sum(seq)
     x, gy = randn(m, d, gen=gen, target=target), randn(m, d, gen=gen, target=target)
     sh, sc = _vec(b, d, gen, target), _vec(b, d, gen, target)
-    want_stats = N.adaln_modulation_fwd(x, sh, sc, seq, EPS, store_stats=True, launch=N.LN_REFERENCE)
-    got_stats = N.adaln_modulation_fwd(x, sh, sc, seq, EPS, store_stats=True, launch=launch)
+    want_stats = N.adaln_modulation_fwd(x, sh, sc, seq, EPS, store_stats=True, config=L.LN_REFERENCE)
+    got_stats = N.adaln_modulation_fwd(x, sh, sc, seq, EPS, store_stats=True, config=launch)
     assert_bytes_equal(got_stats, want_stats, f"{launch.label()}: y, mean, rstd vs the reference {target.label}")
-    with N.ln_launch(N.LN_REFERENCE):
-        want = _mod_grads(x, sh, sc, gy, seq)
-    with N.ln_launch(launch):
-        got = _mod_grads(x, sh, sc, gy, seq)
+    want = _mod_grads(x, sh, sc, gy, seq, L.LN_REFERENCE)
+    got = _mod_grads(x, sh, sc, gy, seq, launch)
     assert_bytes_equal(got[0], want[0], f"{launch.label()}: y vs the reference {target.label}")
     assert_bytes_equal(got[1], want[1], f"{launch.label()}: dx, d_shift, d_scale vs the reference {target.label}")
     if not final:
@@ -400,13 +404,11 @@ def check_ln_launch_bytes(launch, d, seq, target, final=True):
     temb = randn(b, d, gen=gen, target=target)
     w, bias = randn(2 * d, d, gen=gen, target=target, scale=d**-0.5), randn(2 * d, gen=gen, target=target, scale=0.1)
 
-    def fin(a, t, ww, bb):
-        return N.final_adaln_out(a, t, ww, bb, seqlens=seq, eps=EPS)
+    def fin(config):
+        return lambda a, t, ww, bb: N.final_adaln_out(a, t, ww, bb, seqlens=seq, eps=EPS, config=config)
 
-    with N.ln_launch(N.LN_REFERENCE):
-        want_f = run_with_grads(fin, [x, temb, w, bias], gy)
-    with N.ln_launch(launch):
-        got_f = run_with_grads(fin, [x, temb, w, bias], gy)
+    want_f = run_with_grads(fin(L.LN_REFERENCE), [x, temb, w, bias], gy)
+    got_f = run_with_grads(fin(launch), [x, temb, w, bias], gy)
     assert_bytes_equal(got_f[0], want_f[0], f"{launch.label()}: final_adaln_out vs the reference {target.label}")
     assert_bytes_equal(got_f[1], want_f[1], f"{launch.label()}: final_adaln_out grads vs the reference {target.label}")
 
@@ -422,49 +424,41 @@ def test_ln_launch_bytes_equal_reference_interpreter(launch):
 @pytest.mark.slow
 def test_ln_launch_batch_invariance_interpreter():
     """The reference launch and a one-row / no-read-ahead launch: alone vs batched at every position."""
-    for launch in (N.LN_REFERENCE, N.LnLaunch(fwd_rows=1, fwd_ahead=0, bwd_ahead=0)):
-        with N.ln_launch(launch):
-            check_row_invariance(_with_grads(_mod, 3), modulation_item(D, 1, 9), (2, 3, 8), target=CPU_FP32,
-                                 what=f"triton adaln_modulation [{launch.label()}] fwd+bwd")
+    for launch in (L.LN_REFERENCE, N.LnConfig(fwd_rows=1, fwd_ahead=0, bwd_ahead=0)):
+        check_row_invariance(_with_grads(_mod_with(launch), 3), modulation_item(D, 1, 9), (2, 3, 8), target=CPU_FP32,
+                             what=f"triton adaln_modulation [{launch.label()}] fwd+bwd")
 
 
 @interp
-def test_ln_launch_is_context_local_and_kept_by_the_autograd_node():
-    """The launch in force at the forward is the one its backward uses (autograd may run the backward on
-    another thread, outside the block); a thread started in the block without its context sees the default."""
-    import threading
-
+def test_ln_config_is_kept_by_the_autograd_node():
+    """The launch given to the op at the forward is the one its backward uses."""
     x = torch.randn(5, D, requires_grad=True)
     shift, scale = torch.randn(1, D, requires_grad=True), torch.randn(1, D, requires_grad=True)
-    other = N.LnLaunch(fwd_rows=1, fwd_ahead=0, bwd_ahead=0)
-    seen = []
-    with N.ln_launch(other):
-        y = N.adaln_modulation(x, shift, scale, seqlens=(5,), eps=1e-6)
-        t = threading.Thread(target=lambda: seen.append(N.current_ln_launch(torch.float32)))
-        t.start()
-        t.join()
-    assert y.grad_fn.launch is other and seen == [N.LN_DEFAULTS[torch.float32]]
-    y.sum().backward()  # outside the block: the node's launch, not the default
+    other = N.LnConfig(fwd_rows=1, fwd_ahead=0, bwd_ahead=0)
+    y = N.adaln_modulation(x, shift, scale, seqlens=(5,), eps=1e-6, config=other)
+    assert y.grad_fn.config is other
+    y.sum().backward()
     assert x.grad is not None and scale.grad is not None
-    assert N.adaln_modulation(x, shift, scale, seqlens=(5,), eps=1e-6).grad_fn.launch == N.LN_DEFAULTS[torch.float32]
+    assert N.adaln_modulation(x, shift, scale, seqlens=(5,), eps=1e-6).grad_fn.config is None  # the frozen table
 
 
-def test_ln_launch_is_checked_and_restored():
-    defaults = {dt: N.current_ln_launch(dt) for dt in (torch.bfloat16, torch.float32)}
-    assert defaults == N.LN_DEFAULTS and set(defaults.values()) <= set(N.LN_CANDIDATES) and N.LN_REFERENCE in N.LN_CANDIDATES
-    with N.ln_launch(N.LN_REFERENCE):
-        assert N.current_ln_launch(torch.bfloat16) == N.current_ln_launch(torch.float32) == N.LN_REFERENCE
-    assert N.current_ln_launch(torch.bfloat16) == N.LN_DEFAULTS[torch.bfloat16]
-    for bad in (N.LnLaunch(fwd_rows=0), N.LnLaunch(fwd_ahead=2), N.LnLaunch(bwd_ahead=3), "one_row",
-                N.LnLaunch(fwd_ahead=1, fwd_stages=3), N.LnLaunch(bwd_ahead=0, bwd_stages=1),
-                N.LnLaunch(bwd_ahead=0, bwd_stages=9)):
-        with pytest.raises(ValueError, match="LnLaunch"), N.ln_launch(bad):
-            pass
-    assert N.current_ln_launch(torch.float32) == N.LN_DEFAULTS[torch.float32]
+@interp  # the config checks run before any launch; the launches here take host tensors
+def test_ln_configs_are_frozen_and_checked():
+    assert {dt: N.ln_config(dt) for dt in (torch.bfloat16, torch.float32)} == dict(N.LN_CONFIGS)
+    assert set(N.LN_CONFIGS.values()) <= set(L.LN_CANDIDATES) and L.LN_REFERENCE in L.LN_CANDIDATES
+    with pytest.raises(TypeError):
+        N.LN_CONFIGS[torch.float32] = L.LN_REFERENCE  # type: ignore[index]
+    x = torch.randn(3, D)
+    v = torch.randn(1, D)
+    for bad in (N.LnConfig(fwd_rows=0), N.LnConfig(fwd_ahead=2), N.LnConfig(bwd_ahead=3), "one_row",
+                N.LnConfig(fwd_ahead=1, fwd_stages=3), N.LnConfig(bwd_ahead=0, bwd_stages=1),
+                N.LnConfig(bwd_ahead=0, bwd_stages=9)):
+        with pytest.raises(ValueError, match="LnConfig"):
+            N.adaln_modulation_fwd(x, v, v, (3,), EPS, store_stats=False, config=bad)
     from mmdit_strict.kernels.registry import implementations
 
     (impl,) = [i for i in implementations("adaln_modulation") if i.backend == "triton"]
-    assert impl.config["ln_launch"]["bfloat16"] == N.LN_DEFAULTS[torch.bfloat16].label() and impl.variant is None
+    assert impl.config["ln_launch"]["bfloat16"] == N.LN_CONFIGS[torch.bfloat16].label()
 
 
 def test_registered_for_cuda_strict_fp32_and_bf16():
@@ -560,9 +554,8 @@ def test_gpu_ln_launch_bytes_equal_reference(target, launch):
     bytes alone vs in batches of 2, 3 and 8 (the default's full invariance and row sweep are the tests above)."""
     skip_unless_compiled(target)
     check_ln_launch_bytes(launch, QD, (300, 0, 77, 1, 16, 17), target)
-    with N.ln_launch(launch):
-        check_row_invariance(_with_grads(_mod, 3), modulation_item(QD, 1, 40), (2, 3, 8), target=target,
-                             what=f"triton adaln_modulation [{launch.label()}] fwd+bwd {target.label}")
+    check_row_invariance(_with_grads(_mod_with(launch), 3), modulation_item(QD, 1, 40), (2, 3, 8), target=target,
+                         what=f"triton adaln_modulation [{launch.label()}] fwd+bwd {target.label}")
 
 
 @interp

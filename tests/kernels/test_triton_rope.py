@@ -31,6 +31,7 @@ from tests.harness import (  # noqa: E402
     run_without_host_sync,
 )
 from tests.kernels.test_triton_norms import accuracy  # noqa: E402
+from benchmarks import row_launches as L  # noqa: E402
 
 EPS = 1e-6
 H, DH = 3, 12  # interpreter heads and head width (d/2 = 6: not a power of two)
@@ -56,11 +57,18 @@ def _qk_case(h: int, d: int, m: int, gen: torch.Generator, target: Target) -> tu
     return x, gain, cos, sin, gy
 
 
-def _qk_ops(cos: torch.Tensor, sin: torch.Tensor, seq) -> dict:
-    """``fn(x, gain)`` for the norm alone, the unfused pair (norm then rope) and the fused op over ``seq``."""
-    return {"qk_rmsnorm": lambda a, g: R.qk_rmsnorm(a, g, seqlens=seq, eps=EPS),
-            "unfused": lambda a, g: R.multi_axis_rope(R.qk_rmsnorm(a, g, seqlens=seq, eps=EPS), cos, sin),
-            "fused": lambda a, g: R.qk_rmsnorm_rope(a, g, cos, sin, seqlens=seq, eps=EPS)}
+def _rope_kw(cfg: dict) -> dict:
+    """The part of ``cfg`` (``fwd_config`` / ``bwd_config`` of the QK ops) that multi_axis_rope takes."""
+    return {k: v for k, v in cfg.items() if k == "fwd_config"}
+
+
+def _qk_ops(cos: torch.Tensor, sin: torch.Tensor, seq, **cfg) -> dict:
+    """``fn(x, gain)`` for the norm alone, the unfused pair (norm then rope) and the fused op over ``seq``;
+    ``cfg``: launches other than the frozen ones (``fwd_config`` / ``bwd_config``)."""
+    return {"qk_rmsnorm": lambda a, g: R.qk_rmsnorm(a, g, seqlens=seq, eps=EPS, **cfg),
+            "unfused": lambda a, g: R.multi_axis_rope(R.qk_rmsnorm(a, g, seqlens=seq, eps=EPS, **cfg), cos, sin,
+                                                      **_rope_kw(cfg)),
+            "fused": lambda a, g: R.qk_rmsnorm_rope(a, g, cos, sin, seqlens=seq, eps=EPS, **cfg)}
 
 
 def check_accuracy(h, d, seq, target):
@@ -103,7 +111,7 @@ def _qk_item(h, d, lo, hi):
     return make
 
 
-def _fused_with_grads(gain: torch.Tensor, fused: bool):
+def _fused_with_grads(gain: torch.Tensor, fused: bool, **cfg):
     """packed batch fn: forward + dx of qk_rmsnorm(+rope); d_gain of the batch is checked by the fold test."""
 
     def run(x, cos, sin, dy, *, seqlens):
@@ -111,8 +119,8 @@ def _fused_with_grads(gain: torch.Tensor, fused: bool):
 
         def op(a):
             if fused:
-                return R.qk_rmsnorm_rope(a, gain, c, s, seqlens=seqlens, eps=EPS)
-            return R.multi_axis_rope(R.qk_rmsnorm(a, gain, seqlens=seqlens, eps=EPS), c, s)
+                return R.qk_rmsnorm_rope(a, gain, c, s, seqlens=seqlens, eps=EPS, **cfg)
+            return R.multi_axis_rope(R.qk_rmsnorm(a, gain, seqlens=seqlens, eps=EPS, **cfg), c, s, **_rope_kw(cfg))
 
         out, (dx,) = run_with_grads(op, [x], dy)
         return out, dx
@@ -120,24 +128,24 @@ def _fused_with_grads(gain: torch.Tensor, fused: bool):
     return packed_op(run)
 
 
-def check_invariance(h, d, target, batch_sizes, lo, hi):
+def check_invariance(h, d, target, batch_sizes, lo, hi, **cfg):
     gain = _gain(d, generator(13)).to(target.device, target.dtype)
     for fused in (True, False):
-        check_row_invariance(_fused_with_grads(gain, fused), _qk_item(h, d, lo, hi), batch_sizes, target=target,
+        check_row_invariance(_fused_with_grads(gain, fused, **cfg), _qk_item(h, d, lo, hi), batch_sizes, target=target,
                              what=f"triton qk_rmsnorm{'_rope' if fused else ' + multi_axis_rope'} fwd+dx {target.label}")
 
 
-def check_sweep(h, d, target, counts):
+def check_sweep(h, d, target, counts, **cfg):
     gain = _gain(d, generator(14)).to(target.device, target.dtype)
 
     def item(n, gen):
         return _qk_item(h, d, n, n)(gen)
 
-    check_token_sweep(_fused_with_grads(gain, True), item, counts, target=target, row_local=True,
+    check_token_sweep(_fused_with_grads(gain, True, **cfg), item, counts, target=target, row_local=True,
                       what=f"triton qk_rmsnorm_rope {target.label}")
 
 
-def check_gain_fold(h, d, target, lens):
+def check_gain_fold(h, d, target, lens, **cfg):
     gen = generator(15)
     gain = _gain(d, gen).to(target.device, target.dtype)
     items = []
@@ -150,9 +158,9 @@ def check_gain_fold(h, d, target, lens):
             seq = tuple(t[0].shape[0] for t in batch)
             x, c, s = (torch.cat([t[i] for t in batch]) for i in range(3))
             if fused:
-                out = R.qk_rmsnorm_rope(x, params[0], c, s, seqlens=seq, eps=EPS)
+                out = R.qk_rmsnorm_rope(x, params[0], c, s, seqlens=seq, eps=EPS, **cfg)
             else:
-                out = R.multi_axis_rope(R.qk_rmsnorm(x, params[0], seqlens=seq, eps=EPS), c, s)
+                out = R.multi_axis_rope(R.qk_rmsnorm(x, params[0], seqlens=seq, eps=EPS, **cfg), c, s, **_rope_kw(cfg))
             return list(out.split(seq))
 
         check_param_grad_fold(fn, items, [gain], gouts, what=f"triton qk gain ({'fused' if fused else 'unfused'}) {target.label}")
@@ -164,46 +172,24 @@ def check_gain_fold(h, d, target, lens):
 
 
 @interp
-@pytest.mark.parametrize("layout", R.QK_LAYOUTS)
-def test_accuracy_interpreter(layout):
-    with R.qk_layout(layout):
-        check_accuracy(H, DH, SEQ, CPU_FP32)
+def test_accuracy_interpreter():
+    check_accuracy(H, DH, SEQ, CPU_FP32)
 
 
 @interp
-@pytest.mark.parametrize("layout", R.QK_LAYOUTS)
-def test_fused_equals_unfused_interpreter(layout):
-    with R.qk_layout(layout):
-        check_fused_equals_unfused(H, DH, SEQ, CPU_FP32)
+def test_fused_equals_unfused_interpreter():
+    check_fused_equals_unfused(H, DH, SEQ, CPU_FP32)
 
 
 @interp
-def test_layout_is_kept_by_the_backward_interpreter():
-    """An autograd node runs its backward in the layout its forward ran with, whatever is active then."""
-    x = randn(9, H, DH, gen=generator(20)).requires_grad_(True)
-    gain = _gain(DH, generator(21))
-    gy = randn(9, H, DH, gen=generator(22))
-    with R.qk_layout("pairs"):  # not the default: the backward below runs where another layout is active
-        y = R.qk_rmsnorm(x, gain, seqlens=(9,), eps=EPS)
-        (want,) = torch.autograd.grad(y, x, gy)
-        y = R.qk_rmsnorm(x, gain, seqlens=(9,), eps=EPS)
-    (got,) = torch.autograd.grad(y, x, gy)  # backward outside the block
-    assert_bytes_equal(got, want, "pairs-layout dx computed outside the layout block")
-    with pytest.raises(ValueError, match="qk layout"):
-        with R.qk_layout("rows"):
-            pass
+def test_one_head_interpreter():
+    """One head (the txt_in RMSNorm's shape, scaled down): BLOCK_H = 1."""
+    check_accuracy(1, 14, (4, 0, 9), CPU_FP32)
+    check_fused_equals_unfused(1, 14, (4, 0, 9), CPU_FP32)
 
 
 @interp
-def test_contiguous_one_head_interpreter():
-    """One head (the txt_in RMSNorm's shape, scaled down): BLOCK_H = 1 in the contiguous layout."""
-    with R.qk_layout("contiguous"):
-        check_accuracy(1, 14, (4, 0, 9), CPU_FP32)
-        check_fused_equals_unfused(1, 14, (4, 0, 9), CPU_FP32)
-
-
-@interp
-def test_contiguous_misaligned_input_same_bytes_interpreter():
+def test_misaligned_input_same_bytes_interpreter():
     """A contiguous view whose storage starts off a 16-byte boundary runs on an aligned copy: same bytes
     as the aligned tensor, forward, dx and d_gain."""
     gen = generator(23)
@@ -218,9 +204,8 @@ def test_contiguous_misaligned_input_same_bytes_interpreter():
     def fused(a, g):
         return R.qk_rmsnorm_rope(a, g, cos, sin, seqlens=(m,), eps=EPS)
 
-    with R.qk_layout("contiguous"):
-        want = run_with_grads(fused, [x, gain], gy)
-        got = run_with_grads(fused, [shifted, gain], gy)
+    want = run_with_grads(fused, [x, gain], gy)
+    got = run_with_grads(fused, [shifted, gain], gy)
     assert_bytes_equal(got[0], want[0], "misaligned forward")
     assert_bytes_equal(got[1][0], want[1][0], "misaligned dx")
     assert_bytes_equal(got[1][1], want[1][1], "misaligned d_gain")
@@ -232,17 +217,13 @@ def test_batch_invariance_interpreter():
 
 
 @interp
-@pytest.mark.parametrize("layout", R.QK_LAYOUTS)
-def test_token_sweep_interpreter(layout):
-    with R.qk_layout(layout):
-        check_sweep(H, DH, CPU_FP32, (1, 7, 15, 16, 17, 33))
+def test_token_sweep_interpreter():
+    check_sweep(H, DH, CPU_FP32, (1, 7, 15, 16, 17, 33))
 
 
 @interp
-@pytest.mark.parametrize("layout", R.QK_LAYOUTS)
-def test_gain_grad_fold_interpreter(layout):
-    with R.qk_layout(layout):
-        check_gain_fold(H, DH, CPU_FP32, (7, 1, 20, 0, 16))
+def test_gain_grad_fold_interpreter():
+    check_gain_fold(H, DH, CPU_FP32, (7, 1, 20, 0, 16))
 
 
 @interp
@@ -293,32 +274,29 @@ def test_registered_for_cuda_strict_fp32_and_bf16():
         assert impls[0].dtypes == frozenset({torch.float32, torch.bfloat16}), op
 
 
-# ---- launch settings of the contiguous backward (rope.QkBwdLaunch: read-ahead, register cap) ------------------
-# None of them touches the arithmetic: forward, dx and d_gain must be the reference launch's bytes (the
-# kernel as the H200 measured it at 6ab3b56: three tokens ahead). The interpreter checks the read-ahead
-# depths (it ignores the register cap); the GPU test checks every candidate as compiled.
+# ---- launch configurations (rope.QkBwdConfig: read-ahead, register cap, stages; rope.QkFwdConfig) -------------
+# None of them touches the arithmetic: forward, dx and d_gain must be the reference launch's bytes
+# (benchmarks/row_launches.py: three tokens ahead; one token per forward program). The interpreter checks the
+# read-ahead depths, groupings and head splits (it ignores the register cap); the GPU test checks every candidate.
 
-QK_OTHERS = [c for c in R.QK_BWD_CANDIDATES if c != R.QK_BWD_REFERENCE]
-QK_FWD_OTHERS = [c for c in R.QK_FWD_CANDIDATES if c != R.QK_FWD_REFERENCE]
+QK_OTHERS = [c for c in L.QK_BWD_CANDIDATES if c != L.QK_BWD_REFERENCE]
+QK_FWD_OTHERS = [c for c in L.QK_FWD_CANDIDATES if c != L.QK_FWD_REFERENCE]
 
 
-def _in_force(launch):
-    """(the context that puts ``launch`` in force, the reference launch of its kind): QK backward or forward."""
-    if isinstance(launch, R.QkFwdLaunch):
-        return R.qk_fwd_launch, R.QK_FWD_REFERENCE
-    return R.qk_bwd_launch, R.QK_BWD_REFERENCE
+def _as_kw(launch) -> dict:
+    """The keyword that passes ``launch`` (a QkFwdConfig or a QkBwdConfig) to the QK ops."""
+    return {"fwd_config": launch} if isinstance(launch, R.QkFwdConfig) else {"bwd_config": launch}
 
 
 def check_launch_bytes_equal_reference(h, d, seq, target, launch):
-    """Forward, dx and d_gain under ``launch`` (a QkBwdLaunch or a QkFwdLaunch) = the reference launch's bytes
+    """Forward, dx and d_gain under ``launch`` (a QkBwdConfig or a QkFwdConfig) = the reference launch's bytes
     (norm alone, unfused pair, fused; RoPE's backward runs the forward kernel)."""
     x, gain, cos, sin, gy = _qk_case(h, d, sum(seq), generator(25), target)
-    use, reference = _in_force(launch)
-    for name, op in _qk_ops(cos, sin, seq).items():
-        with use(reference):
-            want = run_with_grads(op, [x, gain], gy)
-        with use(launch):
-            got = run_with_grads(op, [x, gain], gy)
+    reference = L.QK_FWD_REFERENCE if isinstance(launch, R.QkFwdConfig) else L.QK_BWD_REFERENCE
+    want_ops = _qk_ops(cos, sin, seq, **_as_kw(reference))
+    for name, op in _qk_ops(cos, sin, seq, **_as_kw(launch)).items():
+        want = run_with_grads(want_ops[name], [x, gain], gy)
+        got = run_with_grads(op, [x, gain], gy)
         assert_bytes_equal(got[0], want[0], f"[{launch.label()}] {name} forward vs the reference {target.label}")
         assert_bytes_equal(got[1], want[1], f"[{launch.label()}] {name} dx, d_gain vs the reference {target.label}")
 
@@ -327,21 +305,21 @@ def check_launch_bytes_equal_reference(h, d, seq, target, launch):
 @pytest.mark.parametrize("ahead", (1, 2))
 def test_bwd_launch_bytes_equal_reference_interpreter(ahead):
     """Read-ahead depths 1 and 2 vs 3, chunks of 1, 16, 17 and 33 tokens and an empty sample; one head too."""
-    launch = R.QkBwdLaunch(ahead)
+    launch = R.QkBwdConfig(ahead)
     check_launch_bytes_equal_reference(H, DH, (5, 0, 19, 33, 1, 16, 17), CPU_FP32, launch)
     check_launch_bytes_equal_reference(1, 14, (4, 0, 19, 2), CPU_FP32, launch)
 
 
 @interp
-@pytest.mark.parametrize("launch", (R.QkBwdLaunch(0, None, 2), R.QkFwdLaunch(3), R.QkFwdLaunch(4, 2), R.QkFwdLaunch(16, 3),
-                                    R.QkFwdLaunch(split_heads=True), R.QkFwdLaunch(4, 2, split_heads=True)),
+@pytest.mark.parametrize("launch", (R.QkBwdConfig(0, None, 2), R.QkFwdConfig(3), R.QkFwdConfig(4, 2), R.QkFwdConfig(16, 3),
+                                    R.QkFwdConfig(split_heads=True), R.QkFwdConfig(4, 2, split_heads=True)),
                          ids=lambda c: c.label())
 def test_pipelined_and_grouped_launches_equal_reference_interpreter(launch):
     """The backward's pipelined token loop (read where used), forward programs of 3, 4 and 16 tokens (row counts
     that leave a short last program, an empty sample) and the forward's heads split in two tiles (3 = 2 + 1) give
     the reference launch's bytes; one head too (never split). The forward has no chunks: its row counts only need
     to leave a short last program (42 tokens); the backward's must cross chunk edges."""
-    seq = (5, 0, 19, 1, 17) if isinstance(launch, R.QkFwdLaunch) else (5, 0, 19, 33, 1, 16, 17)
+    seq = (5, 0, 19, 1, 17) if isinstance(launch, R.QkFwdConfig) else (5, 0, 19, 33, 1, 16, 17)
     check_launch_bytes_equal_reference(H, DH, seq, CPU_FP32, launch)
     check_launch_bytes_equal_reference(1, 14, (4, 0, 19, 2), CPU_FP32, launch)
 
@@ -350,36 +328,38 @@ def test_pipelined_and_grouped_launches_equal_reference_interpreter(launch):
 @pytest.mark.slow
 def test_bwd_launch_batch_invariance_interpreter():
     """The reference launch (three tokens ahead) alone vs batched, swept across the chunk edge, d_gain fold."""
-    with R.qk_bwd_launch(R.QK_BWD_REFERENCE):
-        check_invariance(H, DH, CPU_FP32, (2, 3, 8), 1, 12)
-        check_sweep(H, DH, CPU_FP32, (1, 3, 16, 17, 33))
-        check_gain_fold(H, DH, CPU_FP32, (7, 1, 20, 0, 16, 35))
+    kw = {"bwd_config": L.QK_BWD_REFERENCE}
+    check_invariance(H, DH, CPU_FP32, (2, 3, 8), 1, 12, **kw)
+    check_sweep(H, DH, CPU_FP32, (1, 3, 16, 17, 33), **kw)
+    check_gain_fold(H, DH, CPU_FP32, (7, 1, 20, 0, 16, 35), **kw)
 
 
 @interp
-def test_bwd_launch_is_kept_by_the_autograd_node():
-    """The QK backward launch in force at the forward travels with the autograd node to its backward."""
+def test_bwd_config_is_kept_by_the_autograd_node():
+    """The backward launch given to the op at the forward travels with the autograd node to its backward."""
     x = torch.randn(6, H, DH, requires_grad=True)
     gain = torch.randn(DH, requires_grad=True)
-    with R.qk_bwd_launch(R.QK_BWD_REFERENCE):
-        y = R.qk_rmsnorm(x, gain, seqlens=(6,), eps=1e-6)
-    assert y.grad_fn.launch is R.QK_BWD_REFERENCE
+    y = R.qk_rmsnorm(x, gain, seqlens=(6,), eps=1e-6, bwd_config=L.QK_BWD_REFERENCE)
+    assert y.grad_fn.config is L.QK_BWD_REFERENCE
     y.sum().backward()
     assert x.grad is not None and gain.grad is not None
-    assert R.qk_rmsnorm(x, gain, seqlens=(6,), eps=1e-6).grad_fn.launch == R.QK_BWD_DEFAULTS[torch.float32, H == 1]
+    assert R.qk_rmsnorm(x, gain, seqlens=(6,), eps=1e-6).grad_fn.config is None  # the frozen table, at the backward
 
 
-def test_bwd_launch_is_checked_and_restored():
+@interp  # the config checks run before any launch; the launches here take host tensors
+def test_bwd_configs_are_frozen_and_checked():
     keys = [(dt, one) for dt in (torch.bfloat16, torch.float32) for one in (False, True)]
-    defaults = {(dt, one): R.current_qk_bwd_launch(dt, 1 if one else 24) for dt, one in keys}
-    assert defaults == R.QK_BWD_DEFAULTS and set(defaults.values()) <= set(R.QK_BWD_CANDIDATES)
-    with R.qk_bwd_launch(R.QK_BWD_REFERENCE):
-        assert R.current_qk_bwd_launch(torch.bfloat16, 24) == R.current_qk_bwd_launch(torch.float32, 1) == R.QK_BWD_REFERENCE
-    for bad in (R.QkBwdLaunch(0), R.QkBwdLaunch(4), R.QkBwdLaunch(1, None, 3), R.QkBwdLaunch(0, None, 1),
-                R.QkBwdLaunch(0, None, 9), "chunk_heads"):
-        with pytest.raises(ValueError, match="QkBwdLaunch"), R.qk_bwd_launch(bad):
-            pass
-    assert {(dt, one): R.current_qk_bwd_launch(dt, 1 if one else 24) for dt, one in keys} == R.QK_BWD_DEFAULTS
+    assert {(dt, one): R.qk_bwd_config(dt, 1 if one else 24) for dt, one in keys} == dict(R.QK_BWD_CONFIGS)
+    assert set(R.QK_BWD_CONFIGS.values()) <= set(L.QK_BWD_CANDIDATES)
+    with pytest.raises(TypeError):
+        R.QK_BWD_CONFIGS[torch.float32, True] = R.QkBwdConfig()  # type: ignore[index]
+    x = torch.randn(4, H, DH)
+    gain = torch.randn(DH)
+    _, rstd = R.qk_norm_fwd(x, gain, None, None, EPS, store_rstd=True)
+    for bad in (R.QkBwdConfig(0), R.QkBwdConfig(4), R.QkBwdConfig(1, None, 3), R.QkBwdConfig(0, None, 1),
+                R.QkBwdConfig(0, None, 9), "chunk_heads"):
+        with pytest.raises(ValueError, match="QkBwdConfig"):
+            R.qk_norm_bwd(x, x, gain, rstd, None, None, (4,), True, config=bad)
 
 
 def test_head_tiles_split_only_where_fewer_heads_are_masked():
@@ -390,58 +370,26 @@ def test_head_tiles_split_only_where_fewer_heads_are_masked():
     assert R.head_tiles(28, True) == (32, 0)  # 16 + 16 holds as many lanes as one 32-head tile
 
 
-def test_fwd_launch_is_checked_and_restored():
+def test_fwd_configs_are_frozen_and_checked():
     keys = [(dt, one) for dt in (torch.bfloat16, torch.float32) for one in (False, True)]
-    defaults = {(dt, one): R.current_qk_fwd_launch(dt, 1 if one else 24) for dt, one in keys}
-    assert defaults == R.QK_FWD_DEFAULTS and set(defaults.values()) <= set(R.QK_FWD_CANDIDATES)
-    other = R.QkFwdLaunch(8, 3)
-    with R.qk_fwd_launch(other):
-        assert R.current_qk_fwd_launch(torch.bfloat16, 24) == R.current_qk_fwd_launch(torch.float32, 1) == other
-    for bad in (R.QkFwdLaunch(0), R.QkFwdLaunch(65), R.QkFwdLaunch(4, 1), R.QkFwdLaunch(4, 9), R.QkBwdLaunch(1)):
-        with pytest.raises(ValueError, match="QkFwdLaunch"), R.qk_fwd_launch(bad):
-            pass
-    assert {(dt, one): R.current_qk_fwd_launch(dt, 1 if one else 24) for dt, one in keys} == R.QK_FWD_DEFAULTS
+    assert {(dt, one): R.qk_fwd_config(dt, 1 if one else 24) for dt, one in keys} == dict(R.QK_FWD_CONFIGS)
+    assert set(R.QK_FWD_CONFIGS.values()) <= set(L.QK_FWD_CANDIDATES)
+    x = torch.randn(4, H, DH)
+    gain = torch.randn(DH)
+    for bad in (R.QkFwdConfig(0), R.QkFwdConfig(65), R.QkFwdConfig(4, 1), R.QkFwdConfig(4, 9), R.QkBwdConfig(1)):
+        with pytest.raises(ValueError, match="QkFwdConfig"):
+            R.qk_norm_fwd(x, gain, None, None, EPS, store_rstd=False, config=bad)
 
 
-def test_layout_identity_and_trace():
-    """Each layout has its own kernel identity (contiguous: the chunk_heads backward; pairs: its per-token
-    backward), and a trace keeps one record per identity."""
+def test_identity_and_trace():
+    """The registry identity names the one forward and the one backward kernel and the chunked d_gain tree."""
     from mmdit_strict.kernels.registry import implementations
-    from mmdit_strict.kernels.runtime import Runtime
-    from mmdit_strict.kernels.trace import OperatorTrace
 
     (impl,) = [i for i in implementations("qk_rmsnorm") if i.backend == "triton"]
-    default = impl.identity()
-    assert default["variant"] == "contiguous/chunk_heads" and "_qk_bwd_chunk_kernel" in default["kernel"]
-    assert (default["kernel"], default["reduction_order"]) == (impl.kernel_name, impl.reduction_order)
-    assert "once per chunk" in default["reduction_order"]
-    trace = OperatorTrace()
-    trace.add("qk_rmsnorm", impl, Runtime.STRICT, "cuda", torch.float32, False)
-    with R.qk_layout("pairs"):
-        pairs = impl.identity()
-        trace.add("qk_rmsnorm", impl, Runtime.STRICT, "cuda", torch.float32, False)
-    assert pairs["variant"] == "pairs/token_heads" and "_qk_norm_bwd_kernel" in pairs["kernel"]
-    assert sorted(r.kernel["variant"] for r in trace.records.values()) == ["contiguous/chunk_heads", "pairs/token_heads"]
-    again = OperatorTrace.from_records(trace.record_dicts())
-    assert set(again.records) == set(trace.records)
-
-
-def test_kernel_variants_are_documented():
-    """docs/operators.md names every selectable variant of the row operators with its kernels."""
-    from pathlib import Path
-
-    from mmdit_strict.kernels.registry import implementations
-
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "operators.md").read_text()
-    for layout in R.QK_LAYOUTS:
-        for impl in implementations():
-            if impl.backend != "triton" or impl.variant is None:
-                continue
-            with R.qk_layout(layout):
-                ident = impl.identity()
-            assert ident["variant"] in doc, ident["variant"]
-            for kernel in ident["kernel"].split(" + ")[-1].split("/"):
-                assert kernel in doc, (ident["variant"], kernel)
+    ident = impl.identity()
+    assert "_qk_fwd_kernel" in ident["kernel"] and "_qk_bwd_chunk_kernel" in ident["kernel"]
+    assert (ident["kernel"], ident["reduction_order"]) == (impl.kernel_name, impl.reduction_order)
+    assert "once per chunk" in ident["reduction_order"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -451,8 +399,8 @@ def test_kernel_variants_are_documented():
 QH, QDH = 24, 128
 
 
-# each check at 24 × 128 in both layouts and both dtypes
-GPU_LAYOUT_CHECKS = {
+# each check at 24 × 128 in both dtypes
+GPU_CHECKS = {
     "accuracy": lambda t: check_accuracy(QH, QDH, (300, 0, 77), t),
     "fused_equals_unfused": lambda t: check_fused_equals_unfused(QH, QDH, (4096, 0, 256, 77), t),
     "batch_invariance": lambda t: check_invariance(QH, QDH, t, (2, 3, 8, 64), 1, 40),
@@ -461,21 +409,17 @@ GPU_LAYOUT_CHECKS = {
 
 
 @on_gpu_targets
-@pytest.mark.parametrize("layout", R.QK_LAYOUTS)
-@pytest.mark.parametrize("check", GPU_LAYOUT_CHECKS)
-def test_gpu_layout_check(target, layout, check):
+@pytest.mark.parametrize("check", GPU_CHECKS)
+def test_gpu_check(target, check):
     skip_unless_compiled(target)
-    with R.qk_layout(layout):
-        GPU_LAYOUT_CHECKS[check](target)
+    GPU_CHECKS[check](target)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", R.QK_LAYOUTS)
-def test_gpu_fp32_gain_grad_fold(layout):
+def test_gpu_fp32_gain_grad_fold():
     target = GPU_TARGETS[1]
     skip_unless_compiled(target)
-    with R.qk_layout(layout):
-        check_gain_fold(QH, QDH, target, (7, 1, 130, 0, 1100))
+    check_gain_fold(QH, QDH, target, (7, 1, 130, 0, 1100))
 
 
 def _compiled(fn) -> int:
@@ -484,8 +428,8 @@ def _compiled(fn) -> int:
 
 
 @on_gpu_targets
-def test_gpu_contiguous_one_binary_for_norm_rope_and_fused(target):
-    """In the contiguous layout qk_rmsnorm, multi_axis_rope (both directions) and the fused op run ONE
+def test_gpu_one_binary_for_norm_rope_and_fused(target):
+    """qk_rmsnorm, multi_axis_rope (both directions) and the fused op run ONE
     compiled forward kernel and qk_rmsnorm / fused share ONE compiled backward (runtime flags, no
     specialization on them): one layout, so one summation tree, for the fused and the unfused path.
     A head shape no other test uses (5 × 40), so every compile counted here is this test's."""
@@ -494,13 +438,12 @@ def test_gpu_contiguous_one_binary_for_norm_rope_and_fused(target):
     x, gain, cos, sin, gy = _qk_case(5, 40, sum(seq), generator(24), target)
     ops = _qk_ops(cos, sin, seq)
     before = _compiled(R._qk_fwd_kernel), _compiled(R._qk_bwd_chunk_kernel)
-    with R.qk_layout("contiguous"):
-        out_u, grads_u = run_with_grads(ops["unfused"], [x, gain], gy)
-        out_f, grads_f = run_with_grads(ops["fused"], [x, gain], gy)
-        run_with_grads(ops["qk_rmsnorm"], [x, gain], gy)
-        with torch.no_grad():
-            ops["qk_rmsnorm"](x, gain)
-            ops["fused"](x, gain)
+    out_u, grads_u = run_with_grads(ops["unfused"], [x, gain], gy)
+    out_f, grads_f = run_with_grads(ops["fused"], [x, gain], gy)
+    run_with_grads(ops["qk_rmsnorm"], [x, gain], gy)
+    with torch.no_grad():
+        ops["qk_rmsnorm"](x, gain)
+        ops["fused"](x, gain)
     after = _compiled(R._qk_fwd_kernel), _compiled(R._qk_bwd_chunk_kernel)
     assert (after[0] - before[0], after[1] - before[1]) == (1, 1), (before, after)
     assert_bytes_equal(out_f, out_u, f"fused vs unfused forward 5x40 {target.label}")
@@ -530,12 +473,11 @@ def test_gpu_no_host_sync_on_repeat(target):
 def test_gpu_qk_bwd_launch_bytes_equal_reference(target, launch):
     """Every launch candidate at 24 × 128 and txt_in's one head of 3584: forward, dx and d_gain = the
     reference launch's bytes (norm, unfused pair, fused), and a sample alone = in batches of 2, 3, 8; the
-    default's full checks are the layout tests."""
+    frozen launch's full checks are test_gpu_check."""
     skip_unless_compiled(target)
     check_launch_bytes_equal_reference(QH, QDH, (4096, 0, 256, 77, 1, 16, 17), target, launch)
     check_launch_bytes_equal_reference(1, 3584, (256, 0, 77), target, launch)
-    with R.qk_bwd_launch(launch):
-        check_invariance(QH, QDH, target, (2, 3, 8), 1, 40)
+    check_invariance(QH, QDH, target, (2, 3, 8), 1, 40, bwd_config=launch)
 
 
 @on_gpu_targets
@@ -547,5 +489,4 @@ def test_gpu_qk_fwd_launch_bytes_equal_reference(target, launch):
     skip_unless_compiled(target)
     check_launch_bytes_equal_reference(QH, QDH, (4096, 0, 256, 77, 1, 16, 17), target, launch)
     check_launch_bytes_equal_reference(1, 3584, (256, 0, 77), target, launch)
-    with R.qk_fwd_launch(launch):
-        check_invariance(QH, QDH, target, (2, 3, 8), 1, 40)
+    check_invariance(QH, QDH, target, (2, 3, 8), 1, 40, fwd_config=launch)

@@ -18,7 +18,7 @@ from mmdit_strict.kernels.triton import rope as R
 from mmdit_strict.kernels.triton import segments as S
 from tests.harness import Target
 
-INTERPRET = G._interpreting()
+INTERPRET = G.interpreting()
 
 interp = pytest.mark.skipif(not INTERPRET, reason="interpreter (CPU FP32) test; CUDA runs the gpu tests")
 

@@ -62,8 +62,8 @@ def test_prompt_file_header_and_rollout_reads_it(tiny_pipeline_dir, text_parts, 
     assert meta["format"] == FILE_FORMAT and meta["prompts"] == PROMPTS[:2] and meta["negative_prompt"] == " "
     assert meta["template_sha256"] == template_sha256() and meta["drop_tokens"] == "34"
     assert len(meta["tokenizer_sha256"]) == 64 and len(meta["text_encoder_sha256"]) == 64
-    cfg = OmegaConf.create({"prompts": {"embeddings": str(path)}, "model": {"dtype": "float32"}})
-    prompts = make_prompts(cfg, preset("tiny"), "cpu")
+    cfg = OmegaConf.create({"prompts": {"embeddings": str(path)}})
+    prompts = make_prompts(cfg.prompts, preset("tiny"), "cpu", "float32")
     assert len(prompts.embeds) == 2
     for i, e in enumerate(prompts.embeds):
         assert_bytes_equal(e, encoded.prompt_embeds[i, : int(encoded.prompt_mask[i].sum())], f"rollout prompt {i}")

@@ -78,11 +78,10 @@ def test_recompute_path_reproduces_rollout_logp_bytes():
     of (sample, step) pairs mixing steps, each pair at its own sigma (``(B,)`` tensors, as training's
     ``evaluate_pairs`` does), from the recorded ``x_t`` and ``x_{t+1}`` in fresh storage — never from the
     rollout's own tensors or its noise."""
-    from omegaconf import OmegaConf
-
+    from mmdit_strict.config.schema import SamplerConfig
     from mmdit_strict.trajectories.rollout import step_latents
 
-    cfg = OmegaConf.create({"seed": 7, "sampler": {"sde": True, "eta": 0.7}})
+    sampler, seed = SamplerConfig(sde=True, eta=0.7), 7
     B, T, C = 4, 33, 64
     ids = [3, 0, 11, 5]
     sigmas = TABLE
@@ -90,7 +89,7 @@ def test_recompute_path_reproduces_rollout_logp_bytes():
     vs, xs, logps = [], [x], []
     for step in range(N_STEPS):  # rollout: the whole batch per step; v stands in for the model's velocity
         v = 1.3 * torch.randn(B, T, C, generator=torch.Generator().manual_seed(100 + step))
-        x, logp = step_latents(cfg, v, x, sigmas, step, ids)
+        x, logp = step_latents(sampler, seed, v, x, sigmas, step, ids)
         vs.append(v)
         xs.append(x)
         logps.append(logp)

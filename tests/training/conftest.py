@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import pytest
 import torch
+from omegaconf import DictConfig
+
+from mmdit_strict.training.rewards import compose_train as train_config
 
 # a small strict GRPO run: 2 prompts × 2 images, 3 steps → 12 (sample, step) pairs per epoch
 SMALL = [
@@ -13,6 +18,11 @@ SMALL = [
     "train.grad_checkpointing=false", "train.export=false", "+train.reward_fn.latent_stats=1.0",
     "train.learning_rate=0.05", "train.clip_range=0.2",
 ]
+
+
+def compose_train(overrides: Sequence[str]) -> DictConfig:
+    """The config `mmdit-strict train` composes from ``overrides``."""
+    return train_config(overrides)
 
 
 @pytest.fixture(autouse=True, scope="module")

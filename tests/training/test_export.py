@@ -10,13 +10,12 @@ import torch
 from safetensors import safe_open
 
 from mmdit_strict import MMDiT
-from mmdit_strict.config.compose import compose
 from mmdit_strict.tolerances import tolerance
 from mmdit_strict.training.export import export_lora, lora_tensors
 from mmdit_strict.training.loop import Trainer
 from tests.harness import assert_bytes_equal
 from tests.helpers import make_inputs
-from tests.training.conftest import SMALL
+from tests.training.conftest import SMALL, compose_train
 
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
            "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"]
@@ -26,7 +25,7 @@ TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_
 def trained(tiny_ckpt, tmp_path_factory):
     path, _ = tiny_ckpt
     out = tmp_path_factory.mktemp("export")
-    cfg = compose([f"output_dir={out}", *SMALL, f"model.checkpoint={path}", "lora.init=random", "train.num_epochs=1",
+    cfg = compose_train([f"output_dir={out}", *SMALL, f"model.checkpoint={path}", "lora.init=random", "train.num_epochs=1",
                    "train.export=true", "lora.rank=3", "lora.alpha=6.0", "lora.targets=" + json.dumps(TARGETS, separators=(",", ":"))])
     tr = Trainer(cfg, progress=False)
     res = tr.run()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmdit_strict.config.compose import compose
+from tests.training.conftest import compose_train
 from mmdit_strict.training.loop import Trainer
 from tests.harness import assert_bytes_equal
 from tests.training.conftest import SMALL
@@ -34,7 +34,7 @@ class _Recording(Trainer):
 
 
 def test_first_update_ratio_is_exactly_one_on_the_gpu(tmp_path) -> None:
-    tr = Trainer(compose([f"output_dir={tmp_path}", *SMALL, *GPU, "lora.init=random", "train.recompute_old_logp=true"]), progress=False)
+    tr = Trainer(compose_train([f"output_dir={tmp_path}", *SMALL, *GPU, "lora.init=random", "train.recompute_old_logp=true"]), progress=False)
     row = tr.train_epoch(0)
     assert row["first_update_pairs"] == 12 and row["first_update_ratio_exact_one_frac"] == 1.0, row
 
@@ -42,7 +42,7 @@ def test_first_update_ratio_is_exactly_one_on_the_gpu(tmp_path) -> None:
 def test_lora_grads_identical_for_micro_batches_on_the_gpu(tmp_path) -> None:
     runs = {}
     for mb, gas in ((1, 4), (2, 2), (4, 1)):
-        tr = _Recording(compose([f"output_dir={tmp_path / str(mb)}", *SMALL, *GPU, "lora.init=random", f"train.micro_batch={mb}",
+        tr = _Recording(compose_train([f"output_dir={tmp_path / str(mb)}", *SMALL, *GPU, "lora.init=random", f"train.micro_batch={mb}",
                                  f"train.gradient_accumulation_steps={gas}", "train.grad_checkpointing=true"]), progress=False)
         tr.grads = []
         row = tr.train_epoch(0)

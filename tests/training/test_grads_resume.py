@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from mmdit_strict.cli.main import main
-from mmdit_strict.config.compose import compose
+from tests.training.conftest import compose_train
 from mmdit_strict.training.checkpoint import latest_checkpoint, load_checkpoint
 from mmdit_strict.training.loop import Trainer, run_training
 from mmdit_strict.training.metrics import read_metrics
@@ -30,7 +30,7 @@ class _Recording(Trainer):
 def test_lora_grads_identical_for_micro_batches_1_2_4(tmp_path, checkpointing: bool, cfg_layout: str) -> None:
     runs = {}
     for mb, gas in ((1, 4), (2, 2), (4, 1)):  # 4 pairs per update in every layout → 3 updates over 12 pairs
-        cfg = compose([f"output_dir={tmp_path / str(mb)}", *SMALL, "lora.init=random", f"train.micro_batch={mb}",
+        cfg = compose_train([f"output_dir={tmp_path / str(mb)}", *SMALL, "lora.init=random", f"train.micro_batch={mb}",
                        f"train.gradient_accumulation_steps={gas}", f"train.grad_checkpointing={str(checkpointing).lower()}",
                        f"train.cfg_layout={cfg_layout}"])
         tr = _Recording(cfg, progress=False)
@@ -57,7 +57,7 @@ def test_streamed_sink_gives_the_stored_bytes_with_a_bounded_buffer(tmp_path) ->
     runs = {}
     for name, extra in (("stored", ["train.grad_sink=stored"]), ("streamed", ["train.grad_sink=streamed"]),
                         ("sorted", ["train.grad_sink=streamed", "train.sort_update_pairs=true"])):
-        cfg = compose([f"output_dir={tmp_path / name}", *SMALL, "lora.init=random", "train.micro_batch=2",
+        cfg = compose_train([f"output_dir={tmp_path / name}", *SMALL, "lora.init=random", "train.micro_batch=2",
                        "train.gradient_accumulation_steps=3", *extra])
         tr = _Recording(cfg, progress=False)
         tr.grads = []
@@ -89,7 +89,7 @@ COMMON = [*SMALL, "train.num_epochs=4", "train.save_freq=1", "train.micro_batch=
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     out = tmp_path_factory.mktemp("full")
-    return out, run_training(compose([f"output_dir={out}", *COMMON]), progress=False)
+    return out, run_training(compose_train([f"output_dir={out}", *COMMON]), progress=False)
 
 
 # (epoch, update) where the run dies: before the first checkpoint, mid-epoch, on an epoch's first update
@@ -105,10 +105,10 @@ def test_kill_and_resume_gives_the_same_lora_bytes(tmp_path, uninterrupted, kill
 
     out = tmp_path / "killed"
     with pytest.raises(_Killed):
-        run_training(compose([f"output_dir={out}", *COMMON]), progress=False, on_update=kill)
+        run_training(compose_train([f"output_dir={out}", *COMMON]), progress=False, on_update=kill)
     last = latest_checkpoint(out / "checkpoints") if (out / "checkpoints").exists() else None
     assert (last.name if last else None) == (f"epoch_{kill_at[0] - 1:06d}" if kill_at[0] else None)
-    resumed = run_training(compose([f"output_dir={out}", *COMMON, "resume=true"]), progress=False)
+    resumed = run_training(compose_train([f"output_dir={out}", *COMMON, "resume=true"]), progress=False)
     for name, t in full.lora.items():
         assert_bytes_equal(resumed.lora[name], t, f"LoRA {name}")
     a = load_checkpoint(latest_checkpoint(full_dir / "checkpoints"))
@@ -126,13 +126,13 @@ def test_kill_and_resume_gives_the_same_lora_bytes(tmp_path, uninterrupted, kill
 
 
 def test_resume_refuses_a_different_config(tmp_path) -> None:
-    run_training(compose([f"output_dir={tmp_path}", *SMALL, "train.num_epochs=1"]), progress=False)
+    run_training(compose_train([f"output_dir={tmp_path}", *SMALL, "train.num_epochs=1"]), progress=False)
     with pytest.raises(ValueError, match="pass resume=true"):
-        run_training(compose([f"output_dir={tmp_path}", *SMALL, "train.num_epochs=2"]), progress=False)
+        run_training(compose_train([f"output_dir={tmp_path}", *SMALL, "train.num_epochs=2"]), progress=False)
     with pytest.raises(ValueError, match=r"config differs .*train.learning_rate"):
-        run_training(compose([f"output_dir={tmp_path}", *SMALL, "train.num_epochs=2", "resume=true", "train.learning_rate=0.01"]),
+        run_training(compose_train([f"output_dir={tmp_path}", *SMALL, "train.num_epochs=2", "resume=true", "train.learning_rate=0.01"]),
                      progress=False)
-    res = run_training(compose([f"output_dir={tmp_path}", *SMALL, "train.num_epochs=2", "resume=true"]), progress=False)
+    res = run_training(compose_train([f"output_dir={tmp_path}", *SMALL, "train.num_epochs=2", "resume=true"]), progress=False)
     assert [r["epoch"] for r in res.metrics] == [0, 1]
 
 

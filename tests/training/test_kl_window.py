@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mmdit_strict.config.compose import compose
+from tests.training.conftest import compose_train
 from mmdit_strict.training.loop import Trainer
 from mmdit_strict.training.policy import adapters_disabled
 from mmdit_strict.training.rollout import rollout_epoch, side
@@ -13,7 +13,7 @@ from tests.training.conftest import SMALL
 
 
 def _trainer(tmp_path, *extra: str) -> Trainer:
-    return Trainer(compose([f"output_dir={tmp_path}", *SMALL, *extra]), progress=False)
+    return Trainer(compose_train([f"output_dir={tmp_path}", *SMALL, *extra]), progress=False)
 
 
 def test_kl_reference_is_the_base_model(tmp_path) -> None:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from mmdit_strict.config.compose import compose
+from tests.training.conftest import compose_train
 from mmdit_strict.training.loop import run_training
 
 
 @pytest.mark.slow
 def test_mean_reward_improves_on_the_tiny_model(tmp_path) -> None:
-    cfg = compose(["experiment=grpo_tiny", f"output_dir={tmp_path}", "train.num_epochs=6", "train.eval_freq=0",
+    cfg = compose_train(["experiment=grpo_tiny", f"output_dir={tmp_path}", "train.num_epochs=6", "train.eval_freq=0",
                    "wandb.mode=disabled", "progress=false", "train.export=false"])
     res = run_training(cfg, progress=False)
     rewards = [r["reward_mean"] for r in res.metrics]

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from mmdit_strict.config.compose import compose
+from tests.training.conftest import compose_train
 from mmdit_strict.training.loop import run_training
 from tests.training.conftest import SMALL
 
@@ -25,7 +25,7 @@ def pipeline_dir(tmp_path_factory):
 @pytest.mark.slow
 def test_vae_images_and_prompt_texts_reach_the_rewards(tmp_path, pipeline_dir) -> None:
     texts = ["a red cat", "a blue dog on a hill", "snow"]
-    cfg = compose([f"output_dir={tmp_path}", *SMALL, f"model.checkpoint={pipeline_dir}", f"prompts.text=[{','.join(texts)}]",
+    cfg = compose_train([f"output_dir={tmp_path}", *SMALL, f"model.checkpoint={pipeline_dir}", f"prompts.text=[{','.join(texts)}]",
                    "train.reward_fn={jpeg_compressibility: 1.0, 'tests.training.plugin_reward:prompt_length': 0.001}",
                    "train.num_epochs=1"])
     res = run_training(cfg, progress=False)

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmdit_strict.config.compose import compose
+from tests.training.conftest import compose_train
 from mmdit_strict.training.loop import OldLogpMismatch, Trainer
 from tests.harness import assert_bytes_equal
 from tests.training.conftest import SMALL
 
 
 def _trainer(tmp_path, *extra: str) -> Trainer:
-    return Trainer(compose([f"output_dir={tmp_path}", *SMALL, *extra]), progress=False)
+    return Trainer(compose_train([f"output_dir={tmp_path}", *SMALL, *extra]), progress=False)
 
 
 def test_first_update_ratio_is_exactly_one_for_every_pair(tmp_path) -> None:

@@ -162,8 +162,8 @@ def test_peer_loop_times_diffusers_on_the_same_sampling(tmp_path: Path) -> None:
     assert "× the peer" in (tmp_path / "peer" / "report" / "report.md").read_text()
 
     cfg = compose([f"output_dir={tmp_path / 'peer'}", *SMALL])
-    model = build_side_model(cfg, side_runtime(cfg, "rollout"))
-    x_peer = peer_rollout(cfg, model, make_prompts(cfg, model.config, "cpu"), progress=False)["x_final"]
+    model = build_side_model(cfg.model, cfg.lora, side_runtime(cfg, "rollout"))
+    x_peer = peer_rollout(cfg, model, make_prompts(cfg.prompts, model.config, "cpu", cfg.model.dtype), progress=False)["x_final"]
     ours = artifact.read(tmp_path / "peer" / "rollout").tensors["x"][-1]
     ok, worst, _ = tolerance("trajectories", "peer_final_latents_vs_ours", torch.float32).check(x_peer, ours)
     assert ok, f"peer final latents differ from ours by {worst:.3e}"

@@ -23,10 +23,10 @@ def _run_killed(monkeypatch: pytest.MonkeyPatch, module, at_step: int, run, *arg
     raise :class:`Killed`, leaving its checkpoint behind; the patch is undone afterwards."""
     real = module.step_latents
 
-    def step_latents(cfg, v, x, sigmas, step, ids, prev_sample=None):
+    def step_latents(sampler, seed, v, x, sigmas, step, ids, prev_sample=None):
         if step == at_step:
             raise Killed(f"killed at step {step}")
-        return real(cfg, v, x, sigmas, step, ids, prev_sample=prev_sample)
+        return real(sampler, seed, v, x, sigmas, step, ids, prev_sample=prev_sample)
 
     monkeypatch.setattr(module, "step_latents", step_latents)
     with pytest.raises(Killed):

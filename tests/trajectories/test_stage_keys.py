@@ -57,10 +57,10 @@ def test_checkpoint_overwritten_between_kill_and_resume_is_not_spliced(tmp_path:
     cfg = compose([f"output_dir={tmp_path}", *SMALL, "sampler.num_steps=3", f"model.checkpoint={ckpt}"])
     real = rollout_mod.step_latents
 
-    def killed_at_2(cfg, v, x, sigmas, step, ids, prev_sample=None):
+    def killed_at_2(sampler, seed, v, x, sigmas, step, ids, prev_sample=None):
         if step == 2:
             raise KeyboardInterrupt
-        return real(cfg, v, x, sigmas, step, ids, prev_sample=prev_sample)
+        return real(sampler, seed, v, x, sigmas, step, ids, prev_sample=prev_sample)
 
     monkeypatch.setattr(rollout_mod, "step_latents", killed_at_2)
     with pytest.raises(KeyboardInterrupt):
@@ -202,3 +202,49 @@ def test_pad_to_shorter_than_an_embedded_prompt_is_refused_before_the_rollout(tm
     assert main(["run", "--quiet", f"output_dir={out}", *SMALL, f"prompts.embeddings={emb}", "recompute.pad_to=3"]) == 2
     assert "recompute.pad_to=3 is shorter than the longest prompt (4 tokens)" in capsys.readouterr().err
     assert not (out / "rollout").exists() and not (out / "rollout.partial").exists()
+
+
+@pytest.mark.parametrize("override, recompute_reruns", [
+    ("recompute.micro_batch=2", True),
+    ("compare.localize=false", False),
+    ("+extra.note=x", False),
+])
+def test_a_key_the_rollout_does_not_read_keeps_a_finished_rollout(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                                  override: str, recompute_reruns: bool) -> None:
+    out = tmp_path / "run"
+    _run(out)
+    before = {stage: (out / stage / "manifest.json").read_bytes() for stage in ("rollout", "recompute")}
+    with caplog.at_level(logging.WARNING):
+        assert _run(out, override).byte_identical
+    assert "re-running rollout" not in caplog.text
+    assert (out / "rollout" / "manifest.json").read_bytes() == before["rollout"]
+    if recompute_reruns:
+        key = override.split("=")[0]
+        assert "re-running recompute" in caplog.text and f"{key} 3 → 2" in caplog.text
+    else:
+        assert "re-running" not in caplog.text
+        assert (out / "recompute" / "manifest.json").read_bytes() == before["recompute"]
+
+
+def test_a_sampler_key_reruns_the_rollout_and_names_it(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    out = tmp_path / "run"
+    _run(out)
+    with caplog.at_level(logging.WARNING):
+        assert _run(out, "sampler.eta=0.5").byte_identical
+    rerun = [r.getMessage() for r in caplog.records if r.getMessage().startswith("re-running rollout")]
+    assert len(rerun) == 1 and "sampler.eta 0.7 → 0.5" in rerun[0], caplog.text
+    assert "recompute.micro_batch" not in rerun[0] and "weights_sha256" not in rerun[0]
+    assert read(out / "rollout").manifest["stage_key"]["config"]["sampler.eta"] == 0.5
+
+
+def test_a_side_runtime_is_keyed_as_resolved(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``runtime.mode`` matters to a side only through its resolved runtime: naming it on the side keeps the rollout."""
+    out = tmp_path / "run"
+    _run(out)
+    with caplog.at_level(logging.WARNING):
+        assert _run(out, "rollout.runtime=strict", "recompute.runtime=strict").byte_identical
+    assert "re-running" not in caplog.text
+    with caplog.at_level(logging.WARNING):
+        _run(out, "runtime=off", "rollout.runtime=strict")
+    assert "re-running rollout" not in caplog.text
+    assert "re-running recompute" in caplog.text and "recompute.runtime 'strict' → 'off'" in caplog.text

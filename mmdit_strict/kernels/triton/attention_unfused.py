@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from ..registry import KernelImpl, register
-from .gemm import _DTYPES, _interpreting, launch_opts
+from .gemm import DTYPES, interpreting, launch_opts
 
 
 @triton.jit
@@ -118,7 +118,7 @@ _INTERPRET_SOFTMAX_BLOCK = 16
 
 
 def _opts(warps: int, stages: int) -> dict:
-    return launch_opts(warps, _interpreting(), num_stages=stages)
+    return launch_opts(warps, interpreting(), num_stages=stages)
 
 
 def _bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, dot_dtype: torch.dtype, scale: float) -> torch.Tensor:
@@ -128,7 +128,7 @@ def _bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, dot_dtype: to
     c = torch.empty((H, M, N), dtype=out_dtype, device=a.device)
     if H == 0 or M == 0 or N == 0:
         return c
-    bm, bn, bk, warps, stages = _INTERPRET_TILES if _interpreting() else CONFIGS[dot_dtype]
+    bm, bn, bk, warps, stages = _INTERPRET_TILES if interpreting() else CONFIGS[dot_dtype]
     dd = tl.bfloat16 if dot_dtype == torch.bfloat16 else tl.float32
     _bmm_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn), H)](
         a, b, c, M, N, K, *a.stride(), *b.stride(), *c.stride(), float(scale),
@@ -140,21 +140,21 @@ def _rows_kernel_launch(kernel, *tensors: torch.Tensor, L: int) -> None:
     rows = tensors[0].numel() // max(L, 1)
     if rows == 0 or L == 0:
         return
-    block = _INTERPRET_SOFTMAX_BLOCK if _interpreting() else SOFTMAX_BLOCK
+    block = _INTERPRET_SOFTMAX_BLOCK if interpreting() else SOFTMAX_BLOCK
     kernel[(rows,)](*tensors, L, BLOCK=block, **_opts(4, 1))
 
 
 def _check(name: str, t: torch.Tensor, dims: int = 3) -> None:
     if not isinstance(t, torch.Tensor) or t.dim() != dims:
         raise ValueError(f"expected {name} as a {dims}-D tensor (H, L, ...), got {getattr(t, 'shape', type(t).__name__)}")
-    if t.device.type != "cuda" and not (_interpreting() and t.device.type == "cpu"):
+    if t.device.type != "cuda" and not (interpreting() and t.device.type == "cpu"):
         raise ValueError(f"the triton unfused attention needs CUDA tensors (CPU only under TRITON_INTERPRET=1), got {name} on {t.device}")
 
 
 def _check_pair(an: str, a: torch.Tensor, bn: str, b: torch.Tensor) -> None:
     _check(an, a)
     _check(bn, b)
-    if a.dtype not in _DTYPES or b.dtype != a.dtype:
+    if a.dtype not in DTYPES or b.dtype != a.dtype:
         raise ValueError(f"expected {an} and {bn} of one dtype, fp32 or bf16, got {a.dtype} and {b.dtype}")
     if a.device != b.device:
         raise ValueError(f"expected {an} and {bn} on one device, got {a.device} and {b.device}")
@@ -219,7 +219,7 @@ def joint_attn_qk_gemm(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 def joint_attn_softmax(s: torch.Tensor) -> torch.Tensor:
     """Row softmax of one sample's scores (H, L, L), contiguous; result in s's dtype."""
     _check("s", s)
-    if s.dtype not in _DTYPES:
+    if s.dtype not in DTYPES:
         raise ValueError(f"expected fp32 or bf16 scores, got {s.dtype}")
     if s.shape[1] != s.shape[2]:
         raise ValueError(f"expected square scores (H, L, L), got {tuple(s.shape)}")
@@ -235,7 +235,7 @@ def joint_attn_av_gemm(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """
     _check("p", p)
     _check("v", v)
-    if v.dtype not in _DTYPES or p.dtype not in (torch.float32, v.dtype):
+    if v.dtype not in DTYPES or p.dtype not in (torch.float32, v.dtype):
         raise ValueError(f"expected v fp32 or bf16 and p fp32 or v's dtype, got p {p.dtype}, v {v.dtype}")
     if p.device != v.device:
         raise ValueError(f"expected p and v on one device, got {p.device} and {v.device}")
@@ -250,7 +250,7 @@ _ORDER = ("one sample per call; products: one program per output tile, inner dim
 for _op, _fn in (("joint_attn_qk_gemm", joint_attn_qk_gemm), ("joint_attn_softmax", joint_attn_softmax),
                  ("joint_attn_av_gemm", joint_attn_av_gemm)):
     register(KernelImpl(
-        op=_op, backend="triton", device="cuda", dtypes=frozenset(_DTYPES), fn=_fn, strict=True, split_k=False,
+        op=_op, backend="triton", device="cuda", dtypes=frozenset(DTYPES), fn=_fn, strict=True, split_k=False,
         kernel_name={"joint_attn_softmax": "_softmax_fwd_kernel/_softmax_bwd_kernel"}.get(_op, "_bmm_kernel"),
         source=sys.modules[__name__],
         config={"bmm": {str(k).replace("torch.", ""): list(v) for k, v in CONFIGS.items()}, "softmax_block": SOFTMAX_BLOCK,

@@ -1,19 +1,19 @@
-"""Warp-specialized forward of the strict joint attention (Gluon, Hopper): config ``fwd_kernel = "ws"``.
+"""Warp-specialized forward of the strict joint attention (Gluon, Hopper): :attr:`AttentionConfig.fwd_ws`.
 
-The same arithmetic as ``attention._attn_fwd_kernel`` on its frozen bf16 tiles (128 query rows, 128-key
+The same arithmetic as ``attention_fwd_kernels._attn_fwd_kernel`` on its frozen bf16 tiles (128 query rows, 128-key
 steps, TMA loads), scheduled differently. One program = one (query tile, head), as there, split into
 three partitions that talk through mbarriers instead of CTA-wide barriers:
 
 * a **loader** warp issues the TMA copies: the query tile's two 64-row halves once, then every key tile's
   K and V boxes, in the forward's key order (the sample's text tiles ascending, then its image tiles), into a
   ring of ``STAGES`` shared-memory slots. Every descriptor spans exactly one segment (as in
-  ``attention._segment_desc``), so a box's rows past the segment arrive as zeros and no other sample's row
+  ``attention_fwd_kernels._segment_desc``), so a box's rows past the segment arrive as zeros and no other sample's row
   can be read.
 * two **consumer** warpgroups, one per 64-row half of the query tile. Each runs the online softmax of its
   rows over all key tiles. Per key tile ``j`` it issues ``acc·α_{j-1} + P̃_{j-1} V_{j-1}`` and
   ``S_j = Q K_jᵀ`` together on the tensor cores, waits for both, frees slot ``j-1`` and computes the
   statistics of ``S_j``.
-* **ping-pong** (``PINGPONG``): the two consumers take turns to issue their tensor-core work (a pair of
+* **ping-pong**: the two consumers take turns to issue their tensor-core work (a pair of
   mbarriers passes the turn), so one warpgroup's softmax runs while the other's products do. Without
   warp specialization the two halves of the 8-warp kernel run in lockstep, and the tensor cores idle
   during every softmax.
@@ -80,7 +80,7 @@ if gluon is not None:
 
     @gluon.jit
     def _ws_softmax(m_i, l_i, s, qk_scale):
-        """``attention._fwd_stats`` in the consumer's layout: P (FP32), α, the new row max and row sum."""
+        """``attention_fwd_kernels._fwd_stats`` in the consumer's layout: P (FP32), α, the new row max and row sum."""
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         p = gl.exp2(gl.fma(s, qk_scale, -gl.expand_dims(m_new, 1)))
         alpha = gl.exp2(m_i - m_new)
@@ -102,16 +102,14 @@ if gluon is not None:
         return p, alpha, m_i, l_i
 
     @gluon.jit
-    def _ws_turn(turn, wg, k, PINGPONG: gl.constexpr):
+    def _ws_turn(turn, wg, k):
         """Wait for this consumer's ``k``-th turn to issue tensor-core work (consumer 0 goes first)."""
-        if PINGPONG:
-            mbarrier.wait(turn.index(wg), (k & 1) ^ (1 - wg))
+        mbarrier.wait(turn.index(wg), (k & 1) ^ (1 - wg))
 
     @gluon.jit
-    def _ws_pass(turn, wg, PINGPONG: gl.constexpr):
+    def _ws_pass(turn, wg):
         """Hand the turn to the other consumer."""
-        if PINGPONG:
-            mbarrier.arrive(turn.index(1 - wg), count=1)
+        mbarrier.arrive(turn.index(1 - wg), count=1)
 
     @gluon.jit
     def _ws_valid(c, n_txt, nt, ni, BLOCK_N: gl.constexpr):
@@ -123,7 +121,7 @@ if gluon is not None:
     @gluon.jit
     def _ws_consumer(wg, q_smem, k_bufs, v_bufs, q_bar, ready, empty, turn, o_txt_ptr, o_img_ptr, lse_ptr,
                      stream, row0, seg_end, stat0, nt, ni, col, h, row_stride, n_heads, qk_scale,
-                     D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+                     D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
         """One 64-row half of the query tile over every key tile; stores its O rows and base-2 LSE."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -139,28 +137,28 @@ if gluon is not None:
 
         # key tile 0: scores and statistics
         mbarrier.wait(ready.index(0), 0)
-        _ws_turn(turn, wg, 0, PINGPONG)
+        _ws_turn(turn, wg, 0)
         s = warpgroup_mma(q, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        _ws_pass(turn, wg, PINGPONG)
+        _ws_pass(turn, wg)
         s = warpgroup_mma_wait(0, deps=(s,))
         p, alpha, m_i, l_i = _ws_stats(m_i, l_i, s, qk_scale, _ws_valid(0, n_txt, nt, ni, BLOCK_N), BLOCK_N, mma)
         for c in range(1, n_all):
             prev = (c - 1) % STAGES
             slot = c % STAGES
             mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
-            _ws_turn(turn, wg, c, PINGPONG)
+            _ws_turn(turn, wg, c)
             acc = acc * gl.expand_dims(alpha, 1)
             acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_layout), v_bufs.index(prev), acc, is_async=True)
             s = warpgroup_mma(q, k_bufs.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            _ws_pass(turn, wg, PINGPONG)
+            _ws_pass(turn, wg)
             acc, s = warpgroup_mma_wait(0, deps=(acc, s))
             mbarrier.arrive(empty.index(prev), count=1)
             p, alpha, m_i, l_i = _ws_stats(m_i, l_i, s, qk_scale, _ws_valid(c, n_txt, nt, ni, BLOCK_N), BLOCK_N, mma)
         last = (n_all - 1) % STAGES
-        _ws_turn(turn, wg, n_all, PINGPONG)
+        _ws_turn(turn, wg, n_all)
         acc = acc * gl.expand_dims(alpha, 1)
         acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_layout), v_bufs.index(last), acc, is_async=True)
-        _ws_pass(turn, wg, PINGPONG)
+        _ws_pass(turn, wg)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(empty.index(last), count=1)
 
@@ -180,7 +178,7 @@ if gluon is not None:
 
     @gluon.jit
     def _ws_desc(base_ptr, row0, n, row_stride, col, ROWS: gl.constexpr, D: gl.constexpr):
-        """TMA descriptor over exactly one segment (``attention._segment_desc``): rows past it read as zeros."""
+        """TMA descriptor over exactly one segment (``attention_fwd_kernels._segment_desc``): rows past it read as zeros."""
         layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         return tma.make_tensor_descriptor(base_ptr + row0.to(gl.int64) * row_stride + col, shape=[gl.maximum(n, 1), D],
                                           strides=[row_stride, 1], block_shape=[ROWS, D], layout=layout)
@@ -189,7 +187,7 @@ if gluon is not None:
     def _attn_fwd_ws_kernel(
         q_txt_ptr, k_txt_ptr, v_txt_ptr, q_img_ptr, k_img_ptr, v_img_ptr, o_txt_ptr, o_img_ptr, lse_ptr, tiles_ptr,
         row_stride, n_heads, qk_scale,
-        D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+        D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     ):
         """One (query tile of 128 rows, head); grid (query tiles, heads); 4 warps + 4 + 1 worker warps."""
         tile = gl.program_id(0)
@@ -232,25 +230,25 @@ if gluon is not None:
         gl.warp_specialize([
             (_ws_consumer, (gl.constexpr(0), q_smem, k_bufs, v_bufs, q_bar, ready, empty, turn, o_txt_ptr, o_img_ptr,
                             lse_ptr, stream, row0, seg_end, stat0, nt, ni, col, h, row_stride, n_heads, qk_scale,
-                            D, BLOCK_N, STAGES, PINGPONG)),
+                            D, BLOCK_N, STAGES)),
             (_ws_consumer, (gl.constexpr(1), q_smem, k_bufs, v_bufs, q_bar, ready, empty, turn, o_txt_ptr, o_img_ptr,
                             lse_ptr, stream, row0, seg_end, stat0, nt, ni, col, h, row_stride, n_heads, qk_scale,
-                            D, BLOCK_N, STAGES, PINGPONG)),
+                            D, BLOCK_N, STAGES)),
             (_ws_loader, (q_desc, kt_desc, vt_desc, ki_desc, vi_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty,
                           row0 - seg0, nt, ni, BLOCK_N, STAGES)),
         ], [4, 1], _REGS)
 
 
 def launch(q_txt, k_txt, v_txt, q_img, k_img, v_img, o_txt, o_img, lse, table, n_tiles: int, heads: int, d: int,
-           qk_scale: float, block_n: int, stages: int, pingpong: bool) -> None:
+           qk_scale: float, block_n: int, stages: int) -> None:
     """Run the warp-specialized forward over ``table``'s 128-row query tiles (grid ``(n_tiles, heads)``).
 
     The caller (``attention.attention_fwd``) has validated the inputs, built the tile table and set Triton's
     allocator (device-side descriptors need global scratch); see there for the shapes.
     """
     if gluon is None:
-        raise RuntimeError("fwd_kernel 'ws' needs Triton's Gluon front end (triton.experimental.gluon)")
+        raise RuntimeError("the warp-specialized forward needs Triton's Gluon front end (triton.experimental.gluon)")
     _attn_fwd_ws_kernel[(n_tiles, heads)](
         q_txt, k_txt, v_txt, q_img, k_img, v_img, o_txt, o_img, lse, table, heads * d, heads, qk_scale,
-        D=d, BLOCK_N=block_n, STAGES=stages, PINGPONG=pingpong,
+        D=d, BLOCK_N=block_n, STAGES=stages,
         num_warps=4, maxnreg=MAXNREG, enable_fp_fusion=False)

@@ -23,7 +23,7 @@ import torch
 
 from ..cpu.primitives import elementwise
 from ..registry import KernelImpl, register
-from .gemm import _DTYPES, _interpreting, gemm
+from .gemm import DTYPES, interpreting, gemm
 
 
 def timestep_embed_mlp(
@@ -35,11 +35,11 @@ def timestep_embed_mlp(
         raise ValueError(f"timestep_embed_mlp: expected sigma of shape (B,), got {getattr(sigma, 'shape', type(sigma).__name__)}")
     if sigma.dtype != torch.float32:
         raise ValueError(f"timestep_embed_mlp: expected float32 sigma, got {sigma.dtype}")
-    if sigma.device.type != "cuda" and not (_interpreting() and sigma.device.type == "cpu"):
+    if sigma.device.type != "cuda" and not (interpreting() and sigma.device.type == "cpu"):
         raise ValueError(f"the triton timestep_embed_mlp needs CUDA tensors (CPU only under TRITON_INTERPRET=1), got {sigma.device}")
     if not isinstance(channels, int) or channels < 2 or channels % 2:
         raise ValueError(f"timestep_embed_mlp: channels must be a positive even int, got {channels!r}")
-    if w1.dtype not in _DTYPES:
+    if w1.dtype not in DTYPES:
         raise ValueError(f"timestep_embed_mlp runs fp32 or bf16 weights, got {w1.dtype}")
     if w1.dim() != 2 or w1.shape[1] != channels:
         raise ValueError(f"timestep_embed_mlp: expected w1 of shape (D, {channels}), got {tuple(w1.shape)}")
@@ -57,7 +57,7 @@ def timestep_embed_mlp(
 
 
 register(KernelImpl(
-    op="timestep_embed_mlp", backend="triton", device="cuda", dtypes=frozenset(_DTYPES), fn=timestep_embed_mlp,
+    op="timestep_embed_mlp", backend="triton", device="cuda", dtypes=frozenset(DTYPES), fn=timestep_embed_mlp,
     strict=True, split_k=False, kernel_name="fp64 sinusoid + _gemm_fwd_kernel (silu epilogue) + _gemm_fwd_kernel",
     source=sys.modules[__name__],
     config={"gemm": "mmdit_strict.kernels.triton.gemm", "sinusoid": "fp64, rounded once"},

@@ -35,11 +35,9 @@ from ..keepalive import retain
 CHUNK_ROWS = 16  # frozen: rows per level-1 partial of every backward row reduction (changing it changes bytes)
 FOLD_TILE = 64  # frozen: chunk partials per level-2 tile
 # Columns per fold program; with FOLD_TILE and the 4 warps it fixes the tile's layout, hence its tl.sum tree (bytes).
-# 16 since 1d3c130 (was 64: 96 programs for the LayerNorm's 6144 partial columns, 48 for the gate's 3072, at 6 %
-# achieved occupancy). H200, benchmarks/fold_probe at aaa56a1 (experiments/norms/aaa56a1_fold): the fold of 256 / 431
-# chunk partials of 6144 columns 5.75 -> 3.32 / 8.80 -> 4.65 µs, of 3072 columns 5.69 -> 2.96 / 8.80 -> 4.14 µs.
+# 16 columns give the LayerNorm's 6144 partial columns 384 programs (benchmarks/fold_probe; experiments/norms/).
 _FOLD_BLOCK_N = 16
-_FOLD_STAGES = 2  # the tile loop's software pipelining: when a tile is read, not what is summed (2..6 timed equal)
+_FOLD_STAGES = 2  # the tile loop's software pipelining: when a tile is read, not what is summed
 
 
 @dataclass(frozen=True)

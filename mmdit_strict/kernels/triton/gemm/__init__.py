@@ -56,8 +56,8 @@ from __future__ import annotations
 from .autograd import GEMM_OPS, GemmFunction, gemm
 from .codes import EPILOGUES, PROLOGUES, Act
 from .launch import (
-    _DTYPES,
-    _interpreting,
+    DTYPES,
+    interpreting,
     act_bwd,
     act_fwd,
     check_dtype_device,
@@ -74,10 +74,10 @@ __all__ = [
     "EPILOGUES",
     "GEMM_OPS",
     "PROLOGUES",
-    "_DTYPES",
+    "DTYPES",
     "Act",
     "GemmFunction",
-    "_interpreting",
+    "interpreting",
     "act_bwd",
     "act_fwd",
     "check_dtype_device",

@@ -19,7 +19,7 @@ from ...grad_sink import active as active_grad_sink
 from ...registry import KernelImpl, register
 from .. import configs as _configs
 from . import codes, cuda_context, fpmath, kernels, launch, weights
-from .launch import _DOT_PRECISION, _DTYPES, check_inputs, gemm_bwd, gemm_fwd
+from .launch import _DOT_PRECISION, DTYPES, check_inputs, gemm_bwd, gemm_fwd
 
 
 class GemmFunction(torch.autograd.Function):
@@ -93,7 +93,7 @@ _CONFIGS_SHA256 = hashlib.sha256(inspect.getsource(_configs).encode()).hexdigest
 
 for _op in GEMM_OPS:
     register(KernelImpl(
-        op=_op, backend="triton", device="cuda", dtypes=frozenset(_DTYPES), fn=gemm, strict=True, split_k=False,
+        op=_op, backend="triton", device="cuda", dtypes=frozenset(DTYPES), fn=gemm, strict=True, split_k=False,
         kernel_name="_gemm_fwd_kernel/_gemm_dw_kernel/_gemm_db_kernel/_act_fwd_kernel/_act_bwd_kernel",
         source=_SOURCE,
         config={"table": "mmdit_strict.kernels.triton.configs", "keyed_by": "(N, K, dtype, stream)",

@@ -2,8 +2,8 @@
 
 The host-side descriptor is encoded through the driver (``cuTensorMapEncodeTiled``) before Triton's
 launcher binds a context, and autograd runs backward on its own device threads where no driver
-context may be current yet: on the H200 (Triton 3.6) the first dX of a layer without an epilogue
-failed with "Failed to create tensor map descriptor: invalid device context". :func:`ensure_cuda_context`
+context may be current yet: there (H200, Triton 3.6) the first dX of a layer without an epilogue fails
+with "Failed to create tensor map descriptor: invalid device context". :func:`ensure_cuda_context`
 does what Triton's launcher does (``cuCtxGetCurrent``; if none, retain and set the primary context),
 once per thread and device.
 """

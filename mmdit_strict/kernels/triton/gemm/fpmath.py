@@ -53,8 +53,8 @@ def _exp_clamped_f32(x):
 @triton.jit
 def _div_ge1_f32(n, d):
     """n / d for 1 ≤ d < 2¹²⁵ from IEEE ``- * fma`` and one integer subtraction: no ``rcp.approx``, no
-    ``div.full`` and no ``div.rn`` (whose out-of-line slow path made the GELU epilogue spill registers
-    on the H200: 255 registers / 18 spilled vs 200 / 0, experiments/gemm/NOTES.md round 4).
+    ``div.full`` and no ``div.rn`` (whose out-of-line slow path makes the GELU epilogue spill registers
+    on sm_90: 255 registers / 18 spilled vs 200 / 0; experiments/gemm/NOTES.md).
 
     y₀ = bits⁻¹(0x7EF311C3 − bits(d)) (|y₀·d − 1| < 0.13), three Newton steps
     y = fma(fma(−d, y, 1), y, y) (|y·d − 1| ≤ 6e-8), then q = n·y and one residual correction

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+
+from ....dtypes import EXECUTION_DTYPES
 import triton
 
 from ...checks import check_operand
@@ -25,19 +27,20 @@ from .codes import EPILOGUES, PROLOGUES, Act
 from .cuda_context import ensure_cuda_context
 from .weights import prepacked_weight
 
-_DTYPES = (torch.float32, torch.bfloat16)
+DTYPES = EXECUTION_DTYPES  # the dtypes every strict Triton kernel executes in
 _DOT_PRECISION = "ieee"
 _INTERPRETER_PROGRAMS = 3  # persistent programs under the interpreter: several tiles per program
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET``)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 def launch_opts(num_warps: int, interpreting: bool, **limits: int | None) -> dict:
     """The compile options of every strict launch: none under the interpreter; else ``num_warps``,
     ``enable_fp_fusion=False`` (no multiply-add contracted) and each of ``limits`` (``num_stages``,
-    ``maxnreg``) that is not None. ``interpreting`` is the calling module's own ``_interpreting()``: the
+    ``maxnreg``) that is not None. ``interpreting`` is :func:`interpreting`'s answer: the
     offline sm_90 compile tools (benchmarks/rows_sass.py, attention_sass.py) replace that per module."""
     if interpreting:
         return {}
@@ -47,14 +50,14 @@ def launch_opts(num_warps: int, interpreting: bool, **limits: int | None) -> dic
 def check_dtype_device(op: str, name: str, t: torch.Tensor, interpreting: bool) -> None:
     """A row kernel's operand ``t``: fp32|bf16, on CUDA (CPU only under the interpreter), else ValueError.
     ``interpreting`` as in :func:`launch_opts`."""
-    if t.dtype not in _DTYPES:
+    if t.dtype not in DTYPES:
         raise ValueError(f"{op}: strict kernels run fp32 or bf16, got {name} of dtype {t.dtype}")
     if not (t.device.type == "cuda" or (interpreting and t.device.type == "cpu")):
         raise ValueError(f"{op}: the triton backend needs CUDA tensors (CPU only under TRITON_INTERPRET=1), got {name} on {t.device}")
 
 
 def _launch_opts(num_warps: int, num_stages: int | None = None) -> dict:
-    return launch_opts(num_warps, _interpreting(), num_stages=num_stages)
+    return launch_opts(num_warps, interpreting(), num_stages=num_stages)
 
 
 def _pow2_at_least(n: int, lo: int = 16) -> int:
@@ -109,9 +112,9 @@ def check_inputs(x, weight, bias, seqlens, prologue, epilogue, lora) -> None:
     """Validate a GEMM-family call (docs/operators.md); raises ValueError with the reason."""
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise ValueError(f"expected x of shape (M, K), got {getattr(x, 'shape', type(x).__name__)}")
-    if x.dtype not in _DTYPES:
+    if x.dtype not in DTYPES:
         raise ValueError(f"strict GEMM runs fp32 or bf16, got x of dtype {x.dtype}")
-    if x.device.type != "cuda" and not (_interpreting() and x.device.type == "cpu"):
+    if x.device.type != "cuda" and not (interpreting() and x.device.type == "cpu"):
         raise ValueError(f"the triton GEMM backend needs CUDA tensors (CPU only under TRITON_INTERPRET=1), got {x.device}")
     m, k = x.shape
     _check_tensor("x", x, (m, k), x.dtype, x.device)
@@ -179,7 +182,7 @@ def _use_tma(cfg: _configs.FwdConfig, a: torch.Tensor, b: Operand, bk: int, bn: 
     if a.device.type == "cuda":
         if torch.cuda.get_device_capability(a.device)[0] < 9:
             return False
-    elif not _interpreting():
+    elif not interpreting():
         return False
     es = a.element_size()
     row_stride = b.strides[1] if b.nk else b.strides[0]
