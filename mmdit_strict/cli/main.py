@@ -46,7 +46,70 @@ def _compose(args: argparse.Namespace, overrides: Sequence[str] | None = None):
         from ..training.rewards import compose_train
 
         return compose_train(overrides, config_dir=args.config_dir)
-    return compose(overrides, config_dir=args.config_dir, command=command)
+    cfg = compose(overrides, config_dir=args.config_dir, command=command)
+    if command in DISTRIBUTED_COMMANDS and args.command != "config":
+        _agree_across_ranks(cfg)
+    return cfg
+
+
+# ---- many processes (torchrun; docs/distributed.md) -------------------------------------------------
+
+#: Commands that run under torchrun: each rank computes its share of the samples.
+DISTRIBUTED_COMMANDS = ("run", "rollout", "sample", "recompute")
+
+
+def _agree_across_ranks(cfg) -> None:
+    """torchrun: refuse what cannot run on many ranks, then check every rank composed the same config."""
+    from omegaconf import OmegaConf
+
+    from .. import distributed
+
+    if distributed.current() is None:
+        return
+    if OmegaConf.select(cfg, "prompts.text"):
+        raise ValueError("prompts.text is not encoded under torchrun: encode first (`mmdit-strict encode`) and pass prompts.embeddings")
+    if OmegaConf.select(cfg, "compare.peer_loop"):
+        raise ValueError("compare.peer_loop times one process against diffusers: run it without torchrun")
+    distributed.agree_config(OmegaConf.to_container(cfg, resolve=True))
+
+
+def _distributed_settings(args: argparse.Namespace) -> tuple[float, str, str]:
+    """(timeout, backend, device) for the process group, from the composed config; the defaults when it
+    does not compose (the command then fails on this rank and the others learn it at the first exchange)."""
+    from ..config.schema import DistributedConfig
+
+    try:
+        from ..config.compose import compose
+
+        cfg = compose(args.overrides, config_dir=args.config_dir, command=args.command)
+        return float(cfg.distributed.timeout_s), str(cfg.distributed.backend), str(cfg.model.device)
+    except Exception:
+        d = DistributedConfig()
+        return d.timeout_s, d.backend, "cpu"
+
+
+def _main_distributed(args: argparse.Namespace) -> int:
+    """One rank of a torchrun job: join the group, run the command, agree on one exit code, leave.
+
+    Rank 0 prints and writes; the other ranks' standard output is discarded (their errors still go to
+    standard error, prefixed with the rank).
+    """
+    import contextlib
+    import os
+
+    from .. import distributed
+    from ..kernels.execution import Layout, execution
+
+    if args.command not in DISTRIBUTED_COMMANDS or getattr(args, "multirun", False):
+        what = "-m sweeps" if getattr(args, "multirun", False) else args.command
+        raise ValueError(f"{what} does not run under torchrun (commands that do: {', '.join(DISTRIBUTED_COMMANDS)})")
+    timeout, backend, device = _distributed_settings(args)
+    with distributed.session(timeout, backend, device) as sess, contextlib.ExitStack() as stack:
+        if not sess.root:
+            stack.enter_context(contextlib.redirect_stdout(open(os.devnull, "w")))
+        with execution(layout=Layout(sess.rank, sess.world_size)):  # the execution context knows this rank
+            rc = _run_command(args)
+        return distributed.finish(rc)
 
 
 def _add_overrides(p: argparse.ArgumentParser) -> None:
@@ -82,6 +145,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     require_wandb(cfg.wandb.mode)
     cfg, timings = prepare_prompts(cfg)  # prompts.text → embeddings with the pipeline folder's text encoder
     result = run_all(cfg, progress=not args.quiet and cfg.progress)
+    from .. import distributed
+
+    if not distributed.is_root():  # torchrun: rank 0 alone writes images and logs to wandb
+        return EXIT_OK if result.byte_identical else EXIT_DRIFT
     if cfg.rollout.save_tensors and (timings or pipeline_folder(cfg.model.checkpoint)):
         images = finish_images(cfg, timings)  # final latents → PNGs (VAE) + report section
         print(f"images: {images['contact_sheet']} ({images['mode']})")
@@ -95,11 +162,10 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     from ..config.compose import save_resolved
     from ..trajectories import run_rollout
 
-    from ..trajectories.outdir import claim_output_dir
-
     cfg = _compose(args)
-    with claim_output_dir(cfg.output_dir) as out:
-        save_resolved(cfg, out)
+    with _claim(cfg) as out:
+        if _is_root():
+            save_resolved(cfg, out)
         traj = run_rollout(cfg, out / "rollout", progress=not args.quiet and cfg.progress)
     print(f"rollout: {traj.num_steps} steps × {len(traj.sample_ids)} samples [{traj.manifest['runtime']}] → {out / 'rollout'}")
     return EXIT_OK
@@ -110,11 +176,10 @@ def cmd_sample(args: argparse.Namespace) -> int:
     from ..config.compose import save_resolved
     from ..trajectories import run_rollout
 
-    from ..trajectories.outdir import claim_output_dir
-
     cfg = _compose(args)
-    with claim_output_dir(cfg.output_dir) as out:
-        save_resolved(cfg, out)
+    with _claim(cfg) as out:
+        if _is_root():
+            save_resolved(cfg, out)
         traj = run_rollout(cfg, out / "rollout", progress=not args.quiet and cfg.progress)
     for step in traj.manifest["steps"]:
         print(f"step {step['step']:3d} sigma {step['sigma']:.4f}  x[0] {step['x'][0][:16]}  logp[0] {step['logp_values'][0]:+.6f}")
@@ -123,16 +188,29 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 
 def cmd_recompute(args: argparse.Namespace) -> int:
+    from .. import distributed
     from ..trajectories import read, run_recompute
 
-    from ..trajectories.outdir import claim_output_dir
-
     cfg = _compose(args)
-    with claim_output_dir(cfg.output_dir) as out:
-        rollout = read(args.rollout or out / "rollout")
+    with _claim(cfg) as out:
+        rollout = distributed.from_root("read the rollout", lambda: read(args.rollout or out / "rollout"))
         traj = run_recompute(cfg, rollout, out / "recompute", progress=not args.quiet and cfg.progress)
     print(f"recompute: {traj.num_steps} steps × {len(traj.sample_ids)} samples [{traj.manifest['runtime']}] → {out / 'recompute'}")
     return EXIT_OK
+
+
+def _claim(cfg):
+    """Claim ``cfg.output_dir`` (rank 0 alone under torchrun; the other ranks write nothing there)."""
+    from .. import distributed
+    from ..trajectories.outdir import claim_output_dir
+
+    return distributed.root_context("claim output_dir", lambda: claim_output_dir(cfg.output_dir), Path(cfg.output_dir))
+
+
+def _is_root() -> bool:
+    from .. import distributed
+
+    return distributed.is_root()
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -439,6 +517,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_ERROR
+    from ..distributed import launched
+
+    if launched():  # started by torchrun: one rank of a process group
+        try:
+            return _main_distributed(args)
+        except Exception as exc:
+            _report_error(args, exc, expected=isinstance(exc, (ValueError, OSError)))
+            return EXIT_ERROR
+    return _run_command(args)
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    """The command's exit code; an error is reported (one line) and gives 2."""
     from ..config.compose import ConfigError
     from ..kernels.registry import NoStrictKernelError
     from ..model.checkpoint import CheckpointError
@@ -465,7 +556,9 @@ def _report_error(args: argparse.Namespace, exc: BaseException, expected: bool) 
     text = " ".join(str(exc).split()) or type(exc).__name__
     if not expected or (isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError)):
         text = f"{type(exc).__name__}: {text}"
-    print(f"mmdit-strict {args.command}: error: {text}", file=sys.stderr)
+    from ..distributed import tag
+
+    print(f"{tag()}mmdit-strict {args.command}: error: {text}", file=sys.stderr)
 
 
 if __name__ == "__main__":

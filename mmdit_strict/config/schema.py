@@ -3,7 +3,7 @@
 Each command composes only the sections it reads (:data:`SCHEMAS`):
 
 * ``run``, ``rollout``, ``sample``, ``recompute``: :class:`TrajectoryConfig` (model, runtime, sampler,
-  prompts, rollout, recompute, lora, compare, wandb, seed, output_dir, resume, progress, extra);
+  prompts, rollout, recompute, lora, compare, wandb, distributed, seed, output_dir, resume, progress, extra);
 * ``train``: :class:`TrainRunConfig` (model, runtime, sampler, prompts, lora, sample, train, wandb,
   seed, output_dir, resume, progress, extra).
 
@@ -122,6 +122,17 @@ class WandbConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """Many processes under ``torchrun`` (docs/distributed.md); ignored by a single process.
+
+    None of these enters a stage key: the bytes do not depend on the world size or the transport.
+    """
+
+    backend: str = "auto"  # auto: nccl for model.device=cuda, gloo on CPUs | gloo | nccl (gloo with cuda stages tensors through the host)
+    timeout_s: float = 300.0  # bound on every collective: a dead or stuck rank ends the job (exit 2), never a hang
+
+
+@dataclass
 class TrajectoryConfig:
     """What ``run``, ``rollout``, ``sample`` and ``recompute`` read: both trajectory sides, compare and report."""
 
@@ -138,6 +149,7 @@ class TrajectoryConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     compare: CompareConfig = field(default_factory=CompareConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)  # torchrun: backend, collective timeout
     extra: dict = field(default_factory=dict)  # free-form user keys (``+extra.foo=1``)
 
 
@@ -200,6 +212,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "recompute.cfg_layout": ("batched", "sequential"),
     "lora.init": ("zero_b", "random"),
     "wandb.mode": ("offline", "online", "disabled"),
+    "distributed.backend": ("auto", "gloo", "nccl"),
     **TRAIN_CHOICES,
 }
 

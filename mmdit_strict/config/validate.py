@@ -124,6 +124,9 @@ def _trajectory_problems(cfg: DictConfig, embeddings: Any, hi: Any, neg: Any) ->
             out.append(f"{side}.pad_to={pad} is shorter than prompts.max_tokens={hi} (a prompt may be that long)")
         elif synthetic and _is_int(neg) and float(_get(cfg, "sampler.cfg_scale")) != 1.0 and pad < neg:
             out.append(f"{side}.pad_to={pad} is shorter than prompts.negative_tokens={neg}")
+    timeout = _get(cfg, "distributed.timeout_s")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 86400):
+        out.append(f"distributed.timeout_s must be between 0 and 86400 seconds (exclusive of 0), got {timeout}")
     return out
 
 

@@ -188,6 +188,15 @@ class SampleGradSink:
             self._finished.add(id(param))
         return st.acc
 
+    def partials(self, param: torch.Tensor) -> dict[Hashable, torch.Tensor]:
+        """Stored fold only: ``param``'s partial per sample key, as held (not copies); empty if it got none.
+
+        Lets a caller move the partials elsewhere (another process) and fold them there in key order.
+        """
+        if self._rank is not None:
+            raise ValueError("per-key partials are kept only by the stored fold (SampleGradSink() without keys)")
+        return dict(self._parts.get(id(param), {}))
+
     # ------------------------------------------------------------------ streamed fold internals
     def _advance(self, st: _Stream, fresh: dict[int, tuple[torch.Tensor, bool]], finish: bool) -> None:
         """Add every partial at the frontier, moving past keys that are done without a deposit here;

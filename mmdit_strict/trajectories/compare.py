@@ -23,6 +23,7 @@ class FirstDrift:
     max_abs: float | None = None
     max_ulp: int | None = None
     block: int | None = None  # first block whose image-stream hash differs (audit-mode artifacts only)
+    owners: str | None = None  # torchrun artifacts: the rank that computed the sample on each side
 
 
 @dataclass
@@ -39,6 +40,8 @@ class Comparison:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        if d["first"] is not None and d["first"].get("owners") is None:
+            del d["first"]["owners"]  # single-process artifacts: the report is as it always was
         return d
 
 
@@ -82,6 +85,7 @@ def compare(a: Trajectory, b: Trajectory) -> Comparison:
                         first = FirstDrift(s, sid, q, a.manifest["steps"][s]["sigma"])
     if first is not None:
         first.block = _first_block(a, b, first.step, ids.index(first.sample_id))
+        first.owners = owner_ranks(a, b, ids.index(first.sample_id))
     comp = Comparison(first is None, first, S, len(ids), differing, warnings=warnings)
     ga, gb = (t.manifest["side"].get("lora_grads_per_step") for t in (a, b))
     if ga and gb:
@@ -101,6 +105,18 @@ def compare(a: Trajectory, b: Trajectory) -> Comparison:
             r = torch.exp(b.tensors["logp"][0].double() - a.tensors["logp"][0].double())
             comp.logp_ratio = {"min": float(r.min()), "max": float(r.max()), "mean": float(r.mean())}
     return comp
+
+
+def owner_ranks(a: Trajectory, b: Trajectory, n: int) -> str | None:
+    """``"rollout rank 1, recompute rank 0"``: who computed sample position ``n`` on each side; None when
+    neither side ran on many ranks (a single-process side reads "single process")."""
+    ranks = [t.manifest["side"].get("owner_rank") for t in (a, b)]
+    if not any(ranks):
+        return None
+    kinds = [str(t.manifest.get("kind")) for t in (a, b)]
+    if kinds[0] == kinds[1]:
+        kinds = [f"{kinds[0]} A", f"{kinds[1]} B"]
+    return ", ".join(f"{k} rank {r[n]}" if r else f"{k} single process" for k, r in zip(kinds, ranks))
 
 
 def _first_block(a: Trajectory, b: Trajectory, step: int, n: int) -> int | None:

@@ -66,6 +66,12 @@ class Localization:
 def _side_batch(traj: Trajectory, position: int) -> list[int]:
     side = traj.manifest["side"]
     ids = list(range(len(traj.sample_ids)))
+    if side.get("rank_batches"):  # many ranks (torchrun): the batch the owning rank ran, as recorded
+        for batches in side["rank_batches"]:
+            for b in batches:
+                group = [traj.sample_ids.index(s) for s in b]
+                if position in group:
+                    return group
     if traj.manifest["kind"] == "rollout":
         size = side["batch_size"]
         groups = [ids[i:i + size] for i in range(0, len(ids), size)]

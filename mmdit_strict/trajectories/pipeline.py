@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from .. import distributed
 from ..environment import run_environment
 from ..config.compose import save_resolved
 from . import artifact
@@ -80,12 +81,14 @@ def rollout_stage(cfg: DictConfig, out: Path, progress: bool,
     t0 = time.perf_counter()
     hashes = model_hashes(model)
     phases["hash_weights"] = time.perf_counter() - t0
+    distributed.agree("rollout model", hashes)  # torchrun: every rank built the same model
     prompts = make_prompts(cfg.prompts, model.config, cfg.model.device, cfg.model.dtype)
     for side in ("rollout", "recompute"):
         check_pad_to(side, cfg[side].pad_to, prompts, float(cfg.sampler.cfg_scale))
     check_fault(cfg.recompute.inject_fault, model.config.num_layers, int(cfg.sampler.num_steps))
     t0 = time.perf_counter()
-    done = _reusable(out / "rollout", bool(cfg.resume), rollout_key(cfg, hashes, prompts.hashes()), "rollout")
+    key = rollout_key(cfg, hashes, prompts.hashes())
+    done = distributed.from_root("rollout: reuse check", lambda: _reusable(out / "rollout", bool(cfg.resume), key, "rollout"))
     if done is None:
         phases["compile"] = warm_up(cfg, model, prompts)
         t0 = time.perf_counter()
@@ -102,7 +105,8 @@ def rollout_stage(cfg: DictConfig, out: Path, progress: bool,
 def recompute_stage(cfg: DictConfig, rollout: artifact.Trajectory, out: Path, progress: bool,
                     hashes: dict[str, str | None]) -> artifact.Trajectory:
     """The recompute (reused when its key, which names the rollout file it replays, matches)."""
-    done = _reusable(out / "recompute", bool(cfg.resume), recompute_key(cfg, hashes, rollout), "recompute")
+    key = recompute_key(cfg, hashes, rollout)
+    done = distributed.from_root("recompute: reuse check", lambda: _reusable(out / "recompute", bool(cfg.resume), key, "recompute"))
     if done is not None:
         return done
     return run_recompute(cfg, rollout, out / "recompute", progress=progress)
@@ -127,8 +131,10 @@ def compare_stage(cfg: DictConfig, rollout: artifact.Trajectory, recompute: arti
 def run_all(cfg: DictConfig, progress: bool = True) -> RunResult:
     """Run the whole job in ``cfg.output_dir`` (claimed and locked while it runs); matching stages are reused."""
     phases: dict[str, float] = {}
-    with claim_output_dir(cfg.output_dir) as out:
-        save_resolved(cfg, out)
+    # torchrun: rank 0 alone claims the folder and writes the config, artifacts and report
+    with distributed.root_context("claim output_dir", lambda: claim_output_dir(cfg.output_dir), Path(cfg.output_dir)) as out:
+        if distributed.is_root():
+            save_resolved(cfg, out)
         rollout, hashes, peer = rollout_stage(cfg, out, progress, phases)
         gc.collect()  # the rollout model (graphs, prepacked weights) may sit in reference cycles: free it first
         if torch.cuda.is_available():
@@ -136,4 +142,4 @@ def run_all(cfg: DictConfig, progress: bool = True) -> RunResult:
         t0 = time.perf_counter()
         recompute = recompute_stage(cfg, rollout, out, progress, hashes)
         phases["recompute"] = time.perf_counter() - t0
-        return compare_stage(cfg, rollout, recompute, out, phases, peer)
+        return distributed.from_root("compare and report", lambda: compare_stage(cfg, rollout, recompute, out, phases, peer))

@@ -18,6 +18,7 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
+from .. import distributed
 from ..config.arch import preset
 from ..kernels.grad_sink import collect_sample_grads
 from ..kernels.runtime import Runtime, runtime_mode
@@ -138,6 +139,24 @@ def _grad_record(trainable: list, sink) -> dict | None:
     return rec
 
 
+def _merged_grad_record(trainable: list, shares: list[dict]) -> dict | None:
+    """torchrun: :func:`_grad_record`'s sample-order fold over every rank's partials, moved to rank 0
+    (``distributed.fold``: the single-process fold's bytes); autograd's sums are per rank (layout records)."""
+    names = [n for n, _ in trainable if any(n in s["with_grad"] for s in shares)]
+    if not names:
+        return None
+    folded = [distributed.fold.fold_ranks(n, shares) for n in names]
+    rec: dict = {"params": len(names), "autograd_sha256_per_rank": [s["autograd_sha256"] for s in shares]}
+    missing = [n for n, f in zip(names, folded) if f is None]
+    if missing:
+        rec["unfolded"] = missing
+    else:
+        flat = torch.cat([f.reshape(-1) for f in folded])
+        rec["sample_order_sha256"] = tensor_sha256(flat)
+        rec["norm"] = float(flat.double().norm())
+    return rec
+
+
 def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | Path, progress: bool = True) -> artifact.Trajectory:
     """Recompute v_t, x_{t+1}, logp_t for every recorded step and write the artifact to ``out_dir``."""
     artifact.require_kind(rollout, "rollout")
@@ -149,6 +168,7 @@ def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | 
     model = build_side_model(cfg.model, cfg.lora, runtime)
     model.enable_gradient_checkpointing(bool(cfg.recompute.grad_checkpointing))
     hashes = model_hashes(model)
+    distributed.agree("recompute model", hashes)  # torchrun: every rank built the same model
     for key, val in hashes.items():
         if val != rollout.manifest[key]:
             raise artifact.TrajectoryError(
@@ -166,22 +186,23 @@ def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | 
     xs = rollout.tensors["x"].to(device)
     rec = StepRecorder(S, xs[0])
     mbs = micro_batches(list(range(len(ids))), int(cfg.recompute.micro_batch), bool(cfg.recompute.shuffle), int(cfg.recompute.shuffle_seed))
+    # torchrun: this rank's block of the shuffled order, cut into micro-batches (docs/distributed.md)
+    plan = distributed.SidePlan([i for mb in mbs for i in mb], int(cfg.recompute.micro_batch))
     trainable = sorted(((n, p) for n, p in model.named_parameters() if p.requires_grad), key=lambda t: t[0])
-    bar = tqdm(total=S * len(mbs), desc=f"recompute [{runtime.value}]", disable=not progress, leave=False)
+    bar = tqdm(total=S * len(plan.batches), desc=f"recompute [{runtime.value}]", disable=not progress, leave=False)
     key = recompute_key(cfg, hashes, rollout)
-    resumed = partial.load(out_dir, key, rec, "recompute") if cfg.resume else None
-    if resumed is None:
-        partial.start(out_dir, key)
+    resumed = plan.resume(rec, lambda: partial.load(out_dir, key, rec, "recompute") if cfg.resume else None,
+                          lambda: partial.start(out_dir, key))
     start = resumed.steps_done if resumed else 0
     wall_before = resumed.wall_s if resumed else 0.0
     grad_records = list(resumed.step_extras) if resumed else []
-    bar.update(start * len(mbs))
+    bar.update(start * len(plan.batches))
     fault_key, fault_step = parse_fault(cfg.recompute.inject_fault)
     with capture_trace(resumed.trace if resumed else None) as trace, runtime_mode(runtime):
         for step in range(start, S):
             fault_here = fault_key if step == fault_step else None
             with collect_sample_grads() as sink:
-                for mb in mbs:
+                for mb in plan.batches:
                     x_t, x_rec = xs[step][mb], xs[step + 1][mb]
                     mb_ids = [ids[i] for i in mb]
                     with inject_fault(fault_here), torch.set_grad_enabled(bool(cfg.recompute.autograd)):
@@ -194,19 +215,32 @@ def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | 
                             (-logp.sum()).backward()
                     rec.put(step, mb, v, x_next, logp, blocks)
                     bar.update(1)
-            grad_records.append(_grad_record(trainable, sink))
+            if plan.distributed:  # torchrun: rows and gradient partials of every rank move to rank 0
+                share = distributed.fold.rank_partials(trainable, sink)
+                with_grad = [p.grad.reshape(-1) for _, p in trainable if p.grad is not None]
+                share["autograd_sha256"] = tensor_sha256(torch.cat(with_grad)) if with_grad else None
+                shares = plan.end_step(rec, step, extra=share)
+                grad_records.append(_merged_grad_record(trainable, shares) if shares is not None else None)
+            else:
+                grad_records.append(_grad_record(trainable, sink))
             for _, p in trainable:
                 p.grad = None
-            partial.save_step(out_dir, rec, step, trace, wall_before + time.perf_counter() - t0, extra=grad_records[-1])
+            if plan.root:
+                partial.save_step(out_dir, rec, step, trace, wall_before + time.perf_counter() - t0, extra=grad_records[-1])
     bar.close()
     side = {"micro_batch": int(cfg.recompute.micro_batch), "shuffle": bool(cfg.recompute.shuffle),
             "order": [ids[i] for mb in mbs for i in mb], "cfg_layout": cfg.recompute.cfg_layout, "pad_to": cfg.recompute.pad_to,
             "autograd": bool(cfg.recompute.autograd), "grad_checkpointing": bool(cfg.recompute.grad_checkpointing),
             "inject_fault": cfg.recompute.inject_fault, "resumed_after_step": start or None,
-            "lora_grads_per_step": grad_records}
-    traj = build_trajectory("recompute", cfg, model, runtime, prompts, sigmas, ids, grid, rec, trace,
-                            wall_before + time.perf_counter() - t0, side, True, hashes=hashes, stage_key=key)
-    artifact.write(traj, out_dir)
-    partial.discard(out_dir)
-    trace.dump(Path(out_dir) / "trace.json")
-    return traj
+            "lora_grads_per_step": grad_records, **plan.side_fields(ids)}
+    trace = plan.merge_trace(trace)
+
+    def write() -> artifact.Trajectory:
+        traj = build_trajectory("recompute", cfg, model, runtime, prompts, sigmas, ids, grid, rec, trace,
+                                wall_before + time.perf_counter() - t0, side, True, hashes=hashes, stage_key=key)
+        artifact.write(traj, out_dir)
+        partial.discard(out_dir)
+        trace.dump(Path(out_dir) / "trace.json")
+        return traj
+
+    return plan.write("recompute: write the artifact", write)  # rank 0 writes; every rank gets the artifact

@@ -98,6 +98,8 @@ def summary_line(comp: Comparison, loc: Localization | None = None) -> str:
     f = comp.first
     assert f is not None
     line = f"DRIFT: first at step {f.step} (sigma {f.sigma:.4f}), sample {f.sample_id}, {f.quantity}"
+    if getattr(f, "owners", None):  # torchrun artifacts: the owning rank on each side
+        line = f"DRIFT: first at step {f.step} (sigma {f.sigma:.4f}), sample {f.sample_id} ({f.owners}), {f.quantity}"
     if f.max_abs is not None:
         line += f" (max |Δ| {f.max_abs:.3e}, {f.max_ulp} ULP)"
     if f.block is not None:

@@ -10,6 +10,7 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
+from .. import distributed
 from ..kernels.runtime import runtime_mode
 from ..kernels.trace import capture_trace
 from ..model import MMDiT
@@ -60,7 +61,7 @@ def warm_up(cfg: DictConfig, model: MMDiT, prompts: Prompts) -> float:
     ids = list(range(len(prompts.embeds)))
     x = initial_latents(cfg.seed, ids, (grid[0] * grid[1], arch.in_channels), cfg.model.device)
     with runtime_mode(model.runtime), torch.no_grad():
-        for batch in {tuple(b) for b in rollout_batches(cfg.rollout.batch_size, len(ids))}:
+        for batch in {tuple(b) for b in distributed.SidePlan(ids, cfg.rollout.batch_size).batches}:
             velocity(model, x[list(batch)].to(model.dtype), [prompts.embeds[i] for i in batch], prompts.negative,
                      float(sigmas[0]), grid, cfg.sampler.cfg_scale, cfg.rollout.cfg_layout, cfg.rollout.pad_to)
     if x.device.type == "cuda":
@@ -83,6 +84,7 @@ def run_rollout(cfg: DictConfig, out_dir: str | Path, progress: bool = True, mod
     elif model.runtime is not runtime:
         raise ValueError(f"run_rollout got a model in runtime {model.runtime.value}, the rollout side runs {runtime.value}")
     hashes = hashes if hashes is not None else model_hashes(model)
+    distributed.agree("rollout model", hashes)  # torchrun: every rank built the same model
     arch = model.config
     device = cfg.model.device
     prompts = make_prompts(cfg.prompts, arch, device, cfg.model.dtype)
@@ -94,11 +96,12 @@ def run_rollout(cfg: DictConfig, out_dir: str | Path, progress: bool = True, mod
     x = initial_latents(int(cfg.seed), ids, (grid[0] * grid[1], arch.in_channels), device)
     rec = StepRecorder(S, x)
     bs = cfg.rollout.batch_size
-    batches = rollout_batches(bs, len(ids))
+    rollout_batches(bs, len(ids))  # checks rollout.batch_size
+    plan = distributed.SidePlan(list(range(len(ids))), bs)  # torchrun: this rank's share of the samples
+    batches = plan.batches
     key = rollout_key(cfg, hashes, prompts.hashes())
-    resumed = partial.load(out_dir, key, rec, "rollout") if cfg.resume else None
-    if resumed is None:
-        partial.start(out_dir, key)
+    resumed = plan.resume(rec, lambda: partial.load(out_dir, key, rec, "rollout") if cfg.resume else None,
+                          lambda: partial.start(out_dir, key))
     start = resumed.steps_done if resumed else 0
     wall_before = resumed.wall_s if resumed else 0.0
     if resumed:
@@ -122,15 +125,22 @@ def run_rollout(cfg: DictConfig, out_dir: str | Path, progress: bool = True, mod
                 x_next[batch] = xn
                 bar.update(1)
             x = x_next
-            partial.save_step(out_dir, rec, step, trace, wall_before + time.perf_counter() - t0)
+            plan.end_step(rec, step)  # torchrun: every rank's rows of this step move to rank 0
+            if plan.root:
+                partial.save_step(out_dir, rec, step, trace, wall_before + time.perf_counter() - t0)
             step_seconds.append(round(time.perf_counter() - t_step, 4))  # save_step read the step back: synced
     bar.close()
     side = {"batch_size": bs, "cfg_layout": cfg.rollout.cfg_layout, "pad_to": cfg.rollout.pad_to, "autograd": False,
-            "resumed_after_step": start or None, "step_seconds": step_seconds}
-    traj = build_trajectory("rollout", cfg, model, runtime, prompts, sigmas, ids, grid, rec, trace,
-                            wall_before + time.perf_counter() - t0, side, bool(cfg.rollout.save_tensors),
-                            hashes=hashes, stage_key=key)
-    artifact.write(traj, out_dir)
-    partial.discard(out_dir)
-    trace.dump(Path(out_dir) / "trace.json")
-    return traj
+            "resumed_after_step": start or None, "step_seconds": step_seconds, **plan.side_fields(ids)}
+    trace = plan.merge_trace(trace)
+
+    def write() -> artifact.Trajectory:
+        traj = build_trajectory("rollout", cfg, model, runtime, prompts, sigmas, ids, grid, rec, trace,
+                                wall_before + time.perf_counter() - t0, side, bool(cfg.rollout.save_tensors),
+                                hashes=hashes, stage_key=key)
+        artifact.write(traj, out_dir)
+        partial.discard(out_dir)
+        trace.dump(Path(out_dir) / "trace.json")
+        return traj
+
+    return plan.write("rollout: write the artifact", write)  # rank 0 writes; every rank gets the artifact

@@ -17,7 +17,7 @@ from mmdit_strict.training.loop import RESUME_FREE, resume_differences
 from mmdit_strict.training.rewards import compose_train
 
 TRAJECTORY_KEYS = ["seed", "output_dir", "resume", "progress", "model", "runtime", "sampler", "prompts", "rollout",
-                   "recompute", "lora", "compare", "wandb", "extra"]
+                   "recompute", "lora", "compare", "wandb", "distributed", "extra"]
 TRAIN_KEYS = ["seed", "output_dir", "resume", "progress", "model", "runtime", "sampler", "prompts", "lora", "sample",
               "train", "wandb", "extra"]
 
