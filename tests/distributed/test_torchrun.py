@@ -146,20 +146,12 @@ def test_a_dead_rank_ends_the_job(tmp_path: Path, single: Path) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-def test_nccl_two_gpus_give_the_single_gpu_bytes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend, gpus", [("nccl", 2), ("gloo", 1)])  # gloo: both ranks share one GPU, host-staged
+def test_ranks_on_gpus_give_the_single_gpu_bytes(tmp_path: Path, backend: str, gpus: int) -> None:
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} CUDA GPU(s)")
     gpu = ["model.device=cuda", "sampler.num_steps=2", "prompts.num_prompts=4", "wandb.mode=disabled", "--quiet"]
-    ok(torchrun(2, "run", f"output_dir={tmp_path / 'two'}", *gpu, "distributed.backend=nccl"))
-    ok(plain("run", f"output_dir={tmp_path / 'one'}", *gpu))
-    for side in ("rollout", "recompute"):
-        assert sha(tmp_path / "one" / side / "tensors.safetensors") == sha(tmp_path / "two" / side / "tensors.safetensors")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gloo_ranks_sharing_one_gpu_give_the_single_gpu_bytes(tmp_path: Path) -> None:
-    gpu = ["model.device=cuda", "sampler.num_steps=2", "prompts.num_prompts=4", "wandb.mode=disabled", "--quiet"]
-    ok(torchrun(2, "run", f"output_dir={tmp_path / 'two'}", *gpu, "distributed.backend=gloo"))
+    ok(torchrun(2, "run", f"output_dir={tmp_path / 'two'}", *gpu, f"distributed.backend={backend}"))
     ok(plain("run", f"output_dir={tmp_path / 'one'}", *gpu))
     for side in ("rollout", "recompute"):
         assert sha(tmp_path / "one" / side / "tensors.safetensors") == sha(tmp_path / "two" / side / "tensors.safetensors")
