@@ -45,8 +45,9 @@ def _compose(args: argparse.Namespace, overrides: Sequence[str] | None = None):
     if command == "train":
         from ..training.rewards import compose_train
 
-        return compose_train(overrides, config_dir=args.config_dir)
-    cfg = compose(overrides, config_dir=args.config_dir, command=command)
+        cfg = compose_train(overrides, config_dir=args.config_dir)
+    else:
+        cfg = compose(overrides, config_dir=args.config_dir, command=command)
     if command in DISTRIBUTED_COMMANDS and args.command != "config":
         _agree_across_ranks(cfg)
     return cfg
@@ -55,7 +56,7 @@ def _compose(args: argparse.Namespace, overrides: Sequence[str] | None = None):
 # ---- many processes (torchrun; docs/distributed.md) -------------------------------------------------
 
 #: Commands that run under torchrun: each rank computes its share of the samples.
-DISTRIBUTED_COMMANDS = ("run", "rollout", "sample", "recompute")
+DISTRIBUTED_COMMANDS = ("run", "rollout", "sample", "recompute", "train")
 
 
 def _agree_across_ranks(cfg) -> None:

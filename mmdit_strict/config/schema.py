@@ -130,6 +130,9 @@ class DistributedConfig:
 
     backend: str = "auto"  # auto: nccl for model.device=cuda, gloo on CPUs | gloo | nccl (gloo with cuda stages tensors through the host)
     timeout_s: float = 300.0  # bound on every collective: a dead or stuck rank ends the job (exit 2), never a hang
+    # train: when the ranks compare hashes of the LoRA, optimizer state and EMA (a mismatch stops the job):
+    # checkpoint (at every checkpoint) | update (after every optimizer update too: a debug mode)
+    check_state: str = "checkpoint"
 
 
 @dataclass
@@ -169,6 +172,7 @@ class TrainRunConfig:
     sample: SampleConfig = field(default_factory=SampleConfig)  # GRPO rollout side
     train: TrainConfig = field(default_factory=TrainConfig)  # GRPO optimisation side
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)  # torchrun: backend, timeout, state checks
     extra: dict = field(default_factory=dict)  # free-form user keys (``+extra.foo=1``)
 
 
@@ -213,6 +217,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "lora.init": ("zero_b", "random"),
     "wandb.mode": ("offline", "online", "disabled"),
     "distributed.backend": ("auto", "gloo", "nccl"),
+    "distributed.check_state": ("checkpoint", "update"),
     **TRAIN_CHOICES,
 }
 

@@ -1,4 +1,4 @@
-"""Many processes, the same bytes: rollout and recompute across ``torchrun`` ranks (docs/distributed.md).
+"""Many processes, the same bytes: rollout, recompute and training across ``torchrun`` ranks (docs/distributed.md).
 
 Outside ``torchrun`` nothing here acts: :func:`current` is None, :class:`SidePlan` gives the
 single-process layout, and every exchange is a no-op.
@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from . import fold
 from .agree import agree, agree_config
-from .runtime import (PeerFailed, Session, all_gather, current, finish, from_root, gather_to_root, is_root, launched,
-                      session, stage, tag)
+from .runtime import (PeerFailed, Session, Traffic, all_gather, current, finish, from_root, gather_to_root, is_root,
+                      launched, session, stage, status, tag, traffic)
 from .side import SidePlan
 
-__all__ = ["PeerFailed", "Session", "SidePlan", "agree", "agree_config", "all_gather", "current", "finish", "from_root",
-           "gather_to_root", "is_root", "launched", "session", "stage", "tag", "root_context"]
+__all__ = ["PeerFailed", "Session", "SidePlan", "Traffic", "agree", "agree_config", "all_gather", "current", "finish",
+           "from_root", "gather_to_root", "is_root", "launched", "session", "stage", "status", "tag", "traffic", "root_context"]
 
 import contextlib
 from typing import Any, Callable, ContextManager, Iterator

@@ -47,10 +47,46 @@ class Session:
     backend: str
     timeout_s: float
     broken: bool = False  # a collective failed or a peer reported a failure: no further collectives
+    traffic: Traffic = dataclasses.field(default_factory=lambda: Traffic())
 
     @property
     def root(self) -> bool:
         return self.rank == 0
+
+
+@dataclasses.dataclass
+class Traffic:
+    """What this rank's exchanges cost so far: wall time inside collectives (status records included) and the
+    tensor bytes it put in (``bytes_out``) and got from other ranks (``bytes_in``), pickle framing left out."""
+
+    seconds: float = 0.0
+    bytes_out: int = 0
+    bytes_in: int = 0
+    calls: int = 0
+
+    def snapshot(self) -> "Traffic":
+        return dataclasses.replace(self)
+
+    def since(self, before: "Traffic") -> "Traffic":
+        return Traffic(self.seconds - before.seconds, self.bytes_out - before.bytes_out,
+                       self.bytes_in - before.bytes_in, self.calls - before.calls)
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of every tensor in ``obj`` (dicts, lists, tuples, dataclass-free containers)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+def traffic() -> Traffic | None:
+    """This rank's exchange totals (None in a single process)."""
+    s = current()
+    return None if s is None else s.traffic
 
 
 _SESSION: contextvars.ContextVar[Session | None] = contextvars.ContextVar("mmdit_distributed_session", default=None)
@@ -121,9 +157,16 @@ def host(obj: Any) -> Any:
     return obj
 
 
-def _collective(s: Session, label: str, fn: Callable[[], T]) -> T:
+def _collective(s: Session, label: str, fn: Callable[[], T], sent: int = 0, received: Callable[[], int] | None = None) -> T:
+    t0 = time.perf_counter()
     try:
-        return fn()
+        out = fn()
+        s.traffic.seconds += time.perf_counter() - t0
+        s.traffic.calls += 1
+        s.traffic.bytes_out += sent
+        if received is not None:
+            s.traffic.bytes_in += received()
+        return out
     except Exception as exc:
         s.broken = True
         raise PeerFailed(f"lost contact with the other ranks during {label!r} "
@@ -188,7 +231,9 @@ def from_root(label: str, fn: Callable[[], T]) -> T:
         if s.root:
             value = host(fn())
     box = [value]
-    _collective(s, label, lambda: dist.broadcast_object_list(box, src=0))
+    sent = tensor_bytes(value) if s.root else 0
+    _collective(s, label, lambda: dist.broadcast_object_list(box, src=0), sent,
+                (lambda: 0) if s.root else (lambda: tensor_bytes(box[0])))
     return box[0]
 
 
@@ -205,7 +250,8 @@ def gather_to_root(label: str, payload: Any) -> list[Any] | None:
     _status(s, label, None)
     out: list[Any] | None = [None] * s.world_size if s.root else None
     data = host(payload)
-    _collective(s, label, lambda: dist.gather_object(data, out, dst=0))
+    _collective(s, label, lambda: dist.gather_object(data, out, dst=0), 0 if s.root else tensor_bytes(data),
+                lambda: sum(tensor_bytes(o) for r, o in enumerate(out) if r != s.rank) if out is not None else 0)
     return out
 
 
@@ -219,8 +265,42 @@ def all_gather(label: str, payload: Any) -> list[Any]:
     _status(s, label, None)
     out: list[Any] = [None] * s.world_size
     data = host(payload)
-    _collective(s, label, lambda: dist.all_gather_object(out, data))
+    _collective(s, label, lambda: dist.all_gather_object(out, data), tensor_bytes(data),
+                lambda: sum(tensor_bytes(o) for r, o in enumerate(out) if r != s.rank))
     return out
+
+
+def send(label: str, payload: Any, dst: int) -> None:
+    """Move ``payload`` (tensors on the host) to rank ``dst``, which calls :func:`receive` with this rank as ``src``."""
+    import torch.distributed as dist
+
+    s = _require_session()
+    data = host(payload)
+    _collective(s, label, lambda: dist.send_object_list([data], dst=dst), tensor_bytes(data))
+
+
+def receive(label: str, src: int) -> Any:
+    """What rank ``src`` :func:`send` to this rank."""
+    import torch.distributed as dist
+
+    s = _require_session()
+    box: list[Any] = [None]
+    _collective(s, label, lambda: dist.recv_object_list(box, src=src), 0, lambda: tensor_bytes(box[0]))
+    return box[0]
+
+
+def status(label: str) -> None:
+    """Every rank says it reached ``label`` without error; raises :class:`PeerFailed` when one did not."""
+    s = current()
+    if s is not None:
+        _status(s, label, None)
+
+
+def _require_session() -> Session:
+    s = current()
+    if s is None:
+        raise RuntimeError("point-to-point exchanges need a torchrun session")
+    return s
 
 
 def finish(rc: int) -> int:

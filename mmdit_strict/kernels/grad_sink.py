@@ -1,13 +1,15 @@
-"""Split-invariant parameter gradients: per-sample partials folded in global sample order.
+"""Split-invariant parameter gradients: per-sample partials folded over a fixed tree of sorted sample keys.
 
 Autograd adds a parameter's gradient contributions in the order the backward passes run, so the
 bytes of a LoRA gradient depend on how a batch was split into micro-batches. Inside a
 :func:`collect_sample_grads` block, the strict GEMM backward (CPU and Triton) also hands each
 sample's FP32 partial ``dZ_sᵀ X_s`` to a :class:`SampleGradSink`, keyed by the sample key the caller
-declared with :func:`sample_keys` (for example ``((sample_id, step), cfg_branch)``). The fold adds the
-partials in sorted key order — ``acc = P_k0; acc = acc + P_k1; ...`` in FP32 — so the result is the
-same bytes whatever the micro-batch split, sample order or CFG layout (docs/design.md §3, "Gradient
-sink").
+declared with :func:`sample_keys` (for example ``((sample_id, step), cfg_branch)``). The fold puts the
+partials at the leaves of the canonical pairwise tree over the sorted keys (:mod:`.fold_tree`) and adds
+them there in FP32, so the result is the same bytes whatever the micro-batch split, sample order, CFG
+layout or number of ranks (docs/design.md §3, "Gradient sink"). The leaves are the sink's keys: the
+declared ones (streamed), else every key that deposited into any parameter or was marked done (stored);
+a key that deposited nothing into a parameter is an empty leaf of that parameter's tree.
 
 Two ways to hold the partials, one result:
 
@@ -15,15 +17,17 @@ Two ways to hold the partials, one result:
   Memory: one FP32 copy of every trained tensor per key. A key may deposit into a parameter more
   than once (a layer applied twice); its deposits are summed in arrival order first.
 * **streamed** (``SampleGradSink(keys)``): the caller declares up front every key that will deposit
-  (e.g. all (pair, branch) keys of one optimizer update). Each parameter keeps a running FP32
-  accumulator and a frontier in the sorted key list; a partial whose key is at the frontier is added
-  at once, later keys wait in a buffer until every smaller key has been added (or declared
-  finished with :meth:`done` without a deposit for that parameter). Memory: the accumulator plus the
-  buffered out-of-order partials; :func:`pending_bound` says how many a given execution order can
-  buffer at most. It takes one partial per (parameter, key) and raises on a second one (a summed
-  duplicate could not be placed in the fold without depending on timing).
+  (e.g. all (pair, branch) keys of one optimizer update). Each parameter keeps its tree's open nodes
+  (at most ``⌈log2 K⌉ + 1``) and a frontier in the sorted key list; a partial whose key is at the
+  frontier becomes a leaf at once, later keys wait in a buffer until every smaller key is in (or was
+  declared finished with :meth:`done` without a deposit for that parameter). :func:`pending_bound`
+  says how many a given execution order can buffer at most. It takes one partial per (parameter,
+  key) and raises on a second one (a summed duplicate could not be placed without depending on
+  timing). ``first_index`` places the keys at leaves ``first_index, first_index + 1, …`` of a larger
+  tree (a rank's contiguous share of an update's keys); :meth:`nodes` then hands out the open nodes
+  for the other ranks (:mod:`mmdit_strict.distributed.fold`).
 
-Both give the same bytes: the streamed fold performs the stored fold's additions, in its order.
+Both give the same bytes: the streamed fold builds the stored fold's tree, node by node.
 """
 
 from __future__ import annotations
@@ -36,16 +40,19 @@ from dataclasses import dataclass, field
 import torch
 
 from .execution import bind, current
+from . import fold_tree
+from .fold_tree import Node, PairwiseFold
 
 
 @dataclass
 class _Stream:
-    """One parameter's streamed fold: accumulator, frontier index into the sorted keys, buffered partials."""
+    """One parameter's streamed fold: its tree's open nodes, frontier index into the sorted keys, buffered partials."""
 
-    acc: torch.Tensor | None = None
+    tree: PairwiseFold
     next: int = 0
-    pending: dict[int, torch.Tensor] = field(default_factory=dict)  # rank in the sorted keys → owned partial
+    pending: dict[int, torch.Tensor] = field(default_factory=dict)  # position in the sorted keys → owned partial
     seen: set[int] = field(default_factory=set)
+    result: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -56,41 +63,51 @@ class SinkStats:
         peak_pending: the most partials buffered at once, all parameters together (streamed; stored:
             the partials kept, which only grows).
         peak_pending_per_param: the most partials one parameter buffered at once.
-        peak_pending_bytes: bytes of the buffered partials at their fullest (accumulators not counted).
+        peak_pending_bytes: bytes of the buffered partials at their fullest (tree nodes not counted).
         deposits: partials received.
+        peak_nodes_per_param: the most open tree nodes one parameter's streamed fold held at once
+            (each one FP32 copy of the tensor; 0 for the stored fold).
     """
 
     peak_pending: int
     peak_pending_per_param: int
     peak_pending_bytes: int
     deposits: int
+    peak_nodes_per_param: int = 0
 
 
 class SampleGradSink:
-    """Per-(parameter, sample key) gradient partials and their fold in sorted key order.
+    """Per-(parameter, sample key) gradient partials and their tree fold over the sorted keys.
 
     Args:
         keys: ``None`` for the stored fold; else every sample key that will deposit into this sink
             (distinct, mutually comparable), for the streamed fold. A deposit under another key raises.
+        first_index: streamed fold only: the leaf index of the smallest key (keys are leaves
+            ``first_index .. first_index + len(keys) - 1`` of a larger tree); :meth:`fold` needs 0.
     """
 
-    def __init__(self, keys: Sequence[Hashable] | None = None) -> None:
+    def __init__(self, keys: Sequence[Hashable] | None = None, first_index: int = 0) -> None:
         self._params: dict[int, torch.Tensor] = {}
         self._parts: dict[int, dict[Hashable, torch.Tensor]] = {}
+        self._universe: set[Hashable] = set()
         self._done: set[Hashable] = set()
         self._rank: dict[Hashable, int] | None = None
         self._order: list[Hashable] = []
         self._streams: dict[int, _Stream] = {}
         self._finished: set[int] = set()
+        self._first = first_index
         self._pending = self._pending_bytes = 0
-        self._peak = self._peak_one = self._peak_bytes = self._deposits = 0
-        if keys is not None:
-            order = sorted(keys)
-            if len(set(order)) != len(order):
-                dup = next(a for a, b in itertools.pairwise(order) if a == b)
-                raise ValueError(f"SampleGradSink keys must be distinct; {dup!r} appears more than once")
-            self._rank = {k: i for i, k in enumerate(order)}
-            self._order = order
+        self._peak = self._peak_one = self._peak_bytes = self._deposits = self._peak_nodes = 0
+        if keys is None:
+            if first_index:
+                raise ValueError("first_index places declared keys in a larger tree: it needs the streamed fold (keys=...)")
+            return
+        order = sorted(keys)
+        if len(set(order)) != len(order):
+            dup = next(a for a, b in itertools.pairwise(order) if a == b)
+            raise ValueError(f"SampleGradSink keys must be distinct; {dup!r} appears more than once")
+        self._rank = {k: i for i, k in enumerate(order)}
+        self._order = order
 
     @property
     def streamed(self) -> bool:
@@ -99,15 +116,15 @@ class SampleGradSink:
 
     @property
     def stats(self) -> SinkStats:
-        return SinkStats(self._peak, self._peak_one, self._peak_bytes, self._deposits)
+        return SinkStats(self._peak, self._peak_one, self._peak_bytes, self._deposits, self._peak_nodes)
 
     def add(self, param: torch.Tensor, keys: Sequence[Hashable], partials: Sequence[torch.Tensor], *,
             transfer: bool = False) -> None:
         """Take ``partials[i]`` (the gradient of ``param`` from sample ``keys[i]`` alone) into the fold.
 
-        By default the sink keeps no reference to a caller's tensor: a partial it must hold is copied.
-        ``transfer=True`` hands the tensors over (the caller allocated them for the sink and never
-        touches them again), so they are held or become an accumulator without a copy.
+        By default the sink keeps no reference to a caller's tensor that it will write: a partial it
+        must hold or add into is copied. ``transfer=True`` hands the tensors over (the caller allocated
+        them for the sink and never touches them again), so they are held or added into without a copy.
         """
         if len(keys) != len(partials):
             raise ValueError(f"{len(keys)} sample keys for {len(partials)} gradient partials")
@@ -119,6 +136,7 @@ class SampleGradSink:
         if self._rank is None:
             slot = self._parts.setdefault(id(param), {})
             for k, p in zip(keys, partials):
+                self._universe.add(k)
                 # a key may contribute more than once (e.g. a layer used twice); add in arrival order for that key
                 if k in slot:
                     slot[k] = slot[k] + p.detach()
@@ -126,12 +144,14 @@ class SampleGradSink:
                     slot[k] = p.detach() if transfer else p.detach().clone()
                     self._pending += 1
                     self._pending_bytes += p.numel() * p.element_size()
-            self._note(len(slot))
+            self._note(len(slot), 0)
             return
         if id(param) in self._finished:
             raise ValueError("gradient partial for a parameter whose streamed fold was already taken")
-        st = self._streams.setdefault(id(param), _Stream())
-        fresh: dict[int, tuple[torch.Tensor, bool]] = {}  # rank → (partial, owned by the sink)
+        st = self._streams.get(id(param))
+        if st is None:
+            st = self._streams[id(param)] = _Stream(PairwiseFold(self._first))
+        fresh: dict[int, tuple[torch.Tensor, bool]] = {}  # position → (partial, owned by the sink)
         for k, p in zip(keys, partials):
             r = self._rank.get(k)
             if r is None:
@@ -144,18 +164,21 @@ class SampleGradSink:
             st.seen.add(r)
             fresh[r] = (p.detach(), transfer)
         self._advance(st, fresh, finish=False)
-        self._note(len(st.pending))
+        self._note(len(st.pending), len(st.tree.nodes))
 
     def done(self, keys: Sequence[Hashable]) -> None:
         """Declare that ``keys`` will deposit no more partials (their micro-batch's backward has run).
 
-        A later deposit under one of them raises. In the streamed fold this also lets every
-        parameter's fold move past those keys where they deposited nothing into it.
+        A later deposit under one of them raises. Stored: the keys become leaves of every
+        parameter's tree (empty where they deposited nothing). Streamed: every parameter's fold moves
+        past those keys where they deposited nothing into it.
         """
         if self._rank is not None:
             unknown = [k for k in keys if k not in self._rank]
             if unknown:
                 raise ValueError(f"sample key {unknown[0]!r} was not declared to this streamed SampleGradSink")
+        else:
+            self._universe.update(keys)
         self._done.update(keys)
         if self._rank is not None:
             for pid, st in self._streams.items():
@@ -166,50 +189,68 @@ class SampleGradSink:
         return list(self._params.values())
 
     def fold(self, param: torch.Tensor) -> torch.Tensor | None:
-        """Left fold of ``param``'s partials in sorted sample-key order (FP32), or None if it got none.
+        """``param``'s partials folded over the key tree (FP32), or None if it got none.
 
         Stored: a new tensor each call. Streamed: the first call adds what is still buffered (every
-        key counts as done for this parameter from then on) and returns the sink's accumulator;
-        later calls return the same tensor.
+        key counts as done for this parameter from then on) and returns the root; later calls
+        return the same tensor.
         """
         if self._rank is None:
             slot = self._parts.get(id(param))
             if not slot:
                 return None
-            acc = None
-            for k in sorted(slot):
-                acc = slot[k].clone() if acc is None else acc + slot[k]
-            return acc
+            return fold_tree.fold(slot.get(k) for k in sorted(self._universe))
+        if self._first:
+            raise ValueError(f"this sink's keys start at leaf {self._first}: take its nodes() and merge them with "
+                             "the other ranges' (mmdit_strict.distributed.fold)")
         st = self._streams.get(id(param))
         if st is None:
             return None
         if id(param) not in self._finished:
-            self._advance(st, {}, finish=True)
-            self._finished.add(id(param))
-        return st.acc
+            self._finish(st, id(param))
+            st.result = st.tree.result()
+        return st.result
+
+    def nodes(self, param: torch.Tensor) -> list[Node] | None:
+        """Streamed fold: ``param``'s open tree nodes once every key is in (the range's reduced form), or None if
+        it got no partial. Ends this parameter's fold (a later deposit raises); the nodes are the sink's, handed over."""
+        if self._rank is None:
+            raise ValueError("tree nodes of a key range are kept only by the streamed fold (SampleGradSink(keys))")
+        st = self._streams.get(id(param))
+        if st is None:
+            return None
+        if id(param) in self._finished:
+            raise ValueError("nodes() was already taken for this parameter")
+        self._finish(st, id(param))
+        return list(st.tree.nodes)
 
     def partials(self, param: torch.Tensor) -> dict[Hashable, torch.Tensor]:
         """Stored fold only: ``param``'s partial per sample key, as held (not copies); empty if it got none.
 
-        Lets a caller move the partials elsewhere (another process) and fold them there in key order.
+        Lets a caller move the partials elsewhere (another process) and fold them there.
         """
         if self._rank is not None:
             raise ValueError("per-key partials are kept only by the stored fold (SampleGradSink() without keys)")
         return dict(self._parts.get(id(param), {}))
 
     # ------------------------------------------------------------------ streamed fold internals
+    def _finish(self, st: _Stream, pid: int) -> None:
+        self._advance(st, {}, finish=True)
+        self._finished.add(pid)
+
     def _advance(self, st: _Stream, fresh: dict[int, tuple[torch.Tensor, bool]], finish: bool) -> None:
-        """Add every partial at the frontier, moving past keys that are done without a deposit here;
-        buffer what is still out of order (copied unless the sink owns it)."""
+        """Put every partial at the frontier into the tree (an empty leaf for a key done without a deposit
+        here); buffer what is still out of order (copied unless the sink owns it)."""
         while st.next < len(self._order):
             r = st.next
-            if r in fresh or r in st.pending:
-                part, owned = fresh.pop(r) if r in fresh else (self._unbuffer(st, r), True)
-                if st.acc is None:
-                    st.acc = part if owned else part.clone()
-                else:
-                    st.acc.add_(part)  # elementwise acc + part, the stored fold's addition
-            elif not (finish or self._order[r] in self._done):
+            if r in fresh:
+                part, owned = fresh.pop(r)
+                st.tree.leaf(part, owned)
+            elif r in st.pending:
+                st.tree.leaf(self._unbuffer(st, r), True)
+            elif finish or self._order[r] in self._done:
+                st.tree.leaf(None)
+            else:
                 break
             st.next += 1
         for r, (p, owned) in fresh.items():
@@ -223,10 +264,11 @@ class SampleGradSink:
         self._pending_bytes -= p.numel() * p.element_size()
         return p
 
-    def _note(self, per_param: int) -> None:
+    def _note(self, per_param: int, nodes: int) -> None:
         self._peak = max(self._peak, self._pending)
         self._peak_one = max(self._peak_one, per_param)
         self._peak_bytes = max(self._peak_bytes, self._pending_bytes)
+        self._peak_nodes = max(self._peak_nodes, nodes)
 
 
 def pending_bound(batches: Sequence[Sequence[Hashable]]) -> int:

@@ -19,6 +19,13 @@ Per epoch ``e``:
    (``grad_sink_*`` in the epoch row).
 4. **checkpoint** every ``save_freq`` epochs; **eval** every ``eval_freq`` epochs with the ODE sampler.
 
+Under ``torchrun`` (docs/distributed.md, "Training") every rank rolls out a contiguous block of the
+epoch's samples and all ranks gather them; rank 0 computes rewards, advantages and evaluations and
+moves them to the others; each optimizer update's pairs, sorted by gradient key, are cut into one
+contiguous block per rank, and the ranks merge their gradient-tree nodes
+(:func:`~mmdit_strict.distributed.fold.merge_update`) into the single-process gradient bytes, so every
+rank takes the same optimizer step. Rank 0 alone writes the folder.
+
 Every random choice is keyed (see :mod:`.rollout`), so ``resume=true`` after a kill redoes the
 unfinished epoch and ends on the same LoRA bytes as an uninterrupted run.
 """
@@ -38,8 +45,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from .. import distributed
 from ..config.compose import save_resolved
-from ..config.schema import LoraConfig, ModelConfig, PromptsConfig, TrainRunConfig, section_names, to_typed
+from ..config.schema import DistributedConfig, LoraConfig, ModelConfig, PromptsConfig, TrainRunConfig, section_names, to_typed
+from ..distributed import layout
+from ..distributed.fold import merge_update, range_nodes
 from ..config.training import SampleConfig, TrainConfig
 from ..kernels.grad_sink import (
     SampleGradSink,
@@ -57,8 +67,9 @@ from .export import export_lora
 from .loss import grpo_loss
 from .metrics import MetricLogger, peak_memory_mb, plot_rewards, read_metrics
 from .optim import LoraEMA, build_optimizer
-from .policy import adapters_disabled, evaluate_pairs, grad_keys, pair_key
+from .policy import adapters_disabled, cfg_branches, evaluate_pairs, grad_keys, pair_key
 from .rewards import ImageSource, RewardSet
+from .state import state_digest
 from .rollout import EpochSamples, ode_sample, rollout_epoch, side
 
 logger = logging.getLogger(__name__)
@@ -70,7 +81,8 @@ EVAL_ID_BASE = 1 << 40
 #: run and its resume: they decide neither the bytes of the LoRA nor the order of the work. Every other key of
 #: the schema must match the checkpoint's.
 RESUME_FREE = ("resume", "progress", "wandb", "output_dir", "_choices_", "train.num_epochs", "train.eval_freq",
-               "train.save_freq", "train.export", "train.recompute_old_logp", "train.cpu_threads", "train.grad_sink")
+               "train.save_freq", "train.export", "train.recompute_old_logp", "train.cpu_threads", "train.grad_sink",
+               "distributed")
 
 UpdateHook = Callable[[int, int, int], None]
 
@@ -168,13 +180,19 @@ class Trainer:
         self.tcfg: TrainConfig = to_typed(cfg.train, TrainConfig)
         self.mcfg: ModelConfig = to_typed(cfg.model, ModelConfig)
         self.lcfg: LoraConfig = to_typed(cfg.lora, LoraConfig)
-        self.progress = progress
+        self.dcfg: DistributedConfig = to_typed(cfg.distributed, DistributedConfig)
+        self.session = distributed.current()
+        self.root = distributed.is_root()
+        self.progress = progress and self.root
         self.on_update = on_update
         self.out = Path(cfg.output_dir)
         self.seed: int = cfg.seed
         self.rewards = RewardSet(self.tcfg.reward_fn, self.tcfg.reward_kwargs)
         self.rollout_rt = resolve_runtime(self.scfg.runtime, cfg.runtime.mode)
         self.train_rt = resolve_runtime(self.tcfg.runtime, cfg.runtime.mode)
+        if self.session is not None and self.train_rt is Runtime.OFF:
+            raise ValueError("train under torchrun folds per-sample LoRA-gradient partials across ranks; train.runtime=off "
+                             "deposits none (autograd's sums depend on the split): use strict or audit")
         self.model = build_side_model(self.mcfg, self.lcfg, self.rollout_rt)
         self.model.enable_gradient_checkpointing(self.tcfg.grad_checkpointing)
         self.device = self.model.device
@@ -187,7 +205,7 @@ class Trainer:
         self.optimizer, self.scheduler = build_optimizer(self.params, self.tcfg)
         self.ema = LoraEMA(self.named, self.tcfg.ema_decay) if self.tcfg.ema else None
         self.tracker = StatTracker(self.tcfg.per_prompt_stat_tracking, self.tcfg.global_std)
-        self.images = image_source(self.mcfg, self.rewards)
+        self.images = image_source(self.mcfg, self.rewards) if self.root else ImageSource()  # rank 0 scores
         self.start_epoch = 0
         self.updates = 0
         self.wandb_id: str | None = None
@@ -196,14 +214,21 @@ class Trainer:
         self._maybe_resume()
 
     # ------------------------------------------------------------------ setup
-    def _maybe_resume(self) -> None:
+    def _read_latest(self) -> dict[str, Any] | None:
+        """The latest verified checkpoint (rank 0 reads it; torchrun moves it to every rank), or None."""
         folder = ckpt.latest_checkpoint(self.ckpt_root) if self.ckpt_root.exists() else None
         if folder is None:
-            return
+            return None
         if not self.cfg.resume:
             raise ValueError(f"{self.out} already holds training checkpoints ({folder.name}); pass resume=true to continue "
                              "that run or choose another output_dir")
-        data = ckpt.load_checkpoint(folder, self.device)
+        return {"folder": str(folder), **ckpt.load_checkpoint(folder, "cpu" if self.session is not None else self.device)}
+
+    def _maybe_resume(self) -> None:
+        data = distributed.from_root("resume: read the latest checkpoint", self._read_latest)
+        if data is None:
+            return
+        folder = Path(data["folder"])
         state = data["state"]
         missing = [k for k in ("epoch", "updates", "resume_key", "stat_tracker", "rng") if k not in state]
         if missing:
@@ -246,7 +271,16 @@ class Trainer:
             "resume_key": _resume_key(self.cfg), "wandb_id": self.wandb_id,
         }
         opt = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
-        ckpt.save_checkpoint(self.ckpt_root, epoch, lora, opt, state, self.ema.state_dict() if self.ema else None)
+        self._check_state(f"epoch {epoch}: checkpoint")
+        with distributed.stage(f"epoch {epoch}: write the checkpoint"):
+            if self.root:
+                ckpt.save_checkpoint(self.ckpt_root, epoch, lora, opt, state, self.ema.state_dict() if self.ema else None)
+
+    def _check_state(self, when: str) -> None:
+        """torchrun: every rank must hold the same LoRA, optimizer and EMA bytes (compared by hash)."""
+        if self.session is not None:
+            distributed.agree(f"training state at {when}",
+                              {"lora, optimizer and EMA sha256": state_digest(self.named, self.optimizer, self.scheduler, self.ema)})
 
     # ------------------------------------------------------------------ phases
     def _rewards(self, final: torch.Tensor, prompt_ids: list[int], meta: list[dict]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -283,20 +317,41 @@ class Trainer:
             chunk = sorted(chunk, key=lambda p: pair_key(samples, p))
         return [chunk[m0:m0 + mb] for m0 in range(0, len(chunk), mb)]
 
+    def _canonical_order(self, samples: EpochSamples, chunk: list[tuple[int, int]], scale: float) -> list[tuple[int, int]]:
+        """The update's pairs in the order one process runs them (its statistics are concatenated in this order)."""
+        batches = self._update_batches(samples, chunk)
+        keys = [grad_keys(samples, b, scale) for b in batches]
+        return [p for j in execution_order(keys) for p in batches[j]]
+
+    def _rank_share(self, samples: EpochSamples, chunk: list[tuple[int, int]], scale: float) -> tuple[list[list[tuple[int, int]]], int]:
+        """This rank's micro-batches of an update and the tree index of its first gradient key.
+
+        One process: the update's micro-batches (``_update_batches``), first index 0. torchrun: the
+        update's pairs sorted by gradient key, rank ``r``'s contiguous block of them, cut into micro-batches;
+        a pair's keys are its CFG branches, so the block's keys start at ``block.start · branches``.
+        """
+        if self.session is None:
+            return self._update_batches(samples, chunk), 0
+        ordered = sorted(chunk, key=lambda p: pair_key(samples, p))
+        span = layout.block(len(ordered), self.session.world_size, self.session.rank)
+        return layout.cut(ordered[span.start:span.stop], self.tcfg.micro_batch), span.start * len(cfg_branches(scale))
+
     def _train(self, epoch: int, samples: EpochSamples, adv: torch.Tensor) -> dict[str, Any]:
         t = self.tcfg
         pairs = self._pairs(samples)
         if t.recompute_old_logp:
             self._check_old_logp(samples, pairs)
         per_update = t.micro_batch * t.gradient_accumulation_steps
+        scale = self.scfg.guidance_scale if t.cfg else 1.0
         adv_dev = adv.to(device=self.device, dtype=torch.float32)
-        ratios, clipped, approx, policy, kl, norms, folds = [], [], [], [], [], [], set()
-        first_ratios: torch.Tensor | None = None
-        first_dlogp = torch.zeros(1)
-        t_opt = 0.0
-        sink_mb, sink_peak, sink_bound = 0.0, 0, 0
+        norms, folds, canon = [], set(), []
+        stats: dict[tuple[int, tuple[int, int]], torch.Tensor] = {}  # (update, pair) → its diagnostics (host)
+        t_opt = t_comm = 0.0
+        bytes_moved = 0
+        sink_mb, sink_peak, sink_bound, sink_nodes = 0.0, 0, 0, 0
         n_updates = t.num_inner_epochs * math.ceil(len(pairs) / per_update)
         bar = tqdm(total=n_updates, desc=f"epoch {epoch} train [{self.train_rt.value}]", disable=not self.progress, leave=False)
+        u_all = 0
         for inner in range(t.num_inner_epochs):
             order = list(pairs)
             if t.shuffle:
@@ -304,13 +359,14 @@ class Trainer:
             for u, u0 in enumerate(range(0, len(order), per_update)):
                 chunk = order[u0:u0 + per_update]
                 weight = 1.0 / len(chunk)
-                batches = self._update_batches(samples, chunk)
-                keys = [grad_keys(samples, b, self.scfg.guidance_scale if t.cfg else 1.0) for b in batches]
+                canon.append(self._canonical_order(samples, chunk, scale))
+                batches, first = self._rank_share(samples, chunk, scale)
+                keys = [grad_keys(samples, b, scale) for b in batches]
                 run = execution_order(keys)
+                flat = [k for ks in keys for k in ks]
                 streamed = t.grad_sink == "streamed"
-                sink = SampleGradSink([k for ks in keys for k in ks]) if streamed else SampleGradSink()
-                sink_bound = max(sink_bound, pending_bound([keys[j] for j in run]) if streamed else sum(map(len, keys)))
-                update_ratios, update_dlogp = [], []
+                sink = SampleGradSink(flat, first_index=first) if streamed else SampleGradSink()
+                sink_bound = max(sink_bound, pending_bound([keys[j] for j in run]) if streamed else len(flat))
                 with collect_sample_grads(sink), side(self.model, self.train_rt):
                     for j in run:
                         part = batches[j]
@@ -324,47 +380,69 @@ class Trainer:
                         pl = grpo_loss(ev.logp, old, a, weight, t.clip_range, t.adv_clip_max, t.beta, ev.mean, ref_mean, ev.std)
                         pl.loss.backward()
                         sink.done(keys[j])
-                        update_ratios.append(pl.ratio)
-                        update_dlogp.append((ev.logp.detach() - old).abs())
-                        clipped.append(pl.clipped)
-                        approx.append(0.5 * (ev.logp.detach() - old) ** 2)
-                        policy.append(pl.policy)
-                        kl.append(pl.kl)
+                        d = ev.logp.detach() - old
+                        rows = torch.stack([pl.ratio.double(), pl.clipped.double(), (0.5 * d ** 2).double(),
+                                            pl.policy.double(), pl.kl.double(), d.abs().double()], dim=1).cpu()
+                        for i, pair in enumerate(part):
+                            stats[u_all, pair] = rows[i]
                 t0 = time.perf_counter()
-                folds.add(self._fold_grads(sink))
-                stats = sink.stats
-                sink_mb = max(sink_mb, stats.peak_pending_bytes / 2**20)
-                sink_peak = max(sink_peak, stats.peak_pending_per_param)
+                traffic0 = distributed.traffic()
+                before = traffic0.snapshot() if traffic0 is not None else None
+                folds.add(self._fold_grads(sink, flat, first, f"epoch {epoch} update {u_all}"))
+                st = sink.stats
+                sink_mb = max(sink_mb, st.peak_pending_bytes / 2**20)
+                sink_peak = max(sink_peak, st.peak_pending_per_param)
+                sink_nodes = max(sink_nodes, st.peak_nodes_per_param)
                 del sink
                 norms.append(self._step())
+                if traffic0 is not None and before is not None:
+                    moved = traffic0.since(before)
+                    t_comm += moved.seconds
+                    bytes_moved += moved.bytes_out + moved.bytes_in
+                    if self.dcfg.check_state == "update":
+                        self._check_state(f"epoch {epoch} update {u_all}")
                 t_opt += time.perf_counter() - t0
-                r = torch.cat(update_ratios)
-                ratios.append(r)
-                if first_ratios is None:
-                    first_ratios, first_dlogp = r, torch.cat(update_dlogp)
+                u_all += 1
                 bar.update(1)
                 if self.on_update is not None:
                     self.on_update(epoch, inner, u)
         bar.close()
-        r = torch.cat(ratios).double()
-        fr = first_ratios.double() if first_ratios is not None else r
+        if self.session is not None:  # every rank's pair diagnostics, so each can put them in one process's order
+            for share in distributed.all_gather(f"epoch {epoch}: pair statistics", stats):
+                stats.update(share)
+        per_update_rows = [torch.stack([stats[u, p] for p in order]) for u, order in enumerate(canon)]
+        allr = torch.cat(per_update_rows)
+        r, fr = allr[:, 0], per_update_rows[0][:, 0]
         return {
             "pairs": len(pairs), "optimizer_updates": len(norms),
             "ratio_min": float(r.min()), "ratio_max": float(r.max()), "ratio_exact_one_frac": float((r == 1.0).double().mean()),
             "first_update_ratio_exact_one_frac": float((fr == 1.0).double().mean()),
             "first_update_ratio_max_abs_dev": float((fr - 1.0).abs().max()),
-            "first_update_logp_max_abs_diff": float(first_dlogp.max()),
+            "first_update_logp_max_abs_diff": float(per_update_rows[0][:, 5].max()),
             "first_update_pairs": int(fr.numel()),
-            "clipfrac": float(torch.cat(clipped).double().mean()), "approx_kl": float(torch.cat(approx).double().mean()),
-            "policy_loss": float(torch.cat(policy).double().mean()), "kl_loss": float(torch.cat(kl).double().mean()),
+            "clipfrac": float(allr[:, 1].mean()), "approx_kl": float(allr[:, 2].mean()),
+            "policy_loss": float(allr[:, 3].mean()), "kl_loss": float(allr[:, 4].mean()),
             "grad_norm": float(sum(norms) / len(norms)), "grad_norm_last": float(norms[-1]),
             "lr": float(self.scheduler.get_last_lr()[0]), "grad_fold": "+".join(sorted(folds)),
             "grad_sink": t.grad_sink, "grad_sink_peak_buffer_mb": sink_mb,
-            "grad_sink_peak_per_param": sink_peak, "grad_sink_bound_per_param": sink_bound, "_time_optimizer": t_opt,
+            "grad_sink_peak_per_param": sink_peak, "grad_sink_bound_per_param": sink_bound,
+            "grad_sink_peak_tree_nodes": sink_nodes, "_time_optimizer": t_opt, "_time_comm": t_comm,
+            "_bytes_moved": bytes_moved,
         }
 
-    def _fold_grads(self, sink) -> str:
-        """Replace autograd's gradient sums by the grad sink's sample-ordered folds when every parameter has them."""
+    def _fold_grads(self, sink: SampleGradSink, keys: list, first: int, label: str) -> str:
+        """Replace autograd's gradient sums by the grad sink's tree folds (across every rank under torchrun)."""
+        if self.session is not None:
+            nodes = {n: range_nodes(sink, p, keys, first) for n, p in self.named}
+            bare = [n for n, p in self.named if p.grad is not None and all(nd.value is None for nd in nodes[n])]
+            if bare:
+                raise RuntimeError(f"train: {bare[0]} got a gradient but no per-sample partials from the "
+                                   f"{self.train_rt.value} backward, so it cannot be folded across ranks")
+            merged = merge_update([n for n, _ in self.named], nodes, first, label)
+            for n, p in self.named:
+                g = merged[n]
+                p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype)
+            return "sink"
         folded = {}
         for n, p in self.named:
             if p.grad is None:
@@ -413,65 +491,118 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> TrainResult:
-        """Train epochs ``start_epoch .. num_epochs - 1``; returns the metrics and the final LoRA."""
-        self.out.mkdir(parents=True, exist_ok=True)
-        save_resolved(self.cfg, self.out)
+        """Train epochs ``start_epoch .. num_epochs - 1``; returns the metrics and the final LoRA.
+
+        Under torchrun every rank trains; rank 0 alone writes the folder (config, metrics, wandb,
+        checkpoints, plot, export), and the other ranks' result holds no metrics and no export.
+        """
         E = self.tcfg.num_epochs
-        mlog = MetricLogger(self.out, self.cfg.wandb.mode, self.cfg.wandb.project, self.cfg.wandb.entity,
-                            OmegaConf.to_container(self.cfg, resolve=True), self.start_epoch, self.wandb_id)
-        self.wandb_id = mlog.run_id
+        mlog = None
+        with distributed.stage("train: open the run folder"):
+            if self.root:
+                self.out.mkdir(parents=True, exist_ok=True)
+                save_resolved(self.cfg, self.out)
+                mlog = MetricLogger(self.out, self.cfg.wandb.mode, self.cfg.wandb.project, self.cfg.wandb.entity,
+                                    OmegaConf.to_container(self.cfg, resolve=True), self.start_epoch, self.wandb_id)
+                self.wandb_id = mlog.run_id
         bar = tqdm(range(self.start_epoch, E), desc="train", disable=not self.progress, initial=self.start_epoch, total=E)
         wandb_error = None
         try:
             for epoch in bar:
                 row = self.train_epoch(epoch)
-                mlog.log(row)
+                if mlog is not None:
+                    mlog.log(row)
                 bar.set_postfix(reward=f"{row['reward_mean']:+.4f}", ratio1=f"{row['first_update_ratio_exact_one_frac']:.2f}")
                 if (epoch + 1) % self.tcfg.save_freq == 0 or epoch + 1 == E:
                     self._save(epoch)
         finally:
             bar.close()
+            if mlog is not None:
+                rows = read_metrics(self.out)
+                wandb_error = mlog.finish({"reward_mean_last": rows[-1]["reward_mean"]} if rows else None)
+        lora = {n: p.detach().clone() for n, p in self.named}
+        if not self.root:
+            distributed.status("train: rank 0 wrote the plot and the export")
+            return TrainResult(self.out, E, [], lora, {}, None)
+        with distributed.stage("train: rank 0 wrote the plot and the export"):
             rows = read_metrics(self.out)
-            wandb_error = mlog.finish({"reward_mean_last": rows[-1]["reward_mean"]} if rows else None)
-        rows = read_metrics(self.out)
-        if rows:
-            names = " + ".join(f"{w:g}·{n}" for n, w in self.rewards.weights.items())
-            plot_rewards(rows, self.out / "reward_curve.png",
-                         f"Flow-GRPO LoRA, {self.mcfg.preset} model, reward {names}, seed {self.seed}")
-        exported = {}
-        if self.tcfg.export:
-            exported = export_lora(self.model, self.out / "lora", self.lcfg.rank, self.lcfg.alpha, self.lcfg.targets)
-        return TrainResult(self.out, E, read_metrics(self.out), {n: p.detach().clone() for n, p in self.named}, exported,
-                           wandb_error)
+            if rows:
+                names = " + ".join(f"{w:g}·{n}" for n, w in self.rewards.weights.items())
+                plot_rewards(rows, self.out / "reward_curve.png",
+                             f"Flow-GRPO LoRA, {self.mcfg.preset} model, reward {names}, seed {self.seed}")
+            exported = {}
+            if self.tcfg.export:
+                exported = export_lora(self.model, self.out / "lora", self.lcfg.rank, self.lcfg.alpha, self.lcfg.targets)
+        return TrainResult(self.out, E, read_metrics(self.out), lora, exported, wandb_error)
+
+    def _rollout(self, epoch: int) -> EpochSamples:
+        """The epoch's rollout; under torchrun each rank rolls out its block of sample positions and all gather the rest."""
+        if self.session is None:
+            return rollout_epoch(self.model, self.rollout_rt, self.prompts, self.sigmas, self.grid, self.scfg, self.seed, epoch)
+        n = self.scfg.prompts_per_epoch * self.scfg.num_image_per_prompt
+        span = layout.block(n, self.session.world_size, self.session.rank)
+        mine = list(span)
+        samples = rollout_epoch(self.model, self.rollout_rt, self.prompts, self.sigmas, self.grid, self.scfg, self.seed, epoch,
+                                positions=mine)
+        shares = distributed.all_gather(f"epoch {epoch}: rollout rows",
+                                        {"positions": mine, "x": samples.x[:, mine], "logp": samples.logp[:, mine]})
+        for r, share in enumerate(shares):
+            if r != self.session.rank and share["positions"]:
+                samples.x[:, share["positions"]] = share["x"].to(samples.x.device)
+                samples.logp[:, share["positions"]] = share["logp"].to(samples.logp.device)
+        return samples
+
+    def _score(self, epoch: int, samples: EpochSamples) -> dict[str, Any]:
+        """Rewards and advantages of the epoch (rank 0 computes them; torchrun moves them and the tracker to every rank)."""
+
+        def score() -> dict[str, Any]:
+            meta = [{"prompt_id": p, "sample_id": s, "epoch": epoch} for s, p in zip(samples.sample_ids, samples.prompt_ids)]
+            total, parts = self._rewards(samples.final, samples.prompt_ids, meta)
+            adv, adv_stats = self.tracker.advantages(total, samples.prompt_ids)
+            return {"total": total, "parts": parts, "adv": adv, "adv_stats": adv_stats, "images": self.images.kind,
+                    "tracker": self.tracker.state_dict() if self.session is not None else None}
+
+        got = distributed.from_root(f"epoch {epoch}: rewards and advantages", score)
+        if not self.root:
+            self.tracker.load_state_dict(got["tracker"])
+        return got
 
     def train_epoch(self, epoch: int) -> dict[str, Any]:
-        """One epoch; returns its metrics row."""
+        """One epoch; returns its metrics row (the same on every rank under torchrun, times aside)."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        traffic = distributed.traffic()
+        before = traffic.snapshot() if traffic is not None else None
         t0 = time.perf_counter()
-        samples = rollout_epoch(self.model, self.rollout_rt, self.prompts, self.sigmas, self.grid, self.scfg, self.seed, epoch)
+        samples = self._rollout(epoch)
         t1 = time.perf_counter()
-        meta = [{"prompt_id": p, "sample_id": s, "epoch": epoch} for s, p in zip(samples.sample_ids, samples.prompt_ids)]
-        total, parts = self._rewards(samples.final, samples.prompt_ids, meta)
-        adv, adv_stats = self.tracker.advantages(total, samples.prompt_ids)
+        scored = self._score(epoch, samples)
+        total, parts = scored["total"], scored["parts"]
         t2 = time.perf_counter()
-        train = self._train(epoch, samples, adv)
+        train = self._train(epoch, samples, scored["adv"])
         t3 = time.perf_counter()
-        row: dict[str, Any] = {"epoch": epoch, "updates_total": self.updates, "images": self.images.kind,
+        row: dict[str, Any] = {"epoch": epoch, "updates_total": self.updates, "images": scored["images"],
                                "reward_mean": float(total.mean()), "reward_std": float(total.std(unbiased=False))}
         for name, s in parts.items():
             row[f"reward/{name}_mean"] = float(s.mean())
             row[f"reward/{name}_std"] = float(s.std(unbiased=False))
-        row.update(adv_stats)
+        row.update(scored["adv_stats"])
         t_opt = train.pop("_time_optimizer")
+        t_fold_comm = train.pop("_time_comm")
+        fold_bytes = train.pop("_bytes_moved")
         row.update(train)
         row.update({"time_rollout_s": t1 - t0, "time_reward_s": t2 - t1, "time_train_s": t3 - t2 - t_opt,
                     "time_optimizer_s": t_opt, "peak_memory_mb": peak_memory_mb(self.device),
                     "sde_window_starts": samples.window_starts, "prompt_ids": sorted(set(samples.prompt_ids))})
         if self.tcfg.eval_freq and (epoch + 1) % self.tcfg.eval_freq == 0:
             te = time.perf_counter()
-            row.update(self._evaluate())
+            row.update(distributed.from_root(f"epoch {epoch}: evaluation", self._evaluate))
             row["time_eval_s"] = time.perf_counter() - te
+        if traffic is not None and before is not None:
+            moved = traffic.since(before)
+            row.update({"world_size": self.session.world_size, "time_comm_s": moved.seconds,
+                        "comm_bytes": moved.bytes_out + moved.bytes_in, "time_fold_comm_s": t_fold_comm,
+                        "comm_bytes_per_update": fold_bytes / max(1, train["optimizer_updates"])})
         return row
 
 
@@ -480,12 +611,13 @@ def run_training(cfg: DictConfig, progress: bool = True, on_update: UpdateHook |
 
     ``cfg`` is a composed ``train`` config (validated at compose time). The folder is claimed and locked
     like every run folder (a new or empty folder, or one an earlier run marked); ``train.cpu_threads``
-    (when set) applies ``torch.set_num_threads`` to the whole process.
+    (when set) applies ``torch.set_num_threads`` to the whole process. Under torchrun rank 0 claims it.
     """
     if cfg.train.cpu_threads is not None:
         torch.set_num_threads(cfg.train.cpu_threads)
     from ..pipelines.chain import prepare_prompts
 
     cfg, _ = prepare_prompts(cfg, kind="train")  # prompts.text → embeddings with the pipeline folder's text encoder (else a no-op)
-    with claim_output_dir(cfg.output_dir, kind="train"):  # a train folder (or a new one), locked against a second run
+    # a train folder (or a new one), locked against a second run
+    with distributed.root_context("claim output_dir", lambda: claim_output_dir(cfg.output_dir, kind="train"), None):
         return Trainer(cfg, progress=progress, on_update=on_update).run()

@@ -110,12 +110,17 @@ def plan_epoch(seed: int, epoch: int, num_prompts: int, scfg: SampleConfig, num_
 @torch.no_grad()
 def rollout_epoch(
     model: MMDiT, runtime: Runtime, prompts: Prompts, sigmas: torch.Tensor, grid: tuple[int, int],
-    scfg: SampleConfig, seed: int, epoch: int,
+    scfg: SampleConfig, seed: int, epoch: int, positions: Sequence[int] | None = None,
 ) -> EpochSamples:
-    """Sample one epoch's groups with batched forwards of ``scfg.batch_size`` samples (CFG per ``scfg.cfg_layout``)."""
+    """Sample one epoch's groups with batched forwards of ``scfg.batch_size`` samples (CFG per ``scfg.cfg_layout``).
+
+    ``positions`` (default: all): the sample positions to roll out, batched in that order; the other
+    samples keep their initial latents and zero logp (a rank's share; the caller gathers the rest).
+    """
     S = sigmas.shape[0] - 1
     sids, pids, init_ids, starts, sde_steps = plan_epoch(seed, epoch, len(prompts.embeds), scfg, S)
     N = len(sids)
+    todo = list(range(N)) if positions is None else list(positions)
     bs = scfg.batch_size
     device = model.device
     T, C = grid[0] * grid[1], model.config.in_channels
@@ -126,8 +131,8 @@ def rollout_epoch(
     with side(model, runtime):
         for step in range(S):
             s, sp = float(sigmas[step]), float(sigmas[step + 1])
-            for b0 in range(0, N, bs):
-                rows = list(range(b0, min(N, b0 + bs)))
+            for b0 in range(0, len(todo), bs):
+                rows = todo[b0:b0 + bs]
                 x = xs[step, rows]
                 v = velocity(model, x.to(model.dtype), [prompts.embeds[pids[n]] for n in rows], prompts.negative,
                              s, grid, scfg.guidance_scale, scfg.cfg_layout)

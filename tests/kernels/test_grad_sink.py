@@ -18,6 +18,7 @@ from mmdit_strict.kernels.grad_sink import (
     pending_bound,
 )
 from tests.harness import assert_bytes_equal
+from tests.kernels.test_fold_tree import tree_reference
 
 
 def _keys(pairs: int, branches: int = 2) -> list[tuple[tuple[int, int], int]]:
@@ -74,16 +75,14 @@ def test_streamed_fold_equals_stored_fold_bytes(per_batch: int, seed: int) -> No
                 assert_bytes_equal(a, b, f"param {i}, micro-batches of {per_batch} pairs, order {order}, transfer {transfer}")
     for i, (a, b) in enumerate(zip(_run(SampleGradSink(), params, parts, batches, range(len(batches)), transfer=True), stored)):
         assert_bytes_equal(a, b, f"param {i}, stored fold of handed-over partials")
-    # the fold is the left fold in sorted key order, and that order matters for these inputs
+    # the fold is the pairwise tree over the sorted keys, and the grouping matters for these inputs
     for i in range(len(SHAPES)):
+        leaves = [parts[i, k] for k in sorted(keys)]
+        assert_bytes_equal(stored[i], tree_reference(leaves), f"param {i} vs the tree over the sorted keys")
         acc = None
-        for k in sorted(keys):
-            acc = parts[i, k].clone() if acc is None else acc + parts[i, k]
-        assert_bytes_equal(stored[i], acc, f"param {i} vs the sorted left fold")
-        rev = None
-        for k in sorted(keys, reverse=True):
-            rev = parts[i, k].clone() if rev is None else rev + parts[i, k]
-        assert not torch.equal(rev, acc), "test inputs too tame: the reverse order gives the same bytes"
+        for t in leaves:
+            acc = t.clone() if acc is None else acc + t
+        assert not torch.equal(acc, stored[i]), "test inputs too tame: the left fold gives the tree's bytes"
 
 
 @pytest.mark.parametrize("per_batch, seed", [(1, 4), (2, 5), (4, 6)])

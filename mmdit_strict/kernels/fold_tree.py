@@ -1,0 +1,119 @@
+"""The fixed pairwise tree that folds per-sample gradient partials, built leaf by leaf.
+
+The leaves are the sorted sample keys of one fold, at indices ``0..K-1``. The tree is the canonical
+dyadic one: node ``(level l, start s)`` covers leaves ``[s, s + 2^l)`` (``s`` a multiple of ``2^l``)
+and its value is ``left + right`` (FP32, elementwise) of its two halves; a half holding no partial is
+empty and the node takes the other half as it is. Above the largest complete node the remaining
+nodes are added right to left, which is the same tree padded with empty leaves to a power of two:
+for ``K = 6``, ``root = [0,4) + [4,6)``; for ``K = 7``, ``root = [0,4) + ([4,6) + [6,7))``.
+
+Why a tree and not a chain: a left fold ``((P0 + P1) + P2) + …`` cannot be cut at a rank boundary
+and resumed elsewhere without holding the partials, while any contiguous range of leaves reduces
+to at most ``2·⌈log2 K⌉`` complete nodes whose values do not depend on who computed them. So ranks
+that each own a contiguous range of keys fold their own leaves, exchange those few nodes, and the
+merged result is the single-process bytes (:mod:`mmdit_strict.distributed.fold`).
+
+:class:`PairwiseFold` adds leaves (or whole nodes) in increasing position and merges two nodes as
+soon as both halves of their parent are complete, like a binary counter: it holds at most
+``⌈log2 K⌉ + 1`` nodes per contiguous range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+
+@dataclass
+class Node:
+    """Leaves ``[start, start + 2**level)`` folded (``value`` None: none of them holds a partial)."""
+
+    level: int
+    start: int
+    value: torch.Tensor | None
+    owned: bool = True  # the fold may add into ``value`` in place (nobody else reads it)
+
+    @property
+    def stop(self) -> int:
+        return self.start + (1 << self.level)
+
+
+def _join(level: int, left: Node, right: Node, inplace: bool) -> Node:
+    """The parent (or, above the complete nodes, the right-to-left sum) of ``left`` and ``right``: ``left + right``."""
+    if left.value is None:
+        return Node(level, left.start, right.value, right.owned)
+    if right.value is None:
+        return Node(level, left.start, left.value, left.owned)
+    if inplace and left.owned:
+        return Node(level, left.start, left.value.add_(right.value), True)
+    return Node(level, left.start, left.value + right.value, True)
+
+
+class PairwiseFold:
+    """One tensor's fold over a contiguous range of leaves, fed in increasing position.
+
+    Args:
+        first: index of the first leaf this fold receives (a rank's first key in the global order).
+        inplace: add into the left operand when the fold owns it (see :attr:`Node.owned`), else
+            allocate each sum. Same bytes either way.
+        copy_held: a node the fold does not own is copied when it must wait on the stack for its
+            sibling (a caller's tensor is only read at once, never kept); else it is held as it is.
+    """
+
+    def __init__(self, first: int = 0, inplace: bool = True, copy_held: bool = True) -> None:
+        if first < 0:
+            raise ValueError(f"first leaf index must be >= 0, got {first}")
+        self.first = first
+        self.next = first
+        self.inplace = inplace
+        self.copy_held = copy_held
+        self.nodes: list[Node] = []
+
+    def leaf(self, value: torch.Tensor | None, owned: bool = True) -> None:
+        """Add the next leaf (None: its key deposited nothing into this tensor; ``owned=False``: never written)."""
+        self.push(Node(0, self.next, value, owned))
+
+    def push(self, node: Node) -> None:
+        """Add a complete node starting where this fold's range ends (merging with the nodes before it)."""
+        if node.start != self.next:
+            raise ValueError(f"fold node starts at leaf {node.start}, expected {self.next}: nodes must come in order, without gaps")
+        if node.start % (1 << node.level):
+            raise ValueError(f"fold node (level {node.level}, start {node.start}) is not aligned to its size")
+        self.next = node.stop
+        while self.nodes:
+            top = self.nodes[-1]
+            if top.level != node.level or top.stop != node.start or (top.start >> top.level) & 1:
+                break
+            self.nodes.pop()
+            node = _join(top.level + 1, top, node, self.inplace)
+        if self.copy_held and node.value is not None and not node.owned:
+            node = Node(node.level, node.start, node.value.clone(), True)
+        self.nodes.append(node)
+
+    def extend(self, nodes: Iterable[Node]) -> None:
+        """:meth:`push` each of ``nodes`` (another fold's nodes, the range right after this one)."""
+        for n in nodes:
+            self.push(n)
+
+    def result(self) -> torch.Tensor | None:
+        """The root, a tensor the caller owns: the remaining nodes added right to left (the range must start at leaf 0)."""
+        if self.first != 0:
+            raise ValueError(f"the root needs every leaf from 0; this fold starts at {self.first}")
+        if not self.nodes:
+            return None
+        acc = self.nodes[-1]
+        for n in reversed(self.nodes[:-1]):
+            acc = _join(n.level, n, acc, self.inplace)
+        if acc.value is not None and not acc.owned:
+            return acc.value.clone()
+        return acc.value
+
+
+def fold(values: Iterable[torch.Tensor | None]) -> torch.Tensor | None:
+    """The tree fold of ``values`` (leaves 0, 1, …; None for an empty leaf), without touching them."""
+    f = PairwiseFold(copy_held=False)
+    for v in values:
+        f.leaf(v, owned=False)
+    return f.result()
