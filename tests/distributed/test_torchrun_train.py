@@ -78,3 +78,17 @@ def test_a_rank_dying_mid_update_ends_the_job_and_one_process_resumes_it(tmp_pat
     assert not (out / "checkpoints" / "epoch_000001").exists() and not (out / "lora").exists()
     ok(plain("train", f"output_dir={out}", *TINY, *mb2, "resume=true"))
     _same_training(out, single)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend, gpus", [("nccl", 2), ("gloo", 1)])  # gloo: both ranks share one GPU, host-staged
+def test_ranks_on_gpus_train_the_single_gpu_adapter(tmp_path: Path, backend: str, gpus: int) -> None:
+    import torch
+
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} CUDA GPU(s)")
+    gpu = [*TINY, "model.device=cuda"]
+    ok(plain("train", f"output_dir={tmp_path / 'one'}", *gpu))
+    ok(torchrun(2, "train", f"output_dir={tmp_path / 'two'}", *gpu, f"distributed.backend={backend}",
+                "distributed.check_state=update"))
+    _same_training(tmp_path / "two", tmp_path / "one")

@@ -3,7 +3,7 @@
 Eight samples, each with a conditional and a negative branch (sample keys ``(sample_id, branch)``),
 run through LoRA layers in shuffled micro-batches of 1, 2 and 4 samples, CFG batched (both branches in
 one forward) or sequential (one forward per branch), into a stored or a streamed sink. Every layout must
-give the same folded LoRA gradient bytes, equal to the left fold, in sorted key order, of each
+give the same folded LoRA gradient bytes, equal to the tree fold, over the sorted keys, of each
 (sample, branch) partial computed alone — which, cast to the execution dtype, is that sample's plain
 autograd gradient.
 
@@ -28,7 +28,8 @@ from mmdit_strict.kernels.grad_sink import (
     collect_sample_grads,
     sample_keys,
 )
-from tests.harness import Target, assert_bytes_equal, generator, left_fold, randn
+from tests.harness import Target, assert_bytes_equal, generator, randn
+from tests.kernels.test_fold_tree import tree_reference
 from tests.kernels.triton_rows import G, interp, skip_unless_compiled  # (mode: tests/conftest.py)
 
 # (micro-batch samples, shuffle seed, CFG layout, sink): every row must give the same bytes. The interpreter
@@ -125,7 +126,7 @@ def _check(target: Target, dims: tuple[int, ...], rank: int, lens: tuple[int, ..
         for k, per in alone.items():
             # a one-sample backward computes 0 + P_s and casts it once: the sample's own partial, cast
             assert_bytes_equal(per[name][1].to(target.dtype), per[name][0], f"{target.label} {k} {name}: partial vs autograd")
-        assert_bytes_equal(f, left_fold([alone[k][name][1] for k in sorted(alone)]),
+        assert_bytes_equal(f, tree_reference([alone[k][name][1] for k in sorted(alone)]),
                            f"{target.label} LoRA {name} vs the sorted-key fold of one-sample partials")
 
 
