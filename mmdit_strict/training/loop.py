@@ -198,6 +198,10 @@ class Trainer:
         self.device = self.model.device
         self.prompts = make_prompts(cfg.prompts, self.model.config, self.mcfg.device, self.mcfg.dtype)
         self.prompt_texts = prompt_texts(cfg.prompts, len(self.prompts.embeds))
+        if self.session is not None:  # torchrun: every rank built the same policy and prompts
+            from ..trajectories.record import model_hashes
+
+            distributed.agree("training model and prompts", {**model_hashes(self.model), **self.prompts.hashes()})
         self.grid = latent_grid(cfg.sampler, self.model.config)
         self.sigmas = sigma_table(self.scfg.num_steps, self.grid[0] * self.grid[1])
         self.named = sorted(((n, p) for n, p in self.model.named_parameters() if p.requires_grad), key=lambda t: t[0])
