@@ -23,7 +23,7 @@ import torch
 
 from ..kernels.fold_tree import Node, PairwiseFold
 from ..kernels.grad_sink import SampleGradSink
-from .runtime import current, from_root, receive, send, status
+from .runtime import broadcast_tensor, current, from_root, receive, recv_tensor, send, send_tensor, status
 
 
 def rank_partials(trainable: Sequence[tuple[str, torch.Tensor]], sink: SampleGradSink) -> dict[str, Any]:
@@ -70,7 +70,9 @@ def merge_update(names: Sequence[str], nodes: dict[str, list[Node]], first: int,
     """Every parameter's fold over all ranks' key ranges, on every rank (``first``: this rank's first leaf).
 
     ``nodes[name]`` are this rank's nodes of ``name`` (:func:`range_nodes`); ranks hold consecutive
-    ranges in rank order. Single process: the root of this process's nodes.
+    ranges in rank order. Single process: the root of this process's nodes. Node values travel as one
+    flat tensor per message (the layout — levels, starts, shapes — as a small object before it): on the
+    GPU with nccl, through host memory with gloo.
     """
     s = current()
     folds = {n: PairwiseFold(first) for n in names}
@@ -79,27 +81,63 @@ def merge_update(names: Sequence[str], nodes: dict[str, list[Node]], first: int,
     if s is None:
         return {n: folds[n].result() for n in names}
     status(f"{label}: backward done")
+    device = next((nd.value.device for n in names for nd in folds[n].nodes if nd.value is not None), torch.device("cpu"))
     step = 1
     while step < s.world_size:
         if s.rank % (2 * step) == step:  # hand my (already merged) range to the rank on my left, then wait
-            send(f"{label}: nodes to rank {s.rank - step}", {n: _plain(folds[n].nodes) for n in names}, s.rank - step)
+            meta, flat = _pack({n: folds[n].nodes for n in names})
+            send(f"{label}: node layout to rank {s.rank - step}", meta, s.rank - step)
+            if flat.numel():
+                send_tensor(f"{label}: nodes to rank {s.rank - step}", flat, s.rank - step)
             break
         if s.rank % (2 * step) == 0 and s.rank + step < s.world_size:
-            got = receive(f"{label}: nodes from rank {s.rank + step}", s.rank + step)
-            for n in names:
-                folds[n].extend(_nodes(got[n], _device(folds[n])))
+            meta = receive(f"{label}: node layout from rank {s.rank + step}", s.rank + step)
+            flat = recv_tensor(f"{label}: nodes from rank {s.rank + step}", meta["numel"], meta["dtype"], device, s.rank + step) \
+                if meta["numel"] else torch.empty(0, device=device)
+            for n, got in _unpack(meta, flat).items():
+                folds[n].extend(got)
         step *= 2
-    out = from_root(f"{label}: the folded gradient", lambda: {n: folds[n].result() for n in names})
+    meta, flat = None, None
+    if s.root:
+        roots = {n: folds[n].result() for n in names}
+        meta, flat = _pack({n: [] if v is None else [Node(0, 0, v)] for n, v in roots.items()})
+    meta = from_root(f"{label}: layout of the folded gradient", lambda: meta)
+    flat = broadcast_tensor(f"{label}: the folded gradient", flat, meta["numel"], meta["dtype"], device) \
+        if meta["numel"] else torch.empty(0, device=device)
+    return {n: (got[0].value if got else None) for n, got in _unpack(meta, flat).items()}
+
+
+def _pack(nodes: dict[str, list[Node]]) -> tuple[dict[str, Any], torch.Tensor]:
+    """Node layout (a small object) and every node value flattened into one tensor, in name and node order."""
+    layout: dict[str, list[tuple[int, int, tuple[int, ...] | None]]] = {}
+    values: list[torch.Tensor] = []
+    dtype = None
+    for n, nds in nodes.items():
+        layout[n] = []
+        for nd in nds:
+            if nd.value is None:
+                layout[n].append((nd.level, nd.start, None))
+                continue
+            if dtype is None:
+                dtype = nd.value.dtype
+            elif nd.value.dtype != dtype:
+                raise ValueError(f"gradient nodes of one update must share a dtype: {n} is {nd.value.dtype}, not {dtype}")
+            layout[n].append((nd.level, nd.start, tuple(nd.value.shape)))
+            values.append(nd.value.reshape(-1))
+    flat = torch.cat(values) if values else torch.empty(0)
+    return {"layout": layout, "numel": flat.numel(), "dtype": dtype or torch.float32}, flat
+
+
+def _unpack(meta: dict[str, Any], flat: torch.Tensor) -> dict[str, list[Node]]:
+    out: dict[str, list[Node]] = {}
+    at = 0
+    for n, entries in meta["layout"].items():
+        out[n] = []
+        for level, start, shape in entries:
+            if shape is None:
+                out[n].append(Node(level, start, None))
+                continue
+            size = torch.Size(shape).numel()
+            out[n].append(Node(level, start, flat[at:at + size].view(shape), True))  # views of a buffer only this fold holds
+            at += size
     return out
-
-
-def _plain(nodes: list[Node]) -> list[tuple[int, int, torch.Tensor | None]]:
-    return [(n.level, n.start, n.value) for n in nodes]
-
-
-def _nodes(plain: list[tuple[int, int, torch.Tensor | None]], device: torch.device | None) -> list[Node]:
-    return [Node(lv, st, None if v is None else (v.to(device) if device is not None else v), True) for lv, st, v in plain]
-
-
-def _device(f: PairwiseFold) -> torch.device | None:
-    return next((n.value.device for n in f.nodes if n.value is not None), None)

@@ -231,7 +231,7 @@ def from_root(label: str, fn: Callable[[], T]) -> T:
         if s.root:
             value = host(fn())
     box = [value]
-    sent = tensor_bytes(value) if s.root else 0
+    sent = tensor_bytes(value) * (s.world_size - 1) if s.root else 0
     _collective(s, label, lambda: dist.broadcast_object_list(box, src=0), sent,
                 (lambda: 0) if s.root else (lambda: tensor_bytes(box[0])))
     return box[0]
@@ -287,6 +287,43 @@ def receive(label: str, src: int) -> Any:
     box: list[Any] = [None]
     _collective(s, label, lambda: dist.recv_object_list(box, src=src), 0, lambda: tensor_bytes(box[0]))
     return box[0]
+
+
+def _wire(s: Session, t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the backend moves it: on its GPU for nccl, in host memory for gloo (a CUDA tensor is staged)."""
+    return t.contiguous() if s.backend == "nccl" else t.detach().cpu().contiguous()
+
+
+def send_tensor(label: str, t: torch.Tensor, dst: int) -> None:
+    """Move the whole tensor ``t`` to rank ``dst`` (which calls :func:`recv_tensor` with its size and dtype)."""
+    import torch.distributed as dist
+
+    s = _require_session()
+    wire = _wire(s, t)
+    _collective(s, label, lambda: dist.send(wire, dst=dst), wire.numel() * wire.element_size())
+
+
+def recv_tensor(label: str, numel: int, dtype: torch.dtype, device: torch.device | str, src: int) -> torch.Tensor:
+    """The tensor rank ``src`` sent with :func:`send_tensor` (flat, ``numel`` elements), on ``device``."""
+    import torch.distributed as dist
+
+    s = _require_session()
+    where = torch.device(device) if s.backend == "nccl" else torch.device("cpu")
+    buf = torch.empty(numel, dtype=dtype, device=where)
+    _collective(s, label, lambda: dist.recv(buf, src=src), 0, lambda: buf.numel() * buf.element_size())
+    return buf.to(device)
+
+
+def broadcast_tensor(label: str, t: torch.Tensor | None, numel: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Rank 0's flat tensor ``t`` (``numel`` elements) on every rank, on ``device``; moved whole, never reduced."""
+    import torch.distributed as dist
+
+    s = _require_session()
+    where = torch.device(device) if s.backend == "nccl" else torch.device("cpu")
+    buf = _wire(s, t) if s.root and t is not None else torch.empty(numel, dtype=dtype, device=where)
+    _collective(s, label, lambda: dist.broadcast(buf, src=0), buf.numel() * buf.element_size() * (s.world_size - 1) if s.root else 0,
+                (lambda: 0) if s.root else (lambda: buf.numel() * buf.element_size()))
+    return buf.to(device)
 
 
 def status(label: str) -> None:
