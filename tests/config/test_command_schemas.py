@@ -19,7 +19,7 @@ from mmdit_strict.training.rewards import compose_train
 TRAJECTORY_KEYS = ["seed", "output_dir", "resume", "progress", "model", "runtime", "sampler", "prompts", "rollout",
                    "recompute", "lora", "compare", "wandb", "distributed", "extra"]
 TRAIN_KEYS = ["seed", "output_dir", "resume", "progress", "model", "runtime", "sampler", "prompts", "lora", "sample",
-              "train", "wandb", "extra"]
+              "train", "wandb", "distributed", "extra"]
 
 
 def test_schema_per_command() -> None:
