@@ -229,8 +229,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         return EXIT_DRIFT
     last = result.metrics[-1] if result.metrics else {}
     if last:
+        n = int(last["first_update_pairs"])
         print(f"train: {result.epochs} epochs; last epoch reward {last['reward_mean']:+.4f} (first {result.metrics[0]['reward_mean']:+.4f}); "
-              f"first-update ratios exactly 1.0: {last['first_update_ratio_exact_one_frac']:.0%}")
+              f"first-update logp byte-equal to the rollout's: {n - int(last['first_update_logp_bytes_differ'])}/{n} pairs "
+              f"(max |ratio-1| {last['first_update_ratio_max_abs_dev']:.3g})")
     print(f"metrics: {result.out_dir / 'metrics.jsonl'}; checkpoints: {result.out_dir / 'checkpoints'}")
     for kind, folder in result.export.items():
         print(f"LoRA ({kind}): {folder}")

@@ -64,7 +64,7 @@ from ..trajectories.setup import DTYPES, build_side_model, latent_grid, make_pro
 from . import checkpoint as ckpt
 from .advantages import StatTracker
 from .export import export_lora
-from .loss import grpo_loss
+from .loss import grpo_loss, logp_bytes_differ
 from .metrics import MetricLogger, peak_memory_mb, plot_rewards, read_metrics
 from .optim import LoraEMA, build_optimizer
 from .policy import adapters_disabled, cfg_branches, evaluate_pairs, grad_keys, pair_key
@@ -385,8 +385,9 @@ class Trainer:
                         pl.loss.backward()
                         sink.done(keys[j])
                         d = ev.logp.detach() - old
+                        differs = logp_bytes_differ(ev.logp, old)
                         rows = torch.stack([pl.ratio.double(), pl.clipped.double(), (0.5 * d ** 2).double(),
-                                            pl.policy.double(), pl.kl.double(), d.abs().double()], dim=1).cpu()
+                                            pl.policy.double(), pl.kl.double(), d.abs().double(), differs.double()], dim=1).cpu()
                         for i, pair in enumerate(part):
                             stats[u_all, pair] = rows[i]
                 t0 = time.perf_counter()
@@ -423,6 +424,8 @@ class Trainer:
             "first_update_ratio_exact_one_frac": float((fr == 1.0).double().mean()),
             "first_update_ratio_max_abs_dev": float((fr - 1.0).abs().max()),
             "first_update_logp_max_abs_diff": float(per_update_rows[0][:, 5].max()),
+            # the honest on-policy check: an FP32 ratio rounds to exactly 1.0 whenever |Δlogp| < ~6e-8
+            "first_update_logp_bytes_differ": int(per_update_rows[0][:, 6].sum()),
             "first_update_pairs": int(fr.numel()),
             "clipfrac": float(allr[:, 1].mean()), "approx_kl": float(allr[:, 2].mean()),
             "policy_loss": float(allr[:, 3].mean()), "kl_loss": float(allr[:, 4].mean()),

@@ -58,3 +58,15 @@ def grpo_loss(
         per_pair = policy + beta * kl
     loss = (per_pair * weight).sum()
     return PairLoss(loss, ratio.detach(), policy.detach(), kl.detach(), ((ratio.detach() - 1.0).abs() > clip_range))
+
+
+def logp_bytes_differ(logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
+    """``(P,)`` bool: pairs whose FP32 logp differs from the old logp in any byte.
+
+    The honest on-policy test: ``ratio = exp(logp − old)`` is exactly 1.0 in FP32 whenever
+    ``|logp − old| ≤ 2^-24`` (about 6e-8), so a ratio of 1.0 alone does not show equal bytes.
+    """
+    if logp.dtype != torch.float32 or old_logp.dtype != torch.float32 or logp.shape != old_logp.shape:
+        raise ValueError(f"need two FP32 tensors of one shape, got {logp.dtype} {tuple(logp.shape)} and "
+                         f"{old_logp.dtype} {tuple(old_logp.shape)}")
+    return logp.detach().contiguous().view(torch.int32) != old_logp.detach().contiguous().view(torch.int32)

@@ -24,6 +24,7 @@ def test_first_update_ratio_is_exactly_one_for_every_pair(tmp_path) -> None:
         assert row["pairs"] == 12 and row["first_update_pairs"] == 12 and row["optimizer_updates"] == 1
         assert row["first_update_ratio_exact_one_frac"] == 1.0, row
         assert row["first_update_ratio_max_abs_dev"] == 0.0
+        assert row["first_update_logp_bytes_differ"] == 0
         assert row["grad_fold"] == "sink"
 
 
@@ -51,7 +52,24 @@ def test_production_training_side_drifts_and_says_how_far(tmp_path) -> None:
     row = tr.train_epoch(0)
     assert row["first_update_ratio_exact_one_frac"] < 1.0
     assert 0.0 < row["first_update_ratio_max_abs_dev"] < 0.1, row["first_update_ratio_max_abs_dev"]
+    # every pair whose ratio is not 1.0 has logp bytes that differ, and the byte count sees at least as many
+    assert row["first_update_logp_bytes_differ"] >= round((1 - row["first_update_ratio_exact_one_frac"]) * row["first_update_pairs"]) > 0
     assert row["grad_fold"] == "autograd"  # the production backward deposits no per-sample partials
     tr = _trainer(tmp_path / "b", "lora.init=random", "train.runtime=off", "train.recompute_old_logp=true")
     with pytest.raises(OldLogpMismatch, match="recomputed logp .* != rollout logp"):
         tr.train_epoch(0)
+
+
+
+def test_the_byte_count_sees_drift_that_a_ratio_of_one_hides() -> None:
+    """|Δlogp| of 2^-24 or less leaves the FP32 ratio at exactly 1.0; the logp byte count still sees it."""
+    from mmdit_strict.training.loss import grpo_loss, logp_bytes_differ
+
+    old = torch.tensor([0.5, -3.0, 7.25])
+    logp = old.clone()
+    logp[0] = torch.nextafter(old[0], torch.tensor(1.0))  # 0.5 + 2^-24 ... one ulp up
+    pl = grpo_loss(logp, old, torch.ones(3), 1.0 / 3, 0.2, 5.0)
+    assert torch.equal(pl.ratio, torch.ones(3)), "the ratio rounds to exactly 1.0"
+    assert logp_bytes_differ(logp, old).tolist() == [True, False, False]
+    with pytest.raises(ValueError, match="FP32"):
+        logp_bytes_differ(logp.double(), old.double())
