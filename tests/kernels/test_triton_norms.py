@@ -385,17 +385,30 @@ def _mod_grads(x, sh, sc, gy, seq, config):
     return run_with_grads(lambda a, b, c: N.adaln_modulation(a, b, c, seqlens=seq, eps=EPS, config=config), [x, sh, sc], gy)
 
 
+# The reference launch's outputs per (case, op): computed once per session and shared by every launch compared
+# with it (the case is drawn from a fixed seed, so it is the same tensors each time; CI time).
+_REFERENCE_RUNS: dict = {}
+
+
+def _reference(key, run):
+    if key not in _REFERENCE_RUNS:
+        _REFERENCE_RUNS[key] = run()
+    return _REFERENCE_RUNS[key]
+
+
 def check_ln_launch_bytes(launch, d, seq, target, final=True):
     """y, the saved mean / rstd, dx, d_shift, d_scale (and final_adaln_out's every gradient) under ``launch``
     equal the reference launch's bytes."""
+    case = (d, tuple(seq), target)
     gen = generator(12)
     b, m = len(seq), sum(seq)
     x, gy = randn(m, d, gen=gen, target=target), randn(m, d, gen=gen, target=target)
     sh, sc = _vec(b, d, gen, target), _vec(b, d, gen, target)
-    want_stats = N.adaln_modulation_fwd(x, sh, sc, seq, EPS, store_stats=True, config=L.LN_REFERENCE)
+    want_stats = _reference((case, "stats"), lambda: N.adaln_modulation_fwd(x, sh, sc, seq, EPS, store_stats=True,
+                                                                         config=L.LN_REFERENCE))
     got_stats = N.adaln_modulation_fwd(x, sh, sc, seq, EPS, store_stats=True, config=launch)
     assert_bytes_equal(got_stats, want_stats, f"{launch.label()}: y, mean, rstd vs the reference {target.label}")
-    want = _mod_grads(x, sh, sc, gy, seq, L.LN_REFERENCE)
+    want = _reference((case, "modulation"), lambda: _mod_grads(x, sh, sc, gy, seq, L.LN_REFERENCE))
     got = _mod_grads(x, sh, sc, gy, seq, launch)
     assert_bytes_equal(got[0], want[0], f"{launch.label()}: y vs the reference {target.label}")
     assert_bytes_equal(got[1], want[1], f"{launch.label()}: dx, d_shift, d_scale vs the reference {target.label}")
@@ -407,7 +420,7 @@ def check_ln_launch_bytes(launch, d, seq, target, final=True):
     def fin(config):
         return lambda a, t, ww, bb: N.final_adaln_out(a, t, ww, bb, seqlens=seq, eps=EPS, config=config)
 
-    want_f = run_with_grads(fin(L.LN_REFERENCE), [x, temb, w, bias], gy)
+    want_f = _reference((case, "final"), lambda: run_with_grads(fin(L.LN_REFERENCE), [x, temb, w, bias], gy))
     got_f = run_with_grads(fin(launch), [x, temb, w, bias], gy)
     assert_bytes_equal(got_f[0], want_f[0], f"{launch.label()}: final_adaln_out vs the reference {target.label}")
     assert_bytes_equal(got_f[1], want_f[1], f"{launch.label()}: final_adaln_out grads vs the reference {target.label}")
