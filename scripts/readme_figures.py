@@ -38,20 +38,12 @@ FAULT = "recompute.inject_fault=block1.img.mlp_down_gemm@2"
 TABLE_FIELDS = ("operator", "block", "stream", "branch", "logical_row", "element")
 
 
-def _start(*argv: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "mmdit_strict", *argv, "--quiet", f"--config-dir={REPO / 'configs'}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
-
-
-def _wait(proc: subprocess.Popen) -> subprocess.CompletedProcess:
-    stdout, stderr = proc.communicate()
-    if proc.returncode not in (0, 1):
-        raise SystemExit(f"{' '.join(proc.args)} failed (exit {proc.returncode}):\n{stderr}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-
-
 def _cli(*argv: str) -> subprocess.CompletedProcess:
-    return _wait(_start(*argv))
+    proc = subprocess.run([sys.executable, "-m", "mmdit_strict", *argv, "--quiet", f"--config-dir={REPO / 'configs'}"],
+                          capture_output=True, text=True, cwd=REPO)
+    if proc.returncode not in (0, 1):
+        raise SystemExit(f"mmdit-strict {' '.join(argv)} failed (exit {proc.returncode}):\n{proc.stderr}")
+    return proc
 
 
 def _shown(text: str, out_dir: Path, shown_as: str) -> str:
@@ -59,20 +51,15 @@ def _shown(text: str, out_dir: Path, shown_as: str) -> str:
     return text.replace(str(out_dir), shown_as).strip()
 
 
-def text_blocks(work: Path) -> dict[str, str]:
-    """The default and fault blocks. Their two runs go side by side: each is mostly one thread of Python, so
-    on 2 cores that nearly halves the wall time, and what they print does not depend on it."""
-    default, fault = _start("run", f"output_dir={work / 'default'}"), _start("run", FAULT, f"output_dir={work / 'fault'}")
-    return {"default": default_block(work, _wait(default)), "fault": fault_block(work, _wait(fault))}
-
-
-def default_block(work: Path, proc: subprocess.CompletedProcess) -> str:
+def default_block(work: Path) -> str:
     out = work / "default"
+    proc = _cli("run", f"output_dir={out}")
     return "```\n" + _shown(proc.stdout, out, "runs/default") + "\n```"
 
 
-def fault_block(work: Path, proc: subprocess.CompletedProcess) -> str:
+def fault_block(work: Path) -> str:
     out = work / "fault"
+    proc = _cli("run", FAULT, f"output_dir={out}")
     first = json.loads((out / "report" / "report.json").read_text())["localization"]["first"]
     lines = _shown(proc.stdout, out, "runs/fault").splitlines()
     table = ["| field | value |", "|---|---|", *(f"| {k} | {first[k]} |" for k in TABLE_FIELDS)]
@@ -113,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        blocks = text_blocks(work)
+        blocks = {"default": default_block(work), "fault": fault_block(work)}
         train = train_curve(work) if args.train and not args.check else None
     text = README.read_text()
     new = text
