@@ -234,7 +234,10 @@ def test_accuracy_interpreter():
 
 @interp
 def test_batch_invariance_interpreter():
-    check_invariance(D, CPU_FP32, (2, 3, 8), 1, 40)
+    """Batches of 2 and 3 put a sample first, in the middle and last. Every program is one sample's chunk
+    (the per-sample vectors fold that sample's chunks), so a batch of 8 reaches no other code under the
+    interpreter; the GPU tests batch 8 and 64 at the model's width."""
+    check_invariance(D, CPU_FP32, (2, 3), 1, 40)
 
 
 D_THIRDS = 48  # 3 x 16: the LayerNorm forward holds the row as three 16-lane thirds (norms.ln_thirds), as 3072 on the GPU
@@ -385,17 +388,30 @@ def _mod_grads(x, sh, sc, gy, seq, config):
     return run_with_grads(lambda a, b, c: N.adaln_modulation(a, b, c, seqlens=seq, eps=EPS, config=config), [x, sh, sc], gy)
 
 
+# The reference launch's outputs per (case, op): computed once per session and shared by every launch compared
+# with it (the case is drawn from a fixed seed, so it is the same tensors each time; CI time).
+_REFERENCE_RUNS: dict = {}
+
+
+def _reference(key, run):
+    if key not in _REFERENCE_RUNS:
+        _REFERENCE_RUNS[key] = run()
+    return _REFERENCE_RUNS[key]
+
+
 def check_ln_launch_bytes(launch, d, seq, target, final=True):
     """y, the saved mean / rstd, dx, d_shift, d_scale (and final_adaln_out's every gradient) under ``launch``
     equal the reference launch's bytes."""
+    case = (d, tuple(seq), target)
     gen = generator(12)
     b, m = len(seq), sum(seq)
     x, gy = randn(m, d, gen=gen, target=target), randn(m, d, gen=gen, target=target)
     sh, sc = _vec(b, d, gen, target), _vec(b, d, gen, target)
-    want_stats = N.adaln_modulation_fwd(x, sh, sc, seq, EPS, store_stats=True, config=L.LN_REFERENCE)
+    want_stats = _reference((case, "stats"), lambda: N.adaln_modulation_fwd(x, sh, sc, seq, EPS, store_stats=True,
+                                                                         config=L.LN_REFERENCE))
     got_stats = N.adaln_modulation_fwd(x, sh, sc, seq, EPS, store_stats=True, config=launch)
     assert_bytes_equal(got_stats, want_stats, f"{launch.label()}: y, mean, rstd vs the reference {target.label}")
-    want = _mod_grads(x, sh, sc, gy, seq, L.LN_REFERENCE)
+    want = _reference((case, "modulation"), lambda: _mod_grads(x, sh, sc, gy, seq, L.LN_REFERENCE))
     got = _mod_grads(x, sh, sc, gy, seq, launch)
     assert_bytes_equal(got[0], want[0], f"{launch.label()}: y vs the reference {target.label}")
     assert_bytes_equal(got[1], want[1], f"{launch.label()}: dx, d_shift, d_scale vs the reference {target.label}")
@@ -407,7 +423,7 @@ def check_ln_launch_bytes(launch, d, seq, target, final=True):
     def fin(config):
         return lambda a, t, ww, bb: N.final_adaln_out(a, t, ww, bb, seqlens=seq, eps=EPS, config=config)
 
-    want_f = run_with_grads(fin(L.LN_REFERENCE), [x, temb, w, bias], gy)
+    want_f = _reference((case, "final"), lambda: run_with_grads(fin(L.LN_REFERENCE), [x, temb, w, bias], gy))
     got_f = run_with_grads(fin(launch), [x, temb, w, bias], gy)
     assert_bytes_equal(got_f[0], want_f[0], f"{launch.label()}: final_adaln_out vs the reference {target.label}")
     assert_bytes_equal(got_f[1], want_f[1], f"{launch.label()}: final_adaln_out grads vs the reference {target.label}")
@@ -423,9 +439,10 @@ def test_ln_launch_bytes_equal_reference_interpreter(launch):
 @interp
 @pytest.mark.slow
 def test_ln_launch_batch_invariance_interpreter():
-    """The reference launch and a one-row / no-read-ahead launch: alone vs batched at every position."""
+    """The reference launch and a one-row / no-read-ahead launch: alone vs batched at every position (batches of
+    2 and 3, as test_batch_invariance_interpreter)."""
     for launch in (L.LN_REFERENCE, N.LnConfig(fwd_rows=1, fwd_ahead=0, bwd_ahead=0)):
-        check_row_invariance(_with_grads(_mod_with(launch), 3), modulation_item(D, 1, 9), (2, 3, 8), target=CPU_FP32,
+        check_row_invariance(_with_grads(_mod_with(launch), 3), modulation_item(D, 1, 9), (2, 3), target=CPU_FP32,
                              what=f"triton adaln_modulation [{launch.label()}] fwd+bwd")
 
 

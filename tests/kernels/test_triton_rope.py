@@ -213,7 +213,10 @@ def test_misaligned_input_same_bytes_interpreter():
 
 @interp
 def test_batch_invariance_interpreter():
-    check_invariance(H, DH, CPU_FP32, (2, 3, 8), 1, 12)
+    """Batches of 2 and 3 put a sample first, in the middle and last. Every program is one sample's token
+    (forward) or one sample's chunk (backward), so a batch of 8 reaches no other code under the interpreter;
+    the GPU test batches 8 and 64 at the model's shape."""
+    check_invariance(H, DH, CPU_FP32, (2, 3), 1, 12)
 
 
 @interp
@@ -288,6 +291,11 @@ def _as_kw(launch) -> dict:
     return {"fwd_config": launch} if isinstance(launch, R.QkFwdConfig) else {"bwd_config": launch}
 
 
+# The reference launch's outputs per (case, reference, op): computed once per session and shared by every launch
+# compared with it (the case is drawn from a fixed seed, so it is the same tensors each time; CI time).
+_REFERENCE_RUNS: dict = {}
+
+
 def check_launch_bytes_equal_reference(h, d, seq, target, launch):
     """Forward, dx and d_gain under ``launch`` (a QkBwdConfig or a QkFwdConfig) = the reference launch's bytes
     (norm alone, unfused pair, fused; RoPE's backward runs the forward kernel)."""
@@ -295,7 +303,10 @@ def check_launch_bytes_equal_reference(h, d, seq, target, launch):
     reference = L.QK_FWD_REFERENCE if isinstance(launch, R.QkFwdConfig) else L.QK_BWD_REFERENCE
     want_ops = _qk_ops(cos, sin, seq, **_as_kw(reference))
     for name, op in _qk_ops(cos, sin, seq, **_as_kw(launch)).items():
-        want = run_with_grads(want_ops[name], [x, gain], gy)
+        key = (h, d, tuple(seq), target.label, reference, name)
+        if key not in _REFERENCE_RUNS:
+            _REFERENCE_RUNS[key] = run_with_grads(want_ops[name], [x, gain], gy)
+        want = _REFERENCE_RUNS[key]
         got = run_with_grads(op, [x, gain], gy)
         assert_bytes_equal(got[0], want[0], f"[{launch.label()}] {name} forward vs the reference {target.label}")
         assert_bytes_equal(got[1], want[1], f"[{launch.label()}] {name} dx, d_gain vs the reference {target.label}")
@@ -327,9 +338,10 @@ def test_pipelined_and_grouped_launches_equal_reference_interpreter(launch):
 @interp
 @pytest.mark.slow
 def test_bwd_launch_batch_invariance_interpreter():
-    """The reference launch (three tokens ahead) alone vs batched, swept across the chunk edge, d_gain fold."""
+    """The reference launch (three tokens ahead) alone vs batched, swept across the chunk edge, d_gain fold.
+    Batches of 2 and 3, as test_batch_invariance_interpreter (why not 8: there)."""
     kw = {"bwd_config": L.QK_BWD_REFERENCE}
-    check_invariance(H, DH, CPU_FP32, (2, 3, 8), 1, 12, **kw)
+    check_invariance(H, DH, CPU_FP32, (2, 3), 1, 12, **kw)
     check_sweep(H, DH, CPU_FP32, (1, 3, 16, 17, 33), **kw)
     check_gain_fold(H, DH, CPU_FP32, (7, 1, 20, 0, 16, 35), **kw)
 
