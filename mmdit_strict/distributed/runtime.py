@@ -72,14 +72,14 @@ class Traffic:
                        self.bytes_in - before.bytes_in, self.calls - before.calls)
 
 
-def tensor_bytes(obj: Any) -> int:
+def payload_bytes(obj: Any) -> int:
     """Bytes of every tensor in ``obj`` (dicts, lists, tuples, dataclass-free containers)."""
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
     if isinstance(obj, dict):
-        return sum(tensor_bytes(v) for v in obj.values())
+        return sum(payload_bytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
-        return sum(tensor_bytes(v) for v in obj)
+        return sum(payload_bytes(v) for v in obj)
     return 0
 
 
@@ -231,9 +231,9 @@ def from_root(label: str, fn: Callable[[], T]) -> T:
         if s.root:
             value = host(fn())
     box = [value]
-    sent = tensor_bytes(value) * (s.world_size - 1) if s.root else 0
+    sent = payload_bytes(value) * (s.world_size - 1) if s.root else 0
     _collective(s, label, lambda: dist.broadcast_object_list(box, src=0), sent,
-                (lambda: 0) if s.root else (lambda: tensor_bytes(box[0])))
+                (lambda: 0) if s.root else (lambda: payload_bytes(box[0])))
     return box[0]
 
 
@@ -250,8 +250,8 @@ def gather_to_root(label: str, payload: Any) -> list[Any] | None:
     _status(s, label, None)
     out: list[Any] | None = [None] * s.world_size if s.root else None
     data = host(payload)
-    _collective(s, label, lambda: dist.gather_object(data, out, dst=0), 0 if s.root else tensor_bytes(data),
-                lambda: sum(tensor_bytes(o) for r, o in enumerate(out) if r != s.rank) if out is not None else 0)
+    _collective(s, label, lambda: dist.gather_object(data, out, dst=0), 0 if s.root else payload_bytes(data),
+                lambda: sum(payload_bytes(o) for r, o in enumerate(out) if r != s.rank) if out is not None else 0)
     return out
 
 
@@ -265,8 +265,8 @@ def all_gather(label: str, payload: Any) -> list[Any]:
     _status(s, label, None)
     out: list[Any] = [None] * s.world_size
     data = host(payload)
-    _collective(s, label, lambda: dist.all_gather_object(out, data), tensor_bytes(data),
-                lambda: sum(tensor_bytes(o) for r, o in enumerate(out) if r != s.rank))
+    _collective(s, label, lambda: dist.all_gather_object(out, data), payload_bytes(data),
+                lambda: sum(payload_bytes(o) for r, o in enumerate(out) if r != s.rank))
     return out
 
 
@@ -276,7 +276,7 @@ def send(label: str, payload: Any, dst: int) -> None:
 
     s = _require_session()
     data = host(payload)
-    _collective(s, label, lambda: dist.send_object_list([data], dst=dst), tensor_bytes(data))
+    _collective(s, label, lambda: dist.send_object_list([data], dst=dst), payload_bytes(data))
 
 
 def receive(label: str, src: int) -> Any:
@@ -285,7 +285,7 @@ def receive(label: str, src: int) -> Any:
 
     s = _require_session()
     box: list[Any] = [None]
-    _collective(s, label, lambda: dist.recv_object_list(box, src=src), 0, lambda: tensor_bytes(box[0]))
+    _collective(s, label, lambda: dist.recv_object_list(box, src=src), 0, lambda: payload_bytes(box[0]))
     return box[0]
 
 
