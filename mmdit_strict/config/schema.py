@@ -77,6 +77,7 @@ class RolloutConfig:
     cfg_layout: str = "batched"  # batched: cond and neg in one forward | sequential: two forwards
     pad_to: Optional[int] = None  # pad prompts to this many tokens (None → longest in the batch)
     save_tensors: bool = True  # store v_t, x_t, logp_t tensors (hashes are always stored)
+    perturb: Optional[str] = None  # a named perturbation of this side (`mmdit-strict ablate --list`): a deliberate mismatch
 
 
 @dataclass
@@ -106,6 +107,7 @@ class RecomputeConfig:
     # Deliberate mismatch to validate the localizer: "<operator key>@<step>", e.g. "block1.img.mlp_down_gemm@2"
     # bumps that operator's first output element by 2^-10·max(|x|,1) at that step (strict graph only).
     inject_fault: Optional[str] = None
+    perturb: Optional[str] = None  # a named perturbation of this side (`mmdit-strict ablate --list`): a deliberate mismatch
 
 
 @dataclass

@@ -92,6 +92,7 @@ class ExecutionContext:
         keepalive: objects cached device tables passed through ``keepalive.retain`` (a CUDA graph
             capture keeps them alive), or None.
         layout: this process's rank and world size.
+        overlay: the semantic perturbation applied to this side's operators (``ablation.overlay``), or None.
 
     Collectors (capture, gemm_calls, grad_sink, trace, keepalive) are shared by reference: a copy
     made with :meth:`replace` records into the same objects. Contexts compare by identity.
@@ -107,6 +108,7 @@ class ExecutionContext:
     trace: OperatorTrace | None = None
     keepalive: list[Any] | None = None
     layout: Layout = Layout()
+    overlay: Any = None
     # copies made by switched(), one per (field, value): the strict model switches streams around every product
     _switched: dict[tuple[str, Hashable], ExecutionContext] = field(default_factory=dict, init=False, repr=False)
 

@@ -91,12 +91,16 @@ def capture_operators() -> Iterator[dict[str, torch.Tensor]]:
 
 @contextlib.contextmanager
 def uninstrumented() -> Iterator[None]:
-    """Neither capture nor fault injection inside the block (audit's side run of the production forward)."""
-    with bind(current().replace(capture=None, fault=None)):
+    """Neither capture, fault injection nor an overlay inside the block (audit's side run of the production forward)."""
+    with bind(current().replace(capture=None, fault=None, overlay=None)):
         yield
 
 
 def _op(name: str, where: str, ref: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    overlay = current().overlay
+    if overlay is not None:  # an ablation probe on this side (ablation.overlay): it may replace the call
+        return observe_operator(name, where, overlay.call(
+            name, where, lambda *a, **k: dispatch(name, ref.device, ref.dtype, *a, **k), args, kwargs))
     return observe_operator(name, where, dispatch(name, ref.device, ref.dtype, *args, **kwargs))
 
 
@@ -119,9 +123,10 @@ def observe_operator(name: str, where: str, out: Any) -> Any:
 
 
 def instrumented() -> bool:
-    """True while operator capture or fault injection is active (a CUDA graph would hide both)."""
+    """True while operator capture, fault injection or a perturbation overlay is active (a CUDA graph or a
+    fused kernel would hide them)."""
     ctx = current()
-    return ctx.capture is not None or ctx.fault is not None
+    return ctx.capture is not None or ctx.fault is not None or ctx.overlay is not None
 
 
 def _fusion(first: str, second: str, ref: torch.Tensor) -> Callable[..., Any] | None:
