@@ -13,6 +13,9 @@ overrides work as in hydra:
 
 Values are parsed as hydra does (``null`` → None, numbers, booleans, lists; ``overrides.py``).
 
+:func:`derive` makes one command's config from another's composed config plus ``key=value``
+overrides (``ablate`` makes each job's ``run`` config so).
+
 Each command composes its own schema (:data:`~mmdit_strict.config.schema.SCHEMAS`): a group, an
 experiment key or an override naming a section the command does not read is refused with the
 command's valid keys. The result is validated (:func:`~mmdit_strict.config.validate.problems`) before
@@ -188,6 +191,40 @@ def compose(overrides: Sequence[str] = (), config_dir: str | Path | None = None,
     except (ConfigKeyError, ValidationError) as exc:
         raise ConfigError(_explain(exc, merged)) from exc
 
+    _apply_overrides(merged, value_overrides, command, valid)
+    return _finish(merged, schema, choices, checks)
+
+
+def derive(cfg: DictConfig, overrides: Sequence[str] = (), command: str = "run",
+           checks: Sequence[Callable[[DictConfig], list[str]]] = ()) -> DictConfig:
+    """``command``'s config made from ``cfg``, a config another command composed: the sections ``command``
+    reads (the others are dropped, missing ones take their defaults), then ``key=value`` ``overrides``,
+    validated as :func:`compose` validates. A group override (``runtime=off``) is refused: name the key.
+
+    ``ablate`` makes each job's ``run`` config this way from its own.
+    """
+    try:
+        schema = schema_for(command)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    valid = section_names(schema)
+    tree = OmegaConf.to_container(cfg, resolve=True)
+    choices = dict(tree.pop("_choices_", None) or {})  # type: ignore[union-attr]
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), {k: v for k, v in tree.items() if k in valid})  # type: ignore[union-attr]
+    except (ConfigKeyError, ValidationError) as exc:
+        raise ConfigError(f"cannot make a {command} config: {getattr(exc, 'msg', exc)}") from exc
+    parsed = [_parse_override(o) for o in overrides]
+    for o in parsed:
+        if isinstance(merged.get(o.key), DictConfig):
+            raise ConfigError(f"override {o.key}={o.raw}: {o.key} is a config section (or group); set one of its keys "
+                              f"({', '.join(_valid_keys(merged[o.key], o.key + '.')[:4])}, ...)")
+    _apply_overrides(merged, parsed, command, valid)
+    return _finish(merged, schema, {k: v for k, v in choices.items() if k in valid or k == "experiment"}, checks)
+
+
+def _apply_overrides(merged: DictConfig, value_overrides: Sequence[Override], command: str, valid: Sequence[str]) -> None:
+    """Apply ``key=value`` / ``+`` / ``++`` / ``~`` overrides to ``merged`` in place."""
     for o in value_overrides:
         key, value = o.key, o.raw if o.raw is not None else ""
         top = key.split(".")[0]
@@ -232,6 +269,10 @@ def compose(overrides: Sequence[str] = (), config_dir: str | Path | None = None,
         except (ValidationError, ConfigKeyError) as exc:
             raise ConfigError(f"bad value for {key}: {value!r} ({exc.msg if hasattr(exc, 'msg') else exc})") from exc
 
+
+def _finish(merged: DictConfig, schema: type, choices: dict[str, str],
+            checks: Sequence[Callable[[DictConfig], list[str]]]) -> DictConfig:
+    """Check choices and values, resolve, record the group choices; return ``merged`` read-only."""
     for key, allowed in choices_for(schema).items():
         val = OmegaConf.select(merged, key)
         if val not in allowed:
