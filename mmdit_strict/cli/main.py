@@ -454,11 +454,9 @@ def _multirun(args: argparse.Namespace) -> int:
     """
     import copy
 
-    import yaml
-
     from ..config.compose import ConfigError
     from ..config.overrides import expand_multirun, parse_override
-    from ..io import atomic_write_text
+    from ..trajectories.jobs import JobTable
     from ..trajectories.outdir import check_output_dir
     from .wandb_log import require_wandb
 
@@ -477,39 +475,28 @@ def _multirun(args: argparse.Namespace) -> int:
             raise type(exc)(f"multirun job {i} ({' '.join(job)}): {exc}; no job was run") from exc
         rows.append({"job": i, "overrides": job, "output_dir": str(base / str(i)), "status": "pending", "exit_code": None})
 
-    def write() -> None:
-        base.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(base / "multirun.yaml", yaml.safe_dump({"jobs": rows}, sort_keys=False))
-
-    write()
+    table = JobTable(base / "multirun.yaml", rows)
     worst = EXIT_OK
     for row in rows:
         sub = copy.copy(args)
         sub.overrides = [*row["overrides"], f"output_dir={row['output_dir']}"]
         print(f"[multirun] job {row['job']}: {' '.join(row['overrides'])}", flush=True)
-        row["status"] = "running"
-        write()
+        table.start(row)
         try:
             rc = args.func(sub)
         except BaseException as exc:
             rc = EXIT_ERROR
             row["error"] = " ".join(str(exc).split()) or type(exc).__name__
             if not isinstance(exc, Exception):
-                row.update(status="interrupted", exit_code=rc)
-                write()
+                table.end(row, "interrupted", rc)
                 raise
             _report_error(args, exc, expected=isinstance(exc, (ValueError, OSError)))
-        row.update(status={EXIT_OK: "done", EXIT_DRIFT: "drift"}.get(rc, "error"), exit_code=rc)
+        table.end(row, {EXIT_OK: "done", EXIT_DRIFT: "drift"}.get(rc, "error"), rc)
         worst = max(worst, rc)
         if rc == EXIT_ERROR:
-            for rest in rows:
-                if rest["status"] == "pending":
-                    rest["status"] = "not run"
-        write()
-        if rc == EXIT_ERROR:
+            table.stop()
             break
-    done = sum(r["exit_code"] is not None for r in rows)
-    print(f"[multirun] {done}/{len(jobs)} jobs → {base / 'multirun.yaml'}")
+    print(f"[multirun] {table.finished}/{len(jobs)} jobs → {base / 'multirun.yaml'}")
     return worst
 
 
