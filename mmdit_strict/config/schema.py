@@ -5,7 +5,9 @@ Each command composes only the sections it reads (:data:`SCHEMAS`):
 * ``run``, ``rollout``, ``sample``, ``recompute``: :class:`TrajectoryConfig` (model, runtime, sampler,
   prompts, rollout, recompute, lora, compare, wandb, distributed, seed, output_dir, resume, progress, extra);
 * ``train``: :class:`TrainRunConfig` (model, runtime, sampler, prompts, lora, sample, train, wandb,
-  seed, output_dir, resume, progress, extra).
+  seed, output_dir, resume, progress, extra);
+* ``ablate``: :class:`AblateConfig` (the trajectory sections every job starts from, and ``ablation``:
+  the entries; no wandb and no distributed section: the jobs log nothing and run in one process).
 
 Unknown keys are errors: the composed config is merged onto these dataclasses with OmegaConf's
 struct mode, so a typo, or a section another command reads, names itself and the valid keys beside it.
@@ -178,6 +180,48 @@ class TrainRunConfig:
     extra: dict = field(default_factory=dict)  # free-form user keys (``+extra.foo=1``)
 
 
+@dataclass
+class AblationConfig:
+    """What ``ablate`` runs: one job per entry, each a ``run`` of the composed config plus the entry's changes.
+
+    An entry is a mapping (``docs/ablation.md``):
+
+    * ``name``: the job's folder under ``output_dir`` (letters, digits, ``_ . -``), unique;
+    * ``kind``: ``probe`` (a deliberate mismatch the localizer must name), ``control`` (an invariance
+      that must hold byte for byte) or ``combination`` (a rollout/recompute runtime pair);
+    * ``perturb``: a registered perturbation (``mmdit-strict ablate --list``) applied to ``side``, or null;
+    * ``side``: ``rollout`` | ``recompute`` (default ``recompute``), the side ``perturb`` acts on;
+    * ``overrides``: ``key=value`` settings of the job (``recompute.micro_batch=1``);
+    * ``expect``: a probe's operator key (default: its perturbation's ``caught_at``), ``identical`` for
+      a control (the default), ``identical`` or ``drift`` for a combination.
+    """
+
+    entries: list = field(default_factory=list)  # the jobs, in order (mappings as above)
+    probes: Optional[str] = None  # all: also one probe entry per registered perturbation no entry is named after
+    only: Optional[list] = None  # run only the entries with these names (null: every entry)
+    reward: str = "latent_stats"  # a `train` reward scored on the combinations' final latents (no VAE needed for latent_stats)
+
+
+@dataclass
+class AblateConfig:
+    """What ``ablate`` reads: the trajectory sections each job starts from, and the ablation's entries."""
+
+    seed: int = 0
+    output_dir: str = "runs/ablation"  # jobs go to OUTPUT_DIR/<entry name>, the report to OUTPUT_DIR/ablation/
+    resume: bool = True  # each job reuses its verified stages; the rollout is shared by jobs with equal rollout settings
+    progress: bool = True
+    model: ModelConfig = field(default_factory=ModelConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    prompts: PromptsConfig = field(default_factory=PromptsConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    compare: CompareConfig = field(default_factory=CompareConfig)
+    ablation: AblationConfig = field(default_factory=AblationConfig)
+    extra: dict = field(default_factory=dict)  # free-form user keys (``+extra.foo=1``)
+
+
 #: The schema each command composes (the ``config`` command prints any of them with ``--for``).
 SCHEMAS: dict[str, type] = {
     "run": TrajectoryConfig,
@@ -185,6 +229,7 @@ SCHEMAS: dict[str, type] = {
     "sample": TrajectoryConfig,
     "recompute": TrajectoryConfig,
     "train": TrainRunConfig,
+    "ablate": AblateConfig,
 }
 
 
@@ -220,6 +265,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "wandb.mode": ("offline", "online", "disabled"),
     "distributed.backend": ("auto", "gloo", "nccl"),
     "distributed.check_state": ("checkpoint", "update"),
+    "ablation.probes": (None, "all"),
     **TRAIN_CHOICES,
 }
 

@@ -7,9 +7,9 @@ A run writes into ``output_dir`` only when the folder
 
 Any other folder (the user's ``configs/``, the current folder, a home directory) is refused, so a
 run never overwrites files it did not write. The marker records the kind of command that owns the
-folder: ``run`` (the trajectory commands: ``run``, ``rollout``, ``sample``, ``recompute``, ``report``)
-or ``train``. A command of another kind refuses the folder, so ``run`` never overwrites a training
-run's ``config.yaml``. Readers (``report``) only claim a folder that already holds a marker of their
+folder: ``run`` (the trajectory commands: ``run``, ``rollout``, ``sample``, ``recompute``, ``report``),
+``train`` or ``ablate`` (whose jobs are ``run`` folders inside it). A command of another kind refuses
+the folder, so ``run`` never overwrites a training run's ``config.yaml``. Readers (``report``) only claim a folder that already holds a marker of their
 kind and never write one.
 
 While a command works in the folder it holds an exclusive ``flock`` on ``.mmdit-strict.lock``,
@@ -36,7 +36,7 @@ LOCK = ".mmdit-strict.lock"
 
 
 #: Folder kinds a marker may record, and the commands that make each.
-KINDS = {"run": "run, rollout, sample or recompute", "train": "train"}
+KINDS = {"run": "run, rollout, sample or recompute", "train": "train", "ablate": "ablate"}
 
 
 class OutputDirError(ValueError):

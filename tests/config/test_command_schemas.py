@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from mmdit_strict.cli.main import main
-from mmdit_strict.config.compose import ConfigError, compose
-from mmdit_strict.config.schema import SCHEMAS, TrainRunConfig, TrajectoryConfig, section_names
+from mmdit_strict.config.compose import ConfigError, compose, derive
+from mmdit_strict.config.schema import SCHEMAS, AblateConfig, TrainRunConfig, TrajectoryConfig, section_names
 from mmdit_strict.training.loop import RESUME_FREE, resume_differences
 from mmdit_strict.training.rewards import compose_train
 
@@ -48,6 +48,24 @@ def test_a_key_the_command_does_not_read_is_refused(tmp_path: Path, capsys: pyte
     valid = TRAIN_KEYS if valid_for == "train" else TRAJECTORY_KEYS
     assert f"valid keys for {valid_for}: {', '.join(valid)}" in err
     assert not out.exists()
+
+
+def test_ablate_schema_and_the_run_configs_derived_from_it() -> None:
+    """ablate reads the trajectory sections (no wandb, no distributed) and its ablation; each job's run config
+    is derived from it with key=value overrides and checked as a composed one."""
+    assert SCHEMAS["ablate"] is AblateConfig
+    cfg = compose(["experiment=ablation_tiny"], command="ablate")
+    assert {"ablation", "rollout", "recompute"} <= set(cfg) and "wandb" not in cfg and "distributed" not in cfg
+    job = derive(cfg, ["recompute.micro_batch=1", "output_dir=elsewhere", "wandb.mode=disabled"])
+    assert set(job.keys()) - {"_choices_"} == set(TRAJECTORY_KEYS)
+    assert (job.recompute.micro_batch, job.output_dir, job.wandb.mode) == (1, "elsewhere", "disabled")
+    assert job.sampler.num_steps == cfg.sampler.num_steps and job._choices_.experiment == "ablation_tiny"
+    with pytest.raises(ConfigError, match="runtime is a config section"):
+        derive(cfg, ["runtime=off"])
+    with pytest.raises(ConfigError, match="which `mmdit-strict run` does not read"):
+        derive(cfg, ["ablation.probes=all"])
+    with pytest.raises(ConfigError, match="recompute.micro_batch must be >= 1, got 0"):
+        derive(cfg, ["recompute.micro_batch=0"])
 
 
 def test_an_experiment_for_train_is_refused_by_run(capsys: pytest.CaptureFixture) -> None:
