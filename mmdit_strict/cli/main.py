@@ -24,6 +24,22 @@ _EXIT_HELP = """exit status:
      out of memory); one line on stderr, the traceback with -v
 """
 
+_ABLATE_HELP = """entries (configs/ablation/standard.yaml; docs/ablation.md):
+  probe        a deliberate mismatch on one side: perturb=<name> (see --list) and/or overrides;
+               passes when the localizer's first drifting operator is its expected key
+  control      a change strict mode must not see (batch size, padding, CFG layout, autograd, ...);
+               passes when every v_t, x_t, logp_t is byte-identical
+  combination  rollout/recompute runtimes (strict, off); expect identical or drift
+
+  ablation.only=[a,b] runs some entries; resume=true (default) reuses every job's verified stages.
+
+exit status:
+  0  every entry passed
+  1  an entry did not pass: a probe not caught or caught at another operator, a control that
+     drifted, a combination other than expected (each is named on stderr and in the report)
+  2  bad input or any error (bad config or entry, an entry's job crashed, unusable output_dir)
+"""
+
 _OVERRIDES_HELP = (
     "hydra-style overrides: group=option (model=tiny, runtime=off, experiment=recompute_off) and "
     "key=value (sampler.num_steps=4, recompute.micro_batch=2, model.checkpoint=null); +key=value adds a key that "
@@ -46,6 +62,10 @@ def _compose(args: argparse.Namespace, overrides: Sequence[str] | None = None):
         from ..training.rewards import compose_train
 
         cfg = compose_train(overrides, config_dir=args.config_dir)
+    elif command == "ablate":
+        from ..ablation.plan import compose_ablate
+
+        cfg = compose_ablate(overrides, config_dir=args.config_dir)
     else:
         cfg = compose(overrides, config_dir=args.config_dir, command=command)
     if command in DISTRIBUTED_COMMANDS and args.command != "config":
@@ -242,6 +262,36 @@ def cmd_train(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_ablate(args: argparse.Namespace) -> int:
+    """The ablation: every probe, control and runtime combination of the config as one run job, one report."""
+    from ..ablation import get_perturbation, known_perturbations
+
+    if args.list:
+        for name in known_perturbations():
+            p = get_perturbation(name)
+            print(f"{p.name:18s} {p.factor:22s} caught at {p.caught_at:36s} {p.description}")
+        return EXIT_OK
+    from tqdm.auto import tqdm
+
+    from ..ablation.run import run_ablation
+
+    cfg = _compose(args)
+    progress = not args.quiet and cfg.progress
+
+    def line(row: dict) -> None:
+        mark = "pass" if row["passed"] else row["status"].upper()
+        tqdm.write(f"[ablate] {row['name']:24s} {row['kind']:11s} {mark:6s} {row['reason']}")
+
+    result = run_ablation(cfg, progress=progress, on_row=line)
+    print(result.report["summary"])
+    for row in result.failed + result.errors:
+        print(f"  {row['status']}: {row['name']}: {row['reason']}", file=sys.stderr)
+    print(f"report: {result.report_path}", flush=True)
+    if result.errors:
+        return EXIT_ERROR
+    return EXIT_OK if result.passed else EXIT_DRIFT
+
+
 def cmd_encode(args: argparse.Namespace) -> int:
     """Prompts → embeddings + masks with a pipeline folder's Qwen2.5-VL text encoder (a ``prompts.embeddings`` file)."""
     import torch
@@ -371,8 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details; print the traceback of an error")
     sub = parser.add_subparsers(dest="command", metavar="command")
 
-    def add(name: str, fn: Callable[[argparse.Namespace], int], help_: str, overrides: bool = True) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_, description=help_, epilog=_EXIT_HELP,
+    def add(name: str, fn: Callable[[argparse.Namespace], int], help_: str, overrides: bool = True,
+            epilog: str = _EXIT_HELP) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_, description=help_, epilog=epilog,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                        help="log progress details; print the traceback of an error")
@@ -386,6 +437,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("recompute", cmd_recompute, "training-side recomputation of a rollout into OUTPUT_DIR/recompute")
     p.add_argument("--rollout", default=None, help="rollout artifact folder (default: OUTPUT_DIR/rollout)")
     add("train", cmd_train, "Flow-GRPO LoRA training (experiment=grpo_tiny on the CPU); resume=true continues a killed run")
+    p = add("ablate", cmd_ablate, "the ablation (experiment=ablation_tiny on the CPU, ablation_qwen_image on a GPU): "
+            "every probe, control and runtime combination as one run job in OUTPUT_DIR/<entry>, one report in "
+            "OUTPUT_DIR/ablation/; exit 0 when every entry passes, 1 when one does not (named), 2 on error",
+            epilog=_ABLATE_HELP)
+    p.add_argument("--list", action="store_true", help="list the registered perturbations (name, factor, the operator "
+                   "where the localizer must catch it, what it changes) and exit")
     add("sample", cmd_sample, "sample the configured model and print per-step hashes (a rollout)")
     p = add("compare", cmd_compare, "compare two trajectory artifacts; exit 0 when byte-identical, 1 on drift", overrides=False)
     p.add_argument("a", help="first artifact folder (e.g. runs/default/rollout)")
@@ -395,9 +452,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="a folder made by `mmdit-strict run`")
     p.add_argument("--print", action="store_true", help="print the markdown report")
     p = add("config", cmd_config, "print the composed, resolved config of a command (--for; default run)")
-    p.add_argument("--for", dest="for_command", default="run", choices=["run", "rollout", "sample", "recompute", "train"],
+    p.add_argument("--for", dest="for_command", default="run", choices=["run", "rollout", "sample", "recompute", "train", "ablate"],
                    help="the command whose keys to compose: run, rollout, sample and recompute share one schema, "
-                   "train has its own (default: run)")
+                   "train and ablate have their own (default: run)")
     p = add("encode", cmd_encode, "encode prompts with a Qwen-Image pipeline folder's text encoder into a "
             "safetensors file for prompts.embeddings (Qwen-Image's template, first 34 tokens dropped)", overrides=False)
     p.add_argument("pipeline", help="pipeline folder holding tokenizer/ and text_encoder/")
@@ -441,7 +498,7 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
 
 def _output_kind(args: argparse.Namespace) -> str:
     """The kind of output folder the command makes (see ``trajectories.outdir``)."""
-    return "train" if args.command == "train" else "run"
+    return args.command if args.command in ("train", "ablate") else "run"
 
 
 def _multirun(args: argparse.Namespace) -> int:
