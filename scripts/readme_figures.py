@@ -7,7 +7,9 @@ output between the markers:
 * ``default``: the output of ``mmdit-strict run``;
 * ``fault``: the output of the planted-fault demo and its first-drift table (from ``report.json``);
 * with ``--train``, also ``experiments/training/grpo_tiny_reward_curve.png`` from
-  ``mmdit-strict train experiment=grpo_tiny`` (about 1.5 minutes on 2 cores) and the metrics it came from.
+  ``mmdit-strict train experiment=grpo_tiny`` (about 1.5 minutes on 2 cores) and the metrics it came from;
+* with ``--ablate``, also ``ablation``: the first table of ``mmdit-strict ablate experiment=ablation_tiny``'s
+  report (about a minute on 2 cores).
 
 ``--check`` writes nothing and exits 1 when a block differs from what the runs print now. The text
 figures are CPU bytes: another CPU type may print other digits (the README records the machine they
@@ -15,7 +17,8 @@ came from in ``readme_figures.json``).
 
     python scripts/readme_figures.py            # refresh the text blocks
     python scripts/readme_figures.py --train    # and the reward curve
-    python scripts/readme_figures.py --check    # exit 1 when the README is stale
+    python scripts/readme_figures.py --ablate   # and the ablation table
+    python scripts/readme_figures.py --check    # exit 1 when the README is stale (--check --ablate: that table too)
 """
 
 from __future__ import annotations
@@ -66,6 +69,16 @@ def fault_block(work: Path) -> str:
     return "```\n" + lines[0] + "\n```\n\n" + "\n".join(table)
 
 
+def ablation_block(work: Path) -> str:
+    """The summary and the first table of the tiny ablation's report (entries, expectations, first drifts)."""
+    out = work / "ablation"
+    _cli("ablate", "experiment=ablation_tiny", f"output_dir={out}")
+    parts = (out / "ablation" / "report.md").read_text().split("\n\n")
+    summary = next(p for p in parts if p.startswith("**"))
+    table = next(p for p in parts if p.startswith("| entry | kind |"))
+    return summary + "\n\n" + table
+
+
 def train_curve(work: Path) -> dict:
     out = work / "train"
     _cli("train", "experiment=grpo_tiny", f"output_dir={out}", "wandb.mode=disabled")
@@ -97,10 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 when a README block is stale")
     parser.add_argument("--train", action="store_true", help="also regenerate the grpo_tiny reward curve (slow)")
+    parser.add_argument("--ablate", action="store_true", help="also regenerate (or with --check, check) the tiny ablation's table")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         blocks = {"default": default_block(work), "fault": fault_block(work)}
+        if args.ablate:
+            blocks["ablation"] = ablation_block(work)
         train = train_curve(work) if args.train and not args.check else None
     text = README.read_text()
     new = text
@@ -116,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     record["text_blocks"] = {"machine": machine(), "commands": ["mmdit-strict run", f"mmdit-strict run {FAULT}"]}
     if train is not None:
         record["reward_curve"] = {"machine": machine(), **train}
+    if args.ablate:
+        record["ablation_table"] = {"machine": machine(), "command": "mmdit-strict ablate experiment=ablation_tiny"}
     PROVENANCE.parent.mkdir(parents=True, exist_ok=True)
     PROVENANCE.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     print(f"README.md refreshed ({', '.join(blocks)}{', reward curve' if train else ''}); provenance → {PROVENANCE}")

@@ -204,6 +204,15 @@ def test_list_prints_every_registered_perturbation(capsys: pytest.CaptureFixture
         assert line.startswith(name) and p.caught_at in line and p.description in line
 
 
+def test_docs_list_every_registered_probe_where_it_is_caught() -> None:
+    from mmdit_strict.ablation import get_perturbation, known_perturbations
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "ablation.md").read_text()
+    for name in known_perturbations():
+        p = get_perturbation(name)
+        assert f"| `{name}` | {p.factor} | {p.description} | `{p.caught_at}` |" in doc, f"docs/ablation.md lacks the row of {name}"
+
+
 @pytest.mark.slow
 def test_standard_tiny_ablation_passes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """CI's bar: every probe caught at its declared operator, every control byte-identical, strict/strict with
