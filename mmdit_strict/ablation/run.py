@@ -138,11 +138,24 @@ def share_rollout(job: DictConfig, donors: dict[str, Path]) -> bool:
     return True
 
 
+def _release_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def run_entry(entry: Entry, job: DictConfig, donors: dict[str, Path], reward: str) -> dict[str, Any]:
     """Run one entry's job (sharing a rollout when one fits) and judge it."""
     if share_rollout(job, donors):
         logger.info("%s: starts from the rollout of %s", entry.name, donors[_rollout_id(job)].parent.name)
-    result = pipeline.run_all(job, progress=False)
+    try:
+        result = pipeline.run_all(job, progress=False)
+    finally:
+        _release_memory()  # the job's models (graphs, prepacked weights) may sit in reference cycles
     out = Path(job.output_dir)
     donors.setdefault(_rollout_id(job), out / "rollout")
     rollout, recompute = artifact.read(out / "rollout"), artifact.read(out / "recompute")
