@@ -1,7 +1,6 @@
-"""The ablation experiment: named perturbations of one side (the overlay), invariant controls, the four
-training–rollout runtime combinations, and one report."""
+"""The ``ablate`` command: every probe, invariance control and runtime combination of a config as one ``run``
+job, judged against what it expects, in one report (``docs/ablation.md``).
 
-from .overlay import PERTURBATIONS, Overlay, Perturbation, get_perturbation, known_perturbations, perturbing, register_perturbation
-
-__all__ = ["PERTURBATIONS", "Overlay", "Perturbation", "get_perturbation", "known_perturbations", "perturbing",
-           "register_perturbation"]
+``plan.py`` checks the entries and makes the jobs, ``run.py`` runs them, ``judge.py`` turns a job's result
+into a row, ``report.py`` writes the report. The perturbations the probes apply are ``mmdit_strict.overlay``'s.
+"""

@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..config.arch import preset
 from ..config.overrides import OverrideError, parse_override
-from .overlay import get_perturbation, known_perturbations
+from ..overlay import get_perturbation, known_perturbations
 
 KINDS = ("probe", "control", "combination")
 SIDES = ("rollout", "recompute")

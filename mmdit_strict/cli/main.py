@@ -264,7 +264,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_ablate(args: argparse.Namespace) -> int:
     """The ablation: every probe, control and runtime combination of the config as one run job, one report."""
-    from ..ablation import get_perturbation, known_perturbations
+    from ..overlay import get_perturbation, known_perturbations
 
     if args.list:
         for name in known_perturbations():

@@ -101,7 +101,6 @@ def problems(cfg: DictConfig) -> list[str]:
 
     if "recompute" in cfg:
         out += _fault_problems(cfg, steps, arch)
-        out += _perturb_problems(cfg)
     if "train" in cfg:
         out += _train_problems(cfg)
     return out
@@ -207,21 +206,3 @@ def _fault_problems(cfg: DictConfig, steps: Any, arch: Any) -> list[str]:
     # runtime=off runs the same operator calls (production implementations, same keys), so a fault lands there too
     return out
 
-
-def _perturb_problems(cfg: DictConfig) -> list[str]:
-    from ..ablation.overlay import known_perturbations
-
-    out = []
-    for side in ("rollout", "recompute"):
-        name = _get(cfg, f"{side}.perturb")
-        if name is None:
-            continue
-        if name not in known_perturbations():
-            out.append(f"{side}.perturb={name!r} is no registered perturbation; choose one of {', '.join(known_perturbations())}")
-            continue
-        from ..ablation.overlay import get_perturbation
-
-        runtime = _get(cfg, f"{side}.runtime") or _get(cfg, "runtime.mode")
-        if get_perturbation(name).strict_only and runtime == "off":
-            out.append(f"{side}.perturb={name!r} rewrites the strict graph's arguments; {side} runs runtime=off")
-    return out

@@ -92,7 +92,7 @@ class ExecutionContext:
         keepalive: objects cached device tables passed through ``keepalive.retain`` (a CUDA graph
             capture keeps them alive), or None.
         layout: this process's rank and world size.
-        overlay: the semantic perturbation applied to this side's operators (``ablation.overlay``), or None.
+        overlay: the semantic perturbation applied to this side's operators (``mmdit_strict.overlay``), or None.
 
     Collectors (capture, gemm_calls, grad_sink, trace, keepalive) are shared by reference: a copy
     made with :meth:`replace` records into the same objects. Contexts compare by identity.

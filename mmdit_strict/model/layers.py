@@ -42,7 +42,7 @@ def timestep_sinusoid(sigma: torch.Tensor, channels: int, scale: float) -> torch
 def production_op(name: str, where: str, ref: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
     """Call operator ``name``'s production implementation, recorded in the trace and seen by capture/fault."""
     overlay = current().overlay
-    if overlay is not None:  # an ablation probe on this side (ablation.overlay): it may replace the call
+    if overlay is not None:  # an ablation probe on this side (mmdit_strict.overlay): it may replace the call
         return observe_operator(name, where, overlay.call(
             name, where, lambda *a, **k: dispatch_in(Runtime.OFF, name, ref.device, ref.dtype, *a, **k), args, kwargs))
     return observe_operator(name, where, dispatch_in(Runtime.OFF, name, ref.device, ref.dtype, *args, **kwargs))

@@ -98,7 +98,7 @@ def uninstrumented() -> Iterator[None]:
 
 def _op(name: str, where: str, ref: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
     overlay = current().overlay
-    if overlay is not None:  # an ablation probe on this side (ablation.overlay): it may replace the call
+    if overlay is not None:  # an ablation probe on this side (mmdit_strict.overlay): it may replace the call
         return observe_operator(name, where, overlay.call(
             name, where, lambda *a, **k: dispatch(name, ref.device, ref.dtype, *a, **k), args, kwargs))
     return observe_operator(name, where, dispatch(name, ref.device, ref.dtype, *args, **kwargs))

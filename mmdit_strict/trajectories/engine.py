@@ -6,15 +6,78 @@ the config lets them differ in: runtime mode, batch composition, CFG layout, pad
 
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+import contextlib
+import contextvars
+import functools
+import time
+from typing import Any, Callable, Hashable, Iterator, Sequence
 
 import torch
 
+from ..kernels.execution import current, current_runtime
 from ..kernels.grad_sink import sample_keys
 from ..kernels.runtime import Runtime
+from ..kernels.trace import record
 from ..model import MMDiT
-from ..sampling import cfg_combine
+from ..model.strict import observe_operator
+from ..sampling import SDEStepResult, cfg_combine
 from .hashing import tensor_sha256
+
+#: Where a side's time goes (seconds): the transformer forwards (and the recompute's backward), CFG
+#: combine, and the scheduler (sigma table, noise, SDE step and logp).
+TIME_PARTS = ("model", "cfg", "scheduler")
+_SPLIT: contextvars.ContextVar[dict[str, float] | None] = contextvars.ContextVar("mmdit_time_split", default=None)
+
+
+@contextlib.contextmanager
+def time_split() -> Iterator[dict[str, float]]:
+    """Accumulate, inside the block, the seconds spent in each of :data:`TIME_PARTS` (CUDA work synced)."""
+    split = {k: 0.0 for k in TIME_PARTS}
+    token = _SPLIT.set(split)
+    try:
+        yield split
+    finally:
+        _SPLIT.reset(token)
+
+
+@contextlib.contextmanager
+def timed(part: str, device: torch.device | None = None) -> Iterator[None]:
+    """Count the block's wall time to ``part`` of the active :func:`time_split` (nothing when none is active)."""
+    split = _SPLIT.get()
+    if split is None:
+        yield
+        return
+    sync = device is not None and device.type == "cuda"
+    if sync:
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        if sync:
+            torch.cuda.synchronize(device)
+        split[part] += time.perf_counter() - t0
+
+
+@functools.lru_cache(maxsize=None)
+def _sampling_impl(op: str, device: str) -> Any:
+    from ..kernels.registry import implementations
+
+    return next((i for i in implementations(op) if i.device == device), None)
+
+
+def sampling_op(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """One sampling operator ``fn(*args, **kwargs)`` as the model's operators run: through the side's
+    perturbation overlay, recorded in the operator trace (when ``name`` is a registered operator) and
+    seen by operator capture / fault injection under the key ``sampling.<name>``."""
+    overlay = current().overlay
+    out = overlay.call(name, "sampling", fn, args, kwargs) if overlay is not None else fn(*args, **kwargs)
+    ref = out[0] if isinstance(out, tuple) else out
+    impl = _sampling_impl(name, ref.device.type)
+    if impl is not None:
+        record(name, impl, current_runtime(), ref.device.type, ref.dtype, False)
+    seen = observe_operator(name, "sampling", out)
+    return SDEStepResult(*seen) if isinstance(out, SDEStepResult) else seen
 
 
 def pad_prompts(rows: Sequence[torch.Tensor], pad_to: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +130,7 @@ def velocity(
         t = torch.full((n,), sigma, dtype=torch.float32, device=xs.device) if per_sample is None \
             else per_sample.repeat(len(branches))
         keys = [(i, br) for br in branches for i in ids]
-        with sample_keys(keys):
+        with sample_keys(keys), timed("model", xs.device):
             return model(xs, ehs, mask, t, [shapes[0]] * n, return_dict=False)[0]
 
     def collect_blocks() -> None:
@@ -93,4 +156,5 @@ def velocity(
         v_neg = forward(x, negs, (1,)).float()
     else:
         raise ValueError(f"cfg_layout must be 'batched' or 'sequential', got {cfg_layout!r}")
-    return cfg_combine(v_cond, v_neg, float(cfg_scale))
+    with timed("cfg", x.device):
+        return sampling_op("cfg_combine_renorm", cfg_combine, v_cond, v_neg, float(cfg_scale))

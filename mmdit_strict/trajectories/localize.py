@@ -17,19 +17,23 @@ of other weights would blame the wrong place, so it is refused with :class:`Traj
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from omegaconf import OmegaConf
 
+from ..overlay import perturbing
 from ..kernels.runtime import Runtime, runtime_mode
+from ..sampling import cfg_combine
 from ..model.strict import capture_operators, inject_fault, strict_forward
 from .artifact import Trajectory, TrajectoryError
 from .compare import FirstDrift
-from .engine import pad_prompts
+from .engine import pad_prompts, sampling_op
 from .hashing import ulp_distance
 from .recompute import parse_fault, recorded_prompts
+from .rollout import step_latents, used_sigmas
 from .record import model_hashes
 from .setup import build_side_model
 
@@ -38,7 +42,7 @@ _KEY = re.compile(r"^(?:block(?P<block>\d+)\.)?(?P<stream>[a-z_]+)(?:\.(?P<sub>[
 
 @dataclass
 class OperatorDrift:
-    branch: str  # cond | neg
+    branch: str  # cond | neg (the model's forwards) | sampling (sigma table, CFG combine, noise, SDE step)
     key: str
     operator: str
     block: int | None
@@ -85,8 +89,10 @@ def _side_batch(traj: Trajectory, position: int) -> list[int]:
     raise ValueError(f"sample position {position} not found in the {traj.manifest['kind']} batches")
 
 
-def _replay(traj: Trajectory, ref: Trajectory, step: int, position: int) -> dict[str, dict[str, torch.Tensor]]:
-    """Captured operator rows of the drifting sample, per CFG branch, for one side."""
+def _replay(traj: Trajectory, ref: Trajectory, step: int, position: int) -> list[tuple[str, str, torch.Tensor]]:
+    """One side's step for the drifting sample, in execution order: ``(branch, key, rows)`` of the sigma
+    table it used, every operator output of its forwards (cond branch, then neg) and of its sampling
+    chain (CFG combine, noise, SDE step and logp), each as that sample's rows."""
     runtime = Runtime.parse(traj.manifest["runtime"])
     cfg = OmegaConf.create(traj.manifest["config"])
     model = build_side_model(cfg.model, cfg.lora, runtime)
@@ -104,36 +110,59 @@ def _replay(traj: Trajectory, ref: Trajectory, step: int, position: int) -> dict
     grid = tuple(traj.manifest["grid"])
     T = grid[0] * grid[1]
     x = ref.tensors["x"][step][batch].to(device=cfg.model.device, dtype=model.dtype)
-    sigma = float(ref.tensors["sigmas"][step])
     cond = [prompts.embeds[i] for i in batch]
     negs = [prompts.negative] * len(batch)
+    scale = float(traj.manifest["cfg_scale"])
 
     fault_key, fault_step = parse_fault(side.get("inject_fault"))
     fault = fault_key if fault_step == step else None
-
-    def run(xs: torch.Tensor, rows: list[torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[int]]:
-        ehs, mask = pad_prompts(rows, side.get("pad_to"))
-        t = torch.full((xs.shape[0],), sigma, dtype=torch.float32, device=xs.device)
-        inputs = model.validate_inputs(xs, ehs, mask, t, [[(1, grid[0], grid[1])]] * xs.shape[0])
-        with runtime_mode(runtime), capture_operators() as cap, inject_fault(fault), torch.no_grad():
-            if padded:
-                model.production_forward(inputs)  # what model(...) runs under runtime=off
-            else:
-                strict_forward(model, inputs)
-        return cap, [r.shape[0] for r in rows]
-
     padded = runtime is Runtime.OFF
-    out: dict[str, dict[str, torch.Tensor]] = {}
-    if side["cfg_layout"] == "batched":
-        cap, lens = run(torch.cat([x, x]), cond + negs)
-        out["cond"] = _sample_rows(cap, j, T, lens, padded)
-        out["neg"] = _sample_rows(cap, len(batch) + j, T, lens, padded)
-    else:
-        cap, lens = run(x, cond)
-        out["cond"] = _sample_rows(cap, j, T, lens, padded)
-        cap, lens = run(x, negs)
-        out["neg"] = _sample_rows(cap, j, T, lens, padded)
-    return out
+    order: list[tuple[str, str, torch.Tensor]] = []
+
+    with perturbing(side.get("perturb"), model, runtime.value), runtime_mode(runtime), torch.no_grad():
+        with capture_operators() as cap:
+            used = used_sigmas(ref.tensors["sigmas"])
+        order += [("sampling", k, t.reshape(1, -1)) for k, t in cap.items()]
+        sigma = float(used[step])
+
+        def run(xs: torch.Tensor, rows: list[torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[int]]:
+            ehs, mask = pad_prompts(rows, side.get("pad_to"))
+            t = torch.full((xs.shape[0],), sigma, dtype=torch.float32, device=xs.device)
+            inputs = model.validate_inputs(xs, ehs, mask, t, [[(1, grid[0], grid[1])]] * xs.shape[0])
+            with capture_operators() as cap, inject_fault(fault):
+                if padded:
+                    model.production_forward(inputs)  # what model(...) runs under runtime=off
+                else:
+                    strict_forward(model, inputs)
+            return cap, [r.shape[0] for r in rows]
+
+        branches: dict[str, dict[str, torch.Tensor]] = {}
+        if scale != 1.0 and side["cfg_layout"] == "batched":
+            cap, lens = run(torch.cat([x, x]), cond + negs)
+            branches["cond"] = _sample_rows(cap, j, T, lens, padded)
+            branches["neg"] = _sample_rows(cap, len(batch) + j, T, lens, padded)
+        else:
+            cap, lens = run(x, cond)
+            branches["cond"] = _sample_rows(cap, j, T, lens, padded)
+            if scale != 1.0:
+                cap, lens = run(x, negs)
+                branches["neg"] = _sample_rows(cap, j, T, lens, padded)
+        for branch, rows in branches.items():
+            order += [(branch, k, t) for k, t in rows.items()]
+
+        # the sampling chain of this sample, from its model outputs (per-token and per-sample operators:
+        # the sample alone gives the bytes it had in its batch)
+        out_key = "proj_out.latent_proj_gemm"
+        v = branches["cond"][out_key].reshape(1, T, -1).float()
+        x_t = ref.tensors["x"][step][position:position + 1].to(cfg.model.device)
+        with capture_operators() as cap, inject_fault(fault):
+            if scale != 1.0:
+                v = sampling_op("cfg_combine_renorm", cfg_combine, v, branches["neg"][out_key].reshape(1, T, -1).float(), scale)
+            sampler = SimpleNamespace(sde=bool(traj.manifest["sde"]), eta=float(traj.manifest["eta"]))
+            step_latents(sampler, int(cfg.seed), v, x_t, used, step, [traj.sample_ids[position]])  # type: ignore[arg-type]
+        for k, t in cap.items():
+            order.append(("sampling", k, t[0].reshape(-1, t.shape[-1]) if t.dim() > 2 else t.reshape(1, -1)))
+    return order
 
 
 def _stream(key: str) -> str:
@@ -189,25 +218,26 @@ def _describe(branch: str, key: str, a: torch.Tensor, b: torch.Tensor) -> Operat
 def localize(rollout: Trajectory, recompute: Trajectory, first: FirstDrift) -> Localization:
     """Name the first operator whose output differs for ``first``'s sample at ``first``'s step.
 
+    Both sides' steps are replayed (each with its own runtime, batch, CFG layout, padding, fault and
+    perturbation), and their operator outputs compared in execution order: the sigma table, the
+    model's operators (cond branch, then neg), CFG combine, the step noise, the SDE step and logp.
     Each side is rebuilt from its manifest's configuration and must hash to its manifest's weights.
     """
     position = rollout.sample_ids.index(first.sample_id)
     a = _replay(rollout, rollout, first.step, position)
-    b = _replay(recompute, rollout, first.step, position)
+    b = {(branch, key): t for branch, key, t in _replay(recompute, rollout, first.step, position)}
     loc = Localization(first.sample_id, first.step, None)
-    for branch in ("cond", "neg"):
-        for key, ta in a[branch].items():
-            tb = b[branch].get(key)
-            if tb is None:
-                loc.notes.append(f"{branch}:{key} missing on the recompute side")
-                continue
-            if not torch.equal(ta.view(torch.uint8) if ta.is_floating_point() else ta,
-                               tb.view(torch.uint8) if tb.is_floating_point() else tb):
-                loc.first = _describe(branch, key, ta, tb)
-                break
-        if loc.first is not None:
+    for branch, key, ta in a:
+        tb = b.get((branch, key))
+        if tb is None:
+            loc.notes.append(f"{branch}:{key} missing on the recompute side")
+            continue
+        if ta.shape != tb.shape or not torch.equal(ta.view(torch.uint8) if ta.is_floating_point() else ta,
+                                                   tb.view(torch.uint8) if tb.is_floating_point() else tb):
+            loc.first = _describe(branch, key, ta, tb)
             break
-    cond_a, cond_b = a["cond"], b["cond"]
+    cond_a = {k: t for br, k, t in a if br == "cond"}
+    cond_b = {k: t for (br, k), t in b.items() if br == "cond"}
     i = 0
     while f"block{i}.img.mlp.adaln_gate_residual" in cond_a:
         k = f"block{i}.img.mlp.adaln_gate_residual"
@@ -215,11 +245,13 @@ def localize(rollout: Trajectory, recompute: Trajectory, first: FirstDrift) -> L
         i += 1
     if loc.first is None:
         loc.notes.append(
-            "every captured operator output of this sample is byte-equal on both sides: the drift is after the "
-            "transformer (CFG combine or the SDE step), or depends on state the replay does not reproduce"
+            "every replayed operator output of this sample (sigma table, model, CFG combine, noise, SDE step and logp) "
+            "is byte-equal on both sides: the drift depends on state the replay does not reproduce"
         )
     for name, t in (("rollout", rollout), ("recompute", recompute)):
         if t.manifest["runtime"] == "off":
             loc.notes.append(f"the {name} side ran runtime=off; it was replayed with the production forward it ran "
                              "(padded tensors, production operators), its captures unpadded to the sample's rows")
+        if t.manifest["side"].get("perturb"):
+            loc.notes.append(f"the {name} side ran under perturbation {t.manifest['side']['perturb']!r}; it was replayed with it")
     return loc

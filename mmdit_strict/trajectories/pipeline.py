@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 
 from .. import distributed
 from ..environment import run_environment
+from ..overlay import check_perturbations
 from ..config.compose import save_resolved
 from . import artifact
 from .compare import Comparison, compare
@@ -75,6 +76,7 @@ def rollout_stage(cfg: DictConfig, out: Path, progress: bool,
     """Checks before any work, then the rollout (reused when its key matches) and, with
     ``compare.peer_loop``, the peer's timing of the same sampling; returns (rollout, model hashes, peer)."""
     phases = phases if phases is not None else {}
+    check_perturbations({side: (cfg[side].perturb, side_runtime(cfg, side).value) for side in ("rollout", "recompute")})
     t0 = time.perf_counter()
     model = build_side_model(cfg.model, cfg.lora, side_runtime(cfg, "rollout"))
     phases["build"] = time.perf_counter() - t0
@@ -119,7 +121,7 @@ def compare_stage(cfg: DictConfig, rollout: artifact.Trajectory, recompute: arti
     t0 = time.perf_counter()
     comp = compare(rollout, recompute)
     loc = None
-    if not comp.byte_identical and cfg.compare.localize and comp.first is not None and comp.first.quantity == "v":
+    if not comp.byte_identical and cfg.compare.localize and comp.first is not None:
         loc = localize(rollout, recompute, comp.first)
     if phases is not None:
         phases["compare"] = time.perf_counter() - t0

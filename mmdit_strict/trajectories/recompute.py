@@ -7,6 +7,7 @@ and padding, LoRA attached, gradient checkpointing, and a backward of ``-sum(log
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import random
@@ -26,10 +27,11 @@ from ..kernels.trace import capture_trace
 from ..model import build_model
 from ..model.strict import capture_operators, inject_fault, strict_forward
 from . import artifact, partial
-from .engine import velocity
+from ..overlay import perturb_fields, perturbing
+from .engine import timed, time_split, velocity
 from .hashing import tensor_sha256
 from .record import StepRecorder, build_trajectory, model_hashes
-from .rollout import step_latents
+from .rollout import step_latents, used_sigmas
 from .setup import Prompts, build_side_model, check_pad_to, side_runtime
 from .stagekey import recompute_key
 
@@ -77,7 +79,11 @@ def operator_keys() -> frozenset[str]:
     with runtime_mode(Runtime.STRICT), capture_operators() as cap, torch.no_grad():
         strict_forward(model, inputs)
     # tuple outputs are captured as key.0, key.1; a fault names the operator call itself
-    return frozenset(_BLOCK.sub("block{}.", re.sub(r"\.\d+$", "", k)) for k in cap)
+    return frozenset(_BLOCK.sub("block{}.", re.sub(r"\.\d+$", "", k)) for k in cap) | SAMPLING_FAULT_KEYS
+
+
+#: Sampling operators a fault can name (they run inside each step; the sigma table is read once per side).
+SAMPLING_FAULT_KEYS = frozenset({"sampling.cfg_combine_renorm", "sampling.step_noise", "sampling.flow_sde_step_logp"})
 
 
 def check_fault(spec: str | None, num_layers: int, num_steps: int) -> None:
@@ -198,7 +204,10 @@ def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | 
     grad_records = list(resumed.step_extras) if resumed else []
     bar.update(start * len(plan.batches))
     fault_key, fault_step = parse_fault(cfg.recompute.inject_fault)
-    with capture_trace(resumed.trace if resumed else None) as trace, runtime_mode(runtime):
+    with capture_trace(resumed.trace if resumed else None) as trace, runtime_mode(runtime), \
+            perturbing(cfg.recompute.perturb, model, runtime.value) as overlay, time_split() as split:
+        with capture_trace() if resumed else contextlib.nullcontext():  # a resumed trace already counts its read
+            used = used_sigmas(sigmas)
         for step in range(start, S):
             fault_here = fault_key if step == fault_step else None
             with collect_sample_grads() as sink:
@@ -208,11 +217,12 @@ def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | 
                     with inject_fault(fault_here), torch.set_grad_enabled(bool(cfg.recompute.autograd)):
                         blocks: list[list[str]] = []
                         v = velocity(model, x_t.to(model.dtype), [prompts.embeds[i] for i in mb], prompts.negative,
-                                     float(sigmas[step]), grid, float(cfg.sampler.cfg_scale), cfg.recompute.cfg_layout,
+                                     float(used[step]), grid, float(cfg.sampler.cfg_scale), cfg.recompute.cfg_layout,
                                      cfg.recompute.pad_to, block_hashes=blocks, sample_ids=mb_ids)
-                        x_next, logp = step_latents(cfg.sampler, cfg.seed, v, x_t, sigmas, step, mb_ids, prev_sample=x_rec)
+                        x_next, logp = step_latents(cfg.sampler, cfg.seed, v, x_t, used, step, mb_ids, prev_sample=x_rec)
                         if logp.requires_grad:
-                            (-logp.sum()).backward()
+                            with timed("model", x_t.device):  # the backward runs through the transformer
+                                (-logp.sum()).backward()
                     rec.put(step, mb, v, x_next, logp, blocks)
                     bar.update(1)
             if plan.distributed:  # torchrun: rows and gradient partials of every rank move to rank 0
@@ -231,7 +241,8 @@ def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | 
     side = {"micro_batch": int(cfg.recompute.micro_batch), "shuffle": bool(cfg.recompute.shuffle),
             "order": [ids[i] for mb in mbs for i in mb], "cfg_layout": cfg.recompute.cfg_layout, "pad_to": cfg.recompute.pad_to,
             "autograd": bool(cfg.recompute.autograd), "grad_checkpointing": bool(cfg.recompute.grad_checkpointing),
-            "inject_fault": cfg.recompute.inject_fault, "resumed_after_step": start or None,
+            "inject_fault": cfg.recompute.inject_fault, **perturb_fields(cfg.recompute.perturb, overlay),
+            "time_split": {k: round(v, 4) for k, v in split.items()}, "resumed_after_step": start or None,
             "lora_grads_per_step": grad_records, **plan.side_fields(ids)}
     trace = plan.merge_trace(trace)
 

@@ -107,7 +107,8 @@ def summary_line(comp: Comparison, loc: Localization | None = None) -> str:
     if loc is not None and loc.first is not None:
         o = loc.first
         where = f"block {o.block} " if o.block is not None else ""
-        line += (f"; first operator: {o.operator} ({where}{o.stream} stream, {o.branch} branch), "
+        context = "sampling chain" if o.branch == "sampling" else f"{where}{o.stream} stream, {o.branch} branch"
+        line += (f"; first operator: {o.operator} ({context}), "
                  f"row {o.logical_row}, element {o.element}, max |Δ| {o.max_abs:.3e}, {o.max_ulp} ULP")
     return line
 

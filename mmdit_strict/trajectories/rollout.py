@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -16,7 +17,8 @@ from ..kernels.trace import capture_trace
 from ..model import MMDiT
 from ..sampling import euler_step, initial_latents, sde_step, step_noise
 from . import artifact, partial
-from .engine import velocity
+from ..overlay import perturb_fields, perturbing
+from .engine import sampling_op, timed, time_split, velocity
 from .record import StepRecorder, build_trajectory, model_hashes
 from ..config.schema import SamplerConfig
 from .setup import Prompts, build_side_model, check_pad_to, latent_grid, make_prompts, schedule, side_runtime
@@ -28,17 +30,25 @@ logger = logging.getLogger(__name__)
 def step_latents(sampler: SamplerConfig, seed: int, v: torch.Tensor, x: torch.Tensor, sigmas: torch.Tensor, step: int,
                  ids: list[int], prev_sample: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x_{t+1}, logp_t) of one step (``sampler.sde``, ``sampler.eta``; noise keyed by ``seed`` and the sample ids);
-    with ``prev_sample`` the logp is of that recorded sample."""
+    with ``prev_sample`` the logp is of that recorded sample. ``sigmas`` is the table as the side uses it
+    (:func:`used_sigmas`). Each sampling operator passes :func:`~.engine.sampling_op` (overlay, trace, capture)."""
     sigma, sigma_prev = float(sigmas[step]), float(sigmas[step + 1])
-    if not sampler.sde:
-        x_next = euler_step(v, x, sigma, sigma_prev)
-        return x_next, torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
-    noise = step_noise(seed, ids, step, tuple(x.shape[1:]), x.device)
-    kw = dict(eta=float(sampler.eta), sigma_max=float(sigmas[1]))
-    res = sde_step(v, x, sigma, sigma_prev, noise=noise, **kw)
-    if prev_sample is None:
-        return res.x_prev, res.logp
-    return res.x_prev, sde_step(v, x, sigma, sigma_prev, prev_sample=prev_sample, **kw).logp
+    with timed("scheduler", x.device):
+        if not sampler.sde:
+            x_next = euler_step(v, x, sigma, sigma_prev)
+            return x_next, torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
+        noise = sampling_op("step_noise", step_noise, seed, list(ids), step, tuple(x.shape[1:]), x.device)
+        kw = dict(eta=float(sampler.eta), sigma_max=float(sigmas[1]))
+        res = sampling_op("flow_sde_step_logp", sde_step, v, x, sigma, sigma_prev, noise=noise, **kw)
+        if prev_sample is None:
+            return res.x_prev, res.logp
+        return res.x_prev, sampling_op("flow_sde_step_logp", sde_step, v, x, sigma, sigma_prev, prev_sample=prev_sample, **kw).logp
+
+
+def used_sigmas(table: torch.Tensor) -> torch.Tensor:
+    """The sigma table as this side uses it: the recorded / scheduled ``table`` through the sampling operator
+    ``flow_sigma_table`` (a perturbation of the schedule acts here; the artifact records ``table`` itself)."""
+    return sampling_op("flow_sigma_table", lambda t: t, table)
 
 
 def rollout_batches(batch_size: int, n: int) -> list[list[int]]:
@@ -110,7 +120,10 @@ def run_rollout(cfg: DictConfig, out_dir: str | Path, progress: bool = True, mod
     step_seconds: list[float] = []
     bar = tqdm(total=S * len(batches), initial=start * len(batches), desc=f"rollout [{runtime.value}]",
                disable=not progress, leave=False)
-    with capture_trace(resumed.trace if resumed else None) as trace, runtime_mode(runtime), torch.no_grad():
+    with capture_trace(resumed.trace if resumed else None) as trace, runtime_mode(runtime), torch.no_grad(), \
+            perturbing(cfg.rollout.perturb, model, runtime.value) as overlay, time_split() as split:
+        with capture_trace() if resumed else contextlib.nullcontext():  # a resumed trace already counts its read
+            used = used_sigmas(sigmas)
         for step in range(start, S):
             t_step = time.perf_counter()
             x_next = torch.empty_like(x)
@@ -118,9 +131,9 @@ def run_rollout(cfg: DictConfig, out_dir: str | Path, progress: bool = True, mod
                 xb = x[batch]
                 blocks: list[list[str]] = []
                 v = velocity(model, xb.to(model.dtype), [prompts.embeds[i] for i in batch], prompts.negative,
-                             float(sigmas[step]), grid, cfg.sampler.cfg_scale, cfg.rollout.cfg_layout, cfg.rollout.pad_to,
+                             float(used[step]), grid, cfg.sampler.cfg_scale, cfg.rollout.cfg_layout, cfg.rollout.pad_to,
                              block_hashes=blocks)
-                xn, logp = step_latents(cfg.sampler, cfg.seed, v, xb, sigmas, step, batch)
+                xn, logp = step_latents(cfg.sampler, cfg.seed, v, xb, used, step, batch)
                 rec.put(step, batch, v, xn, logp, blocks)
                 x_next[batch] = xn
                 bar.update(1)
@@ -131,7 +144,8 @@ def run_rollout(cfg: DictConfig, out_dir: str | Path, progress: bool = True, mod
             step_seconds.append(round(time.perf_counter() - t_step, 4))  # save_step read the step back: synced
     bar.close()
     side = {"batch_size": bs, "cfg_layout": cfg.rollout.cfg_layout, "pad_to": cfg.rollout.pad_to, "autograd": False,
-            "resumed_after_step": start or None, "step_seconds": step_seconds, **plan.side_fields(ids)}
+            "resumed_after_step": start or None, "step_seconds": step_seconds, **perturb_fields(cfg.rollout.perturb, overlay),
+            "time_split": {k: round(v, 4) for k, v in split.items()}, **plan.side_fields(ids)}
     trace = plan.merge_trace(trace)
 
     def write() -> artifact.Trajectory:

@@ -194,7 +194,7 @@ def test_a_job_error_is_recorded_and_the_others_run(tmp_path: Path, capsys: pyte
 
 
 def test_list_prints_every_registered_perturbation(capsys: pytest.CaptureFixture) -> None:
-    from mmdit_strict.ablation import get_perturbation, known_perturbations
+    from mmdit_strict.overlay import get_perturbation, known_perturbations
 
     assert main(["ablate", "--list"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -205,7 +205,7 @@ def test_list_prints_every_registered_perturbation(capsys: pytest.CaptureFixture
 
 
 def test_docs_list_every_registered_probe_where_it_is_caught() -> None:
-    from mmdit_strict.ablation import get_perturbation, known_perturbations
+    from mmdit_strict.overlay import get_perturbation, known_perturbations
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "ablation.md").read_text()
     for name in known_perturbations():
@@ -223,7 +223,7 @@ def test_standard_tiny_ablation_passes(tmp_path: Path, capsys: pytest.CaptureFix
     assert rc == 0, report["failures"]
     rows = report["probes"] + report["controls"] + report["combinations"]
     assert all(r["passed"] for r in rows)
-    from mmdit_strict.ablation import known_perturbations
+    from mmdit_strict.overlay import known_perturbations
 
     assert {r["name"] for r in report["probes"]} == {*known_perturbations(), "planted_fault"}
     assert all(r["first_drift"]["key"] for r in report["probes"])

@@ -24,12 +24,15 @@ ALLOWED: dict[str, set[str]] = {
     "reference": {"config"},
     "sampling": {"kernels"},
     "model": {"config", "kernels"},
+    "overlay": {"kernels", "model"},
     "analysis": {"config", "kernels", "model", "reference"},
-    "trajectories": {"config", "distributed", "fingerprint", "kernels", "model", "sampling"},
+    "trajectories": {"config", "distributed", "fingerprint", "kernels", "model", "overlay", "sampling"},
     "pipelines": {"config", "kernels", "model", "trajectories"},
     "training": {"config", "distributed", "kernels", "model", "pipelines", "sampling", "trajectories"},
     "bench": {"analysis", "config", "kernels", "model", "reference"},
-    "cli": {"bench", "config", "distributed", "fingerprint", "kernels", "model", "pipelines", "training", "trajectories"},
+    "ablation": {"config", "overlay", "training", "trajectories"},
+    "cli": {"ablation", "bench", "config", "distributed", "fingerprint", "kernels", "model", "overlay", "pipelines", "training",
+            "trajectories"},
     "__main__": {"cli"},
 }
 

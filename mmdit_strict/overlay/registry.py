@@ -19,6 +19,7 @@ the localizer against that declaration.
 from __future__ import annotations
 
 import contextlib
+import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
@@ -54,8 +55,7 @@ def register_perturbation(p: Perturbation) -> Perturbation:
 
 def get_perturbation(name: str) -> Perturbation:
     """The registered perturbation ``name``; a ValueError listing the known ones otherwise."""
-    from . import perturbations  # noqa: F401  (registers the built-in ones)
-
+    _load_builtin()
     try:
         return PERTURBATIONS[name]
     except KeyError:
@@ -63,9 +63,13 @@ def get_perturbation(name: str) -> Perturbation:
 
 
 def known_perturbations() -> list[str]:
-    from . import perturbations  # noqa: F401
-
+    """The names of every registered perturbation, sorted."""
+    _load_builtin()
     return sorted(PERTURBATIONS)
+
+
+def _load_builtin() -> None:
+    importlib.import_module(f"{__package__}.builtin")  # registers the built-in ones on first import
 
 
 class Overlay:
@@ -104,3 +108,28 @@ def perturbing(name: str | None, model: Any = None, runtime: str | None = None) 
     overlay = Overlay(p, model)
     with bind(current().replace(overlay=overlay)):
         yield overlay
+
+
+def perturb_fields(name: str | None, overlay: Overlay | None) -> dict[str, Any]:
+    """A side's manifest fields for its perturbation: ``perturb`` (the name) and, when one ran,
+    ``perturb_hits`` (operator calls its hooks replaced; 0 means it never fired on this side)."""
+    if not name:
+        return {"perturb": None}
+    return {"perturb": name, "perturb_hits": overlay.hits if overlay is not None else 0}
+
+
+def check_perturbations(sides: Mapping[str, tuple[str | None, str]]) -> None:
+    """A clear error, before any work, for a side whose perturbation is unknown or cannot run in its runtime.
+
+    ``sides``: side name (``rollout``, ``recompute``) → (its ``perturb`` setting, its resolved runtime).
+    """
+    problems = []
+    for side, (name, runtime) in sides.items():
+        if not name:
+            continue
+        if name not in known_perturbations():
+            problems.append(f"{side}.perturb={name!r} is no registered perturbation; choose one of {', '.join(known_perturbations())}")
+        elif get_perturbation(name).strict_only and runtime == "off":
+            problems.append(f"{side}.perturb={name!r} rewrites the strict graph's arguments; {side} runs runtime=off")
+    if problems:
+        raise ValueError("; ".join(problems))

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .overlay import Overlay, Perturbation, register_perturbation
+from .registry import Overlay, Perturbation, register_perturbation
 
 
 def _latent_layout(ov: Overlay, where: str, call: Callable[..., Any], args: tuple, kw: dict) -> Any:
