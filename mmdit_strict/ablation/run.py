@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -182,6 +183,7 @@ def run_ablation(cfg: DictConfig, progress: bool = True,
         for entry, job, status in zip(entries, jobs, table.rows):
             bar.set_postfix_str(entry.name)
             table.start(status)
+            t0 = time.perf_counter()
             try:
                 row = run_entry(entry, job, donors, reward)
                 code = 0 if not row["first_drift"] else 1
@@ -192,7 +194,8 @@ def run_ablation(cfg: DictConfig, progress: bool = True,
                 table.end(status, "interrupted", 2)
                 table.stop()
                 raise
-            table.end(status, row["status"], code, passed=row["passed"], reason=row["reason"])
+            row["seconds"] = round(time.perf_counter() - t0, 2)
+            table.end(status, row["status"], code, passed=row["passed"], reason=row["reason"], seconds=row["seconds"])
             rows.append(row)
             bar.update(1)
             if on_row is not None:

@@ -280,7 +280,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
     def line(row: dict) -> None:
         mark = "pass" if row["passed"] else row["status"].upper()
-        tqdm.write(f"[ablate] {row['name']:24s} {row['kind']:11s} {mark:6s} {row['reason']}")
+        tqdm.write(f"[ablate] {row['name']:24s} {row['kind']:11s} {mark:6s} {row['seconds']:6.1f} s  {row['reason']}")
 
     result = run_ablation(cfg, progress=progress, on_row=line)
     print(result.report["summary"])

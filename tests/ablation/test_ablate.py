@@ -103,6 +103,7 @@ def _entries_override(entries: list[dict[str, Any]]) -> str:
     return "ablation.entries=" + json.dumps(entries)
 
 
+@pytest.mark.slow
 def test_small_ablation_end_to_end_and_resume(tmp_path: Path, capsys: pytest.CaptureFixture,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "abl"
@@ -216,7 +217,7 @@ def test_docs_list_every_registered_probe_where_it_is_caught() -> None:
 @pytest.mark.slow
 def test_standard_tiny_ablation_passes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """CI's bar: every probe caught at its declared operator, every control byte-identical, strict/strict with
-    no logp byte differing and production/production drifting; exit 0 (about a minute on 2 cores)."""
+    no logp byte differing and production/production drifting; exit 0 (about 80 s on 2 cores)."""
     out = tmp_path / "abl"
     rc = main(["ablate", "experiment=ablation_tiny", f"output_dir={out}", "--quiet"])
     report = json.loads((out / "ablation" / "report.json").read_text())
