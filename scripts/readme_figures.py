@@ -9,7 +9,7 @@ output between the markers:
 * with ``--train``, also ``experiments/training/grpo_tiny_reward_curve.png`` from
   ``mmdit-strict train experiment=grpo_tiny`` (about 1.5 minutes on 2 cores) and the metrics it came from;
 * with ``--ablate``, also ``ablation``: the first table of ``mmdit-strict ablate experiment=ablation_tiny``'s
-  report (about a minute on 2 cores).
+  report (about 1.5 minutes on 2 cores).
 
 ``--check`` writes nothing and exits 1 when a block differs from what the runs print now. The text
 figures are CPU bytes: another CPU type may print other digits (the README records the machine they

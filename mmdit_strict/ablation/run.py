@@ -34,7 +34,9 @@ from tqdm.auto import tqdm
 from ..config.compose import ConfigError, derive, save_resolved
 from ..trajectories import artifact, pipeline
 from ..trajectories.jobs import JobTable
+from ..overlay import check_perturbations
 from ..trajectories.outdir import check_output_dir, claim_output_dir
+from ..trajectories.setup import side_runtime
 from ..trajectories.stagekey import ROLLOUT_READS, stage_settings
 from .judge import error_row, judge
 from .plan import Entry, plan
@@ -72,13 +74,14 @@ class AblationResult:
 
 
 def job_configs(cfg: DictConfig, entries: list[Entry]) -> list[DictConfig]:
-    """Each entry's ``run`` config (in ``OUTPUT_DIR/<name>``, no wandb), checked with its folder; a
-    ConfigError naming the entry, before any job runs."""
+    """Each entry's ``run`` config (in ``OUTPUT_DIR/<name>``, no wandb), checked with its perturbation and its
+    folder; a ConfigError naming the entry, before any job runs."""
     base = Path(cfg.output_dir)
     jobs = []
     for e in entries:
         try:
             job = derive(cfg, [*e.job_overrides(), f"output_dir={base / e.name}", "wandb.mode=disabled", "progress=false"])
+            check_perturbations({side: (job[side].perturb, side_runtime(job, side).value) for side in ("rollout", "recompute")})
             check_output_dir(job.output_dir, kind="run")
         except (ConfigError, ValueError) as exc:
             raise ConfigError(f"ablation entry {e.name!r} ({' '.join(e.job_overrides()) or 'no changes'}): {exc}; "

@@ -76,6 +76,11 @@ def test_bad_entries_exit_2_before_anything_is_written(tmp_path: Path, capsys: p
                  *SMALL]) == 2
     err = capsys.readouterr().err
     assert "ablation entry 'x'" in err and "unknown config key 'recompute.micro_bach'" in err and "no entry was run" in err
+    # so is a perturbation its side cannot run (this one rewrites the strict graph's arguments)
+    assert main(["ablate", f"output_dir={out}", "ablation.entries=[{name: y, kind: probe, perturb: image_first, "
+                 "overrides: [recompute.runtime=off]}]", *SMALL]) == 2
+    err = capsys.readouterr().err
+    assert "ablation entry 'y'" in err and "recompute.perturb='image_first' rewrites the strict graph's arguments" in err
     assert not out.exists()
     assert main(["ablate", f"output_dir={out}"]) == 2  # no experiment: no entries
     assert "ablation has no entries" in capsys.readouterr().err
