@@ -59,7 +59,9 @@ def _note_gemm(op: str, where: str, rows: int, weight: torch.Tensor, bias: torch
 
 @contextlib.contextmanager
 def inject_fault(key: str | None) -> Iterator[None]:
-    """Perturb the first element of operator output ``key`` (e.g. ``block1.img.mlp_down_gemm``) by 2⁻¹⁰·max(|x|, 1).
+    """Perturb the first element of operator output ``key`` (e.g. ``block1.img.mlp_down_gemm``) by
+    ``max(2⁻¹⁰, 2·eps)·max(|x|, 1)``, ``eps`` of the output's dtype (2⁻¹⁰ in FP32; 2⁻⁶ in BF16, where
+    2⁻¹⁰ is under half an ULP and would round away).
 
     (A one-ULP bump is usually absorbed by the next rounding and never reaches v_t.)
 
@@ -73,7 +75,7 @@ def inject_fault(key: str | None) -> Iterator[None]:
 def _bump(out: torch.Tensor) -> torch.Tensor:
     first = out.detach().reshape(-1)[:1]
     bump = torch.zeros_like(out)
-    bump.view(-1)[:1] = first.abs().clamp_min(1.0) * 2.0**-10
+    bump.view(-1)[:1] = first.abs().clamp_min(1.0) * max(2.0**-10, 2 * torch.finfo(out.dtype).eps)
     return out + bump
 
 
