@@ -2,6 +2,7 @@
 # Issue 32's GPU bar in one GPU call: `ablate experiment=ablation_qwen_image` (Qwen-Image architecture cut to
 # 4 blocks, random BF16 weights, 1024², every probe, control and runtime combination of configs/ablation/standard.yaml),
 # then the GPU tests (`-m gpu`). The ablation's report, status table and plots land in OUT_DIR/ablation_evidence.tgz.
+# ABLATE_ARGS adds overrides (e.g. 'ablation.only=[planted_fault]'); GPU_TESTS=0 skips the tests.
 # Run from the repository root on the GPU machine:  MMDIT_COMMIT=<hash> bash benchmarks/h200/ablation_evidence.sh OUT_DIR
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/evidence_common.sh"
@@ -9,7 +10,7 @@ evidence_begin ablation_evidence "${1:-}"
 {
   evidence_header
   time timeout -s INT "${ABLATE_S:-420}" python3 -m mmdit_strict ablate experiment=ablation_qwen_image \
-    output_dir="$work/ablation_qwen_image" progress=false; echo "ablate exit $?"
+    output_dir="$work/ablation_qwen_image" progress=false ${ABLATE_ARGS:-}; echo "ablate exit $?"
   cp -r "$work/ablation_qwen_image/ablation" "$ev/report"
   cp "$work/ablation_qwen_image/ablation.yaml" "$ev/"
   if [ "${GPU_TESTS:-1}" = 1 ]; then
