@@ -19,6 +19,7 @@ import torch
 
 from ..dtypes import SHORT_NAMES
 
+from . import platform
 from .runtime import Runtime, current_runtime
 from .trace import record
 
@@ -202,6 +203,11 @@ def resolve(op: str, device: torch.device | str, dtype: torch.dtype, runtime: Ru
 def _resolve_uncached(op: str, dev: str, dname: str, runtime: Runtime) -> tuple[KernelImpl, bool]:
     impls = _REGISTRY.get((op, dev, dname), [])
     strict_impls = [i for i in impls if i.strict]
+    refused: list[str] = []
+    if dev == "cuda" and runtime is not Runtime.OFF:  # strict kernels run only on the GPUs they were qualified on
+        gpu = platform.cuda_platform()
+        refused = sorted({r for i in strict_impls if (r := platform.unqualified_reason(i.backend, gpu))})
+        strict_impls = [i for i in strict_impls if platform.unqualified_reason(i.backend, gpu) is None]
     prod = [i for i in impls if not i.strict]
     if runtime is Runtime.OFF:
         if prod:
@@ -214,9 +220,10 @@ def _resolve_uncached(op: str, dev: str, dname: str, runtime: Runtime) -> tuple[
     if runtime is Runtime.AUTO and prod:
         return prod[0], True
     qualified = sorted({(i_dev, i_dt) for (o, i_dev, i_dt), v in _REGISTRY.items() if o == op and any(i.strict for i in v)})
+    why = f" on this GPU: {'; '.join(refused)}" if refused else ""
     raise NoStrictKernelError(
-        f"strict mode: operator {op!r} has no qualified strict kernel for device={dev} dtype={dname} "
-        f"(qualified: {', '.join(f'{d}/{t}' for d, t in qualified) or 'none'}). "
+        f"strict mode: operator {op!r} has no qualified strict kernel for device={dev} dtype={dname}{why} "
+        f"(registered: {', '.join(f'{d}/{t}' for d, t in qualified) or 'none'}). "
         "Use runtime=auto to fall back (recorded in the trace) or runtime=off for the production path."
     )
 
