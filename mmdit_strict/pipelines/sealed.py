@@ -1,0 +1,154 @@
+"""Sealed fixtures: a whole text → image run frozen in files, replayed later to prove nothing moved.
+
+A fixture folder holds everything the run reads and what it produced::
+
+    pipeline/          the tiny random pipeline (tokenizer, text encoder, transformer, VAE, scheduler)
+    expected.safetensors   the rollout's final latents ``x`` and its ``logp`` (FP32)
+    sample_*.png       the decoded images
+    fixture.json       the run's overrides, the rollout's per-step hashes of v, x and logp, the sha256
+                       of every other file, and the platform it was sealed on
+
+CPU bytes are promised per platform only (machine, CPU vector capability, torch version): on the
+sealing platform a replay must match every per-step hash and the final latents byte for byte; on
+another one it is compared within ``tolerances.yaml: pipelines.sealed_latents_other_platform`` and
+says so. Latent equality is the gate; the images' PSNR against the sealed ones is reported beside it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform as host
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+FIXTURE = "fixture.json"
+EXPECTED = "expected.safetensors"
+
+
+def platform_id() -> dict[str, str]:
+    """What CPU bytes depend on here: the machine, torch's CPU vector capability and the torch version."""
+    return {"machine": host.machine(), "cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
+            "torch": torch.__version__}
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _run(pipeline: Path, overrides: Sequence[str], out: Path) -> None:
+    """``mmdit-strict run`` on the fixture's pipeline: encode the prompts, rollout → recompute → compare, decode."""
+    from ..config.compose import compose
+    from ..trajectories.pipeline import run_all
+    from .chain import finish_images, prepare_prompts
+
+    cfg = compose(["rollout.save_tensors=true", *overrides, f"model.checkpoint={pipeline}", f"output_dir={out}",
+                   "wandb.mode=disabled", "progress=false"])
+    cfg, timings = prepare_prompts(cfg)
+    result = run_all(cfg, progress=False)
+    finish_images(cfg, timings)
+    if not result.byte_identical:
+        raise RuntimeError(f"the sealed run's two sides are not byte-identical ({result.summary}); see {out}")
+
+
+def _step_hashes(run_dir: Path) -> list[dict[str, list[str]]]:
+    manifest = json.loads((run_dir / "rollout" / "manifest.json").read_text())
+    return [{q: s[q] for q in ("v", "x", "logp")} for s in manifest["steps"]]
+
+
+def seal(folder: str | Path, overrides: Sequence[str], seed: int = 0) -> dict[str, Any]:
+    """Make the tiny pipeline in ``folder/pipeline``, run ``run`` with ``overrides`` on it, and freeze the result."""
+    from safetensors.torch import save_file
+
+    from ..trajectories.artifact import read
+    from .tiny import save_tiny_pipeline
+
+    folder = Path(folder)
+    if folder.exists():
+        shutil.rmtree(folder)
+    pipe = save_tiny_pipeline(folder / "pipeline", seed=seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        run = Path(tmp) / "run"
+        _run(pipe, overrides, run)
+        traj = read(run / "rollout")
+        save_file({"x": traj.tensors["x"][-1].contiguous(), "logp": traj.tensors["logp"].contiguous()}, str(folder / EXPECTED))
+        for png in sorted((run / "images").glob("sample_*.png")):
+            shutil.copy(png, folder / png.name)
+        steps = _step_hashes(run)
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != FIXTURE)
+    record = {"overrides": list(overrides), "seed": seed, "platform": platform_id(), "steps": steps,
+              "files": {str(p.relative_to(folder)): _sha256(p) for p in files}}
+    (folder / FIXTURE).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    return record
+
+
+@dataclass
+class Replay:
+    """What a replay of a sealed fixture found."""
+
+    same_platform: bool
+    steps_equal: bool  # every per-step hash of v, x and logp
+    latents_equal: bool  # the final latents, byte for byte
+    latents_within_tolerance: bool
+    latents_max_abs: float
+    psnr_db: list[float] = field(default_factory=list)  # per image against the sealed one (inf: identical)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        """Byte equality on the sealing platform; the declared tolerance elsewhere."""
+        return (self.steps_equal and self.latents_equal) if self.same_platform else self.latents_within_tolerance
+
+
+def verify_files(folder: str | Path) -> dict[str, Any]:
+    """The fixture's record, after checking every file against its sealed sha256 (ValueError naming the first bad one)."""
+    folder = Path(folder)
+    record = json.loads((folder / FIXTURE).read_text())
+    for rel, digest in sorted(record["files"].items()):
+        path = folder / rel
+        if not path.is_file():
+            raise ValueError(f"sealed fixture {folder}: {rel} is missing")
+        if _sha256(path) != digest:
+            raise ValueError(f"sealed fixture {folder}: {rel} does not match its sealed sha256 (changed or damaged)")
+    return record
+
+
+def _psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return float("inf") if mse == 0 else 10.0 * float(np.log10(255.0**2 / mse))
+
+
+def replay(folder: str | Path, work: str | Path) -> Replay:
+    """Run the sealed fixture again in ``work`` and compare it with what was sealed."""
+    from PIL import Image
+    from safetensors.torch import load_file
+
+    from ..tolerances import tolerance
+    from ..trajectories.artifact import read
+
+    folder, work = Path(folder), Path(work)
+    record = verify_files(folder)
+    _run(folder / "pipeline", record["overrides"], work)
+    same = record["platform"] == platform_id()
+    steps_equal = _step_hashes(work) == record["steps"]
+    expected = load_file(str(folder / EXPECTED))["x"]
+    got = read(work / "rollout").tensors["x"][-1]
+    equal = got.dtype == expected.dtype and got.shape == expected.shape and torch.equal(
+        got.contiguous().view(torch.int32), expected.contiguous().view(torch.int32))
+    tol = tolerance("pipelines", "sealed_latents_other_platform", torch.float32)
+    within, max_abs, _ = tol.check(got, expected)
+    out = Replay(same, steps_equal, equal, within, max_abs)
+    for png in sorted(folder.glob("sample_*.png")):
+        mine = work / "images" / png.name
+        if mine.exists():
+            out.psnr_db.append(_psnr(np.asarray(Image.open(mine)), np.asarray(Image.open(png))))
+    if not same:
+        out.notes.append(f"sealed on {record['platform']}, replayed on {platform_id()}: CPU bytes are promised per "
+                         f"platform, so the latents were compared within the declared tolerance (max |Δ| {max_abs:.3e})")
+    return out
