@@ -10,6 +10,13 @@ Decode follows ``QwenImagePipeline``'s last steps exactly:
 3. ``AutoencoderKLQwenImage.decode`` and take frame 0: ``(B, 3, 16h, 16w)`` in ``[-1, 1]``;
 4. map to ``[0, 1]`` (``x / 2 + 0.5``, clamped) and round ``x · 255`` to 8-bit RGB.
 
+Strict and production parts. Steps 1 and 2 are the sampling operators ``latent_pack_unpack``
+and ``latent_normalize`` (FP32 eager, byte-equal to diffusers' FP32 arithmetic; the unpack is pure
+data movement in any dtype). A VAE held in another dtype (BF16) is denormalized with diffusers'
+arithmetic in that dtype (mean and ``1 / std`` rounded to it first): production, not a strict
+operator. Step 3 is diffusers' VAE network itself, always production. :func:`normalize` is step 2's
+inverse, used by the encode path (``pipelines.vae_encode``).
+
 Without a VAE, :func:`preview_rgb` projects the 16 latent channels on a fixed 16×3 matrix (drawn once
 from seed 0, unit columns; not colour-calibrated) and squashes with tanh: the layout of an image,
 not its colours, identical for identical latents on every machine.
@@ -26,28 +33,55 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from ..sampling.latents import denormalize_latents, normalize_latents
+from ..sampling.latents import unpack_latents as unpack_grid
+
 logger = logging.getLogger(__name__)
 
 
 def unpack_latents(packed: torch.Tensor, grid: tuple[int, int], channels: int = 16) -> torch.Tensor:
-    """``(B, h·w, channels·4)`` packed tokens → ``(B, channels, 1, 2h, 2w)`` latents (diffusers' order)."""
-    h, w = grid
+    """``(B, h·w, channels·4)`` packed tokens → ``(B, channels, 1, 2h, 2w)`` latents (diffusers' order).
+
+    ``grid`` is the token grid ``(h, w)`` (image pixels / 16); the data movement is the strict
+    ``latent_pack_unpack`` operator's, with the VAE's frame dim added.
+    """
+    h, w = (int(g) for g in grid)
     if packed.dim() != 3 or packed.shape[1] != h * w or packed.shape[2] != channels * 4:
         raise ValueError(f"expected packed latents of shape (B, {h * w}, {channels * 4}) for grid {grid}, "
                          f"got {tuple(packed.shape)}")
-    B = packed.shape[0]
-    x = packed.reshape(B, h, w, channels, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return x.reshape(B, channels, 1, 2 * h, 2 * w)
+    return unpack_grid(packed, 2 * h, 2 * w).unsqueeze(2)
 
 
-def denormalize(latents: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
-    """``latents / (1 / std) + mean`` per channel of ``(B, C, F, H, W)`` latents, in their dtype."""
+def _stats_in(latents: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Production: ``mean`` and ``1 / std`` as diffusers makes them, in the latents' dtype and device."""
     C = latents.shape[1]
     if len(mean) != C or len(std) != C:
         raise ValueError(f"need {C} latent means and stds, got {len(mean)} and {len(std)}")
     m = torch.tensor(list(mean)).view(1, C, 1, 1, 1).to(latents.device, latents.dtype)
     inv = 1.0 / torch.tensor(list(std)).view(1, C, 1, 1, 1).to(latents.device, latents.dtype)
+    return m, inv
+
+
+def denormalize(latents: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
+    """``latents / (1 / std) + mean`` per channel of ``(B, C, F, H, W)`` latents, in their dtype.
+
+    FP32: the strict ``denormalize_latents``. Other dtypes: diffusers' arithmetic in that dtype (production).
+    """
+    if latents.dtype == torch.float32:
+        return denormalize_latents(latents, mean, std)
+    m, inv = _stats_in(latents, mean, std)
     return latents / inv + m
+
+
+def normalize(latents: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
+    """``(latents - mean) * (1 / std)`` per channel of ``(B, C, F, H, W)`` latents, in their dtype.
+
+    FP32: the strict ``normalize_latents``. Other dtypes: diffusers' arithmetic in that dtype (production).
+    """
+    if latents.dtype == torch.float32:
+        return normalize_latents(latents, mean, std)
+    m, inv = _stats_in(latents, mean, std)
+    return (latents - m) * inv
 
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:

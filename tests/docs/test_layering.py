@@ -27,7 +27,7 @@ ALLOWED: dict[str, set[str]] = {
     "overlay": {"kernels", "model"},
     "analysis": {"config", "kernels", "model", "reference"},
     "trajectories": {"config", "distributed", "fingerprint", "kernels", "model", "overlay", "sampling"},
-    "pipelines": {"config", "kernels", "model", "trajectories"},
+    "pipelines": {"config", "kernels", "model", "sampling", "trajectories"},
     "training": {"config", "distributed", "kernels", "model", "pipelines", "sampling", "trajectories"},
     "bench": {"analysis", "config", "kernels", "model", "reference"},
     "ablation": {"config", "overlay", "training", "trajectories"},
