@@ -91,12 +91,18 @@ def to_uint8(images: torch.Tensor) -> np.ndarray:
 
 
 @torch.no_grad()
-def decode(vae: Any, packed: torch.Tensor, grid: tuple[int, int]) -> np.ndarray:
-    """Decode packed final latents with an ``AutoencoderKLQwenImage`` (steps 1-4): ``(B, 16h, 16w, 3)`` uint8."""
+def decode_to_images(vae: Any, packed: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """Steps 1-3 with an ``AutoencoderKLQwenImage``: packed final latents → ``(B, 3, 16h, 16w)`` in ``[-1, 1]``
+    (the VAE's dtype and device)."""
     cfg = vae.config
     z = unpack_latents(packed.to(device=vae.device, dtype=vae.dtype), grid, int(cfg.z_dim))
     z = denormalize(z, cfg.latents_mean, cfg.latents_std)
-    return to_uint8(vae.decode(z, return_dict=False)[0][:, :, 0])
+    return vae.decode(z, return_dict=False)[0][:, :, 0]
+
+
+def decode(vae: Any, packed: torch.Tensor, grid: tuple[int, int]) -> np.ndarray:
+    """Decode packed final latents with an ``AutoencoderKLQwenImage`` (steps 1-4): ``(B, 16h, 16w, 3)`` uint8."""
+    return to_uint8(decode_to_images(vae, packed, grid))
 
 
 def _preview_matrix(channels: int) -> torch.Tensor:
