@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -35,6 +36,24 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
 
 def atomic_write_text(path: str | Path, text: str) -> Path:
     return atomic_write(path, lambda p: p.write_text(text))
+
+
+def replace_dir(tmp: str | Path, directory: str | Path) -> Path:
+    """Move the finished folder ``tmp`` onto ``directory`` (its sibling), replacing what was there.
+
+    The old folder is renamed aside first and removed after, so ``directory`` is at every moment
+    either the old folder or the new one, never a mix.
+    """
+    tmp, directory = Path(tmp), Path(directory)
+    if directory.exists():
+        old = directory.with_name(f".{directory.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(directory, old)
+        os.replace(tmp, directory)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, directory)
+    return directory
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:

@@ -69,6 +69,21 @@ def _floor(curves: list[list[float]]) -> float:
     return 10.0 ** (math.floor(math.log10(min(positive))) - 2)
 
 
+_STYLES = ("o-", "s--", "^-.", "d:", "v-", "x--")
+
+
+def _step_lines(ax: Any, combos: list[dict[str, Any]], curves: list[list[float]]) -> float:
+    """One log-scale line per combination over the denoising steps (zeros drawn at the returned floor)."""
+    import matplotlib.ticker
+
+    floor = _floor(curves)
+    for i, (r, vals) in enumerate(zip(combos, curves)):
+        ax.semilogy(range(len(vals)), [max(v, floor) for v in vals], _STYLES[i % len(_STYLES)], label=r["name"])
+    ax.set_xlabel("denoising step")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    return floor
+
+
 def _plot(rows: list[dict[str, Any]], out: Path) -> dict[str, str]:
     combos = [r for r in rows if r.get("curves")]
     if not combos:
@@ -77,31 +92,19 @@ def _plot(rows: list[dict[str, Any]], out: Path) -> dict[str, str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import matplotlib.ticker
 
-    styles = ["o-", "s--", "^-.", "d:", "v-", "x--"]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     for ax, q in zip(axes, ("v", "x", "logp")):
-        curves = [r["curves"][f"{q}_max_abs"] for r in combos]
-        floor = _floor(curves)
-        for i, (r, vals) in enumerate(zip(combos, curves)):
-            ax.semilogy(range(len(vals)), [max(v, floor) for v in vals], styles[i % len(styles)], label=r["name"])
+        floor = _step_lines(ax, combos, [r["curves"][f"{q}_max_abs"] for r in combos])
         ax.set_title(f"{q}: max |Δ| per step (0 drawn at {floor:.0e})", fontsize=10)
-        ax.set_xlabel("denoising step")
-        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / PLOTS["drift_per_step"], dpi=110)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6.5, 3.6))
-    curves = [r.get("ratio_dev_per_step") or [] for r in combos]
-    floor = _floor(curves)
-    for i, (r, vals) in enumerate(zip(combos, curves)):
-        ax.semilogy(range(len(vals)), [max(v, floor) for v in vals], styles[i % len(styles)], label=r["name"])
+    floor = _step_lines(ax, combos, [r.get("ratio_dev_per_step") or [] for r in combos])
     ax.set_title(f"GRPO ratio: max |ratio − 1| per step (0 drawn at {floor:.0e})", fontsize=10)
-    ax.set_xlabel("denoising step")
-    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / PLOTS["ratio_per_step"], dpi=110)

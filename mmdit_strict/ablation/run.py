@@ -32,6 +32,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from ..config.compose import ConfigError, derive, save_resolved
+from ..io import replace_dir
 from ..trajectories import artifact, pipeline
 from ..trajectories.jobs import JobTable
 from ..overlay import check_perturbations
@@ -117,14 +118,7 @@ def _link_folder(src: Path, dst: Path) -> None:
                 os.link(f, tmp / f.name)
             except OSError:
                 shutil.copy2(f, tmp / f.name)
-    if dst.exists():
-        old = dst.with_name(f".{dst.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(dst, old)
-        os.replace(tmp, dst)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, dst)
+    replace_dir(tmp, dst)
 
 
 def share_rollout(job: DictConfig, donors: dict[str, Path]) -> bool:

@@ -206,8 +206,9 @@ def _resolve_uncached(op: str, dev: str, dname: str, runtime: Runtime) -> tuple[
     refused: list[str] = []
     if dev == "cuda" and runtime is not Runtime.OFF:  # strict kernels run only on the GPUs they were qualified on
         gpu = platform.cuda_platform()
-        refused = sorted({r for i in strict_impls if (r := platform.unqualified_reason(i.backend, gpu))})
-        strict_impls = [i for i in strict_impls if platform.unqualified_reason(i.backend, gpu) is None]
+        reasons = [(i, platform.unqualified_reason(i.backend, gpu)) for i in strict_impls]
+        refused = sorted({r for _, r in reasons if r})
+        strict_impls = [i for i, r in reasons if r is None]
     prod = [i for i in impls if not i.strict]
     if runtime is Runtime.OFF:
         if prod:

@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..config.arch import ArchConfig
+from ..io import replace_dir
 from ..kernels.runtime import Runtime
 
 if TYPE_CHECKING:
@@ -340,16 +341,7 @@ def save_pretrained(model: "MMDiT", directory: str | Path, max_shard_size: int =
         total = sum(v.numel() * v.element_size() for v in state.values())
         (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     (tmp / CONFIG_NAME).write_text(json.dumps(model.config.to_diffusers_config(), indent=2))
-    if directory.exists():
-        backup = directory.with_name(directory.name + ".old")
-        os.replace(directory, backup)
-        os.replace(tmp, directory)
-        import shutil
-
-        shutil.rmtree(backup, ignore_errors=True)
-    else:
-        os.replace(tmp, directory)
-    return directory
+    return replace_dir(tmp, directory)
 
 
 _HOST = threading.local()  # per hashing thread: a pinned staging buffer and a copy stream

@@ -16,7 +16,6 @@ says so. Latent equality is the gate; the images' PSNR against the sealed ones i
 
 from __future__ import annotations
 
-import hashlib
 import json
 import platform as host
 import shutil
@@ -28,6 +27,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from ..trajectories.hashing import file_sha256
+
 FIXTURE = "fixture.json"
 EXPECTED = "expected.safetensors"
 
@@ -36,10 +37,6 @@ def platform_id() -> dict[str, str]:
     """What CPU bytes depend on here: the machine, torch's CPU vector capability and the torch version."""
     return {"machine": host.machine(), "cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
             "torch": torch.__version__}
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _run(pipeline: Path, overrides: Sequence[str], out: Path) -> None:
@@ -83,7 +80,7 @@ def seal(folder: str | Path, overrides: Sequence[str], seed: int = 0) -> dict[st
         steps = _step_hashes(run)
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != FIXTURE)
     record = {"overrides": list(overrides), "seed": seed, "platform": platform_id(), "steps": steps,
-              "files": {str(p.relative_to(folder)): _sha256(p) for p in files}}
+              "files": {str(p.relative_to(folder)): file_sha256(str(p)) for p in files}}
     (folder / FIXTURE).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     return record
 
@@ -114,7 +111,7 @@ def verify_files(folder: str | Path) -> dict[str, Any]:
         path = folder / rel
         if not path.is_file():
             raise ValueError(f"sealed fixture {folder}: {rel} is missing")
-        if _sha256(path) != digest:
+        if file_sha256(str(path)) != digest:
             raise ValueError(f"sealed fixture {folder}: {rel} does not match its sealed sha256 (changed or damaged)")
     return record
 

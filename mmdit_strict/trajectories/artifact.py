@@ -31,7 +31,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from ..io import save_safetensors
+from ..io import replace_dir, save_safetensors
 from .hashing import file_sha256, tensor_sha256
 
 FORMAT = "mmdit-strict-trajectory"
@@ -105,14 +105,7 @@ def write(traj: Trajectory, directory: str | Path) -> Path:
         for f in (tmp / TENSORS, tmp / MANIFEST):
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-        if directory.exists():
-            old = directory.with_name(f".{directory.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(directory, old)
-            os.replace(tmp, directory)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, directory)
+        replace_dir(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
