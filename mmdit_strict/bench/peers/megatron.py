@@ -4,10 +4,14 @@ adapted by Megatron from Thinking Machines' ``batch_invariant_ops``): a persiste
 ``aten::mean.dim``, and ``rmsnorm_batch_invariant`` built on it.
 
 The module is loaded on its own from the installed files (``importlib.util.spec_from_file_location``): it needs
-only torch and Triton, while importing the ``megatron.core`` package pulls in what a bare GPU image lacks.
+only torch and Triton, while importing the ``megatron.core`` package pulls in what a bare GPU image lacks. Its own
+``set_batch_invariant_mode()`` also patches Transformer Engine and fails without it (``import transformer_engine``),
+so :func:`aten_mode` registers the module's published ATen replacements (``mm_batch_invariant``,
+``addmm_batch_invariant``, ``mean_batch_invariant``) the way that mode does, and leaves Transformer Engine out.
 
-* Projections: eager ``F.linear`` (+ the eager SiLU prologue / GELU epilogue) inside the batch-invariant mode,
-  so the forward and both backward GEMMs run the persistent kernel (the bias gradient is an ATen sum).
+* Projections: eager ``F.linear`` (+ the eager SiLU prologue / GELU epilogue) inside :func:`aten_mode`, so the
+  forward and both backward GEMMs run the persistent kernel (the bias gradient is an ATen sum). On the CPU this
+  runs under ``TRITON_INTERPRET=1`` (the test suite), which keeps the adapter from rotting.
 * adaLN modulation: a LayerNorm from ``x.mean(-1)`` under the mode (the Triton ``mean_dim``) + the eager
   modulation — the module has no LayerNorm kernel; this is its primitives composed.
 * QK-norm + RoPE: ``rmsnorm_batch_invariant`` per head, then the eager rotation.
@@ -16,11 +20,13 @@ only torch and Triton, while importing the ``megatron.core`` package pulls in wh
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import Sequence
+from typing import Callable, ContextManager, Iterator, Sequence
 
 import torch
 
@@ -64,27 +70,47 @@ def load() -> ModuleType:
     return mod
 
 
-def unavailable(device: str) -> str | None:
-    """Why Megatron's kernels cannot run here, or None."""
+def unavailable(device: str, family: str) -> str | None:
+    """Why Megatron's kernels cannot run ``family`` here, or None."""
     try:
         load()
     except ImportError as exc:
         return str(exc)
-    if device != "cuda":
-        return "Megatron-Core's batch-invariant kernels need CUDA (mean_dim and its RMSNorm assert CUDA tensors)"
-    return None
+    if device == "cuda":
+        return None
+    if family == "projection":
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            return None
+        return "Megatron-Core's persistent matmul is a Triton kernel: CUDA, or the CPU under TRITON_INTERPRET=1"
+    return "Megatron-Core's mean_dim and its RMSNorm assert CUDA tensors"
 
 
-def _mode(mod: ModuleType):
-    return lambda: mod.set_batch_invariant_mode(True)
+def aten_mode(mod: ModuleType, device: str) -> Callable[[], ContextManager[None]]:
+    """A context that routes ``aten::mm`` / ``addmm`` (and on CUDA ``mean.dim``) of ``device`` to the module's
+    batch-invariant replacements, as its ``enable_batch_invariant_mode`` does, without the Transformer Engine patches."""
+    key = "CUDA" if device == "cuda" else "CPU"
+
+    @contextlib.contextmanager
+    def ctx() -> Iterator[None]:
+        lib = torch.library.Library("aten", "IMPL")
+        try:
+            lib.impl("aten::mm", mod.mm_batch_invariant, key)
+            lib.impl("aten::addmm", mod.addmm_batch_invariant, key)
+            if device == "cuda":  # mean_dim asserts CUDA tensors
+                lib.impl("aten::mean.dim", mod.mean_batch_invariant, key)
+            yield
+        finally:
+            lib._destroy()
+
+    return ctx
 
 
 def implementations(cases: Sequence[Case], device: str, dtype: torch.dtype) -> list[Impl | Missing]:
     """Megatron's implementation of each case it has a kernel for; Missing (with the reason) for the rest."""
-    why = unavailable(device) if any(not (_NONE.get(c.op) or _NONE.get(c.family)) for c in cases) else None
     out: list[Impl | Missing] = []
     for case in cases:
         none = _NONE.get(case.op) or _NONE.get(case.family)
+        why = None if none else unavailable(device, case.family)
         if none or why:
             out.append(Missing(PEER, PEER, case.op, none or why or ""))
             continue
@@ -92,7 +118,7 @@ def implementations(cases: Sequence[Case], device: str, dtype: torch.dtype) -> l
         cfg = case.config or {}
         if case.family == "projection":
             fn = (lambda p, e: lambda x, w, b, *, seqlens: (eager_linear(x, w, b, p, e),))(cfg["prologue"], cfg["epilogue"])
-            out.append(Impl(PEER, PEER, case.op, fn, "F.linear in set_batch_invariant_mode (persistent Triton matmul) + eager prologue/epilogue", _mode(mod)))
+            out.append(Impl(PEER, PEER, case.op, fn, "F.linear with aten::mm/addmm -> matmul_persistent (Triton) + eager prologue/epilogue", aten_mode(mod, device)))
         elif case.op == "adaln_modulation":
             eps = cfg["eps"]
 
@@ -103,7 +129,7 @@ def implementations(cases: Sequence[Case], device: str, dtype: torch.dtype) -> l
                 xh = ((xf - mu) * torch.rsqrt(var + eps)).to(x.dtype)
                 return (xh * (1 + P.per_row(scale, x, seqlens[0])) + P.per_row(shift, x, seqlens[0]),)
 
-            out.append(Impl(PEER, PEER, case.op, modulation, "LayerNorm from mean_dim (FP32) in set_batch_invariant_mode + eager modulation", _mode(mod)))
+            out.append(Impl(PEER, PEER, case.op, modulation, "LayerNorm from x.mean(-1) -> mean_dim (Triton, FP32) + eager modulation", aten_mode(mod, device)))
         else:
             eps = cfg["eps"]
 
@@ -112,5 +138,5 @@ def implementations(cases: Sequence[Case], device: str, dtype: torch.dtype) -> l
                 y = mod.rmsnorm_batch_invariant(x.reshape(m * h, d), gain, eps).view(m, h, d)
                 return (P.multi_axis_rope(y, c, s),)
 
-            out.append(Impl(PEER, PEER, case.op, qk, "rmsnorm_batch_invariant per head + eager rotation", _mode(mod)))
+            out.append(Impl(PEER, PEER, case.op, qk, "rmsnorm_batch_invariant per head + eager rotation", aten_mode(mod, device)))
     return out
