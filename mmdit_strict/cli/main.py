@@ -358,10 +358,16 @@ def _require_gpu(what: str) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
-    if args.which != "cpu_strict":
+    if args.which not in ("cpu_strict", "peers"):  # the peer survey runs its tiny record set on the CPU
         _require_gpu(f"bench {args.which}")
+    argv = ["--out", args.out]
+    if args.which == "peers":
+        argv += (["--peers", args.peers] if args.peers else []) + (["--families", args.families] if args.families else []) \
+            + (["--quick"] if args.quick else [])
+    elif args.quick or args.peers is not None or args.families is not None:
+        raise ValueError(f"--quick, --peers and --families belong to `bench peers`, not `bench {args.which}`")
     module = importlib.import_module(f"mmdit_strict.bench.{args.which}")
-    return int(module.main(["--out", args.out]) or 0)
+    return int(module.main(argv) or 0)
 
 
 def cmd_operators(args: argparse.Namespace) -> int:
@@ -408,6 +414,10 @@ def cmd_qualify(args: argparse.Namespace) -> int:
         from ..bench import model_qualify
 
         rc |= int(model_qualify.main(["--out", args.out, "--block-error-layers", "2"]) or 0)
+    if section == "peers":  # not part of "all": it sets CUBLAS_WORKSPACE_CONFIG, which must precede CUDA's start
+        from ..bench import peers
+
+        rc |= int(peers.main(["--out", args.out]) or 0)
     return rc
 
 
@@ -473,15 +483,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", action="store_true", help="print a markdown table (with reduction orders)")
     p = add("qualify", cmd_qualify, "GPU qualification report of the strict kernels (JSON + markdown)", overrides=False)
     p.add_argument("--out", default="experiments/local", help="output folder")
-    p.add_argument("--section", default="all", choices=["gemm", "attention", "norms", "model", "all"],
-                   help="which kernels to qualify (default: all)")
+    p.add_argument("--section", default="all", choices=["gemm", "attention", "norms", "model", "peers", "all"],
+                   help="which kernels to qualify (default: all of gemm, attention, norms, model); peers: the survey of "
+                   "other batch-invariant kernels through the same checks (bench peers; run on its own, in a fresh process)")
     p = add("bench", cmd_bench, "run a benchmark and write its JSON + markdown report", overrides=False)
-    p.add_argument("which", choices=["cpu_strict", "gemm", "model", "attention", "norms"],
+    p.add_argument("which", choices=["cpu_strict", "gemm", "model", "attention", "norms", "peers"],
                    help="cpu_strict: CPU strict vs production forward; gemm: Triton GEMM engine (GPU); "
                    "model: whole transformer vs diffusers eager on identical weights (GPU); "
                    "attention: strict joint attention vs SDPA/cuDNN (GPU); "
-                   "norms: strict row operators (norms, modulation, gating, QK-norm, RoPE) vs FP64 and eager PyTorch (GPU)")
+                   "norms: strict row operators (norms, modulation, gating, QK-norm, RoPE) vs FP64 and eager PyTorch (GPU); "
+                   "peers: other batch-invariant kernels (PyTorch deterministic, SDPA backends, Liger-Kernel, Megatron-Core) "
+                   "through our invariance / accuracy / speed checks, per operator family (GPU: full record set; CPU: tiny)")
     p.add_argument("--out", default="experiments/local", help="output folder")
+    p.add_argument("--quick", action="store_true", help="peers only: the quick record set (a GPU smoke run)")
+    p.add_argument("--peers", default=None, help="peers only: comma list of torch-deterministic, sdpa, liger-kernel, "
+                   "megatron-core (ours always runs; default: all)")
+    p.add_argument("--families", default=None, help="peers only: comma list of projection, norms, qk_norm_rope, "
+                   "attention (default: all)")
     return parser
 
 

@@ -1,0 +1,5 @@
+"""``python -m mmdit_strict.bench.peers``."""
+
+from .main import main
+
+raise SystemExit(main())
