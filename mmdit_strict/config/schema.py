@@ -71,6 +71,16 @@ class PromptsConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """A side's model-parallel layout under torchrun (docs/parallel.md): ``tp · sp · cfg`` ranks share each batch."""
+
+    tp: int = 1  # tensor parallel: not built yet (must be 1)
+    sp: int = 1  # sequence parallel: image rows of every sample split over sp ranks
+    cfg: int = 1  # CFG parallel: 2 puts the conditional and the negative branch on two ranks
+    attention: str = "ulysses"  # how sequence-parallel attention sees the whole sequence
+
+
+@dataclass
 class RolloutConfig:
     """The sampling engine side."""
 
@@ -80,6 +90,7 @@ class RolloutConfig:
     pad_to: Optional[int] = None  # pad prompts to this many tokens (None → longest in the batch)
     save_tensors: bool = True  # store v_t, x_t, logp_t tensors (hashes are always stored)
     perturb: Optional[str] = None  # a named perturbation of this side (`mmdit-strict ablate --list`): a deliberate mismatch
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 @dataclass
@@ -110,6 +121,7 @@ class RecomputeConfig:
     # bumps that operator's first output element by 2^-10·max(|x|,1) at that step (strict graph only).
     inject_fault: Optional[str] = None
     perturb: Optional[str] = None  # a named perturbation of this side (`mmdit-strict ablate --list`): a deliberate mismatch
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 @dataclass
@@ -261,6 +273,8 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "recompute.runtime": (None, "strict", "audit", "auto", "off"),
     "rollout.cfg_layout": ("batched", "sequential"),
     "recompute.cfg_layout": ("batched", "sequential"),
+    "rollout.parallel.attention": ("ulysses",),
+    "recompute.parallel.attention": ("ulysses",),
     "lora.init": ("zero_b", "random"),
     "wandb.mode": ("offline", "online", "disabled"),
     "distributed.backend": ("auto", "gloo", "nccl"),

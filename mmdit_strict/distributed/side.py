@@ -23,16 +23,24 @@ from .runtime import current, gather_to_root
 class SidePlan:
     """The layout of a side whose single-process visiting order is ``order`` (sample positions), in batches of ``size``."""
 
-    def __init__(self, order: Sequence[int], size: int) -> None:
+    def __init__(self, order: Sequence[int], size: int, group_size: int = 1) -> None:
+        """``group_size`` ranks (a model-parallel group, ``mmdit_strict.parallel``) share each batch: the
+        samples are split over ``world / group_size`` groups, and a group's first rank owns its rows."""
         s = current()
         self.session = s
         self.world = s.world_size if s is not None else 1
         self.rank = s.rank if s is not None else 0
+        if group_size < 1 or self.world % group_size:
+            raise ValueError(f"the side's parallel layout groups {group_size} ranks (parallel.tp·sp·cfg): launch with torchrun "
+                             f"on a multiple of {group_size} ranks (this run has {self.world})")
+        self.group_size = int(group_size)
+        groups = self.world // self.group_size
         self.order = list(order)
         self.size = int(size)
-        self.per_rank = [layout.rank_batches(self.order, self.size, self.world, r) for r in range(self.world)]
-        self.batches = self.per_rank[self.rank]  # what this rank runs
-        self.owner = layout.owners(self.order, self.world)
+        self.per_rank = [layout.rank_batches(self.order, self.size, groups, r // self.group_size) for r in range(self.world)]
+        self.batches = self.per_rank[self.rank]  # what this rank runs (with the rest of its group)
+        self.owner = {p: g * self.group_size for p, g in layout.owners(self.order, groups).items()}
+        self.leader = self.rank % self.group_size == 0
 
     @property
     def distributed(self) -> bool:
@@ -88,7 +96,8 @@ class SidePlan:
         """
         if self.session is None:
             return None
-        rows = {p: (rec.v[step, p], rec.x[step + 1, p], rec.logp[step, p], rec.blocks[step][p]) for p in self.positions()}
+        mine = self.positions() if self.leader else []  # the group's other ranks hold the same rows
+        rows = {p: (rec.v[step, p], rec.x[step + 1, p], rec.logp[step, p], rec.blocks[step][p]) for p in mine}
         got = gather_to_root(f"step {step}: gather rows", {"rows": rows, "extra": extra})
         if got is None:
             return None

@@ -93,6 +93,7 @@ class ExecutionContext:
             capture keeps them alive), or None.
         layout: this process's rank and world size.
         overlay: the semantic perturbation applied to this side's operators (``mmdit_strict.overlay``), or None.
+        parallel: the model-parallel layout this rank's forwards run under (``mmdit_strict.parallel``), or None.
 
     Collectors (capture, gemm_calls, grad_sink, trace, keepalive) are shared by reference: a copy
     made with :meth:`replace` records into the same objects. Contexts compare by identity.
@@ -109,6 +110,7 @@ class ExecutionContext:
     keepalive: list[Any] | None = None
     layout: Layout = Layout()
     overlay: Any = None
+    parallel: Any = None
     # copies made by switched(), one per (field, value): the strict model switches streams around every product
     _switched: dict[tuple[str, Hashable], ExecutionContext] = field(default_factory=dict, init=False, repr=False)
 

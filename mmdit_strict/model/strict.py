@@ -182,10 +182,13 @@ def _gemm(op: str, where: str, x: torch.Tensor, module: nn.Module, seqlens: tupl
         return _op(op, where, x, x, w, b, seqlens=seqlens, lora=lora, **kw)
 
 
-def _block(
+def block_forward(
     i: int, block: nn.Module, img: torch.Tensor, txt: torch.Tensor, temb: torch.Tensor,
     rope: tuple[torch.Tensor, ...], iseq: tuple[int, ...], tseq: tuple[int, ...], heads: int, head_dim: int, eps: float,
+    attend: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block ``i`` on packed rows. ``attend(i, qt, kt, vt, qi, ki, vi) → (ot, oi)`` replaces the joint
+    attention operator call (sequence parallelism meets the whole sequence there); None calls it."""
     B = len(iseq)
     ones = (1,) * B
     img_cos, img_sin, txt_cos, txt_sin = rope
@@ -218,7 +221,10 @@ def _block(
     qt = qk(wt + ".q", ht, a.add_q_proj, a.norm_added_q, txt_cos, txt_sin, tseq, "text")
     kt = qk(wt + ".k", ht, a.add_k_proj, a.norm_added_k, txt_cos, txt_sin, tseq, "text")
     vt = heads_of(_gemm("qkv_bias_gemm", wt + ".v", ht, a.add_v_proj, tseq, "text"))
-    ot, oi = _op("joint_attention_fused", f"block{i}.joint", qi, qt, kt, vt, qi, ki, vi, txt_seqlens=tseq, img_seqlens=iseq)
+    if attend is None:
+        ot, oi = _op("joint_attention_fused", f"block{i}.joint", qi, qt, kt, vt, qi, ki, vi, txt_seqlens=tseq, img_seqlens=iseq)
+    else:
+        ot, oi = attend(i, qt, kt, vt, qi, ki, vi)
 
     img = _op("adaln_gate_residual", wi + ".attn", img, img, _gemm("attn_out_bias_gemm", wi, oi, a.to_out[0], iseq), imod[2], seqlens=iseq)
     txt = _op("adaln_gate_residual", wt + ".attn", txt, txt, _gemm("attn_out_bias_gemm", wt, ot, a.to_add_out, tseq, "text"), tmod[2], seqlens=tseq)
@@ -245,39 +251,63 @@ def pack_text(ehs: torch.Tensor, lens: list[int]) -> torch.Tensor:
     return torch.cat([ehs[b, :n] for b, n in enumerate(lens)], dim=0)
 
 
+def time_embedding(model: "MMDiT", inputs: "ModelInputs") -> torch.Tensor:
+    """The timestep embedding ``(B, D)`` (per sample; replicated under every parallel layout)."""
+    cfg = model.config
+    x = inputs.hidden_states
+    emb = model.time_text_embed.timestep_embedder
+    _note_gemm("timestep_embed_mlp", "temb_1", x.shape[0], emb.linear_1.weight, emb.linear_1.bias, epilogue="silu")
+    _note_gemm("timestep_embed_mlp", "temb_2", x.shape[0], emb.linear_2.weight, emb.linear_2.bias)
+    return _op("timestep_embed_mlp", "embed", x, inputs.sigma.to(torch.float32), emb.linear_1.weight, emb.linear_1.bias,
+               emb.linear_2.weight, emb.linear_2.bias, channels=cfg.timestep_channels, scale=cfg.timestep_scale)
+
+
+def text_rows(model: "MMDiT", inputs: "ModelInputs") -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The packed valid text rows after ``txt_in`` ``(sum L_b, D)`` and the text lengths (replicated under
+    every parallel layout)."""
+    tseq = tuple(inputs.txt_lens)
+    w, b, lora = linear_params(model.txt_in)
+    rows = pack_text(inputs.encoder_hidden_states, inputs.txt_lens)
+    _note_gemm("txt_in_rmsnorm_linear", "txt_in", rows.shape[0], w, b)
+    txt = _op("txt_in_rmsnorm_linear", "txt_in", rows, rows, model.txt_norm.weight, w, b, seqlens=tseq,
+              eps=model.config.eps, lora=lora)
+    return txt, tseq
+
+
+def project_out(model: "MMDiT", img: torch.Tensor, temb: torch.Tensor, iseq: tuple[int, ...]) -> torch.Tensor:
+    """The forward's epilogue on packed image rows: final AdaLN and ``proj_out`` → ``(rows, out)``."""
+    w, b, lora = linear_params(model.norm_out.linear)
+    _note_gemm("final_adaln_out", "norm_out", len(iseq), w, b, prologue="silu")
+    h = _op("final_adaln_out", "norm_out", img, img, temb, w, b, seqlens=iseq, eps=model.config.eps, lora=lora)
+    return _gemm("latent_proj_gemm", "proj_out", h, model.proj_out, iseq)
+
+
 def strict_forward(model: "MMDiT", inputs: "ModelInputs", block_capture: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-    """Strict forward. Returns ``(B, T_img, out)`` in the model dtype."""
+    """Strict forward. Returns ``(B, T_img, out)`` in the model dtype.
+
+    Under a model-parallel layout with sequence shards (the execution context's ``parallel``), the
+    layout runs it (``mmdit_strict.parallel``): the same bytes, each rank computing its rows."""
+    parallel = current().parallel
+    if parallel is not None and parallel.sp > 1:
+        return parallel.forward(model, inputs, block_capture)
     cfg = model.config
     x = inputs.hidden_states
     B, Ti, _ = x.shape
-    dev = x.device
     iseq = (Ti,) * B
-    tseq = tuple(inputs.txt_lens)
     eps = cfg.eps
 
-    rope = packed_rope_tables(inputs.img_shapes, inputs.txt_lens, cfg.axes_dims_rope, cfg.rope_theta, dev)
-    emb = model.time_text_embed.timestep_embedder
-    _note_gemm("timestep_embed_mlp", "temb_1", B, emb.linear_1.weight, emb.linear_1.bias, epilogue="silu")
-    _note_gemm("timestep_embed_mlp", "temb_2", B, emb.linear_2.weight, emb.linear_2.bias)
-    temb = _op("timestep_embed_mlp", "embed", x, inputs.sigma.to(torch.float32), emb.linear_1.weight, emb.linear_1.bias,
-               emb.linear_2.weight, emb.linear_2.bias, channels=cfg.timestep_channels, scale=cfg.timestep_scale)
+    rope = packed_rope_tables(inputs.img_shapes, inputs.txt_lens, cfg.axes_dims_rope, cfg.rope_theta, x.device)
+    temb = time_embedding(model, inputs)
     img = _gemm("latent_proj_gemm", "img_in", x.reshape(B * Ti, -1), model.img_in, iseq)
-    w, b, lora = linear_params(model.txt_in)
-    txt_rows = pack_text(inputs.encoder_hidden_states, inputs.txt_lens)
-    _note_gemm("txt_in_rmsnorm_linear", "txt_in", txt_rows.shape[0], w, b)
-    txt = _op("txt_in_rmsnorm_linear", "txt_in", txt_rows, txt_rows, model.txt_norm.weight, w, b, seqlens=tseq, eps=eps, lora=lora)
+    txt, tseq = text_rows(model, inputs)
 
     heads, head_dim = cfg.num_attention_heads, cfg.attention_head_dim
     for i, block in enumerate(model.transformer_blocks):
         if model.gradient_checkpointing and torch.is_grad_enabled():
-            img, txt = checkpointed(_block, i, block, img, txt, temb, rope, iseq, tseq, heads, head_dim, eps)
+            img, txt = checkpointed(block_forward, i, block, img, txt, temb, rope, iseq, tseq, heads, head_dim, eps)
         else:
-            img, txt = _block(i, block, img, txt, temb, rope, iseq, tseq, heads, head_dim, eps)
+            img, txt = block_forward(i, block, img, txt, temb, rope, iseq, tseq, heads, head_dim, eps)
         if block_capture is not None:
             block_capture[f"block{i}.img"] = img.detach()
             block_capture[f"block{i}.txt"] = txt.detach()
-    w, b, lora = linear_params(model.norm_out.linear)
-    _note_gemm("final_adaln_out", "norm_out", B, w, b, prologue="silu")
-    h = _op("final_adaln_out", "norm_out", img, img, temb, w, b, seqlens=iseq, eps=eps, lora=lora)
-    out = _gemm("latent_proj_gemm", "proj_out", h, model.proj_out, iseq)
-    return out.reshape(B, Ti, -1)
+    return project_out(model, img, temb, iseq).reshape(B, Ti, -1)

@@ -146,7 +146,14 @@ def velocity(
         v = forward(x, cond, (0,)).float()
         collect_blocks()
         return v
-    if cfg_layout == "batched":
+    mp = current().parallel
+    if mp is not None and mp.cfg == 2:  # CFG-parallel: this rank's branch, then both branches on every rank
+        from ..parallel.exchange import replicated_branches
+
+        mine = forward(x, cond if mp.cfg_rank == 0 else negs, (mp.cfg_rank,))
+        collect_blocks()
+        v_cond, v_neg = (v.float() for v in replicated_branches(mp, mine))
+    elif cfg_layout == "batched":
         both = forward(torch.cat([x, x]), list(cond) + negs, (0, 1)).float()
         collect_blocks()
         v_cond, v_neg = both[:B], both[B:]

@@ -28,6 +28,7 @@ from ..model import build_model
 from ..model.strict import capture_operators, inject_fault, strict_forward
 from . import artifact, partial
 from ..overlay import perturb_fields, perturbing
+from ..parallel import ModelLayout, model_parallel
 from .engine import timed, time_split, velocity
 from .hashing import tensor_sha256
 from .record import StepRecorder, build_trajectory, model_hashes
@@ -193,7 +194,8 @@ def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | 
     rec = StepRecorder(S, xs[0])
     mbs = micro_batches(list(range(len(ids))), int(cfg.recompute.micro_batch), bool(cfg.recompute.shuffle), int(cfg.recompute.shuffle_seed))
     # torchrun: this rank's block of the shuffled order, cut into micro-batches (docs/distributed.md)
-    plan = distributed.SidePlan([i for mb in mbs for i in mb], int(cfg.recompute.micro_batch))
+    layout = ModelLayout.from_config(cfg.recompute.get("parallel"))
+    plan = distributed.SidePlan([i for mb in mbs for i in mb], int(cfg.recompute.micro_batch), layout.size)
     trainable = sorted(((n, p) for n, p in model.named_parameters() if p.requires_grad), key=lambda t: t[0])
     bar = tqdm(total=S * len(plan.batches), desc=f"recompute [{runtime.value}]", disable=not progress, leave=False)
     key = recompute_key(cfg, hashes, rollout)
@@ -205,7 +207,8 @@ def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | 
     bar.update(start * len(plan.batches))
     fault_key, fault_step = parse_fault(cfg.recompute.inject_fault)
     with capture_trace(resumed.trace if resumed else None) as trace, runtime_mode(runtime), \
-            perturbing(cfg.recompute.perturb, model, runtime.value) as overlay, time_split() as split:
+            perturbing(cfg.recompute.perturb, model, runtime.value) as overlay, time_split() as split, \
+            model_parallel(layout) as mpar:
         with capture_trace() if resumed else contextlib.nullcontext():  # a resumed trace already counts its read
             used = used_sigmas(sigmas)
         for step in range(start, S):
@@ -229,7 +232,10 @@ def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | 
                 share = distributed.fold.rank_partials(trainable, sink)
                 with_grad = [p.grad.reshape(-1) for _, p in trainable if p.grad is not None]
                 share["autograd_sha256"] = tensor_sha256(torch.cat(with_grad)) if with_grad else None
+                if mpar is not None and mpar.sp_rank != 0:
+                    share = None  # a sequence group's ranks hold the same partials: its first rank sends them
                 shares = plan.end_step(rec, step, extra=share)
+                shares = None if shares is None else [sh for sh in shares if sh is not None]
                 grad_records.append(_merged_grad_record(trainable, shares) if shares is not None else None)
             else:
                 grad_records.append(_grad_record(trainable, sink))
@@ -242,6 +248,7 @@ def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | 
             "order": [ids[i] for mb in mbs for i in mb], "cfg_layout": cfg.recompute.cfg_layout, "pad_to": cfg.recompute.pad_to,
             "autograd": bool(cfg.recompute.autograd), "grad_checkpointing": bool(cfg.recompute.grad_checkpointing),
             "inject_fault": cfg.recompute.inject_fault, **perturb_fields(cfg.recompute.perturb, overlay),
+            **({"parallel": layout.describe()} if not layout.trivial else {}),
             "time_split": {k: round(v, 4) for k, v in split.items()}, "resumed_after_step": start or None,
             "lora_grads_per_step": grad_records, **plan.side_fields(ids)}
     trace = plan.merge_trace(trace)

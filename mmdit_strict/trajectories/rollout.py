@@ -18,6 +18,7 @@ from ..model import MMDiT
 from ..sampling import euler_step, initial_latents, sde_step, step_noise
 from . import artifact, partial
 from ..overlay import perturb_fields, perturbing
+from ..parallel import ModelLayout, model_parallel
 from .engine import sampling_op, timed, time_split, velocity
 from .record import StepRecorder, build_trajectory, model_hashes
 from ..config.schema import SamplerConfig
@@ -70,8 +71,9 @@ def warm_up(cfg: DictConfig, model: MMDiT, prompts: Prompts) -> float:
     sigmas = schedule(cfg.sampler, arch)
     ids = list(range(len(prompts.embeds)))
     x = initial_latents(cfg.seed, ids, (grid[0] * grid[1], arch.in_channels), cfg.model.device)
-    with runtime_mode(model.runtime), torch.no_grad():
-        for batch in {tuple(b) for b in distributed.SidePlan(ids, cfg.rollout.batch_size).batches}:
+    layout = ModelLayout.from_config(cfg.rollout.get("parallel"))
+    with runtime_mode(model.runtime), torch.no_grad(), model_parallel(layout):
+        for batch in {tuple(b) for b in distributed.SidePlan(ids, cfg.rollout.batch_size, layout.size).batches}:
             velocity(model, x[list(batch)].to(model.dtype), [prompts.embeds[i] for i in batch], prompts.negative,
                      float(sigmas[0]), grid, cfg.sampler.cfg_scale, cfg.rollout.cfg_layout, cfg.rollout.pad_to)
     if x.device.type == "cuda":
@@ -107,7 +109,8 @@ def run_rollout(cfg: DictConfig, out_dir: str | Path, progress: bool = True, mod
     rec = StepRecorder(S, x)
     bs = cfg.rollout.batch_size
     rollout_batches(bs, len(ids))  # checks rollout.batch_size
-    plan = distributed.SidePlan(list(range(len(ids))), bs)  # torchrun: this rank's share of the samples
+    layout = ModelLayout.from_config(cfg.rollout.get("parallel"))
+    plan = distributed.SidePlan(list(range(len(ids))), bs, layout.size)  # torchrun: this rank's share of the samples
     batches = plan.batches
     key = rollout_key(cfg, hashes, prompts.hashes())
     resumed = plan.resume(rec, lambda: partial.load(out_dir, key, rec, "rollout") if cfg.resume else None,
@@ -121,7 +124,8 @@ def run_rollout(cfg: DictConfig, out_dir: str | Path, progress: bool = True, mod
     bar = tqdm(total=S * len(batches), initial=start * len(batches), desc=f"rollout [{runtime.value}]",
                disable=not progress, leave=False)
     with capture_trace(resumed.trace if resumed else None) as trace, runtime_mode(runtime), torch.no_grad(), \
-            perturbing(cfg.rollout.perturb, model, runtime.value) as overlay, time_split() as split:
+            perturbing(cfg.rollout.perturb, model, runtime.value) as overlay, time_split() as split, \
+            model_parallel(layout):
         with capture_trace() if resumed else contextlib.nullcontext():  # a resumed trace already counts its read
             used = used_sigmas(sigmas)
         for step in range(start, S):
@@ -145,6 +149,7 @@ def run_rollout(cfg: DictConfig, out_dir: str | Path, progress: bool = True, mod
     bar.close()
     side = {"batch_size": bs, "cfg_layout": cfg.rollout.cfg_layout, "pad_to": cfg.rollout.pad_to, "autograd": False,
             "resumed_after_step": start or None, "step_seconds": step_seconds, **perturb_fields(cfg.rollout.perturb, overlay),
+            **({"parallel": layout.describe()} if not layout.trivial else {}),
             "time_split": {k: round(v, 4) for k, v in split.items()}, **plan.side_fields(ids)}
     trace = plan.merge_trace(trace)
 

@@ -52,13 +52,13 @@ def test_strict_recompute_sees_the_forward_context_without_a_snapshot(tiny_ckpt,
     capture, grad sink and keys, trace, strict math), though the backward runs after every block was left."""
     model = _model(tiny_ckpt, "off", checkpointing=True)  # the default is off: only the context carries strict
     seen: list[tuple[ExecutionContext, bool]] = []
-    real = strict._block
+    real = strict.block_forward
 
     def spy(*args: Any) -> Any:
         seen.append((current(), torch.are_deterministic_algorithms_enabled()))
         return real(*args)
 
-    monkeypatch.setattr(strict, "_block", spy)
+    monkeypatch.setattr(strict, "block_forward", spy)
     inputs = make_inputs(2, (4, 4), [5, 3])
     sink = SampleGradSink()
     with runtime_mode("strict"), capture_operators() as cap, inject_fault(FAULT), collect_sample_grads(sink), \

@@ -1,0 +1,117 @@
+"""The process groups of a model-parallel layout, and the one object a side's forwards read them from.
+
+:func:`model_parallel` builds the groups once per (layout, session) — every rank creates every group, in
+the same order, as ``torch.distributed.new_group`` requires — and binds a :class:`ModelParallel` into the
+execution context's ``parallel`` field for the block. The strict forward and the CFG step read it there;
+with no layout bound (or a trivial one) nothing changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from ..kernels.execution import bind, current
+from .layout import ModelLayout
+
+
+@dataclass(eq=False)
+class ModelParallel:
+    """This rank's place in a model-parallel layout: its coordinates and the groups it exchanges with.
+
+    ``sp_group`` / ``cfg_group`` are ``torch.distributed`` groups (None where the degree is 1); ``sp_ranks``
+    / ``cfg_ranks`` their global ranks in coordinate order. ``stage`` is True when tensors cross through
+    host memory (gloo), as on ranks that share one GPU.
+    """
+
+    layout: ModelLayout
+    rank: int
+    world: int
+    sp_group: Any = None
+    sp_ranks: tuple[int, ...] = (0,)
+    cfg_group: Any = None
+    cfg_ranks: tuple[int, ...] = (0,)
+    stage: bool = True
+    stats: dict[str, float] = field(default_factory=lambda: {"calls": 0, "bytes": 0})
+
+    @property
+    def sp(self) -> int:
+        return self.layout.sp
+
+    @property
+    def cfg(self) -> int:
+        return self.layout.cfg
+
+    @property
+    def sp_rank(self) -> int:
+        return self.layout.coords(self.rank)["sp"]
+
+    @property
+    def cfg_rank(self) -> int:
+        return self.layout.coords(self.rank)["cfg"]
+
+    @property
+    def leader(self) -> bool:
+        """True on the first rank of the model group."""
+        return self.layout.leader(self.rank) == self.rank
+
+    def forward(self, model: Any, inputs: Any, block_capture: dict[str, torch.Tensor] | None) -> torch.Tensor:
+        """The strict forward of ``inputs`` under this layout (sequence shards when ``sp > 1``)."""
+        from .sequence import sequence_parallel_forward
+
+        return sequence_parallel_forward(self, model, inputs, block_capture)
+
+
+_BUILT: dict[tuple[ModelLayout, int, int], ModelParallel] = {}
+
+
+def build(layout: ModelLayout) -> ModelParallel:
+    """This rank's :class:`ModelParallel` for ``layout`` in the running ``torchrun`` session (built once)."""
+    from .. import distributed
+
+    s = distributed.current()
+    if s is None:
+        raise RuntimeError(f"parallel layout {layout.describe()} needs several ranks: launch with torchrun "
+                           f"(--nproc-per-node a multiple of {layout.size})")
+    layout.check(s.world_size)
+    key = (layout, s.world_size, id(s))
+    got = _BUILT.get(key)
+    if got is not None:
+        return got
+    import torch.distributed as dist
+
+    made: dict[str, tuple[Any, tuple[int, ...]]] = {}
+    for axis in ("sp", "cfg"):
+        if getattr(layout, axis) == 1:
+            continue
+        for ranks in layout.group_ranks(s.world_size, axis):  # every rank creates every group, in one order
+            group = dist.new_group(ranks, timeout=None)
+            if s.rank in ranks:
+                made[axis] = (group, tuple(ranks))
+    mp = ModelParallel(layout, s.rank, s.world_size, stage=s.backend == "gloo")
+    if "sp" in made:
+        mp.sp_group, mp.sp_ranks = made["sp"]
+    if "cfg" in made:
+        mp.cfg_group, mp.cfg_ranks = made["cfg"]
+    _BUILT[key] = mp
+    return mp
+
+
+@contextlib.contextmanager
+def model_parallel(layout: ModelLayout | None) -> Iterator[ModelParallel | None]:
+    """Bind ``layout``'s :class:`ModelParallel` into the execution context for the block (None or a trivial
+    layout binds nothing)."""
+    if layout is None or layout.trivial:
+        yield None
+        return
+    mp = build(layout)
+    with bind(current().replace(parallel=mp)):
+        yield mp
+
+
+def active() -> ModelParallel | None:
+    """The :class:`ModelParallel` in force, or None."""
+    return current().parallel

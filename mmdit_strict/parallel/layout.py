@@ -1,0 +1,130 @@
+"""Model-parallel layouts of one side: how ``tp · sp · cfg`` ranks share one batch (pure functions).
+
+A side's world of ``W`` ranks is a grid ``dp × cfg × sp × tp`` (``tp`` innermost, as Megatron orders it):
+rank ``r`` has coordinates ``tp = r % tp``, ``sp = (r // tp) % sp``, ``cfg = (r // (tp·sp)) % cfg`` and
+``dp = r // (tp·sp·cfg)``. The ``tp · sp · cfg`` ranks of one ``dp`` index form a *model group*: they
+run the same batches, each computing its share of every forward; the ``dp`` groups split the samples as
+single ranks did before (``distributed.layout``). With ``tp = sp = cfg = 1`` every rank is its own group.
+
+Sequence shards: sample ``b`` with ``n_b`` image rows gives sequence rank ``k`` its rows
+``[k·n_b // sp, (k+1)·n_b // sp)`` — contiguous, in order, sizes differing by at most one row, so a
+length that ``sp`` does not divide (6889 tokens) needs no padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+ATTENTION = ("ulysses",)
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """One side's model-parallel degrees (``parallel`` section of ``rollout`` / ``recompute``).
+
+    Attributes:
+        tp: tensor-parallel degree (not built yet: must be 1).
+        sp: sequence-parallel degree: image rows of every sample split over ``sp`` ranks.
+        cfg: CFG-parallel degree: 1, or 2 (the conditional and the negative branch on two ranks).
+        attention: how sequence-parallel attention meets the whole sequence: ``ulysses`` (all-to-all from
+            row shards to head shards and back; needs heads divisible by ``sp``).
+    """
+
+    tp: int = 1
+    sp: int = 1
+    cfg: int = 1
+    attention: str = "ulysses"
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "sp", "cfg"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"parallel.{name} must be an integer >= 1, got {value!r}")
+        if self.tp != 1:
+            raise NotImplementedError(
+                "parallel.tp > 1 is not built: a column shard of a GEMM changes its bytes (the CPU BLAS tile product and "
+                "the Triton configuration both depend on N), so tensor parallelism first needs an N-invariant GEMM "
+                "arithmetic (docs/parallel.md)")
+        if self.cfg not in (1, 2):
+            raise ValueError(f"parallel.cfg must be 1 or 2 (one rank per CFG branch), got {self.cfg}")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"parallel.attention must be one of {ATTENTION}, got {self.attention!r}")
+
+    @classmethod
+    def from_config(cls, section: Any) -> "ModelLayout":
+        """From a config section with keys ``tp``, ``sp``, ``cfg``, ``attention`` (None → one rank)."""
+        if section is None:
+            return cls()
+        get = section.get if hasattr(section, "get") else lambda k, d=None: getattr(section, k, d)
+        return cls(tp=int(get("tp", 1)), sp=int(get("sp", 1)), cfg=int(get("cfg", 1)),
+                   attention=str(get("attention", "ulysses")))
+
+    @property
+    def size(self) -> int:
+        """Ranks in one model group: ``tp · sp · cfg``."""
+        return self.tp * self.sp * self.cfg
+
+    @property
+    def trivial(self) -> bool:
+        return self.size == 1
+
+    def check(self, world: int, heads: int | None = None) -> None:
+        """Raise ValueError when the layout cannot run on ``world`` ranks (or with ``heads`` attention heads)."""
+        if world % self.size:
+            raise ValueError(f"parallel layout tp={self.tp} sp={self.sp} cfg={self.cfg} needs a multiple of {self.size} "
+                             f"ranks, got {world}")
+        if heads is not None and self.sp > 1 and heads % self.sp:
+            raise ValueError(f"parallel.attention=ulysses splits the {heads} attention heads over sp={self.sp} ranks: "
+                             f"sp must divide the head count")
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """``{"dp", "cfg", "sp", "tp"}`` of ``rank``."""
+        return {"dp": rank // self.size, "cfg": (rank // (self.tp * self.sp)) % self.cfg,
+                "sp": (rank // self.tp) % self.sp, "tp": rank % self.tp}
+
+    def groups(self, world: int) -> int:
+        """Number of model groups (the data-parallel degree) on ``world`` ranks."""
+        self.check(world)
+        return world // self.size
+
+    def group_ranks(self, world: int, axis: str) -> list[list[int]]:
+        """Every group of ranks that differ only along ``axis`` (``"sp"``, ``"cfg"``, ``"model"``), each in
+        coordinate order; every rank is in exactly one group of each axis."""
+        self.check(world)
+        if axis == "model":
+            return [list(range(g * self.size, (g + 1) * self.size)) for g in range(world // self.size)]
+        stride = {"tp": 1, "sp": self.tp, "cfg": self.tp * self.sp}[axis]
+        degree = getattr(self, axis)
+        out = []
+        for r in range(world):
+            if (r // stride) % degree == 0:
+                out.append([r + i * stride for i in range(degree)])
+        return out
+
+    def leader(self, rank: int) -> int:
+        """The first rank of ``rank``'s model group (it speaks for the group: rows, partials, files)."""
+        return rank - rank % self.size
+
+    def describe(self) -> dict[str, Any]:
+        return {"tp": self.tp, "sp": self.sp, "cfg": self.cfg, "attention": self.attention}
+
+
+def row_shards(lengths: Sequence[int], sp: int) -> list[list[tuple[int, int]]]:
+    """Per sequence rank ``k``, per sample: the ``[start, stop)`` of its image rows within the sample."""
+    if sp < 1:
+        raise ValueError(f"sp must be >= 1, got {sp}")
+    for n in lengths:
+        if n < sp:
+            raise ValueError(f"a sample with {n} image rows cannot be split over sp={sp} ranks (every rank needs a row)")
+    return [[(k * n // sp, (k + 1) * n // sp) for n in lengths] for k in range(sp)]
+
+
+def packed_rows(lengths: Sequence[int], sp: int, k: int) -> list[int]:
+    """Rank ``k``'s rows as indices into the packed rows of every sample (sample after sample)."""
+    out: list[int] = []
+    base = 0
+    for n, (a, b) in zip(lengths, row_shards(lengths, sp)[k]):
+        out.extend(range(base + a, base + b))
+        base += n
+    return out

@@ -1,0 +1,136 @@
+"""Sequence parallelism: each rank of a sequence group computes its shard of every sample's image rows.
+
+Forward (every operator is row-local and batch-invariant, so a row's bytes do not depend on which rows
+share its call): the image rows of sample ``b`` are cut into ``sp`` contiguous shards
+(:func:`~mmdit_strict.parallel.layout.row_shards`) with their RoPE rows; text rows, the timestep
+embedding and the per-sample modulation are computed whole on every rank (replicated, identical bytes).
+Joint attention meets the whole sequence by Ulysses: an all-to-all turns (my rows, every head) into
+(every row, my heads) for image Q/K/V, the text Q/K/V keep my heads, the one-rank attention operator runs
+on those heads, and the inverse all-to-all (image) and a head gather (text) bring the outputs back.
+Attention is per head, so its bytes are the one-rank call's. After the last block, the output rows are
+gathered in packed order on every rank.
+
+Backward (autograd on): a block's backward is the one-rank block's backward, recomputed on the gathered
+whole rows on every rank of the group (:class:`ShardedBlock`): weight gradients reduce over a sample's
+rows, and a shard of that reduction summed across ranks would not be the one-rank bytes. So the
+backward is exact and replicated, not sharded (docs/parallel.md, "What is sharded").
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+
+from ..kernels.execution import in_context
+from ..model.rope import packed_rope_tables
+from ..model.strict import _gemm, _op, block_forward, instrumented, project_out, text_rows, time_embedding
+from .exchange import RowLayout, gather_heads, gather_rows, heads_to_rows, replicated_rows, rows_to_heads
+from .groups import ModelParallel
+from .layout import packed_rows, row_shards
+
+
+def ulysses(mp: ModelParallel, rows: RowLayout, heads: int, tseq: tuple[int, ...], iseq_full: tuple[int, ...]) -> Callable[..., Any]:
+    """The ``attend`` of :func:`~mmdit_strict.model.strict.block_forward` for this rank's row shard."""
+    h = heads // mp.sp
+    mine = slice(mp.sp_rank * h, (mp.sp_rank + 1) * h)
+
+    def attend(i: int, qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor,
+               vi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        qh, kh, vh = (rows_to_heads(mp, t, rows) for t in (qi, ki, vi))
+        qt, kt, vt = (t[:, mine].contiguous() for t in (qt, kt, vt))
+        ot, oi = _op("joint_attention_fused", f"block{i}.joint", qh, qt, kt, vt, qh, kh, vh,
+                     txt_seqlens=tseq, img_seqlens=iseq_full)
+        return gather_heads(mp, ot, heads), heads_to_rows(mp, oi, rows, heads)
+
+    return attend
+
+
+class ShardedBlock(torch.autograd.Function):
+    """One block on this rank's image rows; its backward is the one-rank block's on the gathered rows.
+
+    ``anchor`` is an empty tensor that requires grad, so the block's LoRA parameters get gradients even
+    where no input does (block 0)."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, img: torch.Tensor, txt: torch.Tensor, temb: torch.Tensor,  # type: ignore[override]
+                local: Callable[..., Any], whole: Callable[..., Any], mp: ModelParallel, rows: RowLayout):
+        ctx.save_for_backward(img, txt, temb)
+        ctx.set_materialize_grads(False)  # an unused output (the last block's text rows) gets None, not zeros
+        ctx.whole, ctx.mp, ctx.rows = whole, mp, rows
+        with torch.no_grad():
+            return local(img, txt, temb)
+
+    @staticmethod
+    def backward(ctx, d_img: torch.Tensor | None, d_txt: torch.Tensor | None):  # type: ignore[override]
+        img, txt, temb = ctx.saved_tensors
+        mp, rows = ctx.mp, ctx.rows
+        full = gather_rows(mp, img, rows)
+        d_full = gather_rows(mp, d_img.contiguous(), rows) if d_img is not None else None
+        with torch.enable_grad():
+            a = full.detach().requires_grad_(ctx.needs_input_grad[1])
+            t = txt.detach().requires_grad_(ctx.needs_input_grad[2])
+            e = temb.detach().requires_grad_(ctx.needs_input_grad[3])
+            out_img, out_txt = ctx.whole(a, t, e)
+            pairs = [(o, g) for o, g in ((out_img, d_full), (out_txt, d_txt)) if g is not None and o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        d_a = rows.part(a.grad, mp.sp_rank) if a.grad is not None else None
+        return None, d_a, t.grad, e.grad, None, None, None, None
+
+
+def sequence_parallel_forward(mp: ModelParallel, model: Any, inputs: Any,
+                              block_capture: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """The strict forward with this rank computing its image-row shard; returns the whole ``(B, T_img, out)``
+    on every rank of the sequence group (same bytes as one rank)."""
+    if instrumented():
+        raise ValueError("operator capture, fault injection and perturbations run on one rank per sample: "
+                         "use a side without sequence parallelism (parallel.sp=1) for them")
+    cfg = model.config
+    heads, head_dim, eps = cfg.num_attention_heads, cfg.attention_head_dim, cfg.eps
+    mp.layout.check(mp.world, heads)
+    x = inputs.hidden_states
+    B, Ti, _ = x.shape
+    lengths = [Ti] * B
+    k = mp.sp_rank
+    rows = RowLayout([packed_rows(lengths, mp.sp, r) for r in range(mp.sp)], B * Ti, x.device)
+    iseq_full = tuple(lengths)
+    iseq = tuple(b - a for a, b in row_shards(lengths, mp.sp)[k])
+
+    img_cos, img_sin, txt_cos, txt_sin = packed_rope_tables(inputs.img_shapes, inputs.txt_lens, cfg.axes_dims_rope,
+                                                            cfg.rope_theta, x.device)
+    rope_full = (img_cos, img_sin, txt_cos, txt_sin)
+    rope = (rows.part(img_cos, k), rows.part(img_sin, k), txt_cos, txt_sin)
+    temb = time_embedding(model, inputs)
+    img = _gemm("latent_proj_gemm", "img_in", rows.part(x.reshape(B * Ti, -1), k), model.img_in, iseq)
+    txt, tseq = text_rows(model, inputs)
+    attend = ulysses(mp, rows, heads, tseq, iseq_full)
+
+    grad = torch.is_grad_enabled()
+    for i, block in enumerate(model.transformer_blocks):
+        local = functools.partial(_local_block, i, block, rope, iseq, tseq, heads, head_dim, eps, attend)
+        if grad:
+            whole = in_context(functools.partial(_local_block, i, block, rope_full, iseq_full, tseq, heads, head_dim, eps, None))
+            anchor = _anchor(block, x.device)
+            img, txt = ShardedBlock.apply(anchor, img, txt, temb, in_context(local), whole, mp, rows)
+        else:
+            img, txt = local(img, txt, temb)
+        if block_capture is not None:
+            block_capture[f"block{i}.img"] = gather_rows(mp, img.detach(), rows)
+            block_capture[f"block{i}.txt"] = txt.detach()
+    out = project_out(model, img, temb, iseq)
+    return replicated_rows(mp, out, rows).reshape(B, Ti, -1)
+
+
+def _local_block(i: int, block: Any, rope: tuple, iseq: tuple, tseq: tuple, heads: int, head_dim: int, eps: float,
+                 attend: Any, img: torch.Tensor, txt: torch.Tensor, temb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return block_forward(i, block, img, txt, temb, rope, iseq, tseq, heads, head_dim, eps, attend=attend)
+
+
+def _anchor(block: Any, device: torch.device) -> torch.Tensor:
+    needs = any(p.requires_grad for p in block.parameters())
+    return torch.empty(0, device=device, requires_grad=needs)
+
+
+__all__ = ["ShardedBlock", "sequence_parallel_forward", "ulysses"]
