@@ -245,13 +245,32 @@ def pack_text(ehs: torch.Tensor, lens: list[int]) -> torch.Tensor:
     return torch.cat([ehs[b, :n] for b, n in enumerate(lens)], dim=0)
 
 
+def pack_images(x: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    """(B, T_img, C) with trailing image padding → (sum lens, C) valid rows, sample by sample."""
+    if all(n == x.shape[1] for n in lens):
+        return x.reshape(-1, x.shape[-1])
+    return torch.cat([x[b, :n] for b, n in enumerate(lens)], dim=0)
+
+
+def unpack_images(rows: torch.Tensor, lens: list[int], tokens: int) -> torch.Tensor:
+    """Inverse of :func:`pack_images`: (sum lens, C) → (B, tokens, C), padding rows zero."""
+    if all(n == tokens for n in lens):
+        return rows.reshape(len(lens), tokens, -1)
+    out = rows.new_zeros(len(lens), tokens, rows.shape[-1])
+    start = 0
+    for b, n in enumerate(lens):
+        out[b, :n] = rows[start:start + n]
+        start += n
+    return out
+
+
 def strict_forward(model: "MMDiT", inputs: "ModelInputs", block_capture: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-    """Strict forward. Returns ``(B, T_img, out)`` in the model dtype."""
+    """Strict forward. Returns ``(B, T_img, out)`` in the model dtype (image padding rows, if any, zero)."""
     cfg = model.config
     x = inputs.hidden_states
     B, Ti, _ = x.shape
     dev = x.device
-    iseq = (Ti,) * B
+    iseq = tuple(inputs.img_lens)
     tseq = tuple(inputs.txt_lens)
     eps = cfg.eps
 
@@ -261,7 +280,7 @@ def strict_forward(model: "MMDiT", inputs: "ModelInputs", block_capture: dict[st
     _note_gemm("timestep_embed_mlp", "temb_2", B, emb.linear_2.weight, emb.linear_2.bias)
     temb = _op("timestep_embed_mlp", "embed", x, inputs.sigma.to(torch.float32), emb.linear_1.weight, emb.linear_1.bias,
                emb.linear_2.weight, emb.linear_2.bias, channels=cfg.timestep_channels, scale=cfg.timestep_scale)
-    img = _gemm("latent_proj_gemm", "img_in", x.reshape(B * Ti, -1), model.img_in, iseq)
+    img = _gemm("latent_proj_gemm", "img_in", pack_images(x, inputs.img_lens), model.img_in, iseq)
     w, b, lora = linear_params(model.txt_in)
     txt_rows = pack_text(inputs.encoder_hidden_states, inputs.txt_lens)
     _note_gemm("txt_in_rmsnorm_linear", "txt_in", txt_rows.shape[0], w, b)
@@ -280,4 +299,4 @@ def strict_forward(model: "MMDiT", inputs: "ModelInputs", block_capture: dict[st
     _note_gemm("final_adaln_out", "norm_out", B, w, b, prologue="silu")
     h = _op("final_adaln_out", "norm_out", img, img, temb, w, b, seqlens=iseq, eps=eps, lora=lora)
     out = _gemm("latent_proj_gemm", "proj_out", h, model.proj_out, iseq)
-    return out.reshape(B, Ti, -1)
+    return unpack_images(out, inputs.img_lens, Ti)
