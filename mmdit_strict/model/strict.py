@@ -59,7 +59,8 @@ def _note_gemm(op: str, where: str, rows: int, weight: torch.Tensor, bias: torch
 
 @contextlib.contextmanager
 def inject_fault(key: str | None) -> Iterator[None]:
-    """Perturb the first element of operator output ``key`` (e.g. ``block1.img.mlp_down_gemm``) by
+    """Perturb the first element of operator output ``key`` (e.g. ``block1.img.mlp_down_gemm``; ``key#R``: the
+    first element of its row ``R``, rows counted as the output holds them, packed samples back to back) by
     ``max(2⁻¹⁰, 2·eps)·max(|x|, 1)``, ``eps`` of the output's dtype (2⁻¹⁰ in FP32; 2⁻⁶ in BF16, where
     2⁻¹⁰ is under half an ULP and would round away).
 
@@ -72,10 +73,14 @@ def inject_fault(key: str | None) -> Iterator[None]:
         yield
 
 
-def _bump(out: torch.Tensor) -> torch.Tensor:
-    first = out.detach().reshape(-1)[:1]
+def _bump(out: torch.Tensor, row: int = 0) -> torch.Tensor:
+    rows = out.shape[0] if out.dim() > 1 else 1
+    if not 0 <= row < rows:
+        raise ValueError(f"the planted fault names row {row} but the operator output has {rows} rows")
+    at = row * (out.numel() // rows)
+    first = out.detach().reshape(-1)[at:at + 1]
     bump = torch.zeros_like(out)
-    bump.view(-1)[:1] = first.abs().clamp_min(1.0) * max(2.0**-10, 2 * torch.finfo(out.dtype).eps)
+    bump.view(-1)[at:at + 1] = first.abs().clamp_min(1.0) * max(2.0**-10, 2 * torch.finfo(out.dtype).eps)
     return out + bump
 
 
@@ -111,8 +116,11 @@ def observe_operator(name: str, where: str, out: Any) -> Any:
     production alike): plants the fault named ``{where}.{name}`` and records the output under that key."""
     ctx = current()
     fault = ctx.fault
-    if fault is not None and fault == f"{where}.{name}":
-        out = tuple(_bump(o) for o in out) if isinstance(out, tuple) else _bump(out)
+    if fault is not None:
+        fkey, _, frow = fault.partition("#")
+        if fkey == f"{where}.{name}":
+            row = int(frow) if frow else 0
+            out = tuple(_bump(o, row) for o in out) if isinstance(out, tuple) else _bump(out, row)
     store = ctx.capture
     if store is not None:
         key = f"{where}.{name}"
