@@ -98,3 +98,10 @@ def test_bad_edit_inputs_are_refused(tmp_path: Path, overrides: list[str], messa
     cfg = compose([f"output_dir={tmp_path}", *EDIT, *overrides])
     with pytest.raises(ValueError, match=message):
         make_prompts(cfg.prompts, preset("tiny"), "cpu", "float32")
+
+
+def test_gpu_edit_config_composes() -> None:
+    cfg = compose(["experiment=gpu_edit_job"])
+    assert cfg.model.preset == "qwen-image" and cfg.model.num_layers == 4 and cfg.model.device == "cuda"
+    assert (cfg.sampler.height, cfg.sampler.width) == (1024, 1024) and cfg.prompts.edit.source == "seeded"
+    assert [list(s) for s in cfg.prompts.edit.sizes][0] == [1024, 1024]
