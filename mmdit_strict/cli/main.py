@@ -89,6 +89,9 @@ def _agree_across_ranks(cfg) -> None:
         return
     if OmegaConf.select(cfg, "prompts.text"):
         raise ValueError("prompts.text is not encoded under torchrun: encode first (`mmdit-strict encode`) and pass prompts.embeddings")
+    if OmegaConf.select(cfg, "prompts.edit.source") == "folder":
+        raise ValueError("prompts.edit.source=folder is not encoded under torchrun: run it once in one process and pass "
+                         "its OUTPUT_DIR/conditioning.safetensors as prompts.edit.source=latents prompts.edit.latents=FILE")
     if OmegaConf.select(cfg, "compare.peer_loop"):
         raise ValueError("compare.peer_loop times one process against diffusers: run it without torchrun")
     distributed.agree_config(OmegaConf.to_container(cfg, resolve=True))
@@ -160,11 +163,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     from ..trajectories.pipeline import run_all
     from .wandb_log import log_run, require_wandb
 
-    from ..pipelines.chain import finish_images, pipeline_folder, prepare_prompts
+    from ..pipelines.chain import finish_images, pipeline_folder, prepare_edit, prepare_prompts
 
     cfg = _compose(args)
     require_wandb(cfg.wandb.mode)
     cfg, timings = prepare_prompts(cfg)  # prompts.text → embeddings with the pipeline folder's text encoder
+    cfg = prepare_edit(cfg)  # prompts.edit.source=folder → input pictures VAE-encoded to conditioning latents
     result = run_all(cfg, progress=not args.quiet and cfg.progress)
     from .. import distributed
 

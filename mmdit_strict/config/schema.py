@@ -57,6 +57,18 @@ class SamplerConfig:
 
 
 @dataclass
+class EditConfig:
+    """Edit conditioning (Qwen-Image-Edit): one input image per sample, as packed VAE latents."""
+
+    source: Optional[str] = None  # None: text-to-image | seeded: latents drawn per sample | latents: a file | folder: images
+    sizes: list = field(default_factory=lambda: [[64, 64], [32, 96]])  # seeded: input (height, width) in pixels, cycled over samples
+    seed: int = 0  # seeded: the draw's seed
+    latents: Optional[str] = None  # source=latents: safetensors of latents.{i} (h·w, C) and grid.{i} (2,), cycled over samples
+    folder: Optional[str] = None  # source=folder: image files (sorted by name, cycled over samples), sides multiples of 16
+    vae: Optional[str] = None  # source=folder: pipeline folder whose vae/ encodes them (None: model.checkpoint) | tiny
+
+
+@dataclass
 class PromptsConfig:
     """Pre-encoded prompts (Phase A starts from embeddings)."""
 
@@ -68,6 +80,7 @@ class PromptsConfig:
     max_tokens: int = 12
     negative_tokens: int = 3  # synthetic negative prompt length
     seed: int = 0
+    edit: EditConfig = field(default_factory=EditConfig)  # input images (edit conditioning); source=None: none
 
 
 @dataclass

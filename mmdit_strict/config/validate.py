@@ -29,7 +29,7 @@ MAX_STEPS = 1000
 MAX_PIXELS = 4096
 MAX_PROMPTS = 4096
 MAX_TOKENS = 4096
-_FAULT = re.compile(r"^(?P<key>[A-Za-z0-9_.]+)(?:@(?P<step>\d+))?$")
+_FAULT = re.compile(r"^(?P<key>[A-Za-z0-9_.]+)(?:#(?P<row>\d+))?(?:@(?P<step>\d+))?$")
 _FAULT_BLOCK = re.compile(r"^block(\d+)\.")
 
 
@@ -192,7 +192,8 @@ def _fault_problems(cfg: DictConfig, steps: Any, arch: Any) -> list[str]:
         return []
     m = _FAULT.match(str(spec))
     if not m:
-        return [f"recompute.inject_fault must look like 'block1.img.mlp_down_gemm@2', got {spec!r}"]
+        return [f"recompute.inject_fault must look like 'block1.img.mlp_down_gemm@2' (or with a row, "
+                f"'block1.img.mlp_down_gemm#70@2'), got {spec!r}"]
     out = []
     step = int(m.group("step") or 0)
     if _is_int(steps) and step >= steps:

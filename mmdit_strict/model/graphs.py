@@ -74,7 +74,7 @@ class GraphCache:
         if cap is None:
             static = ModelInputs(
                 inputs.hidden_states.clone(), inputs.encoder_hidden_states.clone(), inputs.txt_mask,
-                list(inputs.txt_lens), inputs.sigma.clone(), inputs.img_shapes,
+                list(inputs.txt_lens), inputs.sigma.clone(), inputs.img_shapes, list(inputs.img_lens),
             )
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())

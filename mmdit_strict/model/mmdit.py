@@ -65,6 +65,12 @@ class ModelInputs:
     txt_lens: list[int]  # valid text tokens per sample
     sigma: torch.Tensor  # (B,) model dtype
     img_shapes: list[list[tuple[int, int, int]]]
+    img_lens: list[int]  # valid image tokens per sample (all T_img unless image_padding)
+
+    @property
+    def image_padded(self) -> bool:
+        """True when some sample has fewer image tokens than ``T_img`` (its trailing rows are padding)."""
+        return any(n != self.hidden_states.shape[1] for n in self.img_lens)
 
 
 class MMDiT(DiffusersCompatMixin, nn.Module):
@@ -215,6 +221,7 @@ class MMDiT(DiffusersCompatMixin, nn.Module):
         encoder_hidden_states_mask: torch.Tensor | None,
         timestep: torch.Tensor | float,
         img_shapes: Any,
+        image_padding: bool = False,
     ) -> ModelInputs:
         cfg = self.config
         if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
@@ -282,8 +289,9 @@ class MMDiT(DiffusersCompatMixin, nn.Module):
                 raise ValueError("timestep must be finite floating-point sigmas (the pipeline passes t / 1000)")
             raise ValueError(f"timestep must be sigmas in [0, 1] (the pipeline passes t / 1000), got values from "
                              f"{float(sigma.min())} to {float(sigma.max())}")
-        shapes = normalize_img_shapes(img_shapes, B, Ti)
-        return ModelInputs(hidden_states, encoder_hidden_states, mask, txt_lens, sigma.to(self.dtype), shapes)
+        shapes = normalize_img_shapes(img_shapes, B, Ti, image_padding=bool(image_padding))
+        img_lens = [sum(f * h * w for f, h, w in s) for s in shapes]
+        return ModelInputs(hidden_states, encoder_hidden_states, mask, txt_lens, sigma.to(self.dtype), shapes, img_lens)
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -296,6 +304,7 @@ class MMDiT(DiffusersCompatMixin, nn.Module):
         guidance: torch.Tensor | None = None,
         attention_kwargs: dict[str, Any] | None = None,
         return_dict: bool = True,
+        image_padding: bool = False,
         **unsupported: Any,
     ) -> MMDiTOutput | tuple[torch.Tensor]:
         """Predict the flow velocity for packed latents.
@@ -309,6 +318,9 @@ class MMDiT(DiffusersCompatMixin, nn.Module):
                 other form diffusers accepts (``rope.normalize_img_shapes`` states the rule).
             attention_kwargs: ``None`` / ``{}`` (anything that asks for more is a ValueError).
             return_dict: return :class:`MMDiTOutput` (else a 1-tuple).
+            image_padding: let samples have fewer image tokens than ``T_img`` (an extension: edit batches
+                whose conditioning images differ in size); a sample's rows past its grids are padding,
+                never read, and come back as zeros (``rope.normalize_img_shapes`` states the rule).
 
         Returns:
             ``(B, T_img, 64)`` velocity in the model dtype.
@@ -321,7 +333,8 @@ class MMDiT(DiffusersCompatMixin, nn.Module):
         check_attention_kwargs(attention_kwargs)
         if encoder_hidden_states is None or timestep is None:
             raise ValueError("encoder_hidden_states and timestep are required")
-        inputs = self.validate_inputs(hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_shapes)
+        inputs = self.validate_inputs(hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_shapes,
+                                      image_padding)
         ctx = current()
         runtime = self._default_runtime if ctx.runtime is None else ctx.runtime
         if ctx.runtime is None:  # the caller chose no runtime: run in the model's default
@@ -379,7 +392,13 @@ class MMDiT(DiffusersCompatMixin, nn.Module):
         registry: recorded in the active trace as it runs, captured by ``capture_operators`` (padded
         tensors, under the strict graph's keys) and open to ``inject_fault``. ``capture`` (audit) receives
         each block's outputs as packed valid rows.
+
+        Diffusers' layout has no image mask: a batch whose samples have different image token counts
+        (``image_padding``) runs one sample at a time on its valid rows, zero-padded back (so operator
+        captures then hold the last sample's forward only).
         """
+        if inputs.image_padded:
+            return self._production_per_sample(inputs, capture)
         cfg = self.config
         x = inputs.hidden_states
         B, L = inputs.encoder_hidden_states.shape[:2]
@@ -403,6 +422,25 @@ class MMDiT(DiffusersCompatMixin, nn.Module):
                 capture[f"block{i}.img"] = img.detach().reshape(-1, img.shape[-1])
                 capture[f"block{i}.txt"] = torch.cat([txt[b, : inputs.txt_lens[b]] for b in range(B)]).detach()
         return linear_op("latent_proj_gemm", "proj_out", self.proj_out, self.norm_out(img, temb))
+
+    def _production_per_sample(self, inputs: ModelInputs, capture: dict[str, torch.Tensor] | None) -> torch.Tensor:
+        """:meth:`production_forward` of each sample alone (its valid image rows), padded back to ``T_img``."""
+        B, Ti = inputs.hidden_states.shape[:2]
+        outs, caps = [], []
+        for b in range(B):
+            n = inputs.img_lens[b]
+            one = ModelInputs(
+                inputs.hidden_states[b:b + 1, :n], inputs.encoder_hidden_states[b:b + 1],
+                None if inputs.txt_mask is None else inputs.txt_mask[b:b + 1], inputs.txt_lens[b:b + 1],
+                inputs.sigma[b:b + 1], inputs.img_shapes[b:b + 1], [n])
+            cap: dict[str, torch.Tensor] | None = {} if capture is not None else None
+            y = self.production_forward(one, cap)
+            outs.append(torch.cat([y[0], y.new_zeros(Ti - n, y.shape[-1])]) if n < Ti else y[0])
+            caps.append(cap)
+        if capture is not None:
+            for k in caps[0]:  # type: ignore[union-attr]
+                capture[k] = torch.cat([c[k] for c in caps])  # type: ignore[index]
+        return torch.stack(outs)
 
 
 def _desc(t: Any) -> str:

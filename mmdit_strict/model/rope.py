@@ -91,9 +91,13 @@ def packed_rope_tables(
     return retain(_packed_tables(key_shapes, tuple(int(n) for n in txt_lens), tuple(int(a) for a in axes_dims), float(theta), str(torch.device(device))))
 
 
-def normalize_img_shapes(img_shapes: object, batch: int, tokens: int) -> list[list[ImgShape]]:
+def normalize_img_shapes(img_shapes: object, batch: int, tokens: int, image_padding: bool = False) -> list[list[ImgShape]]:
     """Accept every ``img_shapes`` form diffusers' Qwen-Image transformer accepts; return one list of
     ``(f, h, w)`` grids per sample.
+
+    ``image_padding`` (an extension diffusers does not have): a sample's grids may describe fewer than
+    ``T_img`` tokens; its rows after them are padding (edit batches whose conditioning images differ in
+    size). Only the per-sample list-of-lists form takes it, and the longest sample must fill ``T_img``.
 
     ``batch`` is ``hidden_states.shape[0]`` and ``tokens`` its image-token count ``T_img``. The forms:
 
@@ -167,6 +171,17 @@ def normalize_img_shapes(img_shapes: object, batch: int, tokens: int) -> list[li
             "img_shapes must be (f, h, w), a list of (f, h, w) or a list of such lists (one per sample) with positive "
             f"integer sizes (batch {batch}); got {img_shapes!r}"
         )
+    if image_padding:
+        if not (isinstance(img_shapes, (list, tuple)) and len(img_shapes) == batch and all(grid_list(s) for s in img_shapes)):
+            raise ValueError(f"image_padding=True needs img_shapes as one list of (f, h, w) grids per sample ({batch} lists)")
+        counts = [count(s) for s in per]
+        over = [(b, n) for b, n in enumerate(counts) if n > tokens]
+        if over:
+            raise ValueError(f"img_shapes of sample {over[0][0]} describe {over[0][1]} tokens but hidden_states has only {tokens} image tokens")
+        if max(counts) != tokens:
+            raise ValueError(f"image_padding=True: the longest sample describes {max(counts)} tokens, hidden_states has {tokens} "
+                             "image tokens (pad to the longest sample, no further)")
+        return per
     for b, shapes in enumerate(per):
         n = count(shapes)
         if n != tokens:

@@ -59,7 +59,8 @@ def _note_gemm(op: str, where: str, rows: int, weight: torch.Tensor, bias: torch
 
 @contextlib.contextmanager
 def inject_fault(key: str | None) -> Iterator[None]:
-    """Perturb the first element of operator output ``key`` (e.g. ``block1.img.mlp_down_gemm``) by
+    """Perturb the first element of operator output ``key`` (e.g. ``block1.img.mlp_down_gemm``; ``key#R``: the
+    first element of its row ``R``, rows counted as the output holds them, packed samples back to back) by
     ``max(2⁻¹⁰, 2·eps)·max(|x|, 1)``, ``eps`` of the output's dtype (2⁻¹⁰ in FP32; 2⁻⁶ in BF16, where
     2⁻¹⁰ is under half an ULP and would round away).
 
@@ -72,10 +73,14 @@ def inject_fault(key: str | None) -> Iterator[None]:
         yield
 
 
-def _bump(out: torch.Tensor) -> torch.Tensor:
-    first = out.detach().reshape(-1)[:1]
+def _bump(out: torch.Tensor, row: int = 0) -> torch.Tensor:
+    rows = out.shape[0] if out.dim() > 1 else 1
+    if not 0 <= row < rows:
+        raise ValueError(f"the planted fault names row {row} but the operator output has {rows} rows")
+    at = row * (out.numel() // rows)
+    first = out.detach().reshape(-1)[at:at + 1]
     bump = torch.zeros_like(out)
-    bump.view(-1)[:1] = first.abs().clamp_min(1.0) * max(2.0**-10, 2 * torch.finfo(out.dtype).eps)
+    bump.view(-1)[at:at + 1] = first.abs().clamp_min(1.0) * max(2.0**-10, 2 * torch.finfo(out.dtype).eps)
     return out + bump
 
 
@@ -111,8 +116,11 @@ def observe_operator(name: str, where: str, out: Any) -> Any:
     production alike): plants the fault named ``{where}.{name}`` and records the output under that key."""
     ctx = current()
     fault = ctx.fault
-    if fault is not None and fault == f"{where}.{name}":
-        out = tuple(_bump(o) for o in out) if isinstance(out, tuple) else _bump(out)
+    if fault is not None:
+        fkey, _, frow = fault.partition("#")
+        if fkey == f"{where}.{name}":
+            row = int(frow) if frow else 0
+            out = tuple(_bump(o, row) for o in out) if isinstance(out, tuple) else _bump(out, row)
     store = ctx.capture
     if store is not None:
         key = f"{where}.{name}"
@@ -251,6 +259,25 @@ def pack_text(ehs: torch.Tensor, lens: list[int]) -> torch.Tensor:
     return torch.cat([ehs[b, :n] for b, n in enumerate(lens)], dim=0)
 
 
+def pack_images(x: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    """(B, T_img, C) with trailing image padding → (sum lens, C) valid rows, sample by sample."""
+    if all(n == x.shape[1] for n in lens):
+        return x.reshape(-1, x.shape[-1])
+    return torch.cat([x[b, :n] for b, n in enumerate(lens)], dim=0)
+
+
+def unpack_images(rows: torch.Tensor, lens: list[int], tokens: int) -> torch.Tensor:
+    """Inverse of :func:`pack_images`: (sum lens, C) → (B, tokens, C), padding rows zero."""
+    if all(n == tokens for n in lens):
+        return rows.reshape(len(lens), tokens, -1)
+    out = rows.new_zeros(len(lens), tokens, rows.shape[-1])
+    start = 0
+    for b, n in enumerate(lens):
+        out[b, :n] = rows[start:start + n]
+        start += n
+    return out
+
+
 def time_embedding(model: "MMDiT", inputs: "ModelInputs") -> torch.Tensor:
     """The timestep embedding ``(B, D)`` (per sample; replicated under every parallel layout)."""
     cfg = model.config
@@ -283,7 +310,7 @@ def project_out(model: "MMDiT", img: torch.Tensor, temb: torch.Tensor, iseq: tup
 
 
 def strict_forward(model: "MMDiT", inputs: "ModelInputs", block_capture: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-    """Strict forward. Returns ``(B, T_img, out)`` in the model dtype.
+    """Strict forward. Returns ``(B, T_img, out)`` in the model dtype (image padding rows, if any, zero).
 
     Under a model-parallel layout with sequence shards (the execution context's ``parallel``), the
     layout runs it (``mmdit_strict.parallel``): the same bytes, each rank computing its rows."""
@@ -293,12 +320,12 @@ def strict_forward(model: "MMDiT", inputs: "ModelInputs", block_capture: dict[st
     cfg = model.config
     x = inputs.hidden_states
     B, Ti, _ = x.shape
-    iseq = (Ti,) * B
+    iseq = tuple(inputs.img_lens)
     eps = cfg.eps
 
     rope = packed_rope_tables(inputs.img_shapes, inputs.txt_lens, cfg.axes_dims_rope, cfg.rope_theta, x.device)
     temb = time_embedding(model, inputs)
-    img = _gemm("latent_proj_gemm", "img_in", x.reshape(B * Ti, -1), model.img_in, iseq)
+    img = _gemm("latent_proj_gemm", "img_in", pack_images(x, inputs.img_lens), model.img_in, iseq)
     txt, tseq = text_rows(model, inputs)
 
     heads, head_dim = cfg.num_attention_heads, cfg.attention_head_dim
@@ -310,4 +337,4 @@ def strict_forward(model: "MMDiT", inputs: "ModelInputs", block_capture: dict[st
         if block_capture is not None:
             block_capture[f"block{i}.img"] = img.detach()
             block_capture[f"block{i}.txt"] = txt.detach()
-    return project_out(model, img, temb, iseq).reshape(B, Ti, -1)
+    return unpack_images(project_out(model, img, temb, iseq), inputs.img_lens, Ti)

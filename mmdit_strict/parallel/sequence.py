@@ -25,7 +25,8 @@ import torch
 
 from ..kernels.execution import in_context
 from ..model.rope import packed_rope_tables
-from ..model.strict import _gemm, _op, block_forward, instrumented, project_out, text_rows, time_embedding
+from ..model.strict import (_gemm, _op, block_forward, instrumented, pack_images, project_out, text_rows, time_embedding,
+                            unpack_images)
 from .exchange import RowLayout, gather_heads, gather_rows, heads_to_rows, replicated_rows, rows_to_heads
 from .groups import ModelParallel
 from .layout import packed_rows, row_shards
@@ -92,9 +93,9 @@ def sequence_parallel_forward(mp: ModelParallel, model: Any, inputs: Any,
     mp.layout.check(mp.world, heads)
     x = inputs.hidden_states
     B, Ti, _ = x.shape
-    lengths = [Ti] * B
+    lengths = list(inputs.img_lens)  # each sample's valid image rows (edit batches may mix sizes)
     k = mp.sp_rank
-    rows = RowLayout([packed_rows(lengths, mp.sp, r) for r in range(mp.sp)], B * Ti, x.device)
+    rows = RowLayout([packed_rows(lengths, mp.sp, r) for r in range(mp.sp)], sum(lengths), x.device)
     iseq_full = tuple(lengths)
     iseq = tuple(b - a for a, b in row_shards(lengths, mp.sp)[k])
 
@@ -103,7 +104,7 @@ def sequence_parallel_forward(mp: ModelParallel, model: Any, inputs: Any,
     rope_full = (img_cos, img_sin, txt_cos, txt_sin)
     rope = (rows.part(img_cos, k), rows.part(img_sin, k), txt_cos, txt_sin)
     temb = time_embedding(model, inputs)
-    img = _gemm("latent_proj_gemm", "img_in", rows.part(x.reshape(B * Ti, -1), k), model.img_in, iseq)
+    img = _gemm("latent_proj_gemm", "img_in", rows.part(pack_images(x, lengths), k), model.img_in, iseq)
     txt, tseq = text_rows(model, inputs)
     attend = ulysses(mp, rows, heads, tseq, iseq_full)
 
@@ -120,7 +121,7 @@ def sequence_parallel_forward(mp: ModelParallel, model: Any, inputs: Any,
             block_capture[f"block{i}.img"] = gather_rows(mp, img.detach(), rows)
             block_capture[f"block{i}.txt"] = txt.detach()
     out = project_out(model, img, temb, iseq)
-    return replicated_rows(mp, out, rows).reshape(B, Ti, -1)
+    return unpack_images(replicated_rows(mp, out, rows), lengths, Ti)
 
 
 def _local_block(i: int, block: Any, rope: tuple, iseq: tuple, tseq: tuple, heads: int, head_dim: int, eps: float,

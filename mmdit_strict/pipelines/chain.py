@@ -85,6 +85,17 @@ def prepare_prompts(cfg: DictConfig, kind: str = "run") -> tuple[DictConfig, dic
     return cfg, {"text_encoder_load_seconds": t1 - t0, "text_encoder_seconds": t2 - t1, "prompts_file": str(path)}
 
 
+def prepare_edit(cfg: DictConfig, kind: str = "run") -> DictConfig:
+    """``prompts.edit.source=folder``: VAE-encode the input pictures into ``OUTPUT_DIR/conditioning.safetensors``
+    (``edit_inputs.prepare_conditioning``) and return the config pointing at it. A no-op for other sources."""
+    if OmegaConf.select(cfg, "prompts.edit.source") != "folder":
+        return cfg
+    from .edit_inputs import prepare_conditioning
+
+    with _claim(cfg.output_dir, kind) as out:
+        return prepare_conditioning(cfg, out)
+
+
 def finish_images(cfg: DictConfig, timings: dict[str, Any]) -> dict[str, Any]:
     """Decode the rollout's final latents (step 3) and add the images section to the report."""
     from ..trajectories.artifact import read

@@ -43,11 +43,14 @@ def _run(pipeline: Path, overrides: Sequence[str], out: Path) -> None:
     """``mmdit-strict run`` on the fixture's pipeline: encode the prompts, rollout → recompute → compare, decode."""
     from ..config.compose import compose
     from ..trajectories.pipeline import run_all
-    from .chain import finish_images, prepare_prompts
+    from .chain import finish_images, prepare_edit, prepare_prompts
 
+    fixture = pipeline.parent  # overrides name the fixture's own files as {fixture}/... (edit: its input pictures)
+    overrides = [o.replace("{fixture}", str(fixture)) for o in overrides]
     cfg = compose(["rollout.save_tensors=true", *overrides, f"model.checkpoint={pipeline}", f"output_dir={out}",
                    "wandb.mode=disabled", "progress=false"])
     cfg, timings = prepare_prompts(cfg)
+    cfg = prepare_edit(cfg)
     result = run_all(cfg, progress=False)
     finish_images(cfg, timings)
     if not result.byte_identical:
@@ -59,8 +62,12 @@ def _step_hashes(run_dir: Path) -> list[dict[str, list[str]]]:
     return [{q: s[q] for q in ("v", "x", "logp")} for s in manifest["steps"]]
 
 
-def seal(folder: str | Path, overrides: Sequence[str], seed: int = 0) -> dict[str, Any]:
-    """Make the tiny pipeline in ``folder/pipeline``, run ``run`` with ``overrides`` on it, and freeze the result."""
+def seal(folder: str | Path, overrides: Sequence[str], seed: int = 0,
+         pictures: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+    """Make the tiny pipeline in ``folder/pipeline``, run ``run`` with ``overrides`` on it, and freeze the result.
+
+    ``pictures`` (edit fixtures): ``name → (H, W, 3) uint8`` written as PNGs to ``folder/input/``, which the
+    overrides name as ``{fixture}/input``; they are sealed with every other file."""
     from safetensors.torch import save_file
 
     from ..trajectories.artifact import read
@@ -70,6 +77,12 @@ def seal(folder: str | Path, overrides: Sequence[str], seed: int = 0) -> dict[st
     if folder.exists():
         shutil.rmtree(folder)
     pipe = save_tiny_pipeline(folder / "pipeline", seed=seed)
+    if pictures:
+        from PIL import Image
+
+        (folder / "input").mkdir()
+        for name, arr in sorted(pictures.items()):
+            Image.fromarray(arr).save(folder / "input" / name)
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
         _run(pipe, overrides, run)
@@ -78,8 +91,10 @@ def seal(folder: str | Path, overrides: Sequence[str], seed: int = 0) -> dict[st
         for png in sorted((run / "images").glob("sample_*.png")):
             shutil.copy(png, folder / png.name)
         steps = _step_hashes(run)
+        conditioning = traj.manifest.get("conditioning")  # edit: the input pictures' latents as the run read them
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != FIXTURE)
     record = {"overrides": list(overrides), "seed": seed, "platform": platform_id(), "steps": steps,
+              **({"conditioning": conditioning} if conditioning else {}),
               "files": {str(p.relative_to(folder)): file_sha256(str(p)) for p in files}}
     (folder / FIXTURE).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     return record
@@ -134,6 +149,8 @@ def replay(folder: str | Path, work: str | Path) -> Replay:
     _run(folder / "pipeline", record["overrides"], work)
     same = record["platform"] == platform_id()
     steps_equal = _step_hashes(work) == record["steps"]
+    if "conditioning" in record:  # edit: the VAE-encoded input latents are part of the per-step bytes
+        steps_equal = steps_equal and read(work / "rollout", verify=False).manifest.get("conditioning") == record["conditioning"]
     expected = load_file(str(folder / EXPECTED))["x"]
     got = read(work / "rollout").tensors["x"][-1]
     equal = got.dtype == expected.dtype and got.shape == expected.shape and torch.equal(

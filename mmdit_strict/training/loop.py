@@ -197,6 +197,9 @@ class Trainer:
         self.model.enable_gradient_checkpointing(self.tcfg.grad_checkpointing)
         self.device = self.model.device
         self.prompts = make_prompts(cfg.prompts, self.model.config, self.mcfg.device, self.mcfg.dtype)
+        if self.prompts.images is not None:
+            raise ValueError("train does not take edit conditioning yet (prompts.edit.source is set): the GRPO sampler and "
+                             "policy forwards run text-to-image; `mmdit-strict run` takes edit samples")
         self.prompt_texts = prompt_texts(cfg.prompts, len(self.prompts.embeds))
         if self.session is not None:  # torchrun: every rank built the same policy and prompts
             from ..trajectories.record import model_hashes

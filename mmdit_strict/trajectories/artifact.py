@@ -240,6 +240,17 @@ def check_tensors(traj: Trajectory) -> None:
     for n in names[2:]:
         if t[n].dim() != 2 or t[n].shape[0] < 1 or t[n].shape[1] != D:
             raise TrajectoryError(f"{where}: {n} has shape {tuple(t[n].shape)}, expected (L >= 1, {D})")
+    cond = m.get("conditioning")
+    if cond:  # edit: one input image's latents per sample, (h·w, C) on its recorded grid
+        grids = cond.get("grids")
+        if not isinstance(grids, list) or len(grids) != N or not isinstance(cond.get("sha256"), list) or len(cond["sha256"]) != N:
+            raise TrajectoryError(f"{where}: conditioning must hold one grid and one sha256 per sample ({N})")
+        for i, g in enumerate(grids):
+            c = t.get(f"condition.{i}")
+            if c is None:
+                raise TrajectoryError(f"{where}: {TENSORS} is missing condition.{i} (the edit conditioning of sample {i})")
+            if c.dim() != 2 or tuple(c.shape) != (g[0] * g[1], C):
+                raise TrajectoryError(f"{where}: condition.{i} has shape {tuple(c.shape)}, expected ({g[0] * g[1]}, {C}) for grid {g}")
     stored = [k for k in ("v", "x", "logp") if k in t]
     if stored and len(stored) != 3:
         raise TrajectoryError(f"{where}: {TENSORS} holds {', '.join(stored)} but not all of v, x, logp")
@@ -257,6 +268,9 @@ def verify_hashes(traj: Trajectory) -> None:
         raise TrajectoryError("sigma table does not match its hash in the manifest")
     if tensor_sha256(traj.tensors["init_latents"]) != m["init_latents_sha256"]:
         raise TrajectoryError("initial latents do not match their hash in the manifest")
+    for i, h in enumerate((m.get("conditioning") or {}).get("sha256", [])):
+        if tensor_sha256(traj.tensors[f"condition.{i}"]) != h:
+            raise TrajectoryError(f"the edit conditioning of sample {i} does not match its hash in the manifest")
     if not traj.has_tensors():
         return
     for s, step in enumerate(m["steps"]):

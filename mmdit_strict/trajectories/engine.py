@@ -19,6 +19,7 @@ from ..kernels.grad_sink import sample_keys
 from ..kernels.runtime import Runtime
 from ..kernels.trace import record
 from ..model import MMDiT
+from ..model.edit import ConditionImage, edit_batch
 from ..model.strict import observe_operator
 from ..sampling import SDEStepResult, cfg_combine
 from .hashing import tensor_sha256
@@ -108,8 +109,12 @@ def velocity(
     pad_to: int | None = None,
     block_hashes: list[list[str]] | None = None,
     sample_ids: Sequence[Hashable] | None = None,
+    images: Sequence[ConditionImage] | None = None,
 ) -> torch.Tensor:
     """CFG-combined velocity ``(B, T, 64)`` in FP32; ``sigma`` is one value for the batch or one per sample.
+
+    ``images`` (edit conditioning, one per sample): each sample's input-image latents ride behind its
+    noisy latents in both CFG branches (``model.edit``); the velocity is the noisy tokens' rows.
 
     In ``audit`` runtime, ``block_hashes`` (if given) receives, per sample of the conditional
     branch, the sha256 of every block's image-stream output rows. ``sample_ids`` labels each sample's
@@ -119,6 +124,8 @@ def velocity(
     B = x.shape[0]
     shapes = [[(1, grid[0], grid[1])]] * B
     negs = [neg] * B
+    if images is not None and len(images) != B:
+        raise ValueError(f"edit conditioning needs one image per sample: {B} samples, {len(images)} images")
 
     ids = list(sample_ids) if sample_ids is not None else list(range(B))
     per_sample = None if isinstance(sigma, (int, float)) else torch.tensor([float(s) for s in sigma], dtype=torch.float32,
@@ -131,15 +138,21 @@ def velocity(
             else per_sample.repeat(len(branches))
         keys = [(i, br) for br in branches for i in ids]
         with sample_keys(keys), timed("model", xs.device):
-            return model(xs, ehs, mask, t, [shapes[0]] * n, return_dict=False)[0]
+            if images is None:
+                return model(xs, ehs, mask, t, [shapes[0]] * n, return_dict=False)[0]
+            eb = edit_batch(xs, list(images) * len(branches), grid)
+            out = model(eb.hidden_states, ehs, mask, t, eb.img_shapes, return_dict=False, image_padding=eb.image_padding)[0]
+            return eb.velocity(out)
 
     def collect_blocks() -> None:
-        # the last forward's strict block outputs: image rows are (n·T, D) in sample order
+        # the last forward's strict block outputs: each sample's image rows (noisy, then conditioning) in order
         if block_hashes is None or model.runtime is not Runtime.AUDIT or model.last_block_capture is None:
             return
         cap, T = model.last_block_capture, x.shape[1]
+        lens = [T] * B if images is None else [T + im.tokens for im in images]
         for j in range(B):
-            block_hashes.append([tensor_sha256(cap[f"block{i}.img"][j * T:(j + 1) * T])
+            start = sum(lens[:j])
+            block_hashes.append([tensor_sha256(cap[f"block{i}.img"][start:start + lens[j]])
                                  for i in range(model.config.num_layers)])
 
     if cfg_scale == 1.0:

@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 from ..overlay import perturbing
 from ..kernels.runtime import Runtime, runtime_mode
 from ..sampling import cfg_combine
+from ..model.edit import edit_batch
 from ..model.strict import capture_operators, inject_fault, strict_forward
 from .artifact import Trajectory, TrajectoryError
 from .compare import FirstDrift
@@ -53,6 +54,10 @@ class OperatorDrift:
     max_ulp: int
     rows_differing: int
     rows_total: int
+    # which tokens the row belongs to: "noisy latent" | "conditioning image" (edit: the input image's rows,
+    # after the noisy ones) | "text" | "sample vector" (timestep embedding, modulation) | "sampling"
+    region: str = ""
+    region_row: int = 0  # the row within its region (a conditioning row counts from the input image's first token)
 
 
 @dataclass
@@ -109,6 +114,7 @@ def _replay(traj: Trajectory, ref: Trajectory, step: int, position: int) -> list
     j = batch.index(position)
     grid = tuple(traj.manifest["grid"])
     T = grid[0] * grid[1]
+    images = prompts.images_of(batch)
     x = ref.tensors["x"][step][batch].to(device=cfg.model.device, dtype=model.dtype)
     cond = [prompts.embeds[i] for i in batch]
     negs = [prompts.negative] * len(batch)
@@ -125,39 +131,46 @@ def _replay(traj: Trajectory, ref: Trajectory, step: int, position: int) -> list
         order += [("sampling", k, t.reshape(1, -1)) for k, t in cap.items()]
         sigma = float(used[step])
 
-        def run(xs: torch.Tensor, rows: list[torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[int]]:
+        def run(xs: torch.Tensor, rows: list[torch.Tensor], copies: int) -> tuple[dict[str, torch.Tensor], list[int], list[int]]:
             ehs, mask = pad_prompts(rows, side.get("pad_to"))
             t = torch.full((xs.shape[0],), sigma, dtype=torch.float32, device=xs.device)
-            inputs = model.validate_inputs(xs, ehs, mask, t, [[(1, grid[0], grid[1])]] * xs.shape[0])
+            if images is None:
+                inputs = model.validate_inputs(xs, ehs, mask, t, [[(1, grid[0], grid[1])]] * xs.shape[0])
+            else:
+                eb = edit_batch(xs, images * copies, grid)  # type: ignore[arg-type]
+                inputs = model.validate_inputs(eb.hidden_states, ehs, mask, t, eb.img_shapes, eb.image_padding)
             with capture_operators() as cap, inject_fault(fault):
                 if padded:
                     model.production_forward(inputs)  # what model(...) runs under runtime=off
                 else:
                     strict_forward(model, inputs)
-            return cap, [r.shape[0] for r in rows]
+            return cap, [r.shape[0] for r in rows], inputs.img_lens
 
+        if padded and images is not None and len({im.tokens for im in images}) > 1:
+            raise TrajectoryError("cannot localize in a runtime=off side whose batch mixed conditioning sizes: the "
+                                  "production forward ran it sample by sample, which operator capture does not separate")
         branches: dict[str, dict[str, torch.Tensor]] = {}
         if scale != 1.0 and side["cfg_layout"] == "batched":
-            cap, lens = run(torch.cat([x, x]), cond + negs)
-            branches["cond"] = _sample_rows(cap, j, T, lens, padded)
-            branches["neg"] = _sample_rows(cap, len(batch) + j, T, lens, padded)
+            cap, lens, ilens = run(torch.cat([x, x]), cond + negs, 2)
+            branches["cond"] = _sample_rows(cap, j, ilens, lens, padded)
+            branches["neg"] = _sample_rows(cap, len(batch) + j, ilens, lens, padded)
         else:
-            cap, lens = run(x, cond)
-            branches["cond"] = _sample_rows(cap, j, T, lens, padded)
+            cap, lens, ilens = run(x, cond, 1)
+            branches["cond"] = _sample_rows(cap, j, ilens, lens, padded)
             if scale != 1.0:
-                cap, lens = run(x, negs)
-                branches["neg"] = _sample_rows(cap, j, T, lens, padded)
+                cap, lens, ilens = run(x, negs, 1)
+                branches["neg"] = _sample_rows(cap, j, ilens, lens, padded)
         for branch, rows in branches.items():
             order += [(branch, k, t) for k, t in rows.items()]
 
         # the sampling chain of this sample, from its model outputs (per-token and per-sample operators:
         # the sample alone gives the bytes it had in its batch)
         out_key = "proj_out.latent_proj_gemm"
-        v = branches["cond"][out_key].reshape(1, T, -1).float()
+        v = branches["cond"][out_key][:T].reshape(1, T, -1).float()
         x_t = ref.tensors["x"][step][position:position + 1].to(cfg.model.device)
         with capture_operators() as cap, inject_fault(fault):
             if scale != 1.0:
-                v = sampling_op("cfg_combine_renorm", cfg_combine, v, branches["neg"][out_key].reshape(1, T, -1).float(), scale)
+                v = sampling_op("cfg_combine_renorm", cfg_combine, v, branches["neg"][out_key][:T].reshape(1, T, -1).float(), scale)
             sampler = SimpleNamespace(sde=bool(traj.manifest["sde"]), eta=float(traj.manifest["eta"]))
             step_latents(sampler, int(cfg.seed), v, x_t, used, step, [traj.sample_ids[position]])  # type: ignore[arg-type]
         for k, t in cap.items():
@@ -174,12 +187,14 @@ def _stream(key: str) -> str:
     return m.group("stream") if m else "?"
 
 
-def _sample_rows(cap: dict[str, torch.Tensor], pos: int, T: int, txt_lens: list[int], padded: bool = False) -> dict[str, torch.Tensor]:
+def _sample_rows(cap: dict[str, torch.Tensor], pos: int, img_lens: list[int], txt_lens: list[int],
+                 padded: bool = False) -> dict[str, torch.Tensor]:
     """Sample ``pos``'s rows of every captured operator output, one row per token (heads flattened).
 
-    Packed captures (strict graph) hold the samples' rows back to back; padded captures (production
-    forward, ``(B, T, ...)``) hold sample ``pos`` at index ``pos`` with its text padding after
-    ``txt_lens[pos]``, dropped here. Per-sample vectors are one row either way.
+    Packed captures (strict graph) hold the samples' rows back to back (``img_lens``: image rows per
+    sample, noisy then conditioning); padded captures (production forward, ``(B, T, ...)``) hold sample
+    ``pos`` at index ``pos`` with its text padding after ``txt_lens[pos]``, dropped here. Per-sample
+    vectors are one row either way.
     """
     rows = {}
     for key, t in cap.items():
@@ -191,7 +206,8 @@ def _sample_rows(cap: dict[str, torch.Tensor], pos: int, T: int, txt_lens: list[
             start = sum(txt_lens[:pos])
             r = t[start:start + txt_lens[pos]]
         else:
-            r = t[pos * T:(pos + 1) * T]
+            start = sum(img_lens[:pos])
+            r = t[start:start + img_lens[pos]]
         rows[key] = r.reshape(r.shape[0], -1)
     return rows
 
@@ -215,6 +231,22 @@ def _describe(branch: str, key: str, a: torch.Tensor, b: torch.Tensor) -> Operat
     )
 
 
+def _place(drift: OperatorDrift, grid: tuple[int, int]) -> None:
+    """Name the tokens ``drift``'s row belongs to: an image-stream row past the ``h·w`` noisy tokens is
+    the edit conditioning image's (its rows follow the noisy latents in every sample)."""
+    T = grid[0] * grid[1]
+    if drift.branch == "sampling":
+        drift.region, drift.region_row = "sampling", drift.logical_row
+    elif "adaln_mod_projection" in drift.key or "timestep_embed_mlp" in drift.key:
+        drift.region, drift.region_row = "sample vector", drift.logical_row
+    elif drift.stream in ("txt", "txt_in"):
+        drift.region, drift.region_row = "text", drift.logical_row
+    elif drift.logical_row >= T:
+        drift.region, drift.region_row = "conditioning image", drift.logical_row - T
+    else:
+        drift.region, drift.region_row = "noisy latent", drift.logical_row
+
+
 def localize(rollout: Trajectory, recompute: Trajectory, first: FirstDrift) -> Localization:
     """Name the first operator whose output differs for ``first``'s sample at ``first``'s step.
 
@@ -235,6 +267,7 @@ def localize(rollout: Trajectory, recompute: Trajectory, first: FirstDrift) -> L
         if ta.shape != tb.shape or not torch.equal(ta.view(torch.uint8) if ta.is_floating_point() else ta,
                                                    tb.view(torch.uint8) if tb.is_floating_point() else tb):
             loc.first = _describe(branch, key, ta, tb)
+            _place(loc.first, tuple(rollout.manifest["grid"]))
             break
     cond_a = {k: t for br, k, t in a if br == "cond"}
     cond_b = {k: t for (br, k), t in b.items() if br == "cond"}

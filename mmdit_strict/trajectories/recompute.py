@@ -25,6 +25,7 @@ from ..kernels.grad_sink import collect_sample_grads
 from ..kernels.runtime import Runtime, runtime_mode
 from ..kernels.trace import capture_trace
 from ..model import build_model
+from ..model.edit import ConditionImage
 from ..model.strict import capture_operators, inject_fault, strict_forward
 from . import artifact, partial
 from ..overlay import perturb_fields, perturbing
@@ -38,9 +39,13 @@ from .stagekey import recompute_key
 
 
 def recorded_prompts(traj: artifact.Trajectory, dtype: torch.dtype, device: str) -> Prompts:
+    """The prompts (and edit conditioning) a rollout artifact recorded, as the recompute replays them."""
     n = len(traj.manifest["prompt_hashes"]["prompts"])
     embeds = [traj.tensors[f"prompt.{i}"].to(device=device, dtype=dtype) for i in range(n)]
-    return Prompts(embeds, traj.tensors["negative"].to(device=device, dtype=dtype))
+    cond = traj.manifest.get("conditioning")
+    images = None if not cond else [ConditionImage(traj.tensors[f"condition.{i}"], tuple(g))  # type: ignore[arg-type]
+                                    for i, g in enumerate(cond["grids"])]
+    return Prompts(embeds, traj.tensors["negative"].to(device=device, dtype=dtype), images)
 
 
 def micro_batches(ids: list[int], size: int, shuffle: bool, seed: int) -> list[list[int]]:
@@ -53,12 +58,16 @@ def micro_batches(ids: list[int], size: int, shuffle: bool, seed: int) -> list[l
 
 
 def parse_fault(spec: str | None) -> tuple[str | None, int | None]:
-    """``"block1.img.mlp_down_gemm@2"`` → (key, step); ``None`` → (None, None)."""
+    """``"block1.img.mlp_down_gemm@2"`` → (key, step); ``None`` → (None, None). A key may name a row of the
+    output, ``block0.img.mlp_down_gemm#70@1`` (packed row 70 of that forward: with edit conditioning the
+    first sample's conditioning image starts at row ``h·w``); the key keeps it for ``inject_fault``."""
     if not spec:
         return None, None
     key, _, step = spec.partition("@")
-    if not key or (step and not step.isdigit()):
-        raise ValueError(f"recompute.inject_fault must look like 'block1.img.mlp_down_gemm@2', got {spec!r}")
+    op, _, row = key.partition("#")
+    if not op or (step and not step.isdigit()) or ("#" in key and not row.isdigit()):
+        raise ValueError(f"recompute.inject_fault must look like 'block1.img.mlp_down_gemm@2' (or with a row, "
+                         f"'block1.img.mlp_down_gemm#70@2'), got {spec!r}")
     return key, int(step) if step else 0
 
 
@@ -92,6 +101,7 @@ def check_fault(spec: str | None, num_layers: int, num_steps: int) -> None:
     key, step = parse_fault(spec)
     if key is None or step is None:
         return
+    key = key.partition("#")[0]
     if step >= num_steps:
         raise ValueError(f"recompute.inject_fault={spec!r} names step {step} but the run has {num_steps} steps")
     m = _BLOCK.match(key)
@@ -221,7 +231,8 @@ def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | 
                         blocks: list[list[str]] = []
                         v = velocity(model, x_t.to(model.dtype), [prompts.embeds[i] for i in mb], prompts.negative,
                                      float(used[step]), grid, float(cfg.sampler.cfg_scale), cfg.recompute.cfg_layout,
-                                     cfg.recompute.pad_to, block_hashes=blocks, sample_ids=mb_ids)
+                                     cfg.recompute.pad_to, block_hashes=blocks, sample_ids=mb_ids,
+                                     images=prompts.images_of(mb))
                         x_next, logp = step_latents(cfg.sampler, cfg.seed, v, x_t, used, step, mb_ids, prev_sample=x_rec)
                         if logp.requires_grad:
                             with timed("model", x_t.device):  # the backward runs through the transformer

@@ -87,6 +87,13 @@ def build_trajectory(
     }
     for i, e in enumerate(prompts.embeds):
         tensors[f"prompt.{i}"] = e.detach().cpu().clone()
+    conditioning = None
+    if prompts.images is not None:  # edit: each sample's input-image latents, the replay input of both sides
+        for i, im in enumerate(prompts.images):
+            tensors[f"condition.{i}"] = im.latents.detach().to("cpu", torch.float32).clone()
+        hashed = prompts.hashes()["images"]
+        conditioning = {"grids": [h["grid"] for h in hashed], "sha256": [h["sha256"] for h in hashed],
+                        "tokens": [im.tokens for im in prompts.images]}
     if save_tensors:
         tensors.update({"v": rec.v, "x": rec.x, "logp": rec.logp})
     manifest = {
@@ -99,6 +106,7 @@ def build_trajectory(
         **(hashes if hashes is not None else model_hashes(model)),
         "stage_key": stage_key,
         "prompt_hashes": prompts.hashes(),
+        "conditioning": conditioning,
         "sample_ids": sample_ids,
         "grid": list(grid),
         "sigma_table": [float(v) for v in sigmas],

@@ -108,8 +108,11 @@ def summary_line(comp: Comparison, loc: Localization | None = None) -> str:
         o = loc.first
         where = f"block {o.block} " if o.block is not None else ""
         context = "sampling chain" if o.branch == "sampling" else f"{where}{o.stream} stream, {o.branch} branch"
+        row = f"row {o.logical_row}"
+        if getattr(o, "region", "") == "conditioning image":  # edit: the input image's tokens, not the noisy latent's
+            row += f" (conditioning image row {o.region_row}, not the noisy latent)"
         line += (f"; first operator: {o.operator} ({context}), "
-                 f"row {o.logical_row}, element {o.element}, max |Δ| {o.max_abs:.3e}, {o.max_ulp} ULP")
+                 f"{row}, element {o.element}, max |Δ| {o.max_abs:.3e}, {o.max_ulp} ULP")
     return line
 
 
@@ -230,8 +233,10 @@ def render_markdown(p: dict[str, Any], comp: Comparison) -> str:
     if loc and loc.get("first"):
         o = loc["first"]
         lines += ["## First drift", "", "| field | value |", "|---|---|"]
-        for k in ("operator", "block", "stream", "branch", "logical_row", "element", "max_abs", "max_ulp", "rows_differing", "rows_total", "key"):
-            lines.append(f"| {k} | {o[k]} |")
+        for k in ("operator", "block", "stream", "branch", "logical_row", "region", "region_row", "element", "max_abs", "max_ulp",
+                  "rows_differing", "rows_total", "key"):
+            if k in o:  # region / region_row: reports written before edit conditioning lack them
+                lines.append(f"| {k} | {o[k]} |")
         lines.append("")
     if loc and loc.get("notes"):
         lines += [f"- {n}" for n in loc["notes"]] + [""]

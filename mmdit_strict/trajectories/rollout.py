@@ -75,7 +75,8 @@ def warm_up(cfg: DictConfig, model: MMDiT, prompts: Prompts) -> float:
     with runtime_mode(model.runtime), torch.no_grad(), model_parallel(layout):
         for batch in {tuple(b) for b in distributed.SidePlan(ids, cfg.rollout.batch_size, layout.size).batches}:
             velocity(model, x[list(batch)].to(model.dtype), [prompts.embeds[i] for i in batch], prompts.negative,
-                     float(sigmas[0]), grid, cfg.sampler.cfg_scale, cfg.rollout.cfg_layout, cfg.rollout.pad_to)
+                     float(sigmas[0]), grid, cfg.sampler.cfg_scale, cfg.rollout.cfg_layout, cfg.rollout.pad_to,
+                     images=prompts.images_of(list(batch)))
     if x.device.type == "cuda":
         torch.cuda.synchronize(x.device)
     return time.perf_counter() - t0
@@ -136,7 +137,7 @@ def run_rollout(cfg: DictConfig, out_dir: str | Path, progress: bool = True, mod
                 blocks: list[list[str]] = []
                 v = velocity(model, xb.to(model.dtype), [prompts.embeds[i] for i in batch], prompts.negative,
                              float(used[step]), grid, cfg.sampler.cfg_scale, cfg.rollout.cfg_layout, cfg.rollout.pad_to,
-                             block_hashes=blocks)
+                             block_hashes=blocks, images=prompts.images_of(batch))
                 xn, logp = step_latents(cfg.sampler, cfg.seed, v, xb, used, step, batch)
                 rec.put(step, batch, v, xn, logp, blocks)
                 x_next[batch] = xn

@@ -19,6 +19,7 @@ from ..config.arch import ArchConfig, preset
 from ..config.schema import LoraConfig, ModelConfig, PromptsConfig, SamplerConfig
 from ..kernels.runtime import Runtime
 from ..model import MMDiT, build_model
+from ..model.edit import ConditionImage
 from ..sampling import sigma_table
 from .hashing import tensor_sha256
 
@@ -26,13 +27,24 @@ from .hashing import tensor_sha256
 
 @dataclass
 class Prompts:
-    """Pre-encoded prompts: per-prompt valid rows (no padding), plus the shared negative prompt."""
+    """Pre-encoded prompts: per-prompt valid rows (no padding), plus the shared negative prompt, and for an
+    edit run each sample's input image (packed latents, FP32 on the CPU)."""
 
     embeds: list[torch.Tensor]  # each (L_i, C)
     negative: torch.Tensor  # (L_neg, C)
+    images: list[ConditionImage] | None = None  # edit conditioning, one per prompt; None: text-to-image
 
     def hashes(self) -> dict[str, Any]:
-        return {"prompts": [tensor_sha256(e) for e in self.embeds], "negative": tensor_sha256(self.negative)}
+        out: dict[str, Any] = {"prompts": [tensor_sha256(e) for e in self.embeds], "negative": tensor_sha256(self.negative)}
+        if self.images is not None:
+            from .conditioning import image_hashes
+
+            out["images"] = image_hashes(self.images)
+        return out
+
+    def images_of(self, rows: list[int]) -> list[ConditionImage] | None:
+        """The conditioning images of samples ``rows`` (None for text-to-image)."""
+        return None if self.images is None else [self.images[i] for i in rows]
 
 
 def resolve_runtime(value: str | None, mode: str) -> Runtime:
@@ -142,7 +154,11 @@ def make_prompts(p: PromptsConfig, arch: ArchConfig, device: str, dtype: str) ->
             raise ValueError(f"prompt embeddings must be (L, {arch.joint_attention_dim}), got {tuple(e.shape)}")
         if not torch.isfinite(e).all():
             raise ValueError("prompt embeddings contain NaN or Inf")
-    return Prompts([e.to(device=device, dtype=torch_dtype) for e in embeds], neg.to(device=device, dtype=torch_dtype))
+    from .conditioning import make_images
+
+    edit = getattr(p, "edit", None)
+    images = make_images(edit, len(embeds), arch) if edit is not None else None
+    return Prompts([e.to(device=device, dtype=torch_dtype) for e in embeds], neg.to(device=device, dtype=torch_dtype), images)
 
 
 def check_pad_to(name: str, pad_to: int | None, prompts: Prompts, cfg_scale: float) -> None:

@@ -13,6 +13,8 @@ the key of the current inputs, part by part:
     weights_sha256  the base weights as loaded: the checkpoint's contents, not its path
     lora_sha256     the LoRA adapter's tensors ("none" without an adapter)
     prompts_sha256  the prompt embeddings and the negative prompt
+    conditioning_sha256  edit runs: each sample's input-image latents and grid ("none" for text-to-image;
+                    the recompute's are the rollout's recorded ones)
     mmdit_strict    the package version
     code            sha256 of the package's own sources (every ``.py`` and ``.yaml`` file under
                     ``mmdit_strict/``) and the torch / Triton versions: the code that makes the bytes
@@ -45,6 +47,7 @@ _MEANING = {
     "weights_sha256": "the model weights differ (checkpoint contents or model settings)",
     "lora_sha256": "the LoRA adapter differs",
     "prompts_sha256": "the prompt embeddings differ",
+    "conditioning_sha256": "the edit conditioning (input-image latents) differs",
     "mmdit_strict": "another mmdit_strict version made it",
     "code": "the mmdit_strict sources or the torch / Triton versions differ",
     "rollout": "the rollout it replays differs",
@@ -101,6 +104,11 @@ def code_sha256() -> str:
     return h.hexdigest()
 
 
+def _conditioning(prompt_hashes: dict[str, Any]) -> str:
+    images = prompt_hashes.get("images")
+    return "none" if images is None else _sha256_json(images)
+
+
 def rollout_key(cfg: DictConfig, model_hashes: dict[str, str | None], prompt_hashes: dict[str, Any]) -> dict[str, Any]:
     """The rollout stage's key: its settings (not the recompute side's), architecture, weights, LoRA, prompts, version."""
     return {
@@ -109,6 +117,7 @@ def rollout_key(cfg: DictConfig, model_hashes: dict[str, str | None], prompt_has
         "weights_sha256": str(model_hashes["weights_sha256"]),
         "lora_sha256": str(model_hashes["lora_sha256"] or "none"),
         "prompts_sha256": _sha256_json(prompt_hashes),
+        "conditioning_sha256": _conditioning(prompt_hashes),
         "mmdit_strict": _version(),
         "code": code_sha256(),
     }
@@ -122,6 +131,7 @@ def recompute_key(cfg: DictConfig, model_hashes: dict[str, str | None], rollout:
         "weights_sha256": str(model_hashes["weights_sha256"]),
         "lora_sha256": str(model_hashes["lora_sha256"] or "none"),
         "prompts_sha256": _sha256_json(rollout.manifest["prompt_hashes"]),
+        "conditioning_sha256": _conditioning(rollout.manifest["prompt_hashes"]),
         "mmdit_strict": _version(),
         "code": code_sha256(),
         "rollout": str(rollout.manifest["files"][TENSORS]),
