@@ -42,7 +42,7 @@ def _sync(device: torch.device) -> None:
 def _model(args: argparse.Namespace, device: str) -> Any:
     from ..config.arch import preset
     from ..config.schema import LoraConfig
-    from ..dtypes import DTYPES
+    from ..dtypes import BY_CONFIG_NAME as DTYPES
     from ..model.init import build_model
     from ..trajectories.setup import attach_lora
 
@@ -108,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lora-rank", type=int, default=16)
     ap.add_argument("--dtype", default="", help="float32 | bfloat16 (default: bfloat16 on CUDA, float32 on the CPU)")
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma list from {sorted(LAYOUTS)}")
+    ap.add_argument("--backend", default="gloo", choices=("gloo", "nccl"),
+                    help="gloo: host-staged (CPU ranks, or ranks sharing one GPU); nccl: one GPU per rank")
     ap.add_argument("--out", required=True, help="folder for parallel_check.json / .md (rank 0)")
     args = ap.parse_args(argv)
     from .. import distributed, parallel
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown layouts {unknown}; choose from {sorted(LAYOUTS)}")
     if not distributed.launched():
         ap.error("run it under torchrun (--nproc-per-node 2 or 4)")
-    with distributed.session(600.0, "gloo", device) as s:
+    with distributed.session(600.0, args.backend, device) as s:
         dev = f"cuda:{torch.cuda.current_device()}" if device == "cuda" else "cpu"
         model = _model(args, dev)
         grid = (args.size // 16, args.size // 16) if args.size else (3, 5)
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "parallel_check.json").write_text(json.dumps(report, indent=2) + "\n")
     mark = {True: "equal", False: "**differs**", None: "—"}
     lines = [f"# Model-parallel layouts vs one rank: {'all byte-equal' if ok else 'DIFFERENCES'}", "",
-             environment_line(env, f"world {s.world_size} (gloo)"), "",
+             environment_line(env, f"world {s.world_size} ({args.backend})"), "",
              f"{args.arch}, {model.config.num_layers} blocks, {grid[0]}x{grid[1]} latent grid, batch {args.batch} (CFG 4.0), "
              f"{args.dtype}, LoRA r={args.lora_rank} on {len(ref_fold)} tensors. One rank: forward {ref['forward_s']:.3f} s, "
              f"forward+backward {ref['fwd_bwd_s']:.3f} s.", "",
