@@ -15,7 +15,7 @@ evidence_begin edit_evidence "${1:-}"
     extra=""
     [ "$job" = fault ] && extra="recompute.inject_fault=block0.img.mlp_down_gemm#4106@1"
     time timeout -s INT "${EDIT_S:-240}" python3 -m mmdit_strict run experiment=gpu_edit_job \
-      output_dir="$work/$job" progress=false $extra ${EDIT_ARGS:-}; echo "edit $job exit $? (expected: clean 0, fault 1)"
+      output_dir="$work/$job" progress=false wandb.mode=disabled $extra ${EDIT_ARGS:-}; echo "edit $job exit $? (expected: clean 0, fault 1)"
     mkdir -p "$ev/$job"
     cp -r "$work/$job/report" "$ev/$job/" 2>/dev/null
     cp "$work/$job/config.yaml" "$ev/$job/" 2>/dev/null

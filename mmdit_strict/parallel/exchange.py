@@ -55,7 +55,16 @@ def all_to_all(mp: ModelParallel, parts: Sequence[torch.Tensor], group: Any, sha
             h = torch.cat([h, h.new_zeros((top - h.shape[0],) + tuple(h.shape[1:]))])
         send.append(h)
     got = [torch.empty((top,) + tuple(s[1:]), dtype=dtype, device=send[0].device) for s in shapes]
-    dist.all_to_all(got, send, group=group)
+    if mp.stage:  # gloo: point-to-point pairs (not every gloo build has all-to-all)
+        ranks = list(mp.sp_ranks if group is mp.sp_group else mp.cfg_ranks)
+        me = ranks.index(mp.rank)
+        got[me].copy_(send[me])
+        ops = [op for j, r in enumerate(ranks) if j != me
+               for op in (dist.P2POp(dist.isend, send[j], r, group), dist.P2POp(dist.irecv, got[j], r, group))]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    else:
+        dist.all_to_all(got, send, group=group)
     _count(mp, send)
     return [g[:s[0]].to(dev) for g, s in zip(got, shapes)]
 
