@@ -128,3 +128,23 @@ def packed_rows(lengths: Sequence[int], sp: int, k: int) -> list[int]:
         out.extend(range(base + a, base + b))
         base += n
     return out
+
+
+def row_owner(layout: "ModelLayout", leader: int, branch: str, region: str, row: int, rows: int) -> str:
+    """Which rank of a model group (first rank ``leader``) computed an operator output row: ``"rank 5 (sp 1 of 2,
+    cfg 1)"``. ``branch`` is ``cond`` / ``neg`` / ``sampling``; ``region`` the row's tokens (image rows are
+    sharded over the sequence ranks; text rows, per-sample vectors and the sampling chain are computed by every
+    sequence rank of the branch, and named by its first); ``rows`` the sample's image rows."""
+    cfg = 1 if (branch == "neg" and layout.cfg == 2) else 0
+    k = 0
+    if region in ("noisy latent", "conditioning image") and layout.sp > 1:
+        shards = row_shards([rows], layout.sp)
+        k = next(j for j in range(layout.sp) if shards[j][0][0] <= row < shards[j][0][1])
+    rank = leader + cfg * layout.tp * layout.sp + k * layout.tp
+    parts = []
+    if layout.sp > 1:
+        parts.append(f"sp {k} of {layout.sp}" if region in ("noisy latent", "conditioning image")
+                     else f"replicated on the {layout.sp} sequence ranks")
+    if layout.cfg > 1:
+        parts.append(f"cfg {cfg}")
+    return f"rank {rank}" + (f" ({', '.join(parts)})" if parts else "")

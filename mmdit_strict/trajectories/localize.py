@@ -58,6 +58,7 @@ class OperatorDrift:
     # after the noisy ones) | "text" | "sample vector" (timestep embedding, modulation) | "sampling"
     region: str = ""
     region_row: int = 0  # the row within its region (a conditioning row counts from the input image's first token)
+    owners: str = ""  # model-parallel sides: the rank that computed this row on each side ("" otherwise)
 
 
 @dataclass
@@ -247,6 +248,24 @@ def _place(drift: OperatorDrift, grid: tuple[int, int]) -> None:
         drift.region, drift.region_row = "noisy latent", drift.logical_row
 
 
+def _row_owners(drift: OperatorDrift, rollout: Trajectory, recompute: Trajectory, position: int) -> str:
+    """``"rollout rank 1 (sp 1 of 2), recompute rank 0"``: the rank that computed ``drift``'s row on each side
+    whose manifest records a model-parallel layout (``side.parallel``); empty when neither does."""
+    from ..parallel import ModelLayout
+    from ..parallel.layout import row_owner
+
+    named = []
+    for t in (rollout, recompute):
+        side = t.manifest["side"]
+        if not side.get("parallel"):
+            named.append(f"{t.manifest.get('kind')} {'rank ' + str(side['owner_rank'][position]) if side.get('owner_rank') else 'single process'}")
+            continue
+        leader = side["owner_rank"][position]
+        named.append(f"{t.manifest.get('kind')} " + row_owner(ModelLayout.from_config(side["parallel"]), leader,
+                                                              drift.branch, drift.region, drift.logical_row, drift.rows_total))
+    return ", ".join(named) if any(t.manifest["side"].get("parallel") for t in (rollout, recompute)) else ""
+
+
 def localize(rollout: Trajectory, recompute: Trajectory, first: FirstDrift) -> Localization:
     """Name the first operator whose output differs for ``first``'s sample at ``first``'s step.
 
@@ -268,6 +287,7 @@ def localize(rollout: Trajectory, recompute: Trajectory, first: FirstDrift) -> L
                                                    tb.view(torch.uint8) if tb.is_floating_point() else tb):
             loc.first = _describe(branch, key, ta, tb)
             _place(loc.first, tuple(rollout.manifest["grid"]))
+            loc.first.owners = _row_owners(loc.first, rollout, recompute, position)
             break
     cond_a = {k: t for br, k, t in a if br == "cond"}
     cond_b = {k: t for (br, k), t in b.items() if br == "cond"}

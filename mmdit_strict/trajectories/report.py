@@ -111,6 +111,8 @@ def summary_line(comp: Comparison, loc: Localization | None = None) -> str:
         row = f"row {o.logical_row}"
         if getattr(o, "region", "") == "conditioning image":  # edit: the input image's tokens, not the noisy latent's
             row += f" (conditioning image row {o.region_row}, not the noisy latent)"
+        if getattr(o, "owners", ""):  # model-parallel sides: who computed that row
+            row += f" [{o.owners}]"
         line += (f"; first operator: {o.operator} ({context}), "
                  f"{row}, element {o.element}, max |Δ| {o.max_abs:.3e}, {o.max_ulp} ULP")
     return line
@@ -234,8 +236,8 @@ def render_markdown(p: dict[str, Any], comp: Comparison) -> str:
         o = loc["first"]
         lines += ["## First drift", "", "| field | value |", "|---|---|"]
         for k in ("operator", "block", "stream", "branch", "logical_row", "region", "region_row", "element", "max_abs", "max_ulp",
-                  "rows_differing", "rows_total", "key"):
-            if k in o:  # region / region_row: reports written before edit conditioning lack them
+                  "rows_differing", "rows_total", "owners", "key"):
+            if k in o and o[k] != "":  # region / region_row: reports written before edit conditioning lack them
                 lines.append(f"| {k} | {o[k]} |")
         lines.append("")
     if loc and loc.get("notes"):

@@ -1,6 +1,6 @@
 """The layout checks on GPUs: NCCL across >= 2 GPUs, and host-staged gloo with ranks sharing one GPU.
 
-Each runs ``python -m mmdit_strict.parallel.check`` under torchrun on the tiny architecture at a 16×16
+Each runs ``python -m mmdit_strict.trajectories.layout_check`` under torchrun on the tiny architecture at a 16×16
 latent grid (BF16) and requires every layout's velocity and LoRA gradient fold to equal one rank's bytes.
 """
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 
 def _check(tmp_path: Path, ranks: int, extra: list[str]) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-           "-m", "mmdit_strict.parallel.check", "--arch", "tiny", "--size", "256", "--layouts", "sp2,cfg2,sp2xcfg2",
+           "-m", "mmdit_strict.trajectories.layout_check", "--arch", "tiny", "--size", "256", "--layouts", "sp2,cfg2,sp2xcfg2",
            "--out", str(tmp_path), *extra]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

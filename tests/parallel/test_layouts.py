@@ -151,3 +151,14 @@ def test_layout_coordinates_and_groups() -> None:
         ModelLayout(tp=2)
     with pytest.raises(ValueError, match="cfg must be 1 or 2"):
         ModelLayout(cfg=3)
+
+
+def test_the_owner_of_a_drifting_row_is_named_by_shard_and_branch() -> None:
+    from mmdit_strict.parallel.layout import row_owner
+
+    lay = ModelLayout(sp=2, cfg=2)  # group of ranks 4..7: cfg 0 = ranks 4, 5; cfg 1 = ranks 6, 7
+    assert row_owner(lay, 4, "cond", "noisy latent", 6, 15) == "rank 4 (sp 0 of 2, cfg 0)"
+    assert row_owner(lay, 4, "cond", "conditioning image", 7, 15) == "rank 5 (sp 1 of 2, cfg 0)"  # rows 7.. are shard 1
+    assert row_owner(lay, 4, "neg", "noisy latent", 14, 15) == "rank 7 (sp 1 of 2, cfg 1)"
+    assert row_owner(lay, 4, "neg", "text", 3, 15) == "rank 6 (replicated on the 2 sequence ranks, cfg 1)"
+    assert row_owner(ModelLayout(), 2, "cond", "noisy latent", 3, 15) == "rank 2"

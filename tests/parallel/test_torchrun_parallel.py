@@ -32,3 +32,15 @@ def test_layouts_that_cannot_run_are_refused_by_name(tmp_path: Path, capsys: pyt
                                                      message: str) -> None:
     assert cli("rollout", f"output_dir={tmp_path / 'x'}", *SMALL, override) != 0
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_drift_names_the_rank_that_computed_the_row(tmp_path: Path) -> None:
+    """The rollout runs sp 2; a fault planted in one image row of the recompute (one rank per sample) drifts, and
+    the first-drift line names the sequence rank of the rollout's group that computed that row."""
+    out = tmp_path / "fault"
+    proc = torchrun(2, "run", f"output_dir={out}", *SMALL, "rollout.parallel.sp=2",
+                    "recompute.inject_fault=block0.img.mlp_down_gemm#40@1", timeout=600)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    line = (out / "report" / "report.md").read_text()
+    assert "row 40" in line and "rollout rank 1 (sp 1 of 2)" in line  # 128² = 8×8 rows: 40 is in shard 1, line[:1500]

@@ -3,7 +3,7 @@
 Run under torchrun (every rank computes the one-rank reference itself, then the same batch under each
 layout whose size divides the world)::
 
-    torchrun --standalone --nproc-per-node 4 -m mmdit_strict.parallel.check --arch qwen-image --layers 4 \\
+    torchrun --standalone --nproc-per-node 4 -m mmdit_strict.trajectories.layout_check --arch qwen-image --layers 4 \\
         --size 1024 --out OUT
 
 For each layout it compares, as raw bytes, the CFG velocity (autograd on and off) and the LoRA gradients:
@@ -44,7 +44,7 @@ def _model(args: argparse.Namespace, device: str) -> Any:
     from ..config.schema import LoraConfig
     from ..dtypes import BY_CONFIG_NAME as DTYPES
     from ..model.init import build_model
-    from ..trajectories.setup import attach_lora
+    from .setup import attach_lora
 
     arch = preset(args.arch)
     if args.layers:
@@ -73,7 +73,7 @@ def _batch(model: Any, args: argparse.Namespace, grid: tuple[int, int]) -> tuple
 def _one(model: Any, batch: tuple, grid: tuple[int, int], weight: torch.Tensor, pad_to: int) -> dict[str, Any]:
     from ..distributed.fold import rank_partials
     from ..kernels.grad_sink import SampleGradSink, collect_sample_grads
-    from ..trajectories.engine import velocity
+    from .engine import velocity
 
     x, cond, neg = batch
     sigmas = [0.9 - 0.3 * i for i in range(x.shape[0])]
@@ -99,7 +99,7 @@ def _one(model: Any, batch: tuple, grid: tuple[int, int], weight: torch.Tensor, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mmdit_strict.parallel.check", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m mmdit_strict.trajectories.layout_check", description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", default="tiny", help="architecture preset (tiny | qwen-image)")
     ap.add_argument("--layers", type=int, default=0, help="keep only this many blocks (0: the preset's)")
     ap.add_argument("--size", type=int, default=0, help="image side in pixels (16 per latent token side); 0: a 3x5 grid")
