@@ -74,6 +74,24 @@ def _run(model, weight: torch.Tensor):
             "share": rank_partials(trainable, sink)}
 
 
+def _edit_forward(model) -> torch.Tensor:
+    """One Qwen-Image-Edit batch whose samples' conditioning images differ in size (15, 6 and 24 rows after
+    15 noisy rows: image padding), no autograd."""
+    from mmdit_strict.model.edit import ConditionImage, edit_batch
+
+    g = torch.Generator().manual_seed(21)
+    images = [ConditionImage(torch.randn(h * w, 64, generator=g), (h, w)) for h, w in ((3, 5), (2, 3), (4, 6))]
+    batch = edit_batch(torch.randn(3, GRID[0] * GRID[1], 64, generator=g), images, GRID)
+    ehs = torch.randn(3, 11, 48, generator=g)
+    mask = torch.zeros(3, 11, dtype=torch.long)
+    for b, n in enumerate(TXT):
+        mask[b, :n] = 1
+    with torch.no_grad():
+        out = model(batch.hidden_states, ehs, mask, torch.tensor([0.9, 0.55, 0.3]), batch.img_shapes, return_dict=False,
+                    image_padding=batch.image_padding)[0]
+    return batch.velocity(out)
+
+
 def _rank(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
@@ -85,9 +103,11 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
     results = {}
     with distributed.session(120.0):
         results["one rank"] = _run(model, weight)
+        results["one rank"]["edit"] = _edit_forward(model)
         for name, layout in LAYOUTS.items():
             with parallel.model_parallel(ModelLayout(**layout)) as mpar:
                 results[name] = _run(model, weight)
+                results[name]["edit"] = _edit_forward(model)
                 results[name]["exchanges"] = mpar.stats["calls"]
     torch.save(results, Path(out) / f"{rank}.pt")
 
@@ -113,6 +133,7 @@ def test_every_layout_gives_one_rank_velocity_and_lora_grads(tmp_path: Path) -> 
             what = f"rank {r} {name}"
             assert_bytes_equal(got["v"], ref["v"], f"{what}: v (autograd)")
             assert_bytes_equal(got["v_nograd"], ref["v"], f"{what}: v (no grad, batched CFG)")
+            assert_bytes_equal(got["edit"], ref["edit"], f"{what}: edit batch with mixed conditioning sizes")
             if LAYOUTS[name].get("cfg", 1) == 1:  # every rank of the group ran both branches: its own sums are one rank's
                 assert sorted(got["grads"]) == sorted(ref["grads"]), what
                 for p in ref["grads"]:
