@@ -41,8 +41,8 @@ def block_args():
 def test_strict_block_forward_has_no_host_sync(block_args) -> None:
     _, args = block_args
     with runtime_mode(Runtime.STRICT), torch.no_grad():
-        warm = strict._block(*args)
-        again = run_without_host_sync(lambda: strict._block(*args))
+        warm = strict.block_forward(*args)
+        again = run_without_host_sync(lambda: strict.block_forward(*args))
     for a, b in zip(warm, again):
         assert torch.equal(a, b)
 
@@ -54,7 +54,7 @@ def test_strict_block_backward_has_no_host_sync(block_args) -> None:
     call = args[:2] + (img, txt) + args[4:]
 
     def step() -> None:
-        oi, ot = strict._block(*call)
+        oi, ot = strict.block_forward(*call)
         torch.autograd.backward((oi, ot), (torch.ones_like(oi), torch.ones_like(ot)))
 
     with runtime_mode(Runtime.STRICT):
