@@ -47,6 +47,7 @@ OPERATORS: tuple[str, ...] = (
     "cfg_combine_renorm",
     "flow_sigma_table",
     "flow_sde_step_logp",
+    "flow_euler_step",  # the deterministic (ODE) step of rollouts with sampler.sde=false and of the strict pipeline
 )
 
 DTYPE_NAMES = SHORT_NAMES  # the package's one dtype-name map (mmdit_strict/dtypes.py)

@@ -209,7 +209,7 @@ class StrictQwenImagePipeline(QwenImagePipeline):
                     if guided:
                         v_neg = self._velocity(model, x, t, neg, neg_mask, img_shapes, "uncond")
                         v = sampling_op("cfg_combine_renorm", cfg_combine, v, v_neg, float(true_cfg_scale))
-                    x = euler_step(v, x, table[i], table[i + 1])
+                    x = sampling_op("flow_euler_step", euler_step, v, x, table[i], table[i + 1])
                     progress.update()
             self._current_timestep = None
             if output_type == "latent":

@@ -289,3 +289,5 @@ def gaussian_kl(mean_a: torch.Tensor, mean_b: torch.Tensor, std: float | torch.T
 
 register_sampling_op("flow_sde_step_logp", sde_step, "mmdit_strict.sampling.sde.sde_step",
                      f"logp: per-sample mean over flattened elements, {TREE_ORDER}, then / n")
+register_sampling_op("flow_euler_step", euler_step, "mmdit_strict.sampling.sde.euler_step",
+                     "none (elementwise FP32: one subtraction of the two table entries, one multiply, one add)")

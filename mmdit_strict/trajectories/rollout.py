@@ -36,7 +36,7 @@ def step_latents(sampler: SamplerConfig, seed: int, v: torch.Tensor, x: torch.Te
     sigma, sigma_prev = float(sigmas[step]), float(sigmas[step + 1])
     with timed("scheduler", x.device):
         if not sampler.sde:
-            x_next = euler_step(v, x, sigma, sigma_prev)
+            x_next = sampling_op("flow_euler_step", euler_step, v, x, sigma, sigma_prev)
             return x_next, torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
         noise = sampling_op("step_noise", step_noise, seed, list(ids), step, tuple(x.shape[1:]), x.device)
         kw = dict(eta=float(sampler.eta), sigma_max=float(sigmas[1]))

@@ -55,6 +55,8 @@ def test_trace_shows_guidance_and_transformer(pipes):
     by_op = {r.op: r for r in records}
     assert by_op["cfg_combine_renorm"].actual_backend == "torch_fixed"
     assert by_op["cfg_combine_renorm"].calls == CALL["num_inference_steps"]
+    assert by_op["flow_euler_step"].actual_backend == "torch_fixed"  # the step is a registered, traced operator
+    assert by_op["flow_euler_step"].calls == CALL["num_inference_steps"]
     assert by_op["flow_sigma_table"].actual_backend == "torch_fixed"
     model_ops = [r for r in records if r.actual_backend == "cpu_strict"]
     assert model_ops, f"no cpu_strict transformer operators in the trace: {sorted(by_op)}"
