@@ -120,3 +120,14 @@ def test_train_command_with_edit_conditioning(tmp_path: Path, capsys: pytest.Cap
 def test_train_refuses_malformed_edit_conditioning(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="prompts.edit.latents=.* is not a file"):
         _trainer(tmp_path, "prompts.edit.source=latents", f"prompts.edit.latents={tmp_path / 'missing.safetensors'}")
+
+
+def test_train_on_the_edit_tiny_experiment_with_the_tiny_train_group(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`mmdit-strict train experiment=edit_tiny train=tiny`: the main job's edit prompts trained as they are."""
+    out = tmp_path / "edit_tiny"
+    assert main(["train", "experiment=edit_tiny", "train=tiny", f"output_dir={out}", *QUICK]) == 0
+    assert "first-update logp byte-equal to the rollout's: 12/12 pairs (max |ratio-1| 0)" in capsys.readouterr().out
+    assert (out / ADAPTER).is_file()
+    # without a train group edit_tiny names no reward: the error says what to add
+    assert main(["train", "experiment=edit_tiny", f"output_dir={tmp_path / 'none'}", *QUICK]) == 2
+    assert "train=tiny" in capsys.readouterr().err
