@@ -131,3 +131,26 @@ def test_train_on_the_edit_tiny_experiment_with_the_tiny_train_group(tmp_path: P
     # without a train group edit_tiny names no reward: the error says what to add
     assert main(["train", "experiment=edit_tiny", f"output_dir={tmp_path / 'none'}", *QUICK]) == 2
     assert "train=tiny" in capsys.readouterr().err
+
+
+def test_train_encodes_a_folder_of_input_pictures_first(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """prompts.edit.source=folder: the pictures are VAE-encoded (tiny VAE) into OUTPUT_DIR/conditioning.safetensors
+    before training, the run trains on those latents (on-policy), and a resume re-encodes the same config."""
+    import numpy as np
+    from PIL import Image
+
+    from mmdit_strict.trajectories.conditioning import read_latents_file
+
+    pics = tmp_path / "pics"
+    pics.mkdir()
+    rng = np.random.default_rng(0)
+    for name, (h, w) in {"a.png": (32, 48), "b.png": (48, 32)}.items():
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(pics / name)
+    out = tmp_path / "run"
+    args = ["train", "experiment=grpo_edit_tiny", f"output_dir={out}", *QUICK, "train.export=false",
+            "prompts.edit.source=folder", f"prompts.edit.folder={pics}", "prompts.edit.vae=tiny"]
+    assert main(args) == 0
+    assert "first-update logp byte-equal to the rollout's: 12/12 pairs (max |ratio-1| 0)" in capsys.readouterr().out
+    grids = [im.grid for im in read_latents_file(out / "conditioning.safetensors", 64)]
+    assert grids == [(2, 3), (3, 2)]
+    assert main([*args, "resume=true"]) == 0  # nothing left to train: the re-encoded config is the checkpoint's
