@@ -19,6 +19,11 @@ Per epoch ``e``:
    (``grad_sink_*`` in the epoch row).
 4. **checkpoint** every ``save_freq`` epochs; **eval** every ``eval_freq`` epochs with the ODE sampler.
 
+With edit conditioning (``prompts.edit``) the input image belongs to the prompt: every sample of a group,
+in the rollout, in each policy forward of the updates and in the evaluation, carries its prompt's
+conditioning latents through :func:`~mmdit_strict.trajectories.engine.velocity` (the main job's path), so
+a micro-batch may mix conditioning sizes; rewards score the noisy latents alone.
+
 Under ``torchrun`` (docs/distributed.md, "Training") every rank rolls out a contiguous block of the
 epoch's samples and all ranks gather them; rank 0 computes rewards, advantages and evaluations and
 moves them to the others; each optimizer update's pairs, sorted by gradient key, are cut into one
@@ -197,9 +202,6 @@ class Trainer:
         self.model.enable_gradient_checkpointing(self.tcfg.grad_checkpointing)
         self.device = self.model.device
         self.prompts = make_prompts(cfg.prompts, self.model.config, self.mcfg.device, self.mcfg.dtype)
-        if self.prompts.images is not None:
-            raise ValueError("train does not take edit conditioning yet (prompts.edit.source is set): the GRPO sampler and "
-                             "policy forwards run text-to-image; `mmdit-strict run` takes edit samples")
         self.prompt_texts = prompt_texts(cfg.prompts, len(self.prompts.embeds))
         if self.session is not None:  # torchrun: every rank built the same policy and prompts
             from ..trajectories.record import model_hashes
@@ -625,9 +627,10 @@ def run_training(cfg: DictConfig, progress: bool = True, on_update: UpdateHook |
     """
     if cfg.train.cpu_threads is not None:
         torch.set_num_threads(cfg.train.cpu_threads)
-    from ..pipelines.chain import prepare_prompts
+    from ..pipelines.chain import prepare_edit, prepare_prompts
 
     cfg, _ = prepare_prompts(cfg, kind="train")  # prompts.text → embeddings with the pipeline folder's text encoder (else a no-op)
+    cfg = prepare_edit(cfg, kind="train")  # prompts.edit.source=folder → input pictures VAE-encoded to conditioning latents
     # a train folder (or a new one), locked against a second run
     with distributed.root_context("claim output_dir", lambda: claim_output_dir(cfg.output_dir, kind="train"), None):
         return Trainer(cfg, progress=progress, on_update=on_update).run()

@@ -174,7 +174,7 @@ class RewardSet:
             raise ValueError(f"train.reward_kwargs names rewards not in train.reward_fn: {unknown}")
         weights = {n: w for n, w in weights.items() if float(w) != 0.0}  # weight 0 switches a reward off
         if not weights:
-            raise ValueError("train.reward_fn names no reward with a non-zero weight: pick a train group (train=tiny, train=flow_grpo), an experiment (experiment=grpo_tiny) or add one (+train.reward_fn.jpeg_compressibility=1.0)")
+            raise ValueError("train.reward_fn names no reward with a non-zero weight: pick a train group (train=tiny, train=flow_grpo), an experiment (experiment=grpo_tiny, experiment=grpo_edit_tiny) or add one (+train.reward_fn.jpeg_compressibility=1.0)")
         kwargs = {n: k for n, k in kwargs.items() if n in weights}
         self.specs = [resolve_reward(str(n)) for n in weights]
         self.weights = {str(n): float(w) for n, w in weights.items()}

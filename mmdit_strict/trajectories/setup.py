@@ -43,7 +43,8 @@ class Prompts:
         return out
 
     def images_of(self, rows: list[int]) -> list[ConditionImage] | None:
-        """The conditioning images of samples ``rows`` (None for text-to-image)."""
+        """The conditioning images of prompts ``rows`` (None for text-to-image): the main job's sample ``i`` is
+        prompt ``i``; a GRPO group's samples all take their prompt's image."""
         return None if self.images is None else [self.images[i] for i in rows]
 
 

@@ -92,3 +92,18 @@ def test_ranks_on_gpus_train_the_single_gpu_adapter(tmp_path: Path, backend: str
     ok(torchrun(2, "train", f"output_dir={tmp_path / 'two'}", *gpu, f"distributed.backend={backend}",
                 "distributed.check_state=update"))
     _same_training(tmp_path / "two", tmp_path / "one")
+
+
+@pytest.mark.slow
+def test_edit_training_on_two_ranks_gives_the_single_process_adapter(tmp_path: Path) -> None:
+    """experiment=grpo_edit_tiny (seeded conditioning, drawn identically on every rank) on 2 ranks: on-policy
+    first update, and the single process's adapter, checkpoint and metric values."""
+    edit = ["--quiet", "experiment=grpo_edit_tiny", "train.num_epochs=1", "train.save_freq=1", "train.eval_freq=1",
+            "wandb.mode=disabled", "distributed.timeout_s=60"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    ok(plain("train", f"output_dir={one}", *edit))
+    proc = ok(torchrun(2, "train", f"output_dir={two}", *edit))
+    assert "first-update logp byte-equal to the rollout's: 8/8 pairs (max |ratio-1| 0)" in proc.stdout
+    for rel in ADAPTERS:
+        assert sha(two / rel) == sha(one / rel), rel
+    assert [_numbers(r) for r in _rows(two)] == [_numbers(r) for r in _rows(one)]
