@@ -111,10 +111,18 @@ def sigma_table(
         base_shift=base_shift,
         max_shift=max_shift,
     )
+    return sigma_table_for_mu(num_steps, mu, shift_terminal=shift_terminal, device=device)
+
+
+def sigma_table_for_mu(num_steps: int, mu: float, *, shift_terminal: float = 0.02,
+                       device: torch.device | str | None = None) -> torch.Tensor:
+    """:func:`sigma_table` from the shift parameter ``mu`` itself (what diffusers' pipelines hand their
+    scheduler's ``set_timesteps``): the same FP32 operations, ``(num_steps + 1,)``."""
+    check_int("num_steps", num_steps, 1)
     if not (0.0 <= shift_terminal < 1.0):
         raise ValueError(f"shift_terminal must be in [0, 1), got {shift_terminal}")
     if not math.isfinite(mu) or mu > 80.0:
-        raise ValueError(f"mu = {mu} for image_seq_len={image_seq_len} is out of range (exp(mu) would overflow FP32)")
+        raise ValueError(f"mu = {mu} is out of range (exp(mu) would overflow FP32)")
 
     f32 = torch.float32
     t = _linspace_f64(1.0, 1.0 / num_steps, num_steps).to(f32)
