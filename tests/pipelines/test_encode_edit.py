@@ -135,3 +135,36 @@ def test_cli_encode_with_images(tiny_edit_pipeline_dir, parts, tmp_path, capsys)
     assert_bytes_equal(prompts.negative, ref.negative_embeds, "file negative")
     assert main(["encode", str(tiny_edit_pipeline_dir), "--prompt", "x", "--images", str(imgs), "--out", str(tmp_path / "q")]) == 2
     assert "1 prompts and 2 images" in capsys.readouterr().err
+
+
+def test_main_job_encodes_each_prompt_with_its_picture(tiny_pipeline_dir, tiny_edit_pipeline_dir, parts, tmp_path):
+    """prompts.text + prompts.edit.source=folder: prompt i is encoded with picture i mod n (the one whose
+    latents condition sample i); a folder without processor/ is refused."""
+    from omegaconf import OmegaConf
+
+    from mmdit_strict.pipelines.chain import prepare_prompts
+    from mmdit_strict.pipelines.encode import read_prompt_metadata
+    from safetensors.torch import load_file
+
+    imgs = tmp_path / "imgs"
+    imgs.mkdir()
+    pictures = [_picture(48, 32, 3), _picture(32, 32, 4)]
+    for name, im in zip(("a.png", "b.png"), pictures):
+        im.save(imgs / name)
+    texts = ["make it red", "add a hat", "turn it blue"]
+
+    def cfg(folder, out):
+        return OmegaConf.create({"model": {"checkpoint": str(folder), "dtype": "float32", "device": "cpu"},
+                                 "output_dir": str(out), "prompts": {"text": texts, "embeddings": None, "negative": " ",
+                                                                     "edit": {"source": "folder", "folder": str(imgs)}}})
+
+    new_cfg, _ = prepare_prompts(cfg(tiny_edit_pipeline_dir, tmp_path / "run"))
+    meta = read_prompt_metadata(new_cfg.prompts.embeddings)
+    assert meta["images"] == '["a.png", "b.png", "a.png"]' and meta["template"] == EDIT_PROMPT_TEMPLATE
+    processor, encoder = parts
+    ref = encode_edit_prompts(processor, encoder, texts, [pictures[0], pictures[1], pictures[0]])
+    data = load_file(new_cfg.prompts.embeddings)
+    assert_bytes_equal(data["prompt_embeds"], ref.prompt_embeds, "main job's edit prompts")
+    assert_bytes_equal(data["negative_embeds"], ref.negative_embeds, "main job's negative")
+    with pytest.raises(ValueError, match="needs a processor/ folder"):
+        prepare_prompts(cfg(tiny_pipeline_dir, tmp_path / "run2"))
