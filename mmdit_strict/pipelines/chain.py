@@ -75,7 +75,9 @@ def prepare_prompts(cfg: DictConfig, kind: str = "run") -> tuple[DictConfig, dic
         t0 = time.perf_counter()
         tokenizer, encoder = load_text_components(folder, torch_dtype=dtype, device=cfg.model.device)
         t1 = time.perf_counter()
-        if OmegaConf.select(cfg, "prompts.edit.source") == "folder":  # each prompt with its input image
+        if OmegaConf.select(cfg, "prompts.edit.source") == "folder" and (folder / "processor").is_dir():
+            # each prompt with its input image; a folder without processor/ (a text-to-image folder, as the
+            # sealed edit fixture's) keeps the text-only contract below
             path = _encode_edit_prompts(cfg, folder, [str(t) for t in texts], negative, encoder, out)
         else:
             encoded = encode_prompts(tokenizer, encoder, [str(t) for t in texts], negative, device=cfg.model.device)
@@ -89,14 +91,11 @@ def prepare_prompts(cfg: DictConfig, kind: str = "run") -> tuple[DictConfig, dic
 
 
 def _encode_edit_prompts(cfg: DictConfig, folder: Path, texts: list[str], negative: str, encoder: Any, out: Path) -> Path:
-    """``prompts.edit.source=folder``: prompt ``i`` encoded with picture ``i mod n`` of ``prompts.edit.folder``
+    """``prompts.edit.source=folder`` with an edit folder (``processor/``): prompt ``i`` encoded with picture ``i mod n`` of ``prompts.edit.folder``
     (sorted by name: the picture whose latents condition sample ``i``), into ``out/prompts.safetensors``."""
     from .encode_edit import CONDITION_AREA, encode_edit_prompts, load_images, write_edit_prompt_file
     from .tiny_edit import load_processor
 
-    if not (folder / "processor").is_dir():
-        raise ValueError(f"prompts.edit.source=folder with prompts.text encodes each prompt with its input image: "
-                         f"model.checkpoint={folder} needs a processor/ folder (a Qwen-Image-Edit pipeline folder)")
     if not cfg.prompts.edit.folder:
         raise ValueError("prompts.edit.source=folder needs prompts.edit.folder=DIR (the input pictures)")
     named = load_images(cfg.prompts.edit.folder)

@@ -139,7 +139,7 @@ def test_cli_encode_with_images(tiny_edit_pipeline_dir, parts, tmp_path, capsys)
 
 def test_main_job_encodes_each_prompt_with_its_picture(tiny_pipeline_dir, tiny_edit_pipeline_dir, parts, tmp_path):
     """prompts.text + prompts.edit.source=folder: prompt i is encoded with picture i mod n (the one whose
-    latents condition sample i); a folder without processor/ is refused."""
+    latents condition sample i); a text-to-image folder (no processor/) keeps text-only prompts."""
     from omegaconf import OmegaConf
 
     from mmdit_strict.pipelines.chain import prepare_prompts
@@ -166,5 +166,8 @@ def test_main_job_encodes_each_prompt_with_its_picture(tiny_pipeline_dir, tiny_e
     data = load_file(new_cfg.prompts.embeddings)
     assert_bytes_equal(data["prompt_embeds"], ref.prompt_embeds, "main job's edit prompts")
     assert_bytes_equal(data["negative_embeds"], ref.negative_embeds, "main job's negative")
-    with pytest.raises(ValueError, match="needs a processor/ folder"):
-        prepare_prompts(cfg(tiny_pipeline_dir, tmp_path / "run2"))
+    from mmdit_strict.pipelines.encode import PROMPT_TEMPLATE
+
+    text_only, _ = prepare_prompts(cfg(tiny_pipeline_dir, tmp_path / "run2"))
+    meta = read_prompt_metadata(text_only.prompts.embeddings)
+    assert meta["template"] == PROMPT_TEMPLATE and "images" not in meta
