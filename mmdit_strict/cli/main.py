@@ -14,7 +14,7 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 EXIT_OK, EXIT_DRIFT, EXIT_ERROR = 0, 1, 2
 _EXIT_HELP = """exit status:
@@ -309,6 +309,8 @@ def cmd_encode(args: argparse.Namespace) -> int:
     if not prompts:
         raise ValueError("no prompts: pass --prompt TEXT (repeatable) or --prompts-file FILE (one prompt per line)")
     dtype = from_config(args.dtype)
+    if args.images:
+        return _encode_edit(args, prompts, dtype)
     tokenizer, encoder = load_text_components(args.pipeline, torch_dtype=dtype, device=args.device)
     encoded = encode_prompts(tokenizer, encoder, prompts, args.negative_prompt, batch_size=args.batch_size,
                              device=args.device, max_sequence_length=args.max_sequence_length)
@@ -316,6 +318,26 @@ def cmd_encode(args: argparse.Namespace) -> int:
                              max_sequence_length=args.max_sequence_length)
     print(f"encode: {len(prompts)} prompts → {path} (prompt_embeds {tuple(encoded.prompt_embeds.shape)}, "
           f"negative {tuple(encoded.negative_embeds.shape)}); use it with prompts.embeddings={path}")
+    return EXIT_OK
+
+
+def _encode_edit(args: argparse.Namespace, prompts: list[str], dtype: Any) -> int:
+    """``encode --images DIR``: each prompt with its input image (sorted by name, one per prompt)."""
+    from ..pipelines.encode_edit import encode_edit_prompts, load_edit_components, load_images, write_edit_prompt_file
+
+    named = load_images(args.images)
+    if len(named) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts and {len(named)} images in {args.images}: give one image per prompt "
+                         "(matched in order of the image file names)")
+    area = args.condition_area or None
+    processor, encoder = load_edit_components(args.pipeline, torch_dtype=dtype, device=args.device)
+    images = [im for _, im in named]
+    encoded = encode_edit_prompts(processor, encoder, prompts, images, args.negative_prompt, batch_size=args.batch_size,
+                                  condition_area=area, device=args.device)
+    path = write_edit_prompt_file(args.out, encoded, pipeline_folder=args.pipeline, batch_size=args.batch_size,
+                                  image_names=[n for n, _ in named], images=images, condition_area=area)
+    print(f"encode: {len(prompts)} edit prompts with their images → {path} (prompt_embeds {tuple(encoded.prompt_embeds.shape)}, "
+          f"negative {tuple(encoded.negative_embeds.shape)}, text-only); use it with prompts.embeddings={path}")
     return EXIT_OK
 
 
@@ -481,6 +503,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="text encoder dtype")
     p.add_argument("--max-sequence-length", type=int, default=1024)
+    p.add_argument("--images", default=None,
+                   help="Qwen-Image-Edit: a folder of input images, one per prompt in order of file name; each prompt is "
+                   "encoded with its image (the pipeline folder needs processor/)")
+    p.add_argument("--condition-area", type=int, default=1024 * 1024,
+                   help="with --images: resize each image to about this many pixels first, sides multiples of 32, as "
+                   "QwenImageEditPipeline does (0: keep the size)")
     p = add("fingerprint", cmd_fingerprint, "print the sha256 fingerprint of the model/arithmetic contract", overrides=False)
     p.add_argument("--preset", default="qwen-image", help="architecture preset (qwen-image | tiny)")
     p = add("operators", cmd_operators, "list the operator inventory: implementations per device/dtype, strict or not", overrides=False)

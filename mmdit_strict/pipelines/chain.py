@@ -75,14 +75,35 @@ def prepare_prompts(cfg: DictConfig, kind: str = "run") -> tuple[DictConfig, dic
         t0 = time.perf_counter()
         tokenizer, encoder = load_text_components(folder, torch_dtype=dtype, device=cfg.model.device)
         t1 = time.perf_counter()
-        encoded = encode_prompts(tokenizer, encoder, [str(t) for t in texts], negative, device=cfg.model.device)
+        if OmegaConf.select(cfg, "prompts.edit.source") == "folder" and (folder / "processor").is_dir():
+            # each prompt with its input image; a folder without processor/ (a text-to-image folder, as the
+            # sealed edit fixture's) keeps the text-only contract below
+            path = _encode_edit_prompts(cfg, folder, [str(t) for t in texts], negative, encoder, out)
+        else:
+            encoded = encode_prompts(tokenizer, encoder, [str(t) for t in texts], negative, device=cfg.model.device)
+            path = write_prompt_file(out / "prompts.safetensors", encoded, pipeline_folder=folder, batch_size=1)
         t2 = time.perf_counter()
-        path = write_prompt_file(out / "prompts.safetensors", encoded, pipeline_folder=folder, batch_size=1)
         del encoder
     cfg = OmegaConf.create(OmegaConf.to_container(cfg))  # a writable copy; the caller's stays read-only
     cfg.prompts.embeddings = str(path)
     OmegaConf.set_readonly(cfg, True)
     return cfg, {"text_encoder_load_seconds": t1 - t0, "text_encoder_seconds": t2 - t1, "prompts_file": str(path)}
+
+
+def _encode_edit_prompts(cfg: DictConfig, folder: Path, texts: list[str], negative: str, encoder: Any, out: Path) -> Path:
+    """``prompts.edit.source=folder`` with an edit folder (``processor/``): prompt ``i`` encoded with picture ``i mod n`` of ``prompts.edit.folder``
+    (sorted by name: the picture whose latents condition sample ``i``), into ``out/prompts.safetensors``."""
+    from .encode_edit import CONDITION_AREA, encode_edit_prompts, load_images, write_edit_prompt_file
+    from .tiny_edit import load_processor
+
+    if not cfg.prompts.edit.folder:
+        raise ValueError("prompts.edit.source=folder needs prompts.edit.folder=DIR (the input pictures)")
+    named = load_images(cfg.prompts.edit.folder)
+    chosen = [named[i % len(named)] for i in range(len(texts))]
+    images = [im for _, im in chosen]
+    encoded = encode_edit_prompts(load_processor(folder), encoder, texts, images, negative, device=cfg.model.device)
+    return write_edit_prompt_file(out / "prompts.safetensors", encoded, pipeline_folder=folder, batch_size=1,
+                                  image_names=[n for n, _ in chosen], images=images, condition_area=CONDITION_AREA)
 
 
 def prepare_edit(cfg: DictConfig, kind: str = "run") -> DictConfig:

@@ -147,9 +147,11 @@ def load_text_components(folder: str | Path, *, torch_dtype: torch.dtype = torch
 
 
 def write_prompt_file(path: str | Path, enc: EncodedPrompts, *, pipeline_folder: str | Path, batch_size: int,
-                      max_sequence_length: int = MAX_SEQUENCE_LENGTH) -> Path:
+                      max_sequence_length: int = MAX_SEQUENCE_LENGTH, template: str = PROMPT_TEMPLATE,
+                      drop_tokens: int = DROP_TOKENS, extra_metadata: dict[str, str] | None = None) -> Path:
     """Write ``enc`` (layout in the module docstring) atomically and byte-stably (same inputs, same
-    bytes); the header names what made it."""
+    bytes); the header names what made it (``template``/``drop_tokens``: the contract the prompts were
+    encoded with; ``extra_metadata``: more header entries, e.g. the input images of edit prompts)."""
     from ..io import save_safetensors  # byte-stable header (sorted keys)
 
     if enc.negative_embeds is None:
@@ -159,9 +161,9 @@ def write_prompt_file(path: str | Path, enc: EncodedPrompts, *, pipeline_folder:
         "format": FILE_FORMAT,
         "prompts": json.dumps(enc.prompts, ensure_ascii=False),
         "negative_prompt": enc.negative_prompt or "",
-        "template": PROMPT_TEMPLATE,
-        "template_sha256": template_sha256(),
-        "drop_tokens": str(DROP_TOKENS),
+        "template": template,
+        "template_sha256": template_sha256(template, drop_tokens),
+        "drop_tokens": str(drop_tokens),
         "max_sequence_length": str(max_sequence_length),
         "batch_size": str(batch_size),
         "dtype": str(enc.prompt_embeds.dtype).removeprefix("torch."),
@@ -169,6 +171,7 @@ def write_prompt_file(path: str | Path, enc: EncodedPrompts, *, pipeline_folder:
         "tokenizer_sha256": folder_identity(folder / "tokenizer", ["*.json", "*.txt", "*.model"]),
         "text_encoder": str(folder / "text_encoder"),
         "text_encoder_sha256": folder_identity(folder / "text_encoder", ["*.json", "*.safetensors"]),
+        **(extra_metadata or {}),
     }
     tensors = {
         "prompt_embeds": enc.prompt_embeds.detach().to("cpu").contiguous(),

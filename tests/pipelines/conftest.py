@@ -28,3 +28,13 @@ def tiny_pipe(tiny_pipeline_dir):
     pipe = QwenImagePipeline.from_pretrained(str(tiny_pipeline_dir))
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+@pytest.fixture(scope="session")
+def tiny_edit_pipeline_dir(tmp_path_factory):
+    """The tiny Qwen-Image-Edit folder (the tiny folder plus vision tokens and processor/), built once."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("transformers")
+    from mmdit_strict.pipelines.tiny_edit import save_tiny_edit_pipeline
+
+    return save_tiny_edit_pipeline(tmp_path_factory.mktemp("pipe") / "tiny-qwen-image-edit", seed=0)
