@@ -17,7 +17,8 @@ diffusers           ``check_inputs``, ``encode_prompt`` (one prompt at a time), 
                     with the resolution shift ``mu``), ``image_processor.postprocess``, the VAE
 ours, traced        the transformer (``MMDiT``), the sigma table as used (``flow_sigma_table``),
                     guidance (``cfg_combine_renorm``: fixed-tree norms, ``sampling.cfg``), the
-                    FP32 Euler step (``sampling.euler_step``), unpack + denormalize
+                    FP32 Euler step (``sampling.euler_step``) — or, with a ``StrictFlowMatchScheduler``,
+                    its Euler or SDE step (+ ``log_prob`` per step in ``last_log_probs``), unpack + denormalize
                     (``pipelines.vae.decode_to_images``)
 ==================  =========================================================================
 
@@ -42,6 +43,7 @@ from ..kernels.execution import runtime_mode
 from ..kernels.runtime import Runtime
 from ..model import MMDiT
 from ..sampling import cfg_combine, euler_step
+from .scheduler import StrictFlowMatchScheduler
 from ..trajectories.engine import pad_prompts, sampling_op
 from ..trajectories.rollout import used_sigmas
 from .diffusers_adapter import mmdit_from_diffusers, route_lora_methods
@@ -94,9 +96,12 @@ class StrictQwenImagePipeline(QwenImagePipeline):
             raise TypeError(f"StrictQwenImagePipeline needs an MMDiT transformer, got {type(model).__name__} "
                             "(use_mmdit(pipe) or strict_pipeline(pipe) puts one in place)")
         sched = self.scheduler
+        if isinstance(sched, StrictFlowMatchScheduler):  # our Euler or SDE step, through the scheduler
+            return model
         if not isinstance(sched, FlowMatchEulerDiscreteScheduler) or sched.config.get("stochastic_sampling", False):
             raise TypeError("StrictQwenImagePipeline steps with the deterministic flow-matching Euler rule: it needs "
-                            f"a FlowMatchEulerDiscreteScheduler without stochastic_sampling, got {type(sched).__name__}")
+                            "a FlowMatchEulerDiscreteScheduler without stochastic_sampling or a StrictFlowMatchScheduler, "
+                            f"got {type(sched).__name__}")
         return model
 
     def _sigma_schedule(self, num_inference_steps: int, sigmas: Sequence[float] | None, image_seq_len: int,
@@ -200,6 +205,9 @@ class StrictQwenImagePipeline(QwenImagePipeline):
         timesteps, table = self._sigma_schedule(num_inference_steps, sigmas, x.shape[1], device)
         self._num_timesteps = len(timesteps)
 
+        self.last_log_probs: list[torch.Tensor | None] = []  # per step, with a StrictFlowMatchScheduler(sde=True)
+        if isinstance(self.scheduler, StrictFlowMatchScheduler):
+            self.scheduler.set_begin_index(0)
         with runtime_mode(model.runtime):
             table = used_sigmas(table)
             with self.progress_bar(total=len(timesteps)) as progress:
@@ -209,7 +217,11 @@ class StrictQwenImagePipeline(QwenImagePipeline):
                     if guided:
                         v_neg = self._velocity(model, x, t, neg, neg_mask, img_shapes, "uncond")
                         v = sampling_op("cfg_combine_renorm", cfg_combine, v, v_neg, float(true_cfg_scale))
-                    x = sampling_op("flow_euler_step", euler_step, v, x, table[i], table[i + 1])
+                    if isinstance(self.scheduler, StrictFlowMatchScheduler):  # its Euler or SDE step (+ log_prob)
+                        out = self.scheduler.step(v, t, x)
+                        x, self.last_log_probs = out.prev_sample, [*self.last_log_probs, out.log_prob]
+                    else:
+                        x = sampling_op("flow_euler_step", euler_step, v, x, table[i], table[i + 1])
                     progress.update()
             self._current_timestep = None
             if output_type == "latent":

@@ -98,3 +98,22 @@ def test_refuses_typos_and_diffusers_transformer(pipes, tiny_pipeline_dir):
     ours.transformer = QwenImageTransformer2DModel.from_pretrained(str(tiny_pipeline_dir / "transformer"))
     with pytest.raises(TypeError, match="needs an MMDiT transformer"):
         ours(**CALL)
+
+
+def test_with_the_strict_sde_scheduler_the_trace_shows_guidance_and_the_sde_step(pipes):
+    """The strict loop steps through a StrictFlowMatchScheduler(sde=True): CFG combine and the SDE
+    step + logp are traced operators, and each step's log-probability is kept."""
+    from mmdit_strict.pipelines.scheduler import StrictFlowMatchScheduler
+
+    _, ours = pipes
+    ours.scheduler = StrictFlowMatchScheduler.from_config(ours.scheduler.config, sde=True, eta=0.7, noise_seed=5)
+    with capture_trace() as trace:
+        first = _call(ours, "latent")
+    by_op = {r.op: r for r in trace.records.values()}
+    steps = CALL["num_inference_steps"]
+    assert by_op["cfg_combine_renorm"].calls == steps
+    assert by_op["flow_sde_step_logp"].calls == steps
+    assert "flow_euler_step" not in by_op
+    assert len(ours.last_log_probs) == steps and all(lp.shape == (2,) and torch.isfinite(lp).all()
+                                                      for lp in ours.last_log_probs)
+    assert torch.equal(_call(ours, "latent"), first)  # noise keyed by (seed, sample, step)
