@@ -389,9 +389,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     argv = ["--out", args.out]
     if args.which == "peers":
         argv += (["--peers", args.peers] if args.peers else []) + (["--families", args.families] if args.families else []) \
-            + (["--quick"] if args.quick else [])
-    elif args.quick or args.peers is not None or args.families is not None:
-        raise ValueError(f"--quick, --peers and --families belong to `bench peers`, not `bench {args.which}`")
+            + (["--quick"] if args.quick else []) + (["--profile", args.profile] if args.profile else [])
+    elif args.quick or args.peers is not None or args.families is not None or args.profile is not None:
+        raise ValueError(f"--quick, --profile, --peers and --families belong to `bench peers`, not `bench {args.which}`")
     module = importlib.import_module(f"mmdit_strict.bench.{args.which}")
     return int(module.main(argv) or 0)
 
@@ -528,6 +528,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "through our invariance / accuracy / speed checks, per operator family (GPU: full record set; CPU: tiny)")
     p.add_argument("--out", default="experiments/local", help="output folder")
     p.add_argument("--quick", action="store_true", help="peers only: the quick record set (a GPU smoke run)")
+    p.add_argument("--profile", default=None, choices=["full", "quick", "tiny"],
+                   help="peers only: the record set (default: full on a GPU, tiny on the CPU)")
     p.add_argument("--peers", default=None, help="peers only: comma list of torch-deterministic, sdpa, liger-kernel, "
                    "megatron-core (ours always runs; default: all)")
     p.add_argument("--families", default=None, help="peers only: comma list of projection, norms, qk_norm_rope, "

@@ -165,13 +165,13 @@ def test_off_capture_has_the_strict_keys_and_lines_up(model):
     assert list(off) == list(strict)
     T = 16
     for pos in range(3):
-        a = _sample_rows(off, pos, T, v.txt_lens, padded=True)
-        b = _sample_rows(strict, pos, T, v.txt_lens, padded=False)
+        a = _sample_rows(off, pos, [T] * 3, v.txt_lens, padded=True)
+        b = _sample_rows(strict, pos, [T] * 3, v.txt_lens, padded=False)
         for key in a:
             assert a[key].shape == b[key].shape, (key, a[key].shape, b[key].shape)
     # the input projection is one GEMM on the same rows here: byte-equal after unpadding
-    assert_bytes_equal(_sample_rows(off, 1, T, v.txt_lens, True)["img_in.latent_proj_gemm"],
-                       _sample_rows(strict, 1, T, v.txt_lens, False)["img_in.latent_proj_gemm"], "img_in rows")
+    assert_bytes_equal(_sample_rows(off, 1, [T] * 3, v.txt_lens, True)["img_in.latent_proj_gemm"],
+                       _sample_rows(strict, 1, [T] * 3, v.txt_lens, False)["img_in.latent_proj_gemm"], "img_in rows")
 
 
 def test_fault_lands_in_the_production_forward(model):
