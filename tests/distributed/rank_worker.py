@@ -55,4 +55,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    rc = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)  # as `python -m mmdit_strict` does for a rank: no interpreter finalization after the job
