@@ -627,6 +627,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _run_command(args)
 
 
+def exit_process(rc: int) -> None:
+    """End the process with ``rc`` (``python -m mmdit_strict``).
+
+    A torchrun rank leaves without the interpreter's finalization: its process group is destroyed and
+    every file is written by now, but gloo's worker threads can still abort the teardown ("terminate
+    called without an active exception", exit -6), seen on 2-core CI machines (docs/distributed.md)."""
+    import sys
+
+    from ..distributed import launched
+
+    if launched():
+        import logging
+        import os
+
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc if isinstance(rc, int) else 1)
+    sys.exit(rc)
+
+
 def _run_command(args: argparse.Namespace) -> int:
     """The command's exit code; an error is reported (one line) and gives 2."""
     from ..config.compose import ConfigError
