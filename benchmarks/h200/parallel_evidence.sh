@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 31's GPU bar in one GPU call: the model-parallel layouts (sp2, sp4, cfg2, sp2×cfg2) against one rank on the
+# Issue 31's GPU bar in one GPU call: the model-parallel layouts (sp2, sp4, cfg2, sp2×cfg2, tp2, tp4, tp2×sp2, tp2×cfg2) against one rank on the
 # Qwen-Image architecture cut to 4 blocks, 1024² (64×64 latent tokens), batch 2 with CFG, random BF16 weights and
 # LoRA r=16, with 4 ranks sharing the one GPU through host-staged gloo (python -m mmdit_strict.trajectories.layout_check).
 # OUT_DIR/parallel_check.{json,md} is the report; OUT_DIR/parallel_evidence.tgz holds it with the log.

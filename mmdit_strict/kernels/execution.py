@@ -83,6 +83,9 @@ class ExecutionContext:
             and a model's forward runs in the model's default runtime).
         gemm_stream: ``"image"`` or ``"text"``: which stream of the joint model a GEMM belongs to (the
             strict model sets it around every product; the Triton engine picks that stream's tile).
+        gemm_columns: the whole layer's output features N when the GEMM in force computes a column shard
+            of that layer (tensor parallelism), else None: the engine then takes the whole layer's
+            configuration, so every shard column gets the whole product's arithmetic.
         fault: an operator output key to perturb (``block1.img.mlp_down_gemm``), or None.
         capture: operator outputs recorded by key, or None (not capturing).
         gemm_calls: every GEMM the strict forward hands to the engine (shapes), or None.
@@ -101,6 +104,7 @@ class ExecutionContext:
 
     runtime: Runtime | None = None
     gemm_stream: str = "image"
+    gemm_columns: int | None = None
     fault: str | None = None
     capture: dict[str, torch.Tensor] | None = None
     gemm_calls: list[Any] | None = None

@@ -1,4 +1,5 @@
-"""Which stream of the joint model a GEMM belongs to, set by the caller for a block of code.
+"""Which stream of the joint model a GEMM belongs to, and which layer a column-shard GEMM is part of, set
+by the caller for a block of code.
 
 The stream is the ``gemm_stream`` field of the execution context (:mod:`.execution`). The strict model
 wraps its text-stream products in ``with gemm_stream("text"):``; the Triton GEMM engine then takes that
@@ -29,3 +30,17 @@ def gemm_stream(name: str) -> AbstractContextManager[None]:
 def current_gemm_stream() -> str:
     """The GEMM stream of the execution context in force (``"image"`` unless bound)."""
     return current().gemm_stream
+
+
+def gemm_columns(n: int | None) -> AbstractContextManager[None]:
+    """Declare the GEMMs of the block column shards of a layer with ``n`` output features (None: whole
+    products). Tensor parallelism binds it so that a shard's configuration is the whole layer's."""
+    if n is not None and (not isinstance(n, int) or n < 1):
+        raise ValueError(f"gemm columns must be a positive int or None, got {n!r}")
+    return switch("gemm_columns", n)
+
+
+def configured_columns(n: int) -> int:
+    """The N a GEMM of ``n`` output features looks its configuration up by: the whole layer's when bound."""
+    whole = current().gemm_columns
+    return n if whole is None else whole

@@ -185,6 +185,12 @@ def _gemm(op: str, where: str, x: torch.Tensor, module: nn.Module, seqlens: tupl
     """One GEMM-family operator on ``module``'s weights; ``stream`` ("image" | "text") picks the engine's tile
     for that stream (same bytes, see kernels.streams)."""
     w, b, lora = linear_params(module)
+    return gemm_params(op, where, x, w, b, lora, seqlens, stream, **kw)
+
+
+def gemm_params(op: str, where: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, lora: tuple | None,
+                seqlens: tuple[int, ...], stream: str = "image", **kw: Any) -> torch.Tensor:
+    """One GEMM-family operator on explicit ``(weight, bias, lora)`` (a layer's, or a column shard of them)."""
     _note_gemm(op, where, x.shape[0], w, b, kw.get("prologue", "none"), kw.get("epilogue", "none"))
     with gemm_stream(stream):
         return _op(op, where, x, x, w, b, seqlens=seqlens, lora=lora, **kw)
@@ -193,11 +199,17 @@ def _gemm(op: str, where: str, x: torch.Tensor, module: nn.Module, seqlens: tupl
 def block_forward(
     i: int, block: nn.Module, img: torch.Tensor, txt: torch.Tensor, temb: torch.Tensor,
     rope: tuple[torch.Tensor, ...], iseq: tuple[int, ...], tseq: tuple[int, ...], heads: int, head_dim: int, eps: float,
-    attend: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+    attend: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None, columns: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block ``i`` on packed rows. ``attend(i, qt, kt, vt, qi, ki, vi) → (ot, oi)`` replaces the joint
-    attention operator call (sequence parallelism meets the whole sequence there); None calls it."""
+    attention operator call (sequence parallelism meets the whole sequence there); None calls it.
+    ``columns`` (tensor parallelism, :class:`mmdit_strict.parallel.tensor.ColumnShards`): Q/K/V give this
+    rank's heads (``columns.local``), attention runs on them, their outputs are gathered
+    (``columns.gather``) and the other block products are whole on every rank (``columns.whole``)."""
     B = len(iseq)
+    qkv, proj = (_gemm, _gemm) if columns is None else (columns.local, columns.whole)
+    if columns is not None:
+        heads //= columns.size
     ones = (1,) * B
     img_cos, img_sin, txt_cos, txt_sin = rope
     wi, wt = f"block{i}.img", f"block{i}.txt"
@@ -216,7 +228,7 @@ def block_forward(
 
     def qk(where: str, h: torch.Tensor, proj: nn.Module, norm: nn.Module, cos: torch.Tensor, sin: torch.Tensor,
            seq: tuple[int, ...], stream: str) -> torch.Tensor:
-        t = heads_of(_gemm("qkv_bias_gemm", where, h, proj, seq, stream))
+        t = heads_of(qkv("qkv_bias_gemm", where, h, proj, seq, stream))
         fused = _fusion("qk_rmsnorm", "multi_axis_rope", t)
         if fused is not None:
             return fused(t, norm.weight, cos, sin, seqlens=seq, eps=eps)
@@ -225,22 +237,24 @@ def block_forward(
 
     qi = qk(wi + ".q", hi, a.to_q, a.norm_q, img_cos, img_sin, iseq, "image")
     ki = qk(wi + ".k", hi, a.to_k, a.norm_k, img_cos, img_sin, iseq, "image")
-    vi = heads_of(_gemm("qkv_bias_gemm", wi + ".v", hi, a.to_v, iseq))
+    vi = heads_of(qkv("qkv_bias_gemm", wi + ".v", hi, a.to_v, iseq))
     qt = qk(wt + ".q", ht, a.add_q_proj, a.norm_added_q, txt_cos, txt_sin, tseq, "text")
     kt = qk(wt + ".k", ht, a.add_k_proj, a.norm_added_k, txt_cos, txt_sin, tseq, "text")
-    vt = heads_of(_gemm("qkv_bias_gemm", wt + ".v", ht, a.add_v_proj, tseq, "text"))
+    vt = heads_of(qkv("qkv_bias_gemm", wt + ".v", ht, a.add_v_proj, tseq, "text"))
     if attend is None:
         ot, oi = _op("joint_attention_fused", f"block{i}.joint", qi, qt, kt, vt, qi, ki, vi, txt_seqlens=tseq, img_seqlens=iseq)
     else:
         ot, oi = attend(i, qt, kt, vt, qi, ki, vi)
+    if columns is not None:
+        ot, oi = columns.gather(ot), columns.gather(oi)
 
-    img = _op("adaln_gate_residual", wi + ".attn", img, img, _gemm("attn_out_bias_gemm", wi, oi, a.to_out[0], iseq), imod[2], seqlens=iseq)
-    txt = _op("adaln_gate_residual", wt + ".attn", txt, txt, _gemm("attn_out_bias_gemm", wt, ot, a.to_add_out, tseq, "text"), tmod[2], seqlens=tseq)
+    img = _op("adaln_gate_residual", wi + ".attn", img, img, proj("attn_out_bias_gemm", wi, oi, a.to_out[0], iseq), imod[2], seqlens=iseq)
+    txt = _op("adaln_gate_residual", wt + ".attn", txt, txt, proj("attn_out_bias_gemm", wt, ot, a.to_add_out, tseq, "text"), tmod[2], seqlens=tseq)
 
     def mlp(where: str, x: torch.Tensor, mods: list, ff: nn.Module, seq: tuple[int, ...], stream: str) -> torch.Tensor:
         h = _op("adaln_modulation", where + ".mlp", x, x, mods[3], mods[4], seqlens=seq, eps=eps)
-        u = _gemm("mlp_up_gemm_gelu", where, h, ff.net[0].proj, seq, stream, epilogue="gelu_tanh")
-        y = _gemm("mlp_down_gemm", where, u, ff.net[2], seq, stream)
+        u = proj("mlp_up_gemm_gelu", where, h, ff.net[0].proj, seq, stream, epilogue="gelu_tanh")
+        y = proj("mlp_down_gemm", where, u, ff.net[2], seq, stream)
         return _op("adaln_gate_residual", where + ".mlp", x, x, y, mods[5], seqlens=seq)
 
     img = mlp(wi, img, imod, block.img_mlp, iseq, "image")
@@ -312,10 +326,10 @@ def project_out(model: "MMDiT", img: torch.Tensor, temb: torch.Tensor, iseq: tup
 def strict_forward(model: "MMDiT", inputs: "ModelInputs", block_capture: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """Strict forward. Returns ``(B, T_img, out)`` in the model dtype (image padding rows, if any, zero).
 
-    Under a model-parallel layout with sequence shards (the execution context's ``parallel``), the
-    layout runs it (``mmdit_strict.parallel``): the same bytes, each rank computing its rows."""
+    Under a model-parallel layout with sequence or column shards (the execution context's ``parallel``),
+    the layout runs it (``mmdit_strict.parallel``): the same bytes, each rank computing its rows / columns."""
     parallel = current().parallel
-    if parallel is not None and parallel.sp > 1:
+    if parallel is not None and (parallel.sp > 1 or parallel.tp > 1):
         return parallel.forward(model, inputs, block_capture)
     cfg = model.config
     x = inputs.hidden_states

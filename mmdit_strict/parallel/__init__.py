@@ -1,8 +1,8 @@
-"""Model parallelism that keeps one rank's bytes: CFG- and sequence-parallel strict forwards (docs/parallel.md).
+"""Model parallelism that keeps one rank's bytes: CFG-, sequence- and tensor-parallel strict forwards (docs/parallel.md).
 
 A side's ``parallel`` section (``tp``, ``sp``, ``cfg``) groups ``tp · sp · cfg`` ranks around one batch;
 :func:`model_parallel` binds the layout for a side's forwards. Tensors cross ranks only by moving
-(gather, all-to-all), never by a collective sum, so every layout gives the one-rank bytes.
+(gather, all-to-all), never by a collective sum, and no GEMM splits its reduction, so every layout gives the one-rank bytes.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ def all_to_all(mp: ModelParallel, parts: Sequence[torch.Tensor], group: Any, sha
         send.append(h)
     got = [torch.empty((top,) + tuple(s[1:]), dtype=dtype, device=send[0].device) for s in shapes]
     if mp.stage:  # gloo: point-to-point pairs (not every gloo build has all-to-all)
-        ranks = list(mp.sp_ranks if group is mp.sp_group else mp.cfg_ranks)
+        ranks = list(mp.sp_ranks if group is mp.sp_group else mp.tp_ranks if group is mp.tp_group else mp.cfg_ranks)
         me = ranks.index(mp.rank)
         got[me].copy_(send[me])
         ops = [op for j, r in enumerate(ranks) if j != me
@@ -98,6 +98,8 @@ class RowLayout:
 
 def gather_rows(mp: ModelParallel, local: torch.Tensor, rows: RowLayout) -> torch.Tensor:
     """The whole packed tensor from every sequence rank's rows (no autograd)."""
+    if mp.sp == 1:
+        return local
     return rows.assemble(all_gather(mp, local, mp.sp_group, mp.sp, rows.counts))
 
 
@@ -144,6 +146,8 @@ class ReplicatedGather(torch.autograd.Function):
 
 def replicated_rows(mp: ModelParallel, local: torch.Tensor, rows: RowLayout) -> torch.Tensor:
     """:func:`gather_rows` that autograd differentiates (backward: this rank's rows of the gradient)."""
+    if mp.sp == 1:
+        return local
     k = mp.sp_rank
     return ReplicatedGather.apply(local, mp, lambda t: gather_rows(mp, t, rows), lambda g: rows.part(g, k))
 

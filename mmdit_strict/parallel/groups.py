@@ -22,20 +22,30 @@ from .layout import ModelLayout
 class ModelParallel:
     """This rank's place in a model-parallel layout: its coordinates and the groups it exchanges with.
 
-    ``sp_group`` / ``cfg_group`` are ``torch.distributed`` groups (None where the degree is 1); ``sp_ranks``
-    / ``cfg_ranks`` their global ranks in coordinate order. ``stage`` is True when tensors cross through
+    ``tp_group`` / ``sp_group`` / ``cfg_group`` are ``torch.distributed`` groups (None where the degree is 1);
+    ``tp_ranks`` / ``sp_ranks`` / ``cfg_ranks`` their global ranks in coordinate order. ``stage`` is True when tensors cross through
     host memory (gloo), as on ranks that share one GPU.
     """
 
     layout: ModelLayout
     rank: int
     world: int
+    tp_group: Any = None
+    tp_ranks: tuple[int, ...] = (0,)
     sp_group: Any = None
     sp_ranks: tuple[int, ...] = (0,)
     cfg_group: Any = None
     cfg_ranks: tuple[int, ...] = (0,)
     stage: bool = True
     stats: dict[str, float] = field(default_factory=lambda: {"calls": 0, "bytes": 0})
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.layout.coords(self.rank)["tp"]
 
     @property
     def sp(self) -> int:
@@ -54,15 +64,23 @@ class ModelParallel:
         return self.layout.coords(self.rank)["cfg"]
 
     @property
+    def sends_partials(self) -> bool:
+        """True on the rank that speaks for its CFG branch: the ``tp · sp`` ranks of a branch compute the same
+        per-sample gradient partials (the backward is the one-rank block's on every one), so one sends them."""
+        c = self.layout.coords(self.rank)
+        return c["sp"] == 0 and c["tp"] == 0
+
+    @property
     def leader(self) -> bool:
         """True on the first rank of the model group."""
         return self.layout.leader(self.rank) == self.rank
 
     def forward(self, model: Any, inputs: Any, block_capture: dict[str, torch.Tensor] | None) -> torch.Tensor:
-        """The strict forward of ``inputs`` under this layout (sequence shards when ``sp > 1``)."""
-        from .sequence import sequence_parallel_forward
+        """The strict forward of ``inputs`` under this layout (sequence shards when ``sp > 1``, column shards
+        when ``tp > 1``)."""
+        from .sequence import sharded_forward
 
-        return sequence_parallel_forward(self, model, inputs, block_capture)
+        return sharded_forward(self, model, inputs, block_capture)
 
 
 _BUILT: dict[tuple[ModelLayout, int, int], ModelParallel] = {}
@@ -84,7 +102,7 @@ def build(layout: ModelLayout) -> ModelParallel:
     import torch.distributed as dist
 
     made: dict[str, tuple[Any, tuple[int, ...]]] = {}
-    for axis in ("sp", "cfg"):
+    for axis in ("tp", "sp", "cfg"):
         if getattr(layout, axis) == 1:
             continue
         for ranks in layout.group_ranks(s.world_size, axis):  # every rank creates every group, in one order
@@ -92,6 +110,8 @@ def build(layout: ModelLayout) -> ModelParallel:
             if s.rank in ranks:
                 made[axis] = (group, tuple(ranks))
     mp = ModelParallel(layout, s.rank, s.world_size, stage=s.backend == "gloo")
+    if "tp" in made:
+        mp.tp_group, mp.tp_ranks = made["tp"]
     if "sp" in made:
         mp.sp_group, mp.sp_ranks = made["sp"]
     if "cfg" in made:

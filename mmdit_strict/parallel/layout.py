@@ -24,7 +24,8 @@ class ModelLayout:
     """One side's model-parallel degrees (``parallel`` section of ``rollout`` / ``recompute``).
 
     Attributes:
-        tp: tensor-parallel degree (not built yet: must be 1).
+        tp: tensor-parallel degree: every GEMM of a block split by output columns over ``tp`` ranks, the
+            attention heads with them (needs heads divisible by ``tp · sp``).
         sp: sequence-parallel degree: image rows of every sample split over ``sp`` ranks.
         cfg: CFG-parallel degree: 1, or 2 (the conditional and the negative branch on two ranks).
         attention: how sequence-parallel attention meets the whole sequence: ``ulysses`` (all-to-all from
@@ -41,11 +42,6 @@ class ModelLayout:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"parallel.{name} must be an integer >= 1, got {value!r}")
-        if self.tp != 1:
-            raise NotImplementedError(
-                "parallel.tp > 1 is not built: a column shard of a GEMM changes its bytes (the CPU BLAS tile product and "
-                "the Triton configuration both depend on N), so tensor parallelism first needs an N-invariant GEMM "
-                "arithmetic (docs/parallel.md)")
         if self.cfg not in (1, 2):
             raise ValueError(f"parallel.cfg must be 1 or 2 (one rank per CFG branch), got {self.cfg}")
         if self.attention not in ATTENTION:
@@ -74,9 +70,12 @@ class ModelLayout:
         if world % self.size:
             raise ValueError(f"parallel layout tp={self.tp} sp={self.sp} cfg={self.cfg} needs a multiple of {self.size} "
                              f"ranks, got {world}")
-        if heads is not None and self.sp > 1 and heads % self.sp:
-            raise ValueError(f"parallel.attention=ulysses splits the {heads} attention heads over sp={self.sp} ranks: "
-                             f"sp must divide the head count")
+        if heads is not None and self.tp > 1 and heads % self.tp:
+            raise ValueError(f"parallel.tp={self.tp} splits the {heads} attention heads over its ranks: tp must divide "
+                             f"the head count")
+        if heads is not None and self.sp > 1 and (heads // self.tp) % self.sp:
+            raise ValueError(f"parallel.attention=ulysses splits the {heads // self.tp} attention heads of a tensor rank "
+                             f"over sp={self.sp} ranks: sp must divide the head count (divided by tp)")
 
     def coords(self, rank: int) -> dict[str, int]:
         """``{"dp", "cfg", "sp", "tp"}`` of ``rank``."""
@@ -130,18 +129,30 @@ def packed_rows(lengths: Sequence[int], sp: int, k: int) -> list[int]:
     return out
 
 
-def row_owner(layout: "ModelLayout", leader: int, branch: str, region: str, row: int, rows: int) -> str:
-    """Which rank of a model group (first rank ``leader``) computed an operator output row: ``"rank 5 (sp 1 of 2,
-    cfg 1)"``. ``branch`` is ``cond`` / ``neg`` / ``sampling``; ``region`` the row's tokens (image rows are
+# operators whose outputs a tensor-parallel group splits by columns (the rest are whole on every tensor rank)
+COLUMN_SHARDED = frozenset({"qkv_bias_gemm", "qk_rmsnorm", "multi_axis_rope", "joint_attention_fused",
+                            "attn_out_bias_gemm", "mlp_up_gemm_gelu", "mlp_down_gemm"})
+
+
+def row_owner(layout: "ModelLayout", leader: int, branch: str, region: str, row: int, rows: int, operator: str = "",
+              element: int = 0, width: int = 0) -> str:
+    """Which rank of a model group (first rank ``leader``) computed an operator output element: ``"rank 5 (sp 1
+    of 2, cfg 1)"``. ``branch`` is ``cond`` / ``neg`` / ``sampling``; ``region`` the row's tokens (image rows are
     sharded over the sequence ranks; text rows, per-sample vectors and the sampling chain are computed by every
-    sequence rank of the branch, and named by its first); ``rows`` the sample's image rows."""
+    sequence rank of the branch, and named by its first); ``rows`` the sample's image rows. Under tensor
+    parallelism, ``operator``'s output ``element`` of a row ``width`` elements wide names the tensor rank whose
+    columns hold it (:data:`COLUMN_SHARDED`); other operators are computed whole by every tensor rank."""
     cfg = 1 if (branch == "neg" and layout.cfg == 2) else 0
     k = 0
     if region in ("noisy latent", "conditioning image") and layout.sp > 1:
         shards = row_shards([rows], layout.sp)
         k = next(j for j in range(layout.sp) if shards[j][0][0] <= row < shards[j][0][1])
-    rank = leader + cfg * layout.tp * layout.sp + k * layout.tp
+    sharded = layout.tp > 1 and operator in COLUMN_SHARDED and width > 0 and width % layout.tp == 0
+    j = element // (width // layout.tp) if sharded else 0
+    rank = leader + cfg * layout.tp * layout.sp + k * layout.tp + j
     parts = []
+    if layout.tp > 1:
+        parts.append(f"tp {j} of {layout.tp}" if sharded else f"replicated on the {layout.tp} tensor ranks")
     if layout.sp > 1:
         parts.append(f"sp {k} of {layout.sp}" if region in ("noisy latent", "conditioning image")
                      else f"replicated on the {layout.sp} sequence ranks")

@@ -1,4 +1,6 @@
-"""Sequence parallelism: each rank of a sequence group computes its shard of every sample's image rows.
+"""The sharded strict forward: each rank of a model group computes its shard of every sample's image rows
+(sequence parallelism) and, under tensor parallelism, its column shard of every block product
+(:mod:`.tensor`).
 
 Forward (every operator is row-local and batch-invariant, so a row's bytes do not depend on which rows
 share its call): the image rows of sample ``b`` are cut into ``sp`` contiguous shards
@@ -30,10 +32,12 @@ from ..model.strict import (_gemm, _op, block_forward, instrumented, pack_images
 from .exchange import RowLayout, gather_heads, gather_rows, heads_to_rows, replicated_rows, rows_to_heads
 from .groups import ModelParallel
 from .layout import packed_rows, row_shards
+from .tensor import ColumnShards
 
 
 def ulysses(mp: ModelParallel, rows: RowLayout, heads: int, tseq: tuple[int, ...], iseq_full: tuple[int, ...]) -> Callable[..., Any]:
-    """The ``attend`` of :func:`~mmdit_strict.model.strict.block_forward` for this rank's row shard."""
+    """The ``attend`` of :func:`~mmdit_strict.model.strict.block_forward` for this rank's row shard; ``heads``:
+    the heads this rank's block computes (all of them, or its tensor rank's ``heads / tp``)."""
     h = heads // mp.sp
     mine = slice(mp.sp_rank * h, (mp.sp_rank + 1) * h)
 
@@ -81,13 +85,14 @@ class ShardedBlock(torch.autograd.Function):
         return None, d_a, t.grad, e.grad, None, None, None, None
 
 
-def sequence_parallel_forward(mp: ModelParallel, model: Any, inputs: Any,
-                              block_capture: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-    """The strict forward with this rank computing its image-row shard; returns the whole ``(B, T_img, out)``
-    on every rank of the sequence group (same bytes as one rank)."""
+def sharded_forward(mp: ModelParallel, model: Any, inputs: Any,
+                    block_capture: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """The strict forward with this rank computing its image-row shard (``sp``) and its column shard of every
+    block product (``tp``, :class:`~.tensor.ColumnShards`); returns the whole ``(B, T_img, out)`` on every
+    rank of the model group (same bytes as one rank)."""
     if instrumented():
         raise ValueError("operator capture, fault injection and perturbations run on one rank per sample: "
-                         "use a side without sequence parallelism (parallel.sp=1) for them")
+                         "use a side without sequence or tensor parallelism (parallel.sp=1, parallel.tp=1) for them")
     cfg = model.config
     heads, head_dim, eps = cfg.num_attention_heads, cfg.attention_head_dim, cfg.eps
     mp.layout.check(mp.world, heads)
@@ -98,21 +103,24 @@ def sequence_parallel_forward(mp: ModelParallel, model: Any, inputs: Any,
     rows = RowLayout([packed_rows(lengths, mp.sp, r) for r in range(mp.sp)], sum(lengths), x.device)
     iseq_full = tuple(lengths)
     iseq = tuple(b - a for a, b in row_shards(lengths, mp.sp)[k])
+    columns = ColumnShards(mp) if mp.tp > 1 else None
 
     img_cos, img_sin, txt_cos, txt_sin = packed_rope_tables(inputs.img_shapes, inputs.txt_lens, cfg.axes_dims_rope,
                                                             cfg.rope_theta, x.device)
     rope_full = (img_cos, img_sin, txt_cos, txt_sin)
-    rope = (rows.part(img_cos, k), rows.part(img_sin, k), txt_cos, txt_sin)
+    rope = rope_full if mp.sp == 1 else (rows.part(img_cos, k), rows.part(img_sin, k), txt_cos, txt_sin)
     temb = time_embedding(model, inputs)
-    img = _gemm("latent_proj_gemm", "img_in", rows.part(pack_images(x, lengths), k), model.img_in, iseq)
+    packed = pack_images(x, lengths)
+    img = _gemm("latent_proj_gemm", "img_in", packed if mp.sp == 1 else rows.part(packed, k), model.img_in, iseq)
     txt, tseq = text_rows(model, inputs)
-    attend = ulysses(mp, rows, heads, tseq, iseq_full)
+    attend = ulysses(mp, rows, heads // mp.tp, tseq, iseq_full) if mp.sp > 1 else None
 
     grad = torch.is_grad_enabled()
     for i, block in enumerate(model.transformer_blocks):
-        local = functools.partial(_local_block, i, block, rope, iseq, tseq, heads, head_dim, eps, attend)
+        local = functools.partial(_local_block, i, block, rope, iseq, tseq, heads, head_dim, eps, attend, columns)
         if grad:
-            whole = in_context(functools.partial(_local_block, i, block, rope_full, iseq_full, tseq, heads, head_dim, eps, None))
+            whole = in_context(functools.partial(_local_block, i, block, rope_full, iseq_full, tseq, heads, head_dim, eps,
+                                                 None, None))
             anchor = _anchor(block, x.device)
             img, txt = ShardedBlock.apply(anchor, img, txt, temb, in_context(local), whole, mp, rows)
         else:
@@ -125,8 +133,9 @@ def sequence_parallel_forward(mp: ModelParallel, model: Any, inputs: Any,
 
 
 def _local_block(i: int, block: Any, rope: tuple, iseq: tuple, tseq: tuple, heads: int, head_dim: int, eps: float,
-                 attend: Any, img: torch.Tensor, txt: torch.Tensor, temb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return block_forward(i, block, img, txt, temb, rope, iseq, tseq, heads, head_dim, eps, attend=attend)
+                 attend: Any, columns: Any, img: torch.Tensor, txt: torch.Tensor,
+                 temb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return block_forward(i, block, img, txt, temb, rope, iseq, tseq, heads, head_dim, eps, attend=attend, columns=columns)
 
 
 def _anchor(block: Any, device: torch.device) -> torch.Tensor:
@@ -134,4 +143,4 @@ def _anchor(block: Any, device: torch.device) -> torch.Tensor:
     return torch.empty(0, device=device, requires_grad=needs)
 
 
-__all__ = ["ShardedBlock", "sequence_parallel_forward", "ulysses"]
+__all__ = ["ShardedBlock", "sharded_forward", "ulysses"]

@@ -25,7 +25,9 @@ from typing import Any
 
 import torch
 
-LAYOUTS = {"sp2": {"sp": 2}, "sp4": {"sp": 4}, "cfg2": {"cfg": 2}, "sp2xcfg2": {"sp": 2, "cfg": 2}}
+LAYOUTS = {"sp2": {"sp": 2}, "sp4": {"sp": 4}, "cfg2": {"cfg": 2}, "sp2xcfg2": {"sp": 2, "cfg": 2}, "tp2": {"tp": 2},
+           "tp4": {"tp": 4}, "tp2xsp2": {"tp": 2, "sp": 2}, "tp2xcfg2": {"tp": 2, "cfg": 2},
+           "tp2xsp2xcfg2": {"tp": 2, "sp": 2, "cfg": 2}}
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_v_proj", "img_mlp.net.0.proj", "img_mlp.net.2",
                 "txt_mlp.net.2", "img_mod.1"]
 
@@ -136,13 +138,15 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for name in args.layouts.split(","):
             lay = parallel.ModelLayout(**LAYOUTS[name])
-            if s.world_size % lay.size or model.config.num_attention_heads % lay.sp:
-                continue
+            try:
+                lay.check(s.world_size, model.config.num_attention_heads)
+            except ValueError:
+                continue  # the layout does not fit this world or head count
             with parallel.model_parallel(lay) as mp:
                 got = _one(model, batch, grid, weight, pad_to)
             both = lay.cfg == 1
             group = lay.group_ranks(s.world_size, "model")[lay.coords(s.rank)["dp"]]
-            shares = distributed.all_gather(f"{name}: partials", got["share"] if lay.coords(s.rank)["sp"] == 0 else None)
+            shares = distributed.all_gather(f"{name}: partials", got["share"] if mp.sends_partials else None)
             folds = {n: _sha(f) for n in ref_fold if (f := fold_ranks(n, [shares[q] for q in group if shares[q] is not None]))
                      is not None}
             rows.append({"layout": name, "rank": s.rank, "v": got["v"] == ref["v"], "v_nograd": got["v_nograd"] == ref["v_nograd"],

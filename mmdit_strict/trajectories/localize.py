@@ -50,6 +50,7 @@ class OperatorDrift:
     stream: str  # img | txt | embed | ...
     logical_row: int  # token (or sample-vector) row within the drifting sample
     element: int  # column within that row
+    row_width: int  # elements per row of the operator output (the element's column shard under tensor parallelism)
     max_abs: float
     max_ulp: int
     rows_differing: int
@@ -225,7 +226,7 @@ def _describe(branch: str, key: str, a: torch.Tensor, b: torch.Tensor) -> Operat
     return OperatorDrift(
         branch=branch, key=key, operator=op,
         block=int(m.group("block")) if m and m.group("block") else None,
-        stream=_stream(key), logical_row=r, element=e,
+        stream=_stream(key), logical_row=r, element=e, row_width=int(fa.shape[1]),
         max_abs=float((fa.double() - fb.double()).abs().max()),
         max_ulp=int(ulp_distance(fa, fb).max()) if fa.dtype in (torch.float32, torch.bfloat16) else -1,
         rows_differing=int(row_bad.sum()), rows_total=int(fa.shape[0]),
@@ -262,7 +263,8 @@ def _row_owners(drift: OperatorDrift, rollout: Trajectory, recompute: Trajectory
             continue
         leader = side["owner_rank"][position]
         named.append(f"{t.manifest.get('kind')} " + row_owner(ModelLayout.from_config(side["parallel"]), leader,
-                                                              drift.branch, drift.region, drift.logical_row, drift.rows_total))
+                                                              drift.branch, drift.region, drift.logical_row, drift.rows_total,
+                                                              drift.operator, drift.element, drift.row_width))
     return ", ".join(named) if any(t.manifest["side"].get("parallel") for t in (rollout, recompute)) else ""
 
 

@@ -243,8 +243,8 @@ def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | 
                 share = distributed.fold.rank_partials(trainable, sink)
                 with_grad = [p.grad.reshape(-1) for _, p in trainable if p.grad is not None]
                 share["autograd_sha256"] = tensor_sha256(torch.cat(with_grad)) if with_grad else None
-                if mpar is not None and mpar.sp_rank != 0:
-                    share = None  # a sequence group's ranks hold the same partials: its first rank sends them
+                if mpar is not None and not mpar.sends_partials:
+                    share = None  # the sequence and tensor ranks of a branch hold the same partials: one sends them
                 shares = plan.end_step(rec, step, extra=share)
                 shares = None if shares is None else [sh for sh in shares if sh is not None]
                 grad_records.append(_merged_grad_record(trainable, shares) if shares is not None else None)

@@ -24,14 +24,14 @@ GRID = (3, 5)  # 15 image rows per sample: split 7/8 over 2 ranks, 3/4/4/4 over 
 TXT = [5, 9, 3]  # valid prompt lengths, padded to 11
 
 
-def _model():
+def _model(heads: int = 4):
     from mmdit_strict.config.arch import preset
     from mmdit_strict.config.schema import LoraConfig
     from mmdit_strict.model.init import build_model
     from mmdit_strict.trajectories.setup import attach_lora
 
-    arch = dataclasses.replace(preset("tiny"), num_attention_heads=4, attention_head_dim=8,
-                               axes_dims_rope=(2, 2, 4))  # 4 heads: sp up to 4
+    arch = dataclasses.replace(preset("tiny"), num_attention_heads=heads, attention_head_dim=16,
+                               axes_dims_rope=(4, 4, 8))  # tp · sp up to the head count
     model = build_model(arch, seed=3, runtime="strict")
     attach_lora(model, LoraConfig(rank=2, alpha=2.0, targets=["to_q", "to_v", "add_k_proj", "to_out.0", "img_mlp.net.2",
                                                                "txt_mlp.net.0.proj", "img_mod.1"], init="random"))
@@ -92,19 +92,19 @@ def _edit_forward(model) -> torch.Tensor:
     return batch.velocity(out)
 
 
-def _rank(rank: int, world: int, port: int, out: str) -> None:
+def _rank(rank: int, world: int, port: int, out: str, layouts: dict | None = None, heads: int = 4) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     from mmdit_strict import distributed, parallel
 
-    model = _model()
+    model = _model(heads)
     weight = torch.randn(3, GRID[0] * GRID[1], 64, generator=torch.Generator().manual_seed(5))
     results = {}
     with distributed.session(120.0):
         results["one rank"] = _run(model, weight)
         results["one rank"]["edit"] = _edit_forward(model)
-        for name, layout in LAYOUTS.items():
+        for name, layout in (layouts or LAYOUTS).items():
             with parallel.model_parallel(ModelLayout(**layout)) as mpar:
                 results[name] = _run(model, weight)
                 results[name]["edit"] = _edit_forward(model)
@@ -112,7 +112,9 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
     torch.save(results, Path(out) / f"{rank}.pt")
 
 
-LAYOUTS = {"sp2": {"sp": 2}, "sp4": {"sp": 4}, "cfg2": {"cfg": 2}, "sp2xcfg2": {"sp": 2, "cfg": 2}}
+LAYOUTS = {"sp2": {"sp": 2}, "sp4": {"sp": 4}, "cfg2": {"cfg": 2}, "sp2xcfg2": {"sp": 2, "cfg": 2}, "tp2": {"tp": 2},
+           "tp4": {"tp": 4}, "tp2xsp2": {"tp": 2, "sp": 2}, "tp2xcfg2": {"tp": 2, "cfg": 2}}
+WIDE = {"tp2xsp2xcfg2": {"tp": 2, "sp": 2, "cfg": 2}, "tp4xsp2": {"tp": 4, "sp": 2}}  # 8 ranks
 
 
 def _free_port() -> int:
@@ -121,30 +123,44 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_every_layout_gives_one_rank_velocity_and_lora_grads(tmp_path: Path) -> None:
-    world = 4
-    mp.spawn(_rank, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+def _check(tmp_path: Path, world: int, layouts: dict) -> None:
     for r in range(world):
         res = torch.load(tmp_path / f"{r}.pt")
         ref = res["one rank"]
         assert len(ref["grads"]) > 0 and len(ref["folds"]) > 0
-        for name in LAYOUTS:
+        for name in layouts:
             got = res[name]
             what = f"rank {r} {name}"
             assert_bytes_equal(got["v"], ref["v"], f"{what}: v (autograd)")
             assert_bytes_equal(got["v_nograd"], ref["v"], f"{what}: v (no grad, batched CFG)")
             assert_bytes_equal(got["edit"], ref["edit"], f"{what}: edit batch with mixed conditioning sizes")
-            if LAYOUTS[name].get("cfg", 1) == 1:  # every rank of the group ran both branches: its own sums are one rank's
+            if layouts[name].get("cfg", 1) == 1:  # every rank of the group ran both branches: its own sums are one rank's
                 assert sorted(got["grads"]) == sorted(ref["grads"]), what
                 for p in ref["grads"]:
                     assert_bytes_equal(got["grads"][p], ref["grads"][p], f"{what}: grad {p}")
-            # the group's gradient: its sequence-rank-0 members' per-sample partials, folded over the sample keys
-            lay = ModelLayout(**LAYOUTS[name])
-            members = [q for q in lay.group_ranks(world, "model")[lay.coords(r)["dp"]] if lay.coords(q)["sp"] == 0]
+            # the group's gradient: the per-sample partials of each branch's first (sequence 0, tensor 0) rank,
+            # folded over the sample keys
+            lay = ModelLayout(**layouts[name])
+            members = [q for q in lay.group_ranks(world, "model")[lay.coords(r)["dp"]]
+                       if lay.coords(q)["sp"] == 0 and lay.coords(q)["tp"] == 0]
             shares = [torch.load(tmp_path / f"{q}.pt")[name]["share"] for q in members]
             for p in ref["folds"]:
                 assert_bytes_equal(fold_ranks(p, shares), ref["folds"][p], f"{what}: group fold {p}")
             assert got["exchanges"] > 0, f"{what} exchanged nothing"
+
+
+def test_every_layout_gives_one_rank_velocity_and_lora_grads(tmp_path: Path) -> None:
+    world = 4
+    mp.spawn(_rank, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    _check(tmp_path, world, LAYOUTS)
+
+
+@pytest.mark.slow
+def test_eight_rank_layouts_give_one_rank_bytes(tmp_path: Path) -> None:
+    """TP2 x SP2 x CFG2 and TP4 x SP2 (8 heads): every parallel axis at once."""
+    world = 8
+    mp.spawn(_rank, args=(world, _free_port(), str(tmp_path), WIDE, 8), nprocs=world, join=True)
+    _check(tmp_path, world, WIDE)
 
 
 def test_row_shards_cover_each_sample_in_order_without_padding() -> None:
@@ -168,8 +184,14 @@ def test_layout_coordinates_and_groups() -> None:
         lay.check(6)
     with pytest.raises(ValueError, match="divide the head count"):
         ModelLayout(sp=4).check(4, heads=6)
-    with pytest.raises(NotImplementedError, match="N-invariant"):
-        ModelLayout(tp=2)
+    tp = ModelLayout(tp=2, sp=2)
+    assert tp.coords(3) == {"dp": 0, "cfg": 0, "sp": 1, "tp": 1}
+    assert tp.group_ranks(8, "tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert tp.group_ranks(8, "sp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    with pytest.raises(ValueError, match="tp must divide the head count"):
+        ModelLayout(tp=4).check(4, heads=6)
+    with pytest.raises(ValueError, match="divided by tp"):
+        ModelLayout(tp=2, sp=2).check(4, heads=6)
     with pytest.raises(ValueError, match="cfg must be 1 or 2"):
         ModelLayout(cfg=3)
 
@@ -183,3 +205,9 @@ def test_the_owner_of_a_drifting_row_is_named_by_shard_and_branch() -> None:
     assert row_owner(lay, 4, "neg", "noisy latent", 14, 15) == "rank 7 (sp 1 of 2, cfg 1)"
     assert row_owner(lay, 4, "neg", "text", 3, 15) == "rank 6 (replicated on the 2 sequence ranks, cfg 1)"
     assert row_owner(ModelLayout(), 2, "cond", "noisy latent", 3, 15) == "rank 2"
+    tp = ModelLayout(tp=2, sp=2)  # ranks 0..3: (sp 0: tp 0, 1), (sp 1: tp 0, 1)
+    assert row_owner(tp, 0, "cond", "noisy latent", 9, 15, "mlp_up_gemm_gelu", 70, 128) == "rank 3 (tp 1 of 2, sp 1 of 2)"
+    assert row_owner(tp, 0, "cond", "text", 2, 15, "qkv_bias_gemm", 5, 32) == \
+        "rank 0 (tp 0 of 2, replicated on the 2 sequence ranks)"
+    assert row_owner(tp, 0, "cond", "noisy latent", 1, 15, "adaln_modulation", 31, 32) == \
+        "rank 0 (replicated on the 2 tensor ranks, sp 0 of 2)"

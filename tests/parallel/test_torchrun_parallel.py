@@ -1,5 +1,5 @@
 """A parallel main job under torchrun (gloo, CPU): the rollout with sequence × CFG parallelism and the
-recompute with sequence parallelism give one process's bytes."""
+recompute with tensor × CFG parallelism give one process's bytes."""
 
 from __future__ import annotations
 
@@ -14,11 +14,13 @@ from tests.distributed.test_torchrun import SMALL, cli, ok, plain, sha, torchrun
 def test_parallel_run_is_byte_identical_to_one_process(tmp_path: Path) -> None:
     par = tmp_path / "par"
     ok(torchrun(4, "run", f"output_dir={par}", *SMALL, "rollout.parallel.sp=2", "rollout.parallel.cfg=2",
-                "recompute.parallel.sp=2", timeout=600))
+                "recompute.parallel.tp=2", "recompute.parallel.cfg=2", timeout=600))
     report = json.loads((par / "report" / "report.json").read_text())
     assert report["byte_identical"] is True
     man = json.loads((par / "rollout" / "manifest.json").read_text())
     assert man["side"]["parallel"] == {"tp": 1, "sp": 2, "cfg": 2, "attention": "ulysses"}
+    rec = json.loads((par / "recompute" / "manifest.json").read_text())
+    assert rec["side"]["parallel"] == {"tp": 2, "sp": 1, "cfg": 2, "attention": "ulysses"}
     assert set(man["side"]["owner_rank"]) == {0}  # one model group of 4 ranks: its first rank owns every row
     one = tmp_path / "one"
     ok(plain("rollout", f"output_dir={one}", *SMALL))
@@ -26,7 +28,7 @@ def test_parallel_run_is_byte_identical_to_one_process(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("override, message", [("rollout.parallel.sp=2", "launch with torchrun"),
-                                               ("rollout.parallel.tp=2", "N-invariant"),
+                                               ("rollout.parallel.tp=2", "launch with torchrun"),
                                                ("rollout.parallel.cfg=3", "cfg must be 1 or 2")])
 def test_layouts_that_cannot_run_are_refused_by_name(tmp_path: Path, capsys: pytest.CaptureFixture, override: str,
                                                      message: str) -> None:

@@ -20,7 +20,7 @@ import triton
 
 from ...checks import check_operand
 from ...keepalive import retain
-from ...streams import current_gemm_stream
+from ...streams import configured_columns, current_gemm_stream
 from .. import configs as _configs
 from . import kernels as _k
 from .codes import EPILOGUES, PROLOGUES, Act
@@ -439,7 +439,8 @@ def gemm_fwd(x, weight, bias=None, *, prologue="none", epilogue="none", lora=Non
     k = x.shape[1]
     n = weight.shape[0]
     pro = PROLOGUES[prologue]
-    cfg = config or _configs.fwd_config(n, k, x.dtype, stream=current_gemm_stream())
+    # a column shard (tensor parallelism) takes its whole layer's configuration: the same tiles, the same bytes
+    cfg = config or _configs.fwd_config(configured_columns(n), k, x.dtype, stream=current_gemm_stream())
     h = None
     if pro and cfg.prologue == "pass":
         h = act_fwd(x, prologue)
