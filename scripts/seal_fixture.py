@@ -2,6 +2,8 @@
 
     python scripts/seal_fixture.py            # rewrites tests/fixtures/sealed_t2i/ on this platform
     python scripts/seal_fixture.py --edit     # rewrites tests/fixtures/sealed_edit/ (tests/pipelines/test_sealed_edit.py)
+    python scripts/seal_fixture.py --device cuda --out DIR          # a GPU fixture (BF16 model, Triton kernels)
+    python scripts/seal_fixture.py --edit --device cuda --out DIR   # (tests/pipelines/test_sealed_gpu.py replays them)
 
 Re-seal only on purpose (a change that is meant to move the bytes), and say so in the commit.
 """
@@ -41,13 +43,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--edit", action="store_true", help="seal the edit fixture (input pictures + instructions)")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cuda: seal on this GPU (model in bfloat16, strict Triton kernels)")
     args = parser.parse_args()
     if args.edit:
-        args.out = args.out or ROOT / "tests" / "fixtures" / "sealed_edit"
-        record = seal(args.out, EDIT, pictures=edit_pictures())
+        args.out = args.out or ROOT / "tests" / "fixtures" / ("sealed_edit" if args.device == "cpu" else "sealed_edit_gpu")
+        record = seal(args.out, EDIT, pictures=edit_pictures(), device=args.device)
     else:
-        args.out = args.out or ROOT / "tests" / "fixtures" / "sealed_t2i"
-        record = seal(args.out, T2I)
+        args.out = args.out or ROOT / "tests" / "fixtures" / ("sealed_t2i" if args.device == "cpu" else "sealed_t2i_gpu")
+        record = seal(args.out, T2I, device=args.device)
     print(json.dumps({"folder": str(args.out), "platform": record["platform"], "files": len(record["files"])}, indent=1))
 
 

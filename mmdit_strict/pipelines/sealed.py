@@ -12,6 +12,11 @@ CPU bytes are promised per platform only (machine, CPU vector capability, torch 
 sealing platform a replay must match every per-step hash and the final latents byte for byte; on
 another one it is compared within ``tolerances.yaml: pipelines.sealed_latents_other_platform`` and
 says so. Latent equality is the gate; the images' PSNR against the sealed ones is reported beside it.
+
+A GPU fixture (sealed with ``device="cuda"``: the model in BF16 on the GPU, the strict Triton kernels)
+records the GPU platform (device name, compute capability, torch, Triton and CUDA versions). Its bytes are
+promised on that platform only; no tolerance is declared for another GPU, so a replay elsewhere does not
+pass and says why.
 """
 
 from __future__ import annotations
@@ -33,10 +38,29 @@ FIXTURE = "fixture.json"
 EXPECTED = "expected.safetensors"
 
 
-def platform_id() -> dict[str, str]:
-    """What CPU bytes depend on here: the machine, torch's CPU vector capability and the torch version."""
-    return {"machine": host.machine(), "cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
-            "torch": torch.__version__}
+GPU_OVERRIDES = ("model.device=cuda", "model.dtype=bfloat16")
+
+
+def platform_id(device: str = "cpu") -> dict[str, str]:
+    """What the bytes depend on here. CPU: the machine, torch's CPU vector capability and the torch version;
+    CUDA: the GPU's name and compute capability, and the torch, Triton and CUDA versions."""
+    if device == "cpu":
+        return {"machine": host.machine(), "cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
+                "torch": torch.__version__}
+    if device != "cuda":
+        raise ValueError(f"sealed fixtures run on 'cpu' or 'cuda', got {device!r}")
+    if not torch.cuda.is_available():
+        raise RuntimeError("this sealed fixture runs on a CUDA GPU, and none is available here")
+    import triton
+
+    major, minor = torch.cuda.get_device_capability()
+    return {"gpu": torch.cuda.get_device_name(), "capability": f"sm_{major}{minor}", "torch": torch.__version__,
+            "triton": triton.__version__, "cuda": str(torch.version.cuda)}
+
+
+def fixture_device(record: dict[str, Any]) -> str:
+    """``"cuda"`` for a fixture sealed on a GPU, else ``"cpu"``."""
+    return "cuda" if "model.device=cuda" in record["overrides"] else "cpu"
 
 
 def _run(pipeline: Path, overrides: Sequence[str], out: Path) -> None:
@@ -63,11 +87,14 @@ def _step_hashes(run_dir: Path) -> list[dict[str, list[str]]]:
 
 
 def seal(folder: str | Path, overrides: Sequence[str], seed: int = 0,
-         pictures: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+         pictures: dict[str, np.ndarray] | None = None, device: str = "cpu") -> dict[str, Any]:
     """Make the tiny pipeline in ``folder/pipeline``, run ``run`` with ``overrides`` on it, and freeze the result.
 
     ``pictures`` (edit fixtures): ``name → (H, W, 3) uint8`` written as PNGs to ``folder/input/``, which the
-    overrides name as ``{fixture}/input``; they are sealed with every other file."""
+    overrides name as ``{fixture}/input``; they are sealed with every other file. ``device="cuda"`` seals a GPU
+    fixture (:data:`GPU_OVERRIDES` join the overrides)."""
+    plat = platform_id(device)  # fails before any work where the device is missing
+    overrides = [*overrides, *(GPU_OVERRIDES if device == "cuda" else ())]
     from safetensors.torch import save_file
 
     from ..trajectories.artifact import read
@@ -93,7 +120,7 @@ def seal(folder: str | Path, overrides: Sequence[str], seed: int = 0,
         steps = _step_hashes(run)
         conditioning = traj.manifest.get("conditioning")  # edit: the input pictures' latents as the run read them
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != FIXTURE)
-    record = {"overrides": list(overrides), "seed": seed, "platform": platform_id(), "steps": steps,
+    record = {"overrides": list(overrides), "seed": seed, "platform": plat, "steps": steps,
               **({"conditioning": conditioning} if conditioning else {}),
               "files": {str(p.relative_to(folder)): file_sha256(str(p)) for p in files}}
     (folder / FIXTURE).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
@@ -146,8 +173,10 @@ def replay(folder: str | Path, work: str | Path) -> Replay:
 
     folder, work = Path(folder), Path(work)
     record = verify_files(folder)
+    device = fixture_device(record)
+    here = platform_id(device)
     _run(folder / "pipeline", record["overrides"], work)
-    same = record["platform"] == platform_id()
+    same = record["platform"] == here
     steps_equal = _step_hashes(work) == record["steps"]
     if "conditioning" in record:  # edit: the VAE-encoded input latents are part of the per-step bytes
         steps_equal = steps_equal and read(work / "rollout", verify=False).manifest.get("conditioning") == record["conditioning"]
@@ -155,14 +184,20 @@ def replay(folder: str | Path, work: str | Path) -> Replay:
     got = read(work / "rollout").tensors["x"][-1]
     equal = got.dtype == expected.dtype and got.shape == expected.shape and torch.equal(
         got.contiguous().view(torch.int32), expected.contiguous().view(torch.int32))
-    tol = tolerance("pipelines", "sealed_latents_other_platform", torch.float32)
-    within, max_abs, _ = tol.check(got, expected)
+    if device == "cpu":
+        tol = tolerance("pipelines", "sealed_latents_other_platform", torch.float32)
+        within, max_abs, _ = tol.check(got, expected)
+    else:  # no tolerance is declared across GPU platforms: only the sealing platform's bytes count
+        within, max_abs = False, float((got.double() - expected.double()).abs().max())
     out = Replay(same, steps_equal, equal, within, max_abs)
     for png in sorted(folder.glob("sample_*.png")):
         mine = work / "images" / png.name
         if mine.exists():
             out.psnr_db.append(_psnr(np.asarray(Image.open(mine)), np.asarray(Image.open(png))))
-    if not same:
-        out.notes.append(f"sealed on {record['platform']}, replayed on {platform_id()}: CPU bytes are promised per "
+    if not same and device == "cpu":
+        out.notes.append(f"sealed on {record['platform']}, replayed on {here}: CPU bytes are promised per "
                          f"platform, so the latents were compared within the declared tolerance (max |Δ| {max_abs:.3e})")
+    elif not same:
+        out.notes.append(f"sealed on {record['platform']}, replayed on {here}: GPU bytes are promised on the sealing "
+                         f"platform only and no tolerance is declared for another one (max |Δ| {max_abs:.3e})")
     return out
