@@ -117,3 +117,30 @@ def test_with_the_strict_sde_scheduler_the_trace_shows_guidance_and_the_sde_step
     assert len(ours.last_log_probs) == steps and all(lp.shape == (2,) and torch.isfinite(lp).all()
                                                       for lp in ours.last_log_probs)
     assert torch.equal(_call(ours, "latent"), first)  # noise keyed by (seed, sample, step)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_bf16_loop_runs_on_triton_and_keeps_a_prompts_bytes_in_a_batch(tiny_pipeline_dir):
+    """The strict pipeline with every component in BF16 on the GPU: the transformer's operators are the strict
+    Triton kernels (no fallback), guidance and the step are traced, and a prompt's latents alone equal its latents
+    first in a padded batch of 3, byte for byte."""
+    from mmdit_strict.pipelines.diffusers_adapter import load_pipeline, route_lora_methods
+    from mmdit_strict.pipelines.strict_pipeline import StrictQwenImagePipeline
+
+    pipe = load_pipeline(tiny_pipeline_dir, runtime="strict", torch_dtype=torch.bfloat16, device="cuda")
+    components = dict(pipe.components)
+    model = components.pop("transformer")
+    ours = StrictQwenImagePipeline(transformer=None, **components)
+    ours.transformer = model
+    route_lora_methods(ours, model)
+    prompts = ["a red cat on a mat", "blue", "a very long prompt about a green house by a lake at dawn"]
+    noise = torch.randn(3, 6, 64, generator=torch.Generator().manual_seed(3)).to("cuda", torch.bfloat16)
+    with capture_trace() as trace:
+        batch = _call(ours, "latent", prompt=prompts, latents=noise)
+    assert trace.fallbacks == []
+    backends = {r.op: r.actual_backend for r in trace.records.values()}
+    assert backends["cfg_combine_renorm"] == "torch_fixed" and backends["flow_euler_step"] == "torch_fixed"
+    assert backends["joint_attention_fused"] == "triton", backends
+    alone = _call(ours, "latent", prompt=prompts[0], latents=noise[:1])
+    assert torch.equal(alone[0], batch[0])
