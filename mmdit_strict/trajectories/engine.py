@@ -19,7 +19,7 @@ from ..kernels.grad_sink import sample_keys
 from ..kernels.runtime import Runtime
 from ..kernels.trace import record
 from ..model import MMDiT
-from ..model.edit import ConditionImage, edit_batch
+from ..model.edit import SampleConditioning, edit_batch
 from ..model.strict import observe_operator
 from ..sampling import SDEStepResult, cfg_combine
 from .hashing import tensor_sha256
@@ -109,11 +109,11 @@ def velocity(
     pad_to: int | None = None,
     block_hashes: list[list[str]] | None = None,
     sample_ids: Sequence[Hashable] | None = None,
-    images: Sequence[ConditionImage] | None = None,
+    images: Sequence[SampleConditioning] | None = None,
 ) -> torch.Tensor:
     """CFG-combined velocity ``(B, T, 64)`` in FP32; ``sigma`` is one value for the batch or one per sample.
 
-    ``images`` (edit conditioning, one per sample): each sample's input-image latents ride behind its
+    ``images`` (edit conditioning, one per sample: an input image or several): each sample's input-image latents ride behind its
     noisy latents in both CFG branches (``model.edit``); the velocity is the noisy tokens' rows.
 
     In ``audit`` runtime, ``block_hashes`` (if given) receives, per sample of the conditional

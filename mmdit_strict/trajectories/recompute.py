@@ -25,7 +25,8 @@ from ..kernels.grad_sink import collect_sample_grads
 from ..kernels.runtime import Runtime, runtime_mode
 from ..kernels.trace import capture_trace
 from ..model import build_model
-from ..model.edit import ConditionImage
+from ..model.edit import split_conditioning
+from .conditioning import recorded_grids
 from ..model.strict import capture_operators, inject_fault, strict_forward
 from . import artifact, partial
 from ..overlay import perturb_fields, perturbing
@@ -43,7 +44,7 @@ def recorded_prompts(traj: artifact.Trajectory, dtype: torch.dtype, device: str)
     n = len(traj.manifest["prompt_hashes"]["prompts"])
     embeds = [traj.tensors[f"prompt.{i}"].to(device=device, dtype=dtype) for i in range(n)]
     cond = traj.manifest.get("conditioning")
-    images = None if not cond else [ConditionImage(traj.tensors[f"condition.{i}"], tuple(g))  # type: ignore[arg-type]
+    images = None if not cond else [split_conditioning(traj.tensors[f"condition.{i}"], recorded_grids(g))
                                     for i, g in enumerate(cond["grids"])]
     return Prompts(embeds, traj.tensors["negative"].to(device=device, dtype=dtype), images)
 

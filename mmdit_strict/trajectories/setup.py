@@ -19,7 +19,7 @@ from ..config.arch import ArchConfig, preset
 from ..config.schema import LoraConfig, ModelConfig, PromptsConfig, SamplerConfig
 from ..kernels.runtime import Runtime
 from ..model import MMDiT, build_model
-from ..model.edit import ConditionImage
+from ..model.edit import SampleConditioning
 from ..sampling import sigma_table
 from .hashing import tensor_sha256
 
@@ -32,7 +32,7 @@ class Prompts:
 
     embeds: list[torch.Tensor]  # each (L_i, C)
     negative: torch.Tensor  # (L_neg, C)
-    images: list[ConditionImage] | None = None  # edit conditioning, one per prompt; None: text-to-image
+    images: list[SampleConditioning] | None = None  # edit conditioning (one or several images) per prompt; None: text-to-image
 
     def hashes(self) -> dict[str, Any]:
         out: dict[str, Any] = {"prompts": [tensor_sha256(e) for e in self.embeds], "negative": tensor_sha256(self.negative)}
@@ -42,7 +42,7 @@ class Prompts:
             out["images"] = image_hashes(self.images)
         return out
 
-    def images_of(self, rows: list[int]) -> list[ConditionImage] | None:
+    def images_of(self, rows: list[int]) -> list[SampleConditioning] | None:
         """The conditioning images of prompts ``rows`` (None for text-to-image): the main job's sample ``i`` is
         prompt ``i``; a GRPO group's samples all take their prompt's image."""
         return None if self.images is None else [self.images[i] for i in rows]

@@ -38,6 +38,38 @@ def test_edit_run_is_byte_identical_and_records_its_conditioning(tmp_path: Path)
     assert rollout.manifest["stage_key"]["conditioning_sha256"] == recompute.manifest["stage_key"]["conditioning_sha256"]
 
 
+@pytest.mark.slow
+def test_two_input_images_per_prompt_run_is_byte_identical(tmp_path: Path) -> None:
+    """`mmdit-strict run experiment=edit_tiny prompts.edit.images_per_prompt=2` (Qwen-Image-Edit-Plus layout:
+    two input images per sample, each its own grid, sizes mixed across the batch) exits 0, byte-identical;
+    every image's grid and sha256 recorded, and the recompute replays them byte for byte."""
+    from mmdit_strict.cli.main import main
+
+    assert main(["run", f"output_dir={tmp_path / 'plus'}", *EDIT, "prompts.edit.images_per_prompt=2"]) == 0
+    rollout = artifact.read(tmp_path / "plus" / "rollout")
+    recompute = artifact.read(tmp_path / "plus" / "recompute")
+    cond = rollout.manifest["conditioning"]
+    assert cond["grids"] == [[[4, 4], [2, 6]], [[2, 6], [6, 3]], [[6, 3], [4, 4]]]
+    assert cond["tokens"] == [28, 30, 34]
+    for i, per_image in enumerate(cond["images"]):
+        latents = rollout.tensors[f"condition.{i}"]
+        assert tensor_sha256(latents) == cond["sha256"][i]
+        start = 0
+        for k, im in enumerate(per_image):
+            assert im["grid"] == cond["grids"][i][k]
+            rows = im["grid"][0] * im["grid"][1]
+            assert tensor_sha256(latents[start:start + rows].contiguous()) == im["sha256"]
+            start += rows
+        assert start == latents.shape[0]
+    assert recompute.manifest["conditioning"] == cond
+    one = compose([f"output_dir={tmp_path}", *EDIT])
+    from mmdit_strict.config.arch import preset
+    from mmdit_strict.trajectories.setup import make_prompts
+
+    single = make_prompts(one.prompts, preset("tiny"), "cpu", "float32").hashes()["images"]
+    assert [im[0]["sha256"] for im in cond["images"]] == [h["sha256"] for h in single]  # image 0: the one-image draw
+
+
 def test_conditioning_is_part_of_the_rollout_key(tmp_path: Path) -> None:
     from mmdit_strict.trajectories.setup import make_prompts
     from mmdit_strict.trajectories.stagekey import rollout_key
@@ -84,12 +116,30 @@ def test_latents_file_source(tmp_path: Path) -> None:
     assert [g.grid for g in got] == [(2, 3), (1, 4), (2, 3)]  # cycled over samples
 
 
+def test_latents_file_with_several_images_per_entry(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from mmdit_strict.model.edit import ConditionImage, Conditioning
+    from mmdit_strict.trajectories.conditioning import read_latents_file, write_latents_file
+
+    two = Conditioning([ConditionImage(torch.randn(6, 64), (2, 3)), ConditionImage(torch.randn(4, 64), (2, 2))])
+    one = ConditionImage(torch.randn(4, 64), (1, 4))
+    back = read_latents_file(write_latents_file(tmp_path / "c.safetensors", [two, one]), 64)
+    assert [b.grids for b in back] == [((2, 3), (2, 2)), ((1, 4),)] and isinstance(back[1], ConditionImage)
+    assert torch.equal(back[0].latents, two.latents) and torch.equal(back[0].images[1].latents, two.images[1].latents)
+    save_file({"latents.0": torch.zeros(9, 64), "grid.0": torch.tensor([[2, 3], [2, 2]])}, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(ValueError, match=r"latents.0 must be \(Σ h·w, 64\)"):
+        read_latents_file(tmp_path / "bad.safetensors", 64)
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["prompts.edit.sizes=[[40,64]]"], "multiples of 16"),
     (["prompts.edit.source=latents"], "needs prompts.edit.latents"),
     (["prompts.edit.source=latents", "prompts.edit.latents=/nonexistent.safetensors"], "is not a file"),
     (["prompts.edit.source=folder"], "encoded by `mmdit-strict run`"),
     (["prompts.edit.source=pictures"], "must be one of"),
+    (["prompts.edit.images_per_prompt=0"], "images_per_prompt must be a count >= 1"),
+    (["prompts.edit.images_per_prompt=[]"], "images_per_prompt must be a count >= 1"),
 ])
 def test_bad_edit_inputs_are_refused(tmp_path: Path, overrides: list[str], message: str) -> None:
     from mmdit_strict.trajectories.setup import make_prompts
