@@ -225,6 +225,8 @@ def check_tensors(traj: Trajectory) -> None:
     S, N = len(m["steps"]), len(m["sample_ids"])
     T = m["grid"][0] * m["grid"][1]
     names = ["init_latents", "sigmas", "negative"] + [f"prompt.{i}" for i in range(N)]
+    if "negatives" in m["prompt_hashes"]:  # one negative per prompt (edit prompts encoded with their images)
+        names += [f"negative.{i}" for i in range(N)]
     missing = [n for n in names if n not in t]
     if missing:
         raise TrajectoryError(f"{where}: {TENSORS} is missing {', '.join(missing)}")

@@ -101,7 +101,7 @@ def velocity(
     model: MMDiT,
     x: torch.Tensor,  # (B, T, 64) in the model dtype
     cond: Sequence[torch.Tensor],  # B prompts, each (L_i, C)
-    neg: torch.Tensor,  # (L_neg, C)
+    neg: torch.Tensor | Sequence[torch.Tensor],  # (L_neg, C) shared, or one per sample (edit: each sample's own)
     sigma: float | Sequence[float],
     grid: tuple[int, int],
     cfg_scale: float,
@@ -113,6 +113,9 @@ def velocity(
 ) -> torch.Tensor:
     """CFG-combined velocity ``(B, T, 64)`` in FP32; ``sigma`` is one value for the batch or one per sample.
 
+    ``neg`` is the negative prompt every sample shares, or one per sample (an edit checkpoint's negatives
+    encoded with each sample's own images).
+
     ``images`` (edit conditioning, one per sample: an input image or several): each sample's input-image latents ride behind its
     noisy latents in both CFG branches (``model.edit``); the velocity is the noisy tokens' rows.
 
@@ -123,7 +126,9 @@ def velocity(
     """
     B = x.shape[0]
     shapes = [[(1, grid[0], grid[1])]] * B
-    negs = [neg] * B
+    negs = [neg] * B if isinstance(neg, torch.Tensor) else list(neg)
+    if len(negs) != B:
+        raise ValueError(f"per-sample negative prompts need one per sample: {B} samples, {len(negs)} negatives")
     if images is not None and len(images) != B:
         raise ValueError(f"edit conditioning needs one image per sample: {B} samples, {len(images)} images")
 

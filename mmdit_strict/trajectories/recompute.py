@@ -46,7 +46,10 @@ def recorded_prompts(traj: artifact.Trajectory, dtype: torch.dtype, device: str)
     cond = traj.manifest.get("conditioning")
     images = None if not cond else [split_conditioning(traj.tensors[f"condition.{i}"], recorded_grids(g))
                                     for i, g in enumerate(cond["grids"])]
-    return Prompts(embeds, traj.tensors["negative"].to(device=device, dtype=dtype), images)
+    negatives = None
+    if "negatives" in traj.manifest["prompt_hashes"]:  # per-prompt negatives (edit prompts encoded with their images)
+        negatives = [traj.tensors[f"negative.{i}"].to(device=device, dtype=dtype) for i in range(n)]
+    return Prompts(embeds, traj.tensors["negative"].to(device=device, dtype=dtype), images, negatives)
 
 
 def micro_batches(ids: list[int], size: int, shuffle: bool, seed: int) -> list[list[int]]:
@@ -230,7 +233,7 @@ def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | 
                     mb_ids = [ids[i] for i in mb]
                     with inject_fault(fault_here), torch.set_grad_enabled(bool(cfg.recompute.autograd)):
                         blocks: list[list[str]] = []
-                        v = velocity(model, x_t.to(model.dtype), [prompts.embeds[i] for i in mb], prompts.negative,
+                        v = velocity(model, x_t.to(model.dtype), [prompts.embeds[i] for i in mb], prompts.negatives_of(mb),
                                      float(used[step]), grid, float(cfg.sampler.cfg_scale), cfg.recompute.cfg_layout,
                                      cfg.recompute.pad_to, block_hashes=blocks, sample_ids=mb_ids,
                                      images=prompts.images_of(mb))

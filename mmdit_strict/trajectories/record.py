@@ -87,6 +87,8 @@ def build_trajectory(
     }
     for i, e in enumerate(prompts.embeds):
         tensors[f"prompt.{i}"] = e.detach().cpu().clone()
+    for i, e in enumerate(prompts.negatives or []):  # edit: each prompt's negative, encoded with its images
+        tensors[f"negative.{i}"] = e.detach().cpu().clone()
     conditioning = None
     if prompts.images is not None:  # edit: each sample's input-image latents (all its images), the replay input of both sides
         for i, im in enumerate(prompts.images):
