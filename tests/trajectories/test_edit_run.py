@@ -132,6 +132,36 @@ def test_latents_file_with_several_images_per_entry(tmp_path: Path) -> None:
         read_latents_file(tmp_path / "bad.safetensors", 64)
 
 
+def test_prompt_file_with_per_prompt_negatives(tmp_path: Path) -> None:
+    """negative_embeds (N, L, C) + negative_mask: each prompt's own negative, hashed and recorded; bad files
+    and a wrong negative count in the CFG forward are refused."""
+    from omegaconf import OmegaConf
+    from safetensors.torch import save_file
+
+    from mmdit_strict.config.arch import preset
+    from mmdit_strict.model import build_model
+    from mmdit_strict.trajectories.engine import velocity
+    from mmdit_strict.trajectories.setup import make_prompts
+
+    D = preset("tiny").joint_attention_dim
+    neg, nmask = torch.randn(2, 5, D), torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    base = {"prompt_embeds": torch.randn(2, 4, D), "prompt_mask": torch.ones(2, 4, dtype=torch.long), "negative_embeds": neg}
+    save_file({**base, "negative_mask": nmask}, str(tmp_path / "ok.safetensors"))
+    prompts = make_prompts(OmegaConf.create({"embeddings": str(tmp_path / "ok.safetensors")}), preset("tiny"), "cpu", "float32")
+    assert [tuple(e.shape) for e in prompts.negatives] == [(3, D), (5, D)] and torch.equal(prompts.negative, neg[0, :3])
+    assert prompts.hashes()["negatives"] == [tensor_sha256(neg[0, :3]), tensor_sha256(neg[1])]
+    for name, extra, message in (("nomask", {}, "need negative_mask"),
+                                 ("count", {"negative_embeds": torch.randn(3, 5, D), "negative_mask": torch.ones(3, 5)},
+                                  "3 per-prompt negatives for 2 prompts"),
+                                 ("empty", {"negative_mask": torch.tensor([[0, 0, 0, 0, 0], [1, 1, 1, 1, 1]])}, "at least one valid")):
+        save_file({**base, **extra}, str(tmp_path / f"{name}.safetensors"))
+        with pytest.raises(ValueError, match=message):
+            make_prompts(OmegaConf.create({"embeddings": str(tmp_path / f"{name}.safetensors")}), preset("tiny"), "cpu", "float32")
+    model = build_model(preset("tiny"), seed=0, runtime="strict")
+    with pytest.raises(ValueError, match="one per sample: 2 samples, 1 negatives"):
+        velocity(model, torch.randn(2, 4, 64), prompts.embeds, prompts.negatives[:1], 0.5, (2, 2), 4.0, "batched")
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["prompts.edit.sizes=[[40,64]]"], "multiples of 16"),
     (["prompts.edit.source=latents"], "needs prompts.edit.latents"),
