@@ -322,22 +322,38 @@ def cmd_encode(args: argparse.Namespace) -> int:
 
 
 def _encode_edit(args: argparse.Namespace, prompts: list[str], dtype: Any) -> int:
-    """``encode --images DIR``: each prompt with its input image (sorted by name, one per prompt)."""
-    from ..pipelines.encode_edit import encode_edit_prompts, load_edit_components, load_images, write_edit_prompt_file
+    """``encode --images DIR``: each prompt with its input image(s) (``pipelines.edit_images``: one file per
+    prompt, or one subfolder per prompt), with the one-image contract or, for a Plus folder, the Plus one."""
+    from ..pipelines.edit_images import PLUS_PIPELINE, is_plus_folder, load_image_sets
+    from ..pipelines.encode_edit import CONDITION_AREA, encode_edit_prompts, load_edit_components, write_edit_prompt_file
+    from ..pipelines.encode_edit_plus import PLUS_CONDITION_AREA, PLUS_PROMPT_TEMPLATE, encode_plus_prompts
 
-    named = load_images(args.images)
-    if len(named) != len(prompts):
-        raise ValueError(f"{len(prompts)} prompts and {len(named)} images in {args.images}: give one image per prompt "
-                         "(matched in order of the image file names)")
-    area = args.condition_area or None
+    sets = load_image_sets(args.images)
+    if len(sets) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts and {len(sets)} image sets in {args.images}: give one image (or one "
+                         "subfolder of images) per prompt, matched in order of name")
+    plus = is_plus_folder(args.pipeline)
+    if not plus and any(len(ims) > 1 for _, ims in sets):
+        raise ValueError(f"several input images per prompt need a Qwen-Image-Edit-Plus pipeline folder (model_index.json "
+                         f"_class_name {PLUS_PIPELINE}); {args.pipeline} takes one image per prompt")
+    area = (PLUS_CONDITION_AREA if plus else CONDITION_AREA) if args.condition_area is None else (args.condition_area or None)
     processor, encoder = load_edit_components(args.pipeline, torch_dtype=dtype, device=args.device)
-    images = [im for _, im in named]
-    encoded = encode_edit_prompts(processor, encoder, prompts, images, args.negative_prompt, batch_size=args.batch_size,
-                                  condition_area=area, device=args.device)
+    kw = dict(batch_size=args.batch_size, condition_area=area, negative_with_images=not args.negative_text_only,
+              device=args.device)
+    if plus:
+        images: list[Any] = [ims for _, ims in sets]
+        names: list[Any] = [n for n, _ in sets]
+        encoded = encode_plus_prompts(processor, encoder, prompts, images, args.negative_prompt, **kw)
+    else:
+        images, names = [ims[0] for _, ims in sets], [n[0] for n, _ in sets]
+        encoded = encode_edit_prompts(processor, encoder, prompts, images, args.negative_prompt, **kw)
+    extra = {"template": PLUS_PROMPT_TEMPLATE} if plus else {}
     path = write_edit_prompt_file(args.out, encoded, pipeline_folder=args.pipeline, batch_size=args.batch_size,
-                                  image_names=[n for n, _ in named], images=images, condition_area=area)
-    print(f"encode: {len(prompts)} edit prompts with their images → {path} (prompt_embeds {tuple(encoded.prompt_embeds.shape)}, "
-          f"negative {tuple(encoded.negative_embeds.shape)}, text-only); use it with prompts.embeddings={path}")
+                                  image_names=names, images=images, condition_area=area, **extra)
+    how = "text-only, shared" if encoded.negative_mask is None else "one per prompt, with its images"
+    print(f"encode: {len(prompts)} {'Plus ' if plus else ''}edit prompts with their images → {path} (prompt_embeds "
+          f"{tuple(encoded.prompt_embeds.shape)}, negative {tuple(encoded.negative_embeds.shape)}: {how}); "
+          f"use it with prompts.embeddings={path}")
     return EXIT_OK
 
 
@@ -504,11 +520,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="text encoder dtype")
     p.add_argument("--max-sequence-length", type=int, default=1024)
     p.add_argument("--images", default=None,
-                   help="Qwen-Image-Edit: a folder of input images, one per prompt in order of file name; each prompt is "
-                   "encoded with its image (the pipeline folder needs processor/)")
-    p.add_argument("--condition-area", type=int, default=1024 * 1024,
-                   help="with --images: resize each image to about this many pixels first, sides multiples of 32, as "
-                   "QwenImageEditPipeline does (0: keep the size)")
+                   help="Qwen-Image-Edit: a folder of input images, one per prompt in order of file name, or one subfolder "
+                   "per prompt (in order of name) holding that prompt's images (several need a Qwen-Image-Edit-Plus "
+                   "folder); each prompt is encoded with its images (the pipeline folder needs processor/)")
+    p.add_argument("--condition-area", type=int, default=None,
+                   help="with --images: resize each image to about this many pixels first, sides multiples of 32 "
+                   "(default: 1048576 as QwenImageEditPipeline, 147456 for a Plus folder as QwenImageEditPlusPipeline; "
+                   "0: keep the size)")
+    p.add_argument("--negative-text-only", action="store_true",
+                   help="with --images: encode the negative prompt once, text-only, shared by all prompts (default: "
+                   "with each prompt's images, one negative per prompt, as the diffusers edit pipelines do)")
     p = add("fingerprint", cmd_fingerprint, "print the sha256 fingerprint of the model/arithmetic contract", overrides=False)
     p.add_argument("--preset", default="qwen-image", help="architecture preset (qwen-image | tiny)")
     p = add("operators", cmd_operators, "list the operator inventory: implementations per device/dtype, strict or not", overrides=False)

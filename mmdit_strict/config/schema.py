@@ -58,13 +58,16 @@ class SamplerConfig:
 
 @dataclass
 class EditConfig:
-    """Edit conditioning (Qwen-Image-Edit): one input image per sample, as packed VAE latents."""
+    """Edit conditioning (Qwen-Image-Edit, -Plus): one or several input images per sample, as packed VAE latents."""
 
     source: Optional[str] = None  # None: text-to-image | seeded: latents drawn per sample | latents: a file | folder: images
     sizes: list = field(default_factory=lambda: [[64, 64], [32, 96]])  # seeded: input (height, width) in pixels, cycled over samples
     seed: int = 0  # seeded: the draw's seed
+    images_per_prompt: Any = 1  # seeded: input images per sample (Plus), a count or a list of counts cycled over samples
     latents: Optional[str] = None  # source=latents: safetensors of latents.{i} (h·w, C) and grid.{i} (2,), cycled over samples
-    folder: Optional[str] = None  # source=folder: image files (sorted by name, cycled over samples), sides multiples of 16
+    folder: Optional[str] = None  # source=folder: image files (sorted by name, cycled over samples), sides multiples of 16;
+    #   or one subfolder per prompt (sorted by name) holding that prompt's images (sorted by name): several per prompt (Plus)
+    vae_area: Optional[int] = None  # source=folder: resize each picture to about this many pixels (sides multiples of 32) before the VAE, as the Plus pipeline does (1048576); None: keep its size
     vae: Optional[str] = None  # source=folder: pipeline folder whose vae/ encodes them (None: model.checkpoint) | tiny
 
 

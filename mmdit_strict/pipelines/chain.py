@@ -91,19 +91,33 @@ def prepare_prompts(cfg: DictConfig, kind: str = "run") -> tuple[DictConfig, dic
 
 
 def _encode_edit_prompts(cfg: DictConfig, folder: Path, texts: list[str], negative: str, encoder: Any, out: Path) -> Path:
-    """``prompts.edit.source=folder`` with an edit folder (``processor/``): prompt ``i`` encoded with picture ``i mod n`` of ``prompts.edit.folder``
-    (sorted by name: the picture whose latents condition sample ``i``), into ``out/prompts.safetensors``."""
-    from .encode_edit import CONDITION_AREA, encode_edit_prompts, load_images, write_edit_prompt_file
+    """``prompts.edit.source=folder`` with an edit folder (``processor/``): prompt ``i`` encoded with image set
+    ``i mod n`` of ``prompts.edit.folder`` (``edit_images`` layouts: the set whose latents condition sample
+    ``i``), its negative with the same images, into ``out/prompts.safetensors``. A Plus folder takes the Plus
+    contract; any other edit folder one image per prompt."""
+    from .edit_images import PLUS_PIPELINE, is_plus_folder, load_image_sets
+    from .encode_edit import CONDITION_AREA, encode_edit_prompts, write_edit_prompt_file
+    from .encode_edit_plus import PLUS_CONDITION_AREA, PLUS_PROMPT_TEMPLATE, encode_plus_prompts
     from .tiny_edit import load_processor
 
     if not cfg.prompts.edit.folder:
         raise ValueError("prompts.edit.source=folder needs prompts.edit.folder=DIR (the input pictures)")
-    named = load_images(cfg.prompts.edit.folder)
-    chosen = [named[i % len(named)] for i in range(len(texts))]
-    images = [im for _, im in chosen]
-    encoded = encode_edit_prompts(load_processor(folder), encoder, texts, images, negative, device=cfg.model.device)
+    sets = load_image_sets(cfg.prompts.edit.folder)
+    chosen = [sets[i % len(sets)] for i in range(len(texts))]
+    processor = load_processor(folder)
+    if is_plus_folder(folder):
+        images: list[Any] = [ims for _, ims in chosen]
+        encoded = encode_plus_prompts(processor, encoder, texts, images, negative, device=cfg.model.device)
+        return write_edit_prompt_file(out / "prompts.safetensors", encoded, pipeline_folder=folder, batch_size=1,
+                                      image_names=[n for n, _ in chosen], images=images, condition_area=PLUS_CONDITION_AREA,
+                                      template=PLUS_PROMPT_TEMPLATE)
+    if any(len(ims) > 1 for _, ims in chosen):
+        raise ValueError(f"prompts.edit.folder={cfg.prompts.edit.folder} gives a prompt several images: that needs a "
+                         f"Qwen-Image-Edit-Plus checkpoint folder (model_index.json _class_name {PLUS_PIPELINE})")
+    images = [ims[0] for _, ims in chosen]
+    encoded = encode_edit_prompts(processor, encoder, texts, images, negative, device=cfg.model.device)
     return write_edit_prompt_file(out / "prompts.safetensors", encoded, pipeline_folder=folder, batch_size=1,
-                                  image_names=[n for n, _ in chosen], images=images, condition_area=CONDITION_AREA)
+                                  image_names=[n[0] for n, _ in chosen], images=images, condition_area=CONDITION_AREA)
 
 
 def prepare_edit(cfg: DictConfig, kind: str = "run") -> DictConfig:

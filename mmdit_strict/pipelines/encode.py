@@ -18,7 +18,9 @@ File written by :func:`write_prompt_file` (read by rollout and training through 
     prompts.safetensors
       prompt_embeds    (N, L, C)  text encoder dtype, rows past the mask are zero
       prompt_mask      (N, L)     int64, 1 = valid (prefix)
-      negative_embeds  (L_neg, C) the negative prompt's valid rows
+      negative_embeds  (L_neg, C) the negative prompt's valid rows; edit prompts encoded with their images
+                       hold one negative per prompt instead: (N, L_neg, C), zero past its mask
+      negative_mask    (N, L_neg) int64, only with per-prompt negatives
       header metadata  format, prompts (JSON), negative_prompt, template and its sha256, drop_tokens,
                        max_sequence_length, batch_size, dtype, tokenizer and text_encoder identities
 """
@@ -76,9 +78,10 @@ class EncodedPrompts:
 
     prompt_embeds: torch.Tensor  # (N, L, C)
     prompt_mask: torch.Tensor  # (N, L) int64, prefix of ones
-    negative_embeds: torch.Tensor | None  # (L_neg, C)
+    negative_embeds: torch.Tensor | None  # (L_neg, C); or (N, L_neg, C) per prompt, with negative_mask
     prompts: list[str]
     negative_prompt: str | None
+    negative_mask: torch.Tensor | None = None  # (N, L_neg) int64 when each prompt has its own negative
 
 
 def encode_batch(tokenizer: Any, text_encoder: Any, prompts: Sequence[str], *, device: str | torch.device = "cpu",
@@ -178,6 +181,8 @@ def write_prompt_file(path: str | Path, enc: EncodedPrompts, *, pipeline_folder:
         "prompt_mask": enc.prompt_mask.detach().to("cpu").contiguous(),
         "negative_embeds": enc.negative_embeds.detach().to("cpu").contiguous(),
     }
+    if enc.negative_mask is not None:
+        tensors["negative_mask"] = enc.negative_mask.detach().to("cpu").contiguous()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

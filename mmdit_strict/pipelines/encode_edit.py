@@ -11,10 +11,15 @@ What one (prompt, input image) pair becomes — the steps of diffusers' ``QwenIm
 3. the text encoder runs on ids, mask and patches; the last hidden state's valid rows are kept and the first
    :data:`EDIT_DROP_TOKENS` (64) dropped; rows are zero-padded to the longest prompt with a 0/1 mask.
 
-Prompts are encoded one per batch by default, as in ``encode.py``. The negative prompt is encoded
-text-only with the text-to-image template (``encode.encode_batch``): rollout shares one negative across
-all prompts, while diffusers' edit pipeline encodes the negative with each prompt's image. The file is
-``encode.py``'s format; its header also names the template, the images and their sha256.
+Prompts are encoded one per batch by default, as in ``encode.py``. The negative prompt is encoded like a
+prompt, with each prompt's own image (what diffusers' edit pipelines do), so every prompt has its own
+negative (``negative_with_images=True``, the default); ``negative_with_images=False`` encodes it once,
+text-only, with the text-to-image template (``encode.encode_batch``) and all prompts share it. The file is
+``encode.py``'s format; its header also names the template, the images and their sha256, and how the
+negative was encoded.
+
+:func:`encode_vision_batch` (templated texts with their images → embeddings) is shared with the
+several-images-per-prompt contract of ``encode_edit_plus``.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import hashlib
 import json
 import math
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -78,18 +83,22 @@ def load_images(folder: str | Path) -> list[tuple[str, Any]]:
     return out
 
 
-def encode_edit_batch(processor: Any, text_encoder: Any, prompts: Sequence[str], images: Sequence[Any], *,
-                      device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Encode one batch of prompts, each with its (already resized) image: ``(N, L, C)`` and ``(N, L)`` mask."""
+def check_prompts(prompts: Sequence[str]) -> None:
+    """A clear error unless ``prompts`` is a non-empty list of strings without vision tokens (the template
+    places the images itself)."""
     if isinstance(prompts, str) or not prompts or not all(isinstance(p, str) for p in prompts):
         raise ValueError("prompts must be a non-empty list of strings")
-    if len(images) != len(prompts):
-        raise ValueError(f"{len(prompts)} prompts and {len(images)} images: give one image per prompt")
     for p in prompts:
         if any(m in p for m in _VISION_MARKERS):
             raise ValueError(f"prompt {p!r} holds a vision token; the template places the image itself")
-    text = [EDIT_PROMPT_TEMPLATE.format(p) for p in prompts]
-    inputs = processor(text=text, images=list(images), padding=True, return_tensors="pt").to(device)
+
+
+def encode_vision_batch(processor: Any, text_encoder: Any, texts: Sequence[str], images: Sequence[Any], *,
+                        device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode templated ``texts`` whose ``<|image_pad|>`` tokens take ``images`` in order (all the texts'
+    images in one flat list): ``(N, L, C)`` embeddings (the first :data:`EDIT_DROP_TOKENS` rows of each
+    dropped, zero-padded to the longest) and their ``(N, L)`` 0/1 mask."""
+    inputs = processor(text=list(texts), images=list(images), padding=True, return_tensors="pt").to(device)
     with torch.no_grad():
         out = text_encoder(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
                            pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"],
@@ -108,11 +117,41 @@ def encode_edit_batch(processor: Any, text_encoder: Any, prompts: Sequence[str],
     return embeds.to(dtype=text_encoder.dtype), mask
 
 
+def in_batches(encode: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]], n: int,
+               batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``encode(start, stop)`` over ``[0, n)`` in batches of ``batch_size``, zero-padded to the longest."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    parts = [encode(i, min(n, i + batch_size)) for i in range(0, n, batch_size)]
+    longest = max(e.shape[1] for e, _ in parts)
+    embeds = torch.cat([torch.nn.functional.pad(e, (0, 0, 0, longest - e.shape[1])) for e, _ in parts])
+    mask = torch.cat([torch.nn.functional.pad(m, (0, longest - m.shape[1])) for _, m in parts])
+    return embeds, mask
+
+
+def encode_edit_batch(processor: Any, text_encoder: Any, prompts: Sequence[str], images: Sequence[Any], *,
+                      device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode one batch of prompts, each with its (already resized) image: ``(N, L, C)`` and ``(N, L)`` mask."""
+    check_prompts(prompts)
+    if len(images) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts and {len(images)} images: give one image per prompt")
+    return encode_vision_batch(processor, text_encoder, [EDIT_PROMPT_TEMPLATE.format(p) for p in prompts], images,
+                               device=device)
+
+
+def text_only_negative(processor: Any, text_encoder: Any, negative_prompt: str, *,
+                       device: str | torch.device = "cpu") -> torch.Tensor:
+    """The negative prompt's valid rows ``(L, C)``, text-only with the text-to-image template."""
+    ne, nm = encode_batch(processor.tokenizer, text_encoder, [negative_prompt], device=device)
+    return ne[0, : int(nm[0].sum())]
+
+
 def encode_edit_prompts(processor: Any, text_encoder: Any, prompts: Sequence[str], images: Sequence[Any],
                         negative_prompt: str | None = " ", *, batch_size: int = 1, condition_area: int | None = CONDITION_AREA,
-                        device: str | torch.device = "cpu") -> EncodedPrompts:
+                        negative_with_images: bool = True, device: str | torch.device = "cpu") -> EncodedPrompts:
     """Encode ``prompts[i]`` with ``images[i]`` (PIL images, one per prompt) in batches of ``batch_size``;
-    the negative prompt text-only (module docstring)."""
+    the negative prompt with each prompt's image (one negative per prompt), or text-only and shared
+    (``negative_with_images=False``; module docstring)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if isinstance(prompts, str) or not prompts:
@@ -122,16 +161,17 @@ def encode_edit_prompts(processor: Any, text_encoder: Any, prompts: Sequence[str
     if any(im is None for im in images):
         raise ValueError(f"prompt {[im is None for im in images].index(True)} has no image")
     resized = [condition_image(im, condition_area) for im in images]
-    parts = [encode_edit_batch(processor, text_encoder, prompts[i:i + batch_size], resized[i:i + batch_size], device=device)
-             for i in range(0, len(prompts), batch_size)]
-    longest = max(e.shape[1] for e, _ in parts)
-    embeds = torch.cat([torch.nn.functional.pad(e, (0, 0, 0, longest - e.shape[1])) for e, _ in parts])
-    mask = torch.cat([torch.nn.functional.pad(m, (0, longest - m.shape[1])) for _, m in parts])
-    neg = None
-    if negative_prompt is not None:
-        ne, nm = encode_batch(processor.tokenizer, text_encoder, [negative_prompt], device=device)
-        neg = ne[0, : int(nm[0].sum())]
-    return EncodedPrompts(embeds, mask, neg, list(prompts), negative_prompt)
+    embeds, mask = in_batches(lambda a, b: encode_edit_batch(processor, text_encoder, prompts[a:b], resized[a:b], device=device),
+                              len(prompts), batch_size)
+    if negative_prompt is None:
+        return EncodedPrompts(embeds, mask, None, list(prompts), None)
+    if not negative_with_images:
+        return EncodedPrompts(embeds, mask, text_only_negative(processor, text_encoder, negative_prompt, device=device),
+                              list(prompts), negative_prompt)
+    negatives = [negative_prompt] * len(prompts)
+    ne, nm = in_batches(lambda a, b: encode_edit_batch(processor, text_encoder, negatives[a:b], resized[a:b], device=device),
+                        len(prompts), batch_size)
+    return EncodedPrompts(embeds, mask, ne, list(prompts), negative_prompt, nm)
 
 
 def image_sha256(image: Any) -> str:
@@ -141,19 +181,26 @@ def image_sha256(image: Any) -> str:
 
 
 def write_edit_prompt_file(path: str | Path, enc: EncodedPrompts, *, pipeline_folder: str | Path, batch_size: int,
-                           image_names: Sequence[str], images: Sequence[Any], condition_area: int | None) -> Path:
-    """``encode.write_prompt_file`` with the edit template and a header naming the images per prompt."""
+                           image_names: Sequence[Any], images: Sequence[Any], condition_area: int | None,
+                           template: str = EDIT_PROMPT_TEMPLATE) -> Path:
+    """``encode.write_prompt_file`` with the edit ``template`` and a header naming the images per prompt
+    (one name per prompt, or a list of names per prompt with several images) and their sha256."""
     from .encode import folder_identity
 
+    def sha(im: Any) -> Any:
+        return [image_sha256(i) for i in im] if isinstance(im, (list, tuple)) else image_sha256(im)
+
+    negative = ("with each prompt's own images (one negative per prompt, as the diffusers edit pipelines encode it)"
+                if enc.negative_mask is not None else "text-only (text-to-image template; one negative shared by all prompts)")
     extra = {
-        "images": json.dumps(list(image_names), ensure_ascii=False),
-        "images_sha256": json.dumps([image_sha256(im) for im in images]),
+        "images": json.dumps([list(n) if isinstance(n, (list, tuple)) else n for n in image_names], ensure_ascii=False),
+        "images_sha256": json.dumps([sha(im) for im in images]),
         "condition_area": str(condition_area) if condition_area is not None else "none",
-        "negative_conditioning": "text-only (text-to-image template; one negative shared by all prompts)",
+        "negative_conditioning": negative,
         "processor_sha256": folder_identity(Path(pipeline_folder) / "processor", ["*.json", "*.txt", "*.jinja"]),
     }
     return write_prompt_file(path, enc, pipeline_folder=pipeline_folder, batch_size=batch_size,
-                             template=EDIT_PROMPT_TEMPLATE, drop_tokens=EDIT_DROP_TOKENS, extra_metadata=extra)
+                             template=template, drop_tokens=EDIT_DROP_TOKENS, extra_metadata=extra)
 
 
 def load_edit_components(folder: str | Path, *, torch_dtype: torch.dtype = torch.float32,

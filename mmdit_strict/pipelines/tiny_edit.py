@@ -5,7 +5,8 @@ It is :func:`~mmdit_strict.pipelines.tiny.save_tiny_pipeline`'s folder (the same
 and VAE bytes for the same seed) with three changes, laid out as the released Qwen-Image-Edit folder::
 
     folder/
-      model_index.json      _class_name QwenImageEditPipeline, a ``processor`` entry (Qwen2VLProcessor)
+      model_index.json      _class_name QwenImageEditPipeline (QwenImageEditPlusPipeline with ``plus``),
+                            a ``processor`` entry (Qwen2VLProcessor)
       tokenizer/            the tiny tokenizer plus <|image_pad|> <|video_pad|> <|vision_start|> <|vision_end|>
       processor/            the same tokenizer + preprocessor_config.json (Qwen2VLImageProcessor) and
                             video_preprocessor_config.json (Qwen2VLVideoProcessor)
@@ -59,8 +60,9 @@ def _video_config() -> dict[str, Any]:
             "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}}
 
 
-def save_tiny_edit_pipeline(folder: str | Path, seed: int = 0) -> Path:
-    """Write the tiny Qwen-Image-Edit pipeline folder (layout in the module docstring)."""
+def save_tiny_edit_pipeline(folder: str | Path, seed: int = 0, plus: bool = False) -> Path:
+    """Write the tiny Qwen-Image-Edit pipeline folder (layout in the module docstring); ``plus``: the same
+    folder named a ``QwenImageEditPlusPipeline`` (several input images per prompt; same components)."""
     from transformers import AutoTokenizer
 
     folder = save_tiny_pipeline(folder, seed)
@@ -71,7 +73,7 @@ def save_tiny_edit_pipeline(folder: str | Path, seed: int = 0) -> Path:
     (folder / "processor" / "video_preprocessor_config.json").write_text(json.dumps(_video_config(), indent=2, sort_keys=True) + "\n")
     index_path = folder / "model_index.json"
     index = json.loads(index_path.read_text())
-    index["_class_name"] = "QwenImageEditPipeline"
+    index["_class_name"] = "QwenImageEditPlusPipeline" if plus else "QwenImageEditPipeline"
     index["processor"] = ["transformers", "Qwen2VLProcessor"]
     index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return folder

@@ -100,7 +100,8 @@ def evaluate_pairs(
     keys = [pair_key(samples, p) for p in pairs]
     sig = sigmas[steps].contiguous()
     sig_prev = sigmas[[s + 1 for s in steps]].contiguous()
-    v = velocity(model, x_t.to(model.dtype), [prompts.embeds[samples.prompt_ids[n]] for n in rows], prompts.negative,
+    v = velocity(model, x_t.to(model.dtype), [prompts.embeds[samples.prompt_ids[n]] for n in rows],
+                 prompts.negatives_of([samples.prompt_ids[n] for n in rows]),
                  sig.tolist(), grid, cfg_scale, cfg_layout, sample_ids=keys,
                  images=prompts.images_of([samples.prompt_ids[n] for n in rows]))
     res = sde_step(v, x_t, sig, sig_prev, prev_sample=x_next, eta=eta, sigma_max=float(sigmas[1]))

@@ -134,7 +134,8 @@ def rollout_epoch(
             for b0 in range(0, len(todo), bs):
                 rows = todo[b0:b0 + bs]
                 x = xs[step, rows]
-                v = velocity(model, x.to(model.dtype), [prompts.embeds[pids[n]] for n in rows], prompts.negative,
+                v = velocity(model, x.to(model.dtype), [prompts.embeds[pids[n]] for n in rows],
+                             prompts.negatives_of([pids[n] for n in rows]),
                              s, grid, scfg.guidance_scale, scfg.cfg_layout, images=prompts.images_of([pids[n] for n in rows]))
                 sde = [j for j, n in enumerate(rows) if step in sde_steps[n]]
                 ode = [j for j, n in enumerate(rows) if step not in sde_steps[n]]
@@ -167,7 +168,8 @@ def ode_sample(model: MMDiT, runtime: Runtime, prompts: Prompts, prompt_ids: Seq
             nxt = torch.empty_like(x)
             for b0 in range(0, x.shape[0], bs):
                 rows = list(range(b0, min(x.shape[0], b0 + bs)))
-                v = velocity(model, x[rows].to(model.dtype), [prompts.embeds[prompt_ids[n]] for n in rows], prompts.negative,
+                v = velocity(model, x[rows].to(model.dtype), [prompts.embeds[prompt_ids[n]] for n in rows],
+                             prompts.negatives_of([prompt_ids[n] for n in rows]),
                              s, grid, scfg.guidance_scale, scfg.cfg_layout,
                              images=prompts.images_of([prompt_ids[n] for n in rows]))
                 nxt[rows] = euler_step(v, x[rows], s, sp)

@@ -225,6 +225,8 @@ def check_tensors(traj: Trajectory) -> None:
     S, N = len(m["steps"]), len(m["sample_ids"])
     T = m["grid"][0] * m["grid"][1]
     names = ["init_latents", "sigmas", "negative"] + [f"prompt.{i}" for i in range(N)]
+    if "negatives" in m["prompt_hashes"]:  # one negative per prompt (edit prompts encoded with their images)
+        names += [f"negative.{i}" for i in range(N)]
     missing = [n for n in names if n not in t]
     if missing:
         raise TrajectoryError(f"{where}: {TENSORS} is missing {', '.join(missing)}")
@@ -241,7 +243,9 @@ def check_tensors(traj: Trajectory) -> None:
         if t[n].dim() != 2 or t[n].shape[0] < 1 or t[n].shape[1] != D:
             raise TrajectoryError(f"{where}: {n} has shape {tuple(t[n].shape)}, expected (L >= 1, {D})")
     cond = m.get("conditioning")
-    if cond:  # edit: one input image's latents per sample, (h·w, C) on its recorded grid
+    if cond:  # edit: each sample's input-image latents, (Σ h·w, C) on its recorded grid(s)
+        from .conditioning import recorded_grids
+
         grids = cond.get("grids")
         if not isinstance(grids, list) or len(grids) != N or not isinstance(cond.get("sha256"), list) or len(cond["sha256"]) != N:
             raise TrajectoryError(f"{where}: conditioning must hold one grid and one sha256 per sample ({N})")
@@ -249,8 +253,9 @@ def check_tensors(traj: Trajectory) -> None:
             c = t.get(f"condition.{i}")
             if c is None:
                 raise TrajectoryError(f"{where}: {TENSORS} is missing condition.{i} (the edit conditioning of sample {i})")
-            if c.dim() != 2 or tuple(c.shape) != (g[0] * g[1], C):
-                raise TrajectoryError(f"{where}: condition.{i} has shape {tuple(c.shape)}, expected ({g[0] * g[1]}, {C}) for grid {g}")
+            rows = sum(h * w for h, w in recorded_grids(g))
+            if c.dim() != 2 or tuple(c.shape) != (rows, C):
+                raise TrajectoryError(f"{where}: condition.{i} has shape {tuple(c.shape)}, expected ({rows}, {C}) for grid {g}")
     stored = [k for k in ("v", "x", "logp") if k in t]
     if stored and len(stored) != 3:
         raise TrajectoryError(f"{where}: {TENSORS} holds {', '.join(stored)} but not all of v, x, logp")

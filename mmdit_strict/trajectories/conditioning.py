@@ -1,16 +1,21 @@
-"""Edit conditioning of a run: one input image per sample, as packed latents (``prompts.edit``).
+"""Edit conditioning of a run: one or several input images per sample, as packed latents (``prompts.edit``).
 
 Sources (``prompts.edit.source``):
 
-* ``seeded``: latents drawn from ``torch.Generator(cpu)`` keyed by (``prompts.edit.seed``, sample), on
-  the grid of ``prompts.edit.sizes[i % len(sizes)]`` (pixels, sides multiples of 16): no VAE needed;
-* ``latents``: a safetensors file (``latents.{k}`` ``(h·w, C)``, ``grid.{k}`` ``(2,)``; what
-  ``pipelines.edit_inputs`` writes from a folder of pictures); sample ``i`` takes entry ``i % K``;
+* ``seeded``: latents drawn from ``torch.Generator(cpu)``. Sample ``i`` gets
+  ``images_per_prompt[i % len]`` images (an int is the same count for all); its image ``j`` lies on the
+  grid of ``prompts.edit.sizes[(i + j) % len(sizes)]`` (pixels, sides multiples of 16) and is keyed by
+  (``prompts.edit.seed``, ``i``, ``j``): no VAE needed. Image 0 of every sample is the draw a one-image
+  run makes, so ``images_per_prompt=1`` is the one-image layout, byte for byte;
+* ``latents``: a safetensors file (``latents.{k}`` ``(tokens, C)``, ``grid.{k}`` ``(2,)`` for one image
+  or ``(n, 2)`` for ``n`` images whose latents follow one another; what ``pipelines.edit_inputs`` writes
+  from a folder of pictures); sample ``i`` takes entry ``i % K``;
 * ``folder``: pictures VAE-encoded into such a file before the run starts (``mmdit-strict run`` does it;
   a bare rollout refuses the source and names the file form).
 
-The rollout records each sample's latents (``condition.{i}``) and their sha256 in its artifact; the
-recompute and the localizer replay those recorded bytes, never the source.
+The rollout records each sample's latents (``condition.{i}``, all its images in order), their grids and
+sha256 — per image too when a sample has several — in its artifact; the recompute and the localizer
+replay those recorded bytes, never the source.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any, Sequence
 import torch
 
 from ..config.arch import ArchConfig
-from ..model.edit import ConditionImage
+from ..model.edit import ConditionImage, Conditioning, SampleConditioning, split_conditioning
 from .hashing import tensor_sha256
 
 SOURCES = ("seeded", "latents", "folder")
@@ -38,33 +43,50 @@ def pixel_grid(size: Sequence[int], what: str) -> tuple[int, int]:
     return h // PIXELS_PER_TOKEN, w // PIXELS_PER_TOKEN
 
 
-def seeded_images(sizes: Sequence[Sequence[int]], seed: int, n: int, channels: int) -> list[ConditionImage]:
-    """``n`` conditioning images drawn per sample: sample ``i`` on ``sizes[i % len(sizes)]``, keyed by (seed, i)."""
+def image_counts(value: Any) -> list[int]:
+    """``prompts.edit.images_per_prompt`` as a non-empty list of counts >= 1 (an int is a one-entry list)."""
+    counts = [value] if isinstance(value, int) and not isinstance(value, bool) else list(value) if isinstance(value, Sequence) else None
+    if not counts or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in counts):
+        raise ValueError(f"prompts.edit.images_per_prompt must be a count >= 1 or a non-empty list of them, got {value!r}")
+    return counts
+
+
+def _seeded_image(grid: tuple[int, int], seed: int, i: int, j: int, channels: int) -> ConditionImage:
+    key = 2_000_003 * (int(seed) + 1) + i + 1_000_000_007 * j  # j = 0: the one-image draw of sample i
+    g = torch.Generator().manual_seed(key)
+    return ConditionImage(torch.randn(grid[0] * grid[1], channels, generator=g), grid)
+
+
+def seeded_images(sizes: Sequence[Sequence[int]], seed: int, n: int, channels: int,
+                  images_per_prompt: Any = 1) -> list[SampleConditioning]:
+    """``n`` samples' conditioning drawn per sample (module docstring: counts, sizes and keys)."""
     if not sizes:
         raise ValueError("prompts.edit.sizes needs at least one [height, width]")
     grids = [pixel_grid(list(s), f"prompts.edit.sizes[{k}]") for k, s in enumerate(sizes)]
-    out = []
+    counts = image_counts(images_per_prompt)
+    out: list[SampleConditioning] = []
     for i in range(n):
-        h, w = grids[i % len(grids)]
-        g = torch.Generator().manual_seed(2_000_003 * (int(seed) + 1) + i)
-        out.append(ConditionImage(torch.randn(h * w, channels, generator=g), (h, w)))
+        ims = [_seeded_image(grids[(i + j) % len(grids)], seed, i, j, channels) for j in range(counts[i % len(counts)])]
+        out.append(ims[0] if len(ims) == 1 else Conditioning(ims))
     return out
 
 
-def write_latents_file(path: str | Path, images: Sequence[ConditionImage], metadata: dict[str, str] | None = None) -> Path:
-    """Save conditioning latents as ``latents.{k}`` (FP32) and ``grid.{k}`` (int64) for ``source=latents``."""
+def write_latents_file(path: str | Path, images: Sequence[SampleConditioning], metadata: dict[str, str] | None = None) -> Path:
+    """Save conditioning latents as ``latents.{k}`` (FP32) and ``grid.{k}`` (int64: ``(2,)`` for one image,
+    ``(n, 2)`` for a sample of ``n`` images) for ``source=latents``."""
     from safetensors.torch import save_file
 
     tensors: dict[str, torch.Tensor] = {}
     for k, im in enumerate(images):
         tensors[f"latents.{k}"] = im.latents.detach().to("cpu", torch.float32).contiguous()
-        tensors[f"grid.{k}"] = torch.tensor(list(im.grid), dtype=torch.int64)
+        grids = [list(g) for g in im.grids]
+        tensors[f"grid.{k}"] = torch.tensor(grids[0] if isinstance(im, ConditionImage) else grids, dtype=torch.int64)
     path = Path(path)
     save_file(tensors, str(path), metadata=metadata)
     return path
 
 
-def read_latents_file(path: str | Path, channels: int) -> list[ConditionImage]:
+def read_latents_file(path: str | Path, channels: int) -> list[SampleConditioning]:
     """The images of a :func:`write_latents_file` file, with a clear error for a missing or malformed one."""
     from safetensors.torch import load_file
 
@@ -76,21 +98,24 @@ def read_latents_file(path: str | Path, channels: int) -> list[ConditionImage]:
     while f"latents.{k}" in data:
         if f"grid.{k}" not in data:
             raise ValueError(f"{path}: latents.{k} has no grid.{k}")
-        grid = tuple(int(v) for v in data[f"grid.{k}"].tolist())
+        grid = data[f"grid.{k}"]
         lat = data[f"latents.{k}"]
-        if len(grid) != 2 or lat.dim() != 2 or lat.shape[1] != channels:
-            raise ValueError(f"{path}: latents.{k} must be (h·w, {channels}) with grid.{k} = [h, w], "
-                             f"got {tuple(lat.shape)} and {list(grid)}")
+        grids = [grid.tolist()] if grid.dim() == 1 else grid.tolist()
+        tokens = sum(int(g[0]) * int(g[1]) for g in grids) if all(len(g) == 2 for g in grids) else -1
+        if grid.dim() not in (1, 2) or grid.shape[-1] != 2 or not grids or lat.dim() != 2 or lat.shape[1] != channels \
+                or lat.shape[0] != tokens:
+            raise ValueError(f"{path}: latents.{k} must be (Σ h·w, {channels}) with grid.{k} = [h, w] (one image) or "
+                             f"[[h, w], ...] (several), got {tuple(lat.shape)} and {grid.tolist()}")
         if not torch.isfinite(lat).all():
             raise ValueError(f"{path}: latents.{k} contains NaN or Inf")
-        out.append(ConditionImage(lat.to(torch.float32), grid))  # type: ignore[arg-type]
+        out.append(split_conditioning(lat.to(torch.float32), grids))
         k += 1
     if not out:
         raise ValueError(f"{path} holds no conditioning latents (expected latents.0, grid.0, ...)")
     return out
 
 
-def make_images(edit: Any, n: int, arch: ArchConfig) -> list[ConditionImage] | None:
+def make_images(edit: Any, n: int, arch: ArchConfig) -> list[SampleConditioning] | None:
     """The ``n`` samples' conditioning images of ``prompts.edit`` (None for text-to-image), FP32 on the CPU."""
     source = edit.source
     if source is None:
@@ -98,7 +123,7 @@ def make_images(edit: Any, n: int, arch: ArchConfig) -> list[ConditionImage] | N
     if source not in SOURCES:
         raise ValueError(f"prompts.edit.source must be one of {list(SOURCES)} or null, got {source!r}")
     if source == "seeded":
-        return seeded_images(list(edit.sizes), int(edit.seed), n, arch.in_channels)
+        return seeded_images(list(edit.sizes), int(edit.seed), n, arch.in_channels, _plain(getattr(edit, "images_per_prompt", 1)))
     if source == "folder":
         raise ValueError("prompts.edit.source=folder is encoded by `mmdit-strict run` before the rollout; here pass the "
                          "encoded file as prompts.edit.source=latents prompts.edit.latents=FILE")
@@ -108,6 +133,31 @@ def make_images(edit: Any, n: int, arch: ArchConfig) -> list[ConditionImage] | N
     return [table[i % len(table)] for i in range(n)]
 
 
-def image_hashes(images: Sequence[ConditionImage]) -> list[dict[str, Any]]:
-    """Per sample: the conditioning grid and the sha256 of its FP32 latents."""
-    return [{"grid": list(im.grid), "sha256": tensor_sha256(im.latents.detach().to("cpu", torch.float32))} for im in images]
+def _plain(value: Any) -> Any:
+    """An OmegaConf list as a plain list (other values unchanged)."""
+    from omegaconf import ListConfig, OmegaConf
+
+    return OmegaConf.to_container(value) if isinstance(value, ListConfig) else value
+
+
+def _sha(latents: torch.Tensor) -> str:
+    return tensor_sha256(latents.detach().to("cpu", torch.float32))
+
+
+def image_hashes(images: Sequence[SampleConditioning]) -> list[dict[str, Any]]:
+    """Per sample: the conditioning grid and the sha256 of its FP32 latents. A sample of several images has
+    ``grid`` ``[[h, w], ...]`` (one per image), the sha256 of all its latents in order, and ``images``
+    (each image's grid and sha256); a one-image sample keeps the one-image form ``[h, w]``."""
+    out = []
+    for im in images:
+        if isinstance(im, ConditionImage):
+            out.append({"grid": list(im.grid), "sha256": _sha(im.latents)})
+        else:
+            out.append({"grid": [list(g) for g in im.grids], "sha256": _sha(im.latents),
+                        "images": [{"grid": list(c.grid), "sha256": _sha(c.latents)} for c in im.images]})
+    return out
+
+
+def recorded_grids(grid: Sequence[Any]) -> list[list[int]]:
+    """A recorded sample grid as a list of ``[h, w]``: ``[h, w]`` (one image) or ``[[h, w], ...]``."""
+    return [list(grid)] if grid and all(isinstance(v, int) for v in grid) else [list(g) for g in grid]

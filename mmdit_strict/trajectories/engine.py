@@ -19,7 +19,7 @@ from ..kernels.grad_sink import sample_keys
 from ..kernels.runtime import Runtime
 from ..kernels.trace import record
 from ..model import MMDiT
-from ..model.edit import ConditionImage, edit_batch
+from ..model.edit import SampleConditioning, edit_batch
 from ..model.strict import observe_operator
 from ..sampling import SDEStepResult, cfg_combine
 from .hashing import tensor_sha256
@@ -101,7 +101,7 @@ def velocity(
     model: MMDiT,
     x: torch.Tensor,  # (B, T, 64) in the model dtype
     cond: Sequence[torch.Tensor],  # B prompts, each (L_i, C)
-    neg: torch.Tensor,  # (L_neg, C)
+    neg: torch.Tensor | Sequence[torch.Tensor],  # (L_neg, C) shared, or one per sample (edit: each sample's own)
     sigma: float | Sequence[float],
     grid: tuple[int, int],
     cfg_scale: float,
@@ -109,11 +109,14 @@ def velocity(
     pad_to: int | None = None,
     block_hashes: list[list[str]] | None = None,
     sample_ids: Sequence[Hashable] | None = None,
-    images: Sequence[ConditionImage] | None = None,
+    images: Sequence[SampleConditioning] | None = None,
 ) -> torch.Tensor:
     """CFG-combined velocity ``(B, T, 64)`` in FP32; ``sigma`` is one value for the batch or one per sample.
 
-    ``images`` (edit conditioning, one per sample): each sample's input-image latents ride behind its
+    ``neg`` is the negative prompt every sample shares, or one per sample (an edit checkpoint's negatives
+    encoded with each sample's own images).
+
+    ``images`` (edit conditioning, one per sample: an input image or several): each sample's input-image latents ride behind its
     noisy latents in both CFG branches (``model.edit``); the velocity is the noisy tokens' rows.
 
     In ``audit`` runtime, ``block_hashes`` (if given) receives, per sample of the conditional
@@ -123,7 +126,9 @@ def velocity(
     """
     B = x.shape[0]
     shapes = [[(1, grid[0], grid[1])]] * B
-    negs = [neg] * B
+    negs = [neg] * B if isinstance(neg, torch.Tensor) else list(neg)
+    if len(negs) != B:
+        raise ValueError(f"per-sample negative prompts need one per sample: {B} samples, {len(negs)} negatives")
     if images is not None and len(images) != B:
         raise ValueError(f"edit conditioning needs one image per sample: {B} samples, {len(images)} images")
 

@@ -119,7 +119,7 @@ def _replay(traj: Trajectory, ref: Trajectory, step: int, position: int) -> list
     images = prompts.images_of(batch)
     x = ref.tensors["x"][step][batch].to(device=cfg.model.device, dtype=model.dtype)
     cond = [prompts.embeds[i] for i in batch]
-    negs = [prompts.negative] * len(batch)
+    negs = prompts.negative_list(batch)
     scale = float(traj.manifest["cfg_scale"])
 
     fault_key, fault_step = parse_fault(side.get("inject_fault"))

@@ -48,7 +48,7 @@ def peer_rollout(cfg: DictConfig, model: MMDiT, prompts: Prompts, progress: bool
     batches = rollout_batches(cfg.rollout.batch_size, len(ids))
     x = initial_latents(int(cfg.seed), ids, (grid[0] * grid[1], arch.in_channels), str(device))
     scale = float(cfg.sampler.cfg_scale)
-    padded = {tuple(b): (pad_prompts([prompts.embeds[i] for i in b]), pad_prompts([prompts.negative] * len(b)))
+    padded = {tuple(b): (pad_prompts([prompts.embeds[i] for i in b]), pad_prompts(prompts.negative_list(list(b))))
               for b in batches}
 
     def forward(xb: torch.Tensor, sigma: float, ehs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,8 @@ from ..kernels.grad_sink import collect_sample_grads
 from ..kernels.runtime import Runtime, runtime_mode
 from ..kernels.trace import capture_trace
 from ..model import build_model
-from ..model.edit import ConditionImage
+from ..model.edit import split_conditioning
+from .conditioning import recorded_grids
 from ..model.strict import capture_operators, inject_fault, strict_forward
 from . import artifact, partial
 from ..overlay import perturb_fields, perturbing
@@ -43,9 +44,12 @@ def recorded_prompts(traj: artifact.Trajectory, dtype: torch.dtype, device: str)
     n = len(traj.manifest["prompt_hashes"]["prompts"])
     embeds = [traj.tensors[f"prompt.{i}"].to(device=device, dtype=dtype) for i in range(n)]
     cond = traj.manifest.get("conditioning")
-    images = None if not cond else [ConditionImage(traj.tensors[f"condition.{i}"], tuple(g))  # type: ignore[arg-type]
+    images = None if not cond else [split_conditioning(traj.tensors[f"condition.{i}"], recorded_grids(g))
                                     for i, g in enumerate(cond["grids"])]
-    return Prompts(embeds, traj.tensors["negative"].to(device=device, dtype=dtype), images)
+    negatives = None
+    if "negatives" in traj.manifest["prompt_hashes"]:  # per-prompt negatives (edit prompts encoded with their images)
+        negatives = [traj.tensors[f"negative.{i}"].to(device=device, dtype=dtype) for i in range(n)]
+    return Prompts(embeds, traj.tensors["negative"].to(device=device, dtype=dtype), images, negatives)
 
 
 def micro_batches(ids: list[int], size: int, shuffle: bool, seed: int) -> list[list[int]]:
@@ -229,7 +233,7 @@ def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | 
                     mb_ids = [ids[i] for i in mb]
                     with inject_fault(fault_here), torch.set_grad_enabled(bool(cfg.recompute.autograd)):
                         blocks: list[list[str]] = []
-                        v = velocity(model, x_t.to(model.dtype), [prompts.embeds[i] for i in mb], prompts.negative,
+                        v = velocity(model, x_t.to(model.dtype), [prompts.embeds[i] for i in mb], prompts.negatives_of(mb),
                                      float(used[step]), grid, float(cfg.sampler.cfg_scale), cfg.recompute.cfg_layout,
                                      cfg.recompute.pad_to, block_hashes=blocks, sample_ids=mb_ids,
                                      images=prompts.images_of(mb))

@@ -87,13 +87,17 @@ def build_trajectory(
     }
     for i, e in enumerate(prompts.embeds):
         tensors[f"prompt.{i}"] = e.detach().cpu().clone()
+    for i, e in enumerate(prompts.negatives or []):  # edit: each prompt's negative, encoded with its images
+        tensors[f"negative.{i}"] = e.detach().cpu().clone()
     conditioning = None
-    if prompts.images is not None:  # edit: each sample's input-image latents, the replay input of both sides
+    if prompts.images is not None:  # edit: each sample's input-image latents (all its images), the replay input of both sides
         for i, im in enumerate(prompts.images):
             tensors[f"condition.{i}"] = im.latents.detach().to("cpu", torch.float32).clone()
         hashed = prompts.hashes()["images"]
         conditioning = {"grids": [h["grid"] for h in hashed], "sha256": [h["sha256"] for h in hashed],
                         "tokens": [im.tokens for im in prompts.images]}
+        if any("images" in h for h in hashed):  # several input images per sample: each image's grid and sha256
+            conditioning["images"] = [h.get("images", [{"grid": h["grid"], "sha256": h["sha256"]}]) for h in hashed]
     if save_tensors:
         tensors.update({"v": rec.v, "x": rec.x, "logp": rec.logp})
     manifest = {

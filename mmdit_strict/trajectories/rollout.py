@@ -74,7 +74,7 @@ def warm_up(cfg: DictConfig, model: MMDiT, prompts: Prompts) -> float:
     layout = ModelLayout.from_config(cfg.rollout.get("parallel"))
     with runtime_mode(model.runtime), torch.no_grad(), model_parallel(layout):
         for batch in {tuple(b) for b in distributed.SidePlan(ids, cfg.rollout.batch_size, layout.size).batches}:
-            velocity(model, x[list(batch)].to(model.dtype), [prompts.embeds[i] for i in batch], prompts.negative,
+            velocity(model, x[list(batch)].to(model.dtype), [prompts.embeds[i] for i in batch], prompts.negatives_of(list(batch)),
                      float(sigmas[0]), grid, cfg.sampler.cfg_scale, cfg.rollout.cfg_layout, cfg.rollout.pad_to,
                      images=prompts.images_of(list(batch)))
     if x.device.type == "cuda":
@@ -135,7 +135,7 @@ def run_rollout(cfg: DictConfig, out_dir: str | Path, progress: bool = True, mod
             for batch in batches:
                 xb = x[batch]
                 blocks: list[list[str]] = []
-                v = velocity(model, xb.to(model.dtype), [prompts.embeds[i] for i in batch], prompts.negative,
+                v = velocity(model, xb.to(model.dtype), [prompts.embeds[i] for i in batch], prompts.negatives_of(batch),
                              float(used[step]), grid, cfg.sampler.cfg_scale, cfg.rollout.cfg_layout, cfg.rollout.pad_to,
                              block_hashes=blocks, images=prompts.images_of(batch))
                 xn, logp = step_latents(cfg.sampler, cfg.seed, v, xb, used, step, batch)

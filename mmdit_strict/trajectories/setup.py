@@ -19,7 +19,7 @@ from ..config.arch import ArchConfig, preset
 from ..config.schema import LoraConfig, ModelConfig, PromptsConfig, SamplerConfig
 from ..kernels.runtime import Runtime
 from ..model import MMDiT, build_model
-from ..model.edit import ConditionImage
+from ..model.edit import SampleConditioning
 from ..sampling import sigma_table
 from .hashing import tensor_sha256
 
@@ -28,11 +28,15 @@ from .hashing import tensor_sha256
 @dataclass
 class Prompts:
     """Pre-encoded prompts: per-prompt valid rows (no padding), plus the shared negative prompt, and for an
-    edit run each sample's input image (packed latents, FP32 on the CPU)."""
+    edit run each sample's input image(s) (packed latents, FP32 on the CPU).
+
+    ``negatives`` (edit prompts encoded with a vision tower): each prompt's own negative, encoded with that
+    prompt's images as the diffusers edit pipelines do; ``negative`` then holds prompt 0's."""
 
     embeds: list[torch.Tensor]  # each (L_i, C)
     negative: torch.Tensor  # (L_neg, C)
-    images: list[ConditionImage] | None = None  # edit conditioning, one per prompt; None: text-to-image
+    images: list[SampleConditioning] | None = None  # edit conditioning (one or several images) per prompt; None: text-to-image
+    negatives: list[torch.Tensor] | None = None  # per-prompt negatives, each (L_neg_i, C); None: ``negative`` shared
 
     def hashes(self) -> dict[str, Any]:
         out: dict[str, Any] = {"prompts": [tensor_sha256(e) for e in self.embeds], "negative": tensor_sha256(self.negative)}
@@ -40,9 +44,19 @@ class Prompts:
             from .conditioning import image_hashes
 
             out["images"] = image_hashes(self.images)
+        if self.negatives is not None:
+            out["negatives"] = [tensor_sha256(e) for e in self.negatives]
         return out
 
-    def images_of(self, rows: list[int]) -> list[ConditionImage] | None:
+    def negatives_of(self, rows: list[int]) -> torch.Tensor | list[torch.Tensor]:
+        """The negative prompt of prompts ``rows``: the shared one, or each prompt's own (a list)."""
+        return self.negative if self.negatives is None else [self.negatives[i] for i in rows]
+
+    def negative_list(self, rows: list[int]) -> list[torch.Tensor]:
+        """One negative per row of ``rows`` (the shared one repeated, or each prompt's own)."""
+        return [self.negative] * len(rows) if self.negatives is None else [self.negatives[i] for i in rows]
+
+    def images_of(self, rows: list[int]) -> list[SampleConditioning] | None:
         """The conditioning images of prompts ``rows`` (None for text-to-image): the main job's sample ``i`` is
         prompt ``i``; a GRPO group's samples all take their prompt's image."""
         return None if self.images is None else [self.images[i] for i in rows]
@@ -124,13 +138,15 @@ def base_state(model: MMDiT) -> dict[str, torch.Tensor]:
 
 def make_prompts(p: PromptsConfig, arch: ArchConfig, device: str, dtype: str) -> Prompts:
     """Load prompt embeddings from safetensors, or draw synthetic ones keyed by (``p.seed``, prompt id); ``dtype`` is ``model.dtype``."""
+    negatives: list[torch.Tensor] | None = None
     if p.embeddings:
         from safetensors.torch import load_file
 
         data = load_file(p.embeddings)
         for key in ("prompt_embeds", "prompt_mask", "negative_embeds"):
             if key not in data:
-                raise ValueError(f"{p.embeddings} must hold prompt_embeds (N, L, C), prompt_mask (N, L) and negative_embeds (L, C); missing {key}")
+                raise ValueError(f"{p.embeddings} must hold prompt_embeds (N, L, C), prompt_mask (N, L) and negative_embeds "
+                                 f"(L, C; or (N, L, C) with negative_mask (N, L): one negative per prompt); missing {key}")
         pe, pm = data["prompt_embeds"], data["prompt_mask"]
         if pe.dim() != 3 or pe.shape[0] < 1 or tuple(pm.shape) != tuple(pe.shape[:2]):
             raise ValueError(f"{p.embeddings}: prompt_embeds must be (N >= 1, L, C) with prompt_mask (N, L), "
@@ -139,6 +155,9 @@ def make_prompts(p: PromptsConfig, arch: ArchConfig, device: str, dtype: str) ->
         if any(e.shape[0] < 1 for e in embeds):
             raise ValueError(f"{p.embeddings}: every prompt needs at least one valid token (a prompt_mask row is all zero)")
         neg = data["negative_embeds"]
+        if neg.dim() == 3:
+            negatives = per_prompt_negatives(p.embeddings, neg, data.get("negative_mask"), len(embeds))
+            neg = negatives[0]
     else:
         if not 1 <= p.min_tokens <= p.max_tokens:
             raise ValueError(f"prompts need 1 <= min_tokens <= max_tokens, got {p.min_tokens}, {p.max_tokens}")
@@ -150,7 +169,7 @@ def make_prompts(p: PromptsConfig, arch: ArchConfig, device: str, dtype: str) ->
         g = torch.Generator().manual_seed(7_777_777 + p.seed)
         neg = torch.randn(p.negative_tokens, arch.joint_attention_dim, generator=g)
     torch_dtype = DTYPES[dtype]
-    for e in embeds + [neg]:
+    for e in embeds + [neg] + (negatives or []):
         if e.dim() != 2 or e.shape[1] != arch.joint_attention_dim:
             raise ValueError(f"prompt embeddings must be (L, {arch.joint_attention_dim}), got {tuple(e.shape)}")
         if not torch.isfinite(e).all():
@@ -159,7 +178,22 @@ def make_prompts(p: PromptsConfig, arch: ArchConfig, device: str, dtype: str) ->
 
     edit = getattr(p, "edit", None)
     images = make_images(edit, len(embeds), arch) if edit is not None else None
-    return Prompts([e.to(device=device, dtype=torch_dtype) for e in embeds], neg.to(device=device, dtype=torch_dtype), images)
+    cast = [e.to(device=device, dtype=torch_dtype) for e in negatives] if negatives is not None else None
+    return Prompts([e.to(device=device, dtype=torch_dtype) for e in embeds], neg.to(device=device, dtype=torch_dtype), images,
+                   cast)
+
+
+def per_prompt_negatives(where: str, neg: torch.Tensor, mask: torch.Tensor | None, n: int) -> list[torch.Tensor]:
+    """The valid rows of each prompt's negative in a prompt file's ``negative_embeds`` ``(N, L, C)`` and
+    ``negative_mask`` ``(N, L)``; a clear error when the mask is missing or the counts disagree."""
+    if mask is None or tuple(mask.shape) != tuple(neg.shape[:2]):
+        raise ValueError(f"{where}: per-prompt negative_embeds {tuple(neg.shape)} need negative_mask (N, L) of the same N, L")
+    if neg.shape[0] != n:
+        raise ValueError(f"{where}: {neg.shape[0]} per-prompt negatives for {n} prompts (one per prompt)")
+    rows = [neg[i, : int(mask[i].sum())] for i in range(n)]
+    if any(r.shape[0] < 1 for r in rows):
+        raise ValueError(f"{where}: every negative prompt needs at least one valid token (a negative_mask row is all zero)")
+    return rows
 
 
 def check_pad_to(name: str, pad_to: int | None, prompts: Prompts, cfg_scale: float) -> None:
@@ -168,7 +202,7 @@ def check_pad_to(name: str, pad_to: int | None, prompts: Prompts, cfg_scale: flo
         return
     longest = max(e.shape[0] for e in prompts.embeds)
     if cfg_scale != 1.0:
-        longest = max(longest, prompts.negative.shape[0])
+        longest = max([longest, prompts.negative.shape[0]] + [e.shape[0] for e in prompts.negatives or []])
     if pad_to < longest:
         raise ValueError(f"{name}.pad_to={pad_to} is shorter than the longest prompt ({longest} tokens)")
 

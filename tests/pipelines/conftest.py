@@ -38,3 +38,13 @@ def tiny_edit_pipeline_dir(tmp_path_factory):
     from mmdit_strict.pipelines.tiny_edit import save_tiny_edit_pipeline
 
     return save_tiny_edit_pipeline(tmp_path_factory.mktemp("pipe") / "tiny-qwen-image-edit", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_plus_pipeline_dir(tmp_path_factory):
+    """The tiny edit folder named a QwenImageEditPlusPipeline (several input images per prompt), built once."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("transformers")
+    from mmdit_strict.pipelines.tiny_edit import save_tiny_edit_pipeline
+
+    return save_tiny_edit_pipeline(tmp_path_factory.mktemp("pipe") / "tiny-qwen-image-edit-plus", seed=0, plus=True)

@@ -89,7 +89,22 @@ def test_image_changes_the_embedding(parts):
     a = encode_edit_prompts(processor, encoder, PROMPTS[:1], [_picture(64, 64, 0)], negative_prompt=" ", condition_area=None)
     b = encode_edit_prompts(processor, encoder, PROMPTS[:1], [_picture(64, 64, 2)], negative_prompt=" ", condition_area=None)
     assert a.prompt_embeds.shape == b.prompt_embeds.shape and not torch.equal(a.prompt_embeds, b.prompt_embeds)
-    assert_bytes_equal(a.negative_embeds, b.negative_embeds, "the text-only negative does not see the image")
+    assert not torch.equal(a.negative_embeds, b.negative_embeds)  # each negative is encoded with its prompt's image
+    c, d = (encode_edit_prompts(processor, encoder, PROMPTS[:1], [_picture(64, 64, s)], negative_prompt=" ",
+                                condition_area=None, negative_with_images=False) for s in (0, 2))
+    assert c.negative_mask is None and c.negative_embeds.dim() == 2
+    assert_bytes_equal(c.negative_embeds, d.negative_embeds, "the text-only negative does not see the image")
+
+
+def test_per_image_negatives_are_diffusers_bytes(edit_pipe, parts):
+    """The negative of prompt i, encoded with prompt i's image: diffusers' encode_prompt(negative, image)."""
+    images = [_picture(96, 64, 0), _picture(48, 80, 1)]
+    ours = encode_edit_prompts(*parts, PROMPTS, images, negative_prompt="blurry")
+    assert ours.negative_embeds.dim() == 3 and ours.negative_mask.shape == ours.negative_embeds.shape[:2]
+    for i, im in enumerate(images):
+        ref, _ = edit_pipe.encode_prompt("blurry", condition_image(im), device="cpu")
+        n = int(ours.negative_mask[i].sum())
+        assert_bytes_equal(ours.negative_embeds[i, :n], ref[0], f"negative of prompt {i} vs diffusers")
 
 
 def test_edit_encode_errors(parts):
@@ -132,9 +147,12 @@ def test_cli_encode_with_images(tiny_edit_pipeline_dir, parts, tmp_path, capsys)
     prompts = make_prompts(OmegaConf.create({"embeddings": str(out)}), preset("tiny"), "cpu", "float32")
     for i, e in enumerate(prompts.embeds):
         assert_bytes_equal(e, ref.prompt_embeds[i, : int(ref.prompt_mask[i].sum())], f"file prompt {i}")
-    assert_bytes_equal(prompts.negative, ref.negative_embeds, "file negative")
+    assert prompts.negatives is not None and len(prompts.negatives) == 2
+    for i, e in enumerate(prompts.negatives):
+        assert_bytes_equal(e, ref.negative_embeds[i, : int(ref.negative_mask[i].sum())], f"file negative {i}")
+    assert_bytes_equal(prompts.negative, prompts.negatives[0], "the shared slot holds prompt 0's negative")
     assert main(["encode", str(tiny_edit_pipeline_dir), "--prompt", "x", "--images", str(imgs), "--out", str(tmp_path / "q")]) == 2
-    assert "1 prompts and 2 images" in capsys.readouterr().err
+    assert "1 prompts and 2 image sets" in capsys.readouterr().err
 
 
 def test_main_job_encodes_each_prompt_with_its_picture(tiny_pipeline_dir, tiny_edit_pipeline_dir, parts, tmp_path):

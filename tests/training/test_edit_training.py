@@ -54,6 +54,20 @@ def test_edit_first_update_is_on_policy_with_mixed_conditioning_sizes(tmp_path: 
         assert len(set(tr.prompts.images[p].grid for p in row["prompt_ids"])) == 2  # two sizes in every epoch
 
 
+def test_plus_conditioning_and_per_prompt_negatives_stay_on_policy(tmp_path: Path) -> None:
+    """Several input images per prompt (Plus: counts 2 and 1 mixed in the micro-batches) and one negative per
+    prompt (an edit checkpoint's negatives, encoded with each prompt's images): the first update's logp is
+    still the rollout's bytes."""
+    tr = _trainer(tmp_path, "lora.init=random", "train.recompute_old_logp=true", "prompts.edit.images_per_prompt=[2,1]")
+    assert [len(im.grids) for im in tr.prompts.images] == [2, 1, 2]
+    g = torch.Generator().manual_seed(3)
+    tr.prompts.negatives = [torch.randn(2 + i, tr.prompts.negative.shape[1], generator=g).to(tr.prompts.negative)
+                            for i in range(len(tr.prompts.embeds))]
+    row = tr.train_epoch(0)
+    assert row["first_update_pairs"] == 12 and row["first_update_ratio_exact_one_frac"] == 1.0, row
+    assert row["first_update_logp_bytes_differ"] == 0
+
+
 def test_edit_policy_logp_bytes_pair_by_pair_and_the_conditioning_reaches_the_forward(tmp_path: Path) -> None:
     """Micro-batches mixing conditioning sizes reproduce the rollout's logp bytes; the same pairs evaluated
     with other conditioning latents (same grids, same prompts) do not."""
