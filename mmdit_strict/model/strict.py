@@ -229,11 +229,15 @@ def block_forward(
     def qk(where: str, h: torch.Tensor, proj: nn.Module, norm: nn.Module, cos: torch.Tensor, sin: torch.Tensor,
            seq: tuple[int, ...], stream: str) -> torch.Tensor:
         t = heads_of(qkv("qkv_bias_gemm", where, h, proj, seq, stream))
+        if columns is not None:  # the norm + RoPE kernels tile a token's heads by the head count: run them on all
+            t = columns.spread_heads(t)
         fused = _fusion("qk_rmsnorm", "multi_axis_rope", t)
         if fused is not None:
-            return fused(t, norm.weight, cos, sin, seqlens=seq, eps=eps)
-        t = _op("qk_rmsnorm", where, t, t, norm.weight, seqlens=seq, eps=eps)
-        return _op("multi_axis_rope", where, t, t, cos, sin)
+            t = fused(t, norm.weight, cos, sin, seqlens=seq, eps=eps)
+        else:
+            t = _op("qk_rmsnorm", where, t, t, norm.weight, seqlens=seq, eps=eps)
+            t = _op("multi_axis_rope", where, t, t, cos, sin)
+        return t if columns is None else columns.own_heads(t)
 
     qi = qk(wi + ".q", hi, a.to_q, a.norm_q, img_cos, img_sin, iseq, "image")
     ki = qk(wi + ".k", hi, a.to_k, a.norm_k, img_cos, img_sin, iseq, "image")

@@ -2,7 +2,8 @@
 
 A ``tp`` group shares each product by its output features: rank ``j`` computes columns
 ``[j·N/tp, (j+1)·N/tp)`` with the whole reduction length K. The Q/K/V products keep their column shard
-(this rank's attention heads: attention and the Q/K norms and RoPE are per head); the attention output
+(this rank's attention heads: attention is per head; the Q/K norm + RoPE kernels, whose tile follows the
+head count, run in this rank's slots of an all-heads buffer, :meth:`ColumnShards.spread_heads`); the attention output
 projection, the MLP up (+ tanh-GELU) and the MLP down products gather their shards' columns in rank order,
 so their inputs and outputs are whole on every rank (the all-gather formulation). No product ever splits K,
 so no rank adds another rank's partial sums: a shard's columns are the whole product's columns when the
@@ -75,6 +76,26 @@ class ColumnShards:
               stream: str = "image", **kw: Any) -> torch.Tensor:
         """``module``'s whole product ``(M, N)`` on every rank: this rank's columns, gathered in rank order."""
         return self.gather(self.local(op, where, x, module, seqlens, stream, **kw))
+
+    def spread_heads(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's heads ``(M, h, d)`` at their places among all ``h · tp`` heads, zeros elsewhere.
+
+        The Q/K RMSNorm + RoPE kernels tile a token's heads by the head count (the tile's layout fixes each
+        head's sum-of-squares tree), so they run on every head's slot, as on one rank; the other ranks'
+        slots hold zeros and are dropped by :meth:`own_heads`."""
+        if self.size == 1:
+            return t
+        h = t.shape[1]
+        full = t.new_zeros(t.shape[0], h * self.size, t.shape[2])
+        full[:, self.rank * h:(self.rank + 1) * h] = t
+        return full
+
+    def own_heads(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's heads of ``(M, h · tp, d)``, contiguous."""
+        if self.size == 1:
+            return t
+        h = t.shape[1] // self.size
+        return t[:, self.rank * h:(self.rank + 1) * h].contiguous()
 
     def gather(self, part: torch.Tensor) -> torch.Tensor:
         """Every rank's columns ``(M, N/tp)`` → ``(M, N)`` in rank order (attention heads: head order)."""
