@@ -102,6 +102,36 @@ def test_parallel_reader_gives_the_stored_bytes(sharded_ckpt, tmp_path, workers,
         assert torch.equal(model.state_dict()[k], v.to(torch.float32)), k
 
 
+@pytest.mark.gpu
+def test_gpu_load_gives_the_cpu_bytes(sharded_ckpt, tmp_path):
+    """The pinned-staging CUDA path (default and tiny staging, several streams, the on-device cast) gives the
+    CPU load's bytes for every dtype path, and names a NaN as the CPU path does."""
+    from mmdit_strict.model.safetensors_layout import file_spans
+    from mmdit_strict.model.weight_reader import read_tensors
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    bf16_dir = MMDiT.from_pretrained(sharded_ckpt[0], dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16", max_shard_size=40 * 1024)
+    for folder, dtype in ((sharded_ckpt[0], torch.float32), (sharded_ckpt[0], torch.bfloat16), (bf16_dir, torch.float32)):
+        ref = MMDiT.from_pretrained(folder, dtype=dtype).state_dict()
+        spans = [s for f in sorted(folder.glob("*.safetensors")) for s in file_spans(f)]
+        for workers, chunk in _reader_cases():
+            got = read_tensors(spans, torch.device("cuda"), dtype, workers=workers, chunk_bytes=chunk)
+            assert got.nonfinite == []
+            for k, v in ref.items():
+                assert got.tensors[k].is_cuda and torch.equal(got.tensors[k].cpu(), v), f"{folder.name} → {dtype}: {k}"
+        model = MMDiT.from_pretrained(folder, dtype=dtype, device="cuda")
+        assert all(torch.equal(v.cpu(), ref[k]) for k, v in model.state_dict().items())
+    poisoned = _copy(bf16_dir, tmp_path, "poisoned")
+    shard = sorted(poisoned.glob("*.safetensors"))[0]
+    state = load_file(str(shard))
+    key = sorted(state)[0]
+    state[key].view(-1)[0] = float("inf")
+    save_file(state, str(shard), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"NaN/Inf: {key}"):
+        MMDiT.from_pretrained(poisoned, dtype=torch.float32, device="cuda")
+
+
 def test_reads_land_only_in_parameters_or_the_bounded_stage(sharded_ckpt, monkeypatch):
     """No host copy of a tensor beside its parameter: each read fills a parameter's own memory (dtypes
     agree) or the worker's staging buffer of at most HOST_CHUNK_BYTES (a cast)."""
