@@ -96,7 +96,7 @@ class _HostSink:
     """A worker's CPU-target reads: straight into the parameter, or through one small buffer when casting."""
 
     def __init__(self, chunk_bytes: int) -> None:
-        self.chunk = max(_ALIGN, chunk_bytes // _ALIGN * _ALIGN)
+        self.chunk = chunk_bytes
         self.stage: torch.Tensor | None = None
         self.flags: list[tuple[str, torch.Tensor]] = []
 
@@ -131,7 +131,7 @@ class _CudaSink:
 
     def __init__(self, device: torch.device, chunk_bytes: int, after: torch.cuda.Stream) -> None:
         self.device = device
-        self.chunk = max(_ALIGN, chunk_bytes // _ALIGN * _ALIGN)
+        self.chunk = chunk_bytes
         self.stream = torch.cuda.Stream(device)
         self.stream.wait_stream(after)  # the caller's stream allocated the destinations
         self.slots = [torch.empty(self.chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
@@ -215,6 +215,7 @@ def read_tensors(
     if cuda and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     chunk = chunk_bytes or (CUDA_CHUNK_BYTES if cuda else HOST_CHUNK_BYTES)
+    chunk = max(_ALIGN, chunk // _ALIGN * _ALIGN)  # the jobs and the sinks' buffers agree on one size
     jobs = plan_jobs(spans, chunk)
     workers = max(1, min(workers or default_workers(device), len(jobs) or 1))
     dests = {s.key: torch.empty(s.shape, dtype=dtype, device=device) for s in spans}

@@ -78,8 +78,8 @@ def _stored(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def _reader_cases():
-    """(workers, chunk_bytes): the defaults, and tiny staging that splits tensors and groups neighbours."""
-    return [(None, None), (3, 256)]
+    """(workers, chunk_bytes): the defaults, and tiny staging (rounded down to 192 bytes) that splits tensors and groups neighbours."""
+    return [(None, None), (3, 200)]
 
 
 @pytest.mark.parametrize("workers,chunk", _reader_cases())
