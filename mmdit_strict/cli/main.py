@@ -400,7 +400,7 @@ def _require_gpu(what: str) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
-    if args.which not in ("cpu_strict", "peers"):  # the peer survey runs its tiny record set on the CPU
+    if args.which not in ("cpu_strict", "peers", "load"):  # the peer survey runs its tiny record set on the CPU
         _require_gpu(f"bench {args.which}")
     argv = ["--out", args.out]
     if args.which == "peers":
@@ -408,6 +408,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             + (["--quick"] if args.quick else []) + (["--profile", args.profile] if args.profile else [])
     elif args.quick or args.peers is not None or args.families is not None or args.profile is not None:
         raise ValueError(f"--quick, --profile, --peers and --families belong to `bench peers`, not `bench {args.which}`")
+    if args.which == "load":
+        argv += (["--checkpoint", args.checkpoint] if args.checkpoint else []) + (["--device", args.device] if args.device else []) \
+            + (["--repeats", str(args.repeats)] if args.repeats is not None else [])
+    elif args.checkpoint is not None or args.device is not None or args.repeats is not None:
+        raise ValueError(f"--checkpoint, --device and --repeats belong to `bench load`, not `bench {args.which}`")
     module = importlib.import_module(f"mmdit_strict.bench.{args.which}")
     return int(module.main(argv) or 0)
 
@@ -540,13 +545,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which kernels to qualify (default: all of gemm, attention, norms, model); peers: the survey of "
                    "other batch-invariant kernels through the same checks (bench peers; run on its own, in a fresh process)")
     p = add("bench", cmd_bench, "run a benchmark and write its JSON + markdown report", overrides=False)
-    p.add_argument("which", choices=["cpu_strict", "gemm", "model", "attention", "norms", "peers"],
+    p.add_argument("which", choices=["cpu_strict", "gemm", "model", "attention", "norms", "peers", "load"],
                    help="cpu_strict: CPU strict vs production forward; gemm: Triton GEMM engine (GPU); "
                    "model: whole transformer vs diffusers eager on identical weights (GPU); "
                    "attention: strict joint attention vs SDPA/cuDNN (GPU); "
                    "norms: strict row operators (norms, modulation, gating, QK-norm, RoPE) vs FP64 and eager PyTorch (GPU); "
                    "peers: other batch-invariant kernels (PyTorch deterministic, SDPA backends, Liger-Kernel, Megatron-Core) "
-                   "through our invariance / accuracy / speed checks, per operator family (GPU: full record set; CPU: tiny)")
+                   "through our invariance / accuracy / speed checks, per operator family (GPU: full record set; CPU: tiny); "
+                   "load: MMDiT.from_pretrained vs diffusers' from_pretrained(...).to(device) on the same files, time and "
+                   "host memory (GPU or CPU)")
     p.add_argument("--out", default="experiments/local", help="output folder")
     p.add_argument("--quick", action="store_true", help="peers only: the quick record set (a GPU smoke run)")
     p.add_argument("--profile", default=None, choices=["full", "quick", "tiny"],
@@ -555,6 +562,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "megatron-core (ours always runs; default: all)")
     p.add_argument("--families", default=None, help="peers only: comma list of projection, norms, qk_norm_rope, "
                    "attention (default: all)")
+    p.add_argument("--checkpoint", default=None, help="load only: a diffusers transformer folder (default: write the "
+                   "60-block Qwen-Image with random BF16 weights in 9 shards to a cache folder first)")
+    p.add_argument("--device", default=None, help="load only: where the weights go (default: cuda when there is a GPU)")
+    p.add_argument("--repeats", type=int, default=None, help="load only: pairs of loads, engines alternating (default 3)")
     return parser
 
 

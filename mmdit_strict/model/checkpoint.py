@@ -3,9 +3,10 @@
 Layout: ``config.json`` plus ``diffusion_pytorch_model.safetensors`` or shards listed in
 ``diffusion_pytorch_model.safetensors.index.json``. Every tensor is checked against the model's own
 state dict: missing, unexpected and mis-shaped tensors are reported by name, from the headers alone.
-Loading is lazy: the model is built on the ``meta`` device and each tensor is read, moved and cast on
-its own, so host memory beyond the loaded model stays bounded by one shard plus one tensor (a 20 B
-checkpoint never needs an FP32 copy in host memory).
+Loading builds the model on the ``meta`` device and reads every tensor straight into its final place
+(``weight_reader.py``: parallel positional reads, pinned staging for a GPU, one cast on the device), so
+host memory beyond the loaded model stays bounded by the staging buffers (a 20 B checkpoint never needs
+a host copy of its weights, in any dtype).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from safetensors.torch import save_file
 from ..config.arch import ArchConfig
 from ..io import replace_dir
 from ..kernels.runtime import Runtime
+from .safetensors_layout import LayoutError, file_spans
+from .weight_reader import read_tensors
 
 if TYPE_CHECKING:
     from .mmdit import MMDiT
@@ -144,18 +147,6 @@ def _clip(items: list[str], n: int = 8) -> str:
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
 
 
-def _read_tensor(fh: object, key: str) -> torch.Tensor:
-    """One tensor from an open safetensors file, in the file's dtype, on the host (the only host copy)."""
-    return fh.get_tensor(key)  # type: ignore[attr-defined]
-
-
-def _place(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Move then cast (a CUDA target casts on the device, so the host never holds a cast copy)."""
-    if device.type != "cpu":
-        t = t.to(device=device)
-    return t.to(dtype=dtype)
-
-
 def check_headers(model: torch.nn.Module, files: Iterable[Path]) -> dict[str, Path]:
     """Validate names, shapes and dtypes from the safetensors headers alone (no tensor is read).
 
@@ -200,36 +191,29 @@ def _require_match(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]], n
 
 
 def load_state_dict_lazily(
-    model: torch.nn.Module, files: Sequence[Path], device: torch.device, dtype: torch.dtype
+    model: torch.nn.Module, files: Sequence[Path], device: torch.device, dtype: torch.dtype, *, workers: int | None = None
 ) -> dict[str, torch.Tensor]:
-    """Read the checkpoint tensor by tensor straight to ``device`` in ``dtype``.
+    """Read the checkpoint straight into new tensors of ``dtype`` on ``device``.
 
-    Headers are validated first (:func:`check_headers`); then each tensor is read from its file
-    (safetensors maps the file; a read touches only that tensor's pages), checked finite, moved and
-    cast before the next is read, and each shard is closed before the next is opened. Host memory
-    beyond the result is bounded by one shard's mapped pages plus one tensor in flight; no
-    whole-checkpoint copy, in the file dtype or in FP32, is ever built
-    (``tests/model/test_load_memory.py`` measures it).
+    Headers are validated first (:func:`check_headers`: names, shapes, dtypes, duplicates, corrupt or
+    truncated files); then ``weight_reader.read_tensors`` reads the tensors with several threads through
+    bounded staging buffers (pinned for a CUDA target), casting each once, on the device, and checking each
+    finite in its stored dtype. Host memory beyond the result is the staging buffers (no mapped shard, no
+    whole-checkpoint copy in any dtype; ``tests/model/test_load_memory.py`` measures it).
     """
     check_headers(model, files)
-    state: dict[str, torch.Tensor] = {}
-    nonfinite: list[str] = []
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt", device="cpu") as fh:
-                for key in fh.keys():
-                    host = _read_tensor(fh, key)
-                    if not torch.isfinite(host).all():
-                        nonfinite.append(key)
-                    state[key] = _place(host, device, dtype)
-                    del host
-        except SafetensorError as exc:
-            raise CheckpointError(f"{f} is corrupt or truncated: {exc}") from exc
-        except (OSError, RuntimeError) as exc:
-            raise CheckpointError(f"could not read {f}: {exc}") from exc
-    if nonfinite:
-        raise CheckpointError(f"checkpoint tensors contain NaN/Inf: {_clip(sorted(nonfinite))}")
-    return state
+    spans = []
+    try:
+        for f in files:
+            spans += file_spans(f)
+        result = read_tensors(spans, device, dtype, workers=workers)
+    except LayoutError as exc:
+        raise CheckpointError(f"{exc.path} is corrupt or truncated: {exc}") from exc
+    except OSError as exc:
+        raise CheckpointError(f"could not read {exc.filename or 'a shard'}: {exc}") from exc
+    if result.nonfinite:
+        raise CheckpointError(f"checkpoint tensors contain NaN/Inf: {_clip(result.nonfinite)}")
+    return result.tensors
 
 
 def resolve_dtype(

@@ -166,9 +166,11 @@ class MMDiT(DiffusersCompatMixin, nn.Module):
         ``path_or_repo_id`` is a local folder (the transformer folder or a pipeline folder with a
         ``transformer/`` subfolder) or a Hugging Face repo id, resolved through huggingface_hub
         (from the local cache when offline). ``torch_dtype`` (diffusers' name; ``dtype`` is an alias,
-        FP32 when neither is given; ``"auto"``: the checkpoint's stored dtype) is the execution dtype. Tensors are read one at a time straight to
-        ``device`` and ``torch_dtype`` (host memory beyond the model bounded by one shard plus one
-        tensor, whatever ``low_cpu_mem_usage`` says).
+        FP32 when neither is given; ``"auto"``: the checkpoint's stored dtype) is the execution dtype. The
+        model is built without storage and each tensor is read straight to ``device`` (several reader
+        threads; for a GPU through bounded pinned buffers, cast once on the GPU), so host memory beyond
+        the model is a few staging buffers, whatever ``low_cpu_mem_usage`` says. The parameters hold the
+        stored values cast once to ``torch_dtype``; every tensor is checked finite.
         """
         from .checkpoint import load_pretrained, resolve_dtype
 

@@ -73,6 +73,106 @@ def test_bf16_load_casts_once(tiny_ckpt):
     assert_bytes_equal(model.img_in.weight, ref.img_in.weight.to(torch.bfloat16), "bf16 img_in.weight")
 
 
+def _stored(folder: Path) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
+def _reader_cases():
+    """(workers, chunk_bytes): the defaults, and tiny staging (rounded down to 192 bytes) that splits tensors and groups neighbours."""
+    return [(None, None), (3, 200)]
+
+
+@pytest.mark.parametrize("workers,chunk", _reader_cases())
+def test_parallel_reader_gives_the_stored_bytes(sharded_ckpt, tmp_path, workers, chunk):
+    """Every dtype path (FP32 file → FP32, FP32 → BF16, BF16 file → FP32) gives what a plain read + one
+    ``Tensor.to`` gives, whatever the thread count and staging size; so does from_pretrained."""
+    from mmdit_strict.model.safetensors_layout import file_spans
+    from mmdit_strict.model.weight_reader import read_tensors
+
+    bf16_dir = MMDiT.from_pretrained(sharded_ckpt[0], dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16", max_shard_size=40 * 1024)
+    for folder, dtype in ((sharded_ckpt[0], torch.float32), (sharded_ckpt[0], torch.bfloat16), (bf16_dir, torch.float32)):
+        stored = _stored(folder)
+        spans = [s for f in sorted(folder.glob("*.safetensors")) for s in file_spans(f)]
+        got = read_tensors(spans, torch.device("cpu"), dtype, workers=workers, chunk_bytes=chunk)
+        assert got.nonfinite == [] and sorted(got.tensors) == sorted(stored)
+        for k, v in stored.items():
+            assert torch.equal(got.tensors[k], v.to(dtype)), f"{folder.name} → {dtype}: {k}"
+    model = MMDiT.from_pretrained(bf16_dir, dtype=torch.float32)
+    for k, v in _stored(bf16_dir).items():
+        assert torch.equal(model.state_dict()[k], v.to(torch.float32)), k
+
+
+@pytest.mark.gpu
+def test_gpu_load_gives_the_cpu_bytes(sharded_ckpt, tmp_path):
+    """The pinned-staging CUDA path (default and tiny staging, several streams, the on-device cast) gives the
+    CPU load's bytes for every dtype path, and names a NaN as the CPU path does."""
+    from mmdit_strict.model.safetensors_layout import file_spans
+    from mmdit_strict.model.weight_reader import read_tensors
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    bf16_dir = MMDiT.from_pretrained(sharded_ckpt[0], dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16", max_shard_size=40 * 1024)
+    for folder, dtype in ((sharded_ckpt[0], torch.float32), (sharded_ckpt[0], torch.bfloat16), (bf16_dir, torch.float32)):
+        ref = MMDiT.from_pretrained(folder, dtype=dtype).state_dict()
+        spans = [s for f in sorted(folder.glob("*.safetensors")) for s in file_spans(f)]
+        for workers, chunk in _reader_cases():
+            got = read_tensors(spans, torch.device("cuda"), dtype, workers=workers, chunk_bytes=chunk)
+            assert got.nonfinite == []
+            for k, v in ref.items():
+                assert got.tensors[k].is_cuda and torch.equal(got.tensors[k].cpu(), v), f"{folder.name} → {dtype}: {k}"
+        model = MMDiT.from_pretrained(folder, dtype=dtype, device="cuda")
+        assert all(torch.equal(v.cpu(), ref[k]) for k, v in model.state_dict().items())
+    poisoned = _copy(bf16_dir, tmp_path, "poisoned")
+    shard = sorted(poisoned.glob("*.safetensors"))[0]
+    state = load_file(str(shard))
+    key = sorted(state)[0]
+    state[key].view(-1)[0] = float("inf")
+    save_file(state, str(shard), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"NaN/Inf: {key}"):
+        MMDiT.from_pretrained(poisoned, dtype=torch.float32, device="cuda")
+
+
+def test_reads_land_only_in_parameters_or_the_bounded_stage(sharded_ckpt, monkeypatch):
+    """No host copy of a tensor beside its parameter: each read fills a parameter's own memory (dtypes
+    agree) or the worker's staging buffer of at most HOST_CHUNK_BYTES (a cast)."""
+    import numpy as np
+
+    from mmdit_strict.model import weight_reader
+
+    reads: list[tuple[int, int]] = []
+    real = weight_reader._pread
+
+    def spy(fd, buf, offset, path):
+        reads.append((np.frombuffer(buf, dtype=np.uint8).ctypes.data, len(buf)))
+        real(fd, buf, offset, path)
+
+    monkeypatch.setattr(weight_reader, "_pread", spy)
+    for dtype in (torch.float32, torch.bfloat16):  # the fixture stores FP32
+        reads.clear()
+        model = MMDiT.from_pretrained(sharded_ckpt[0], dtype=dtype)
+        spans = [(p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()) for p in model.parameters()]
+        in_param = [any(a <= addr and addr + n <= b for a, b in spans) for addr, n in reads]
+        if dtype == torch.float32:
+            assert all(in_param) and len(reads) == len(spans)
+        else:
+            assert not any(in_param) and max(n for _, n in reads) <= weight_reader.HOST_CHUNK_BYTES
+
+
+def test_shard_cut_short_after_validation_is_named(tiny_ckpt, tmp_path):
+    """The reader itself names a file that ends inside a tensor (cut between the header check and the read)."""
+    from mmdit_strict.model.safetensors_layout import LayoutError, file_spans
+    from mmdit_strict.model.weight_reader import read_tensors
+
+    f = _copy(tiny_ckpt[0], tmp_path) / WEIGHTS_NAME
+    spans = file_spans(f)
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) - 8])
+    with pytest.raises(LayoutError, match=f"{WEIGHTS_NAME} ended at byte"):
+        read_tensors(spans, torch.device("cpu"), torch.float32, workers=2)
+    with pytest.raises(LayoutError, match=f"{WEIGHTS_NAME}: tensor .* offsets"):
+        file_spans(f)
+
+
 def _fake_hub_cache(root: Path, repo_id: str, src: Path, revision: str = "0123456789abcdef0123456789abcdef01234567") -> Path:
     """huggingface_hub's cache layout: ``models--owner--name/{refs/main, snapshots/<rev>/transformer/...}``."""
     repo_dir = root / f"models--{repo_id.replace('/', '--')}"

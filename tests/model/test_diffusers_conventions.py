@@ -1,16 +1,13 @@
 """diffusers habits on MMDiT: every img_shapes form, torch_dtype / from_config / to_tuple,
-attention_kwargs, lazy loading with bounded host memory, and diffusers' LoRA methods."""
+attention_kwargs, and diffusers' LoRA methods (loading with bounded host memory: test_checkpoint.py)."""
 
 from __future__ import annotations
-
-import weakref
 
 import pytest
 import torch
 
 from mmdit_strict import MMDiT
 from mmdit_strict.config.arch import preset
-from mmdit_strict.model import checkpoint as ckpt_mod
 from mmdit_strict.model.rope import normalize_img_shapes
 from mmdit_strict.tolerances import tolerance
 from tests.harness import assert_bytes_equal
@@ -150,39 +147,6 @@ def test_gradient_checkpointing_switches(tiny_ckpt):
     assert m.is_gradient_checkpointing
     m.disable_gradient_checkpointing()
     assert not m.is_gradient_checkpointing
-
-
-def test_lazy_load_never_holds_a_second_copy(tiny_ckpt, monkeypatch):
-    """Each tensor is read, placed and released before the next read: at any read, at most one earlier
-    host read is still alive unless it *is* the placed tensor (FP32 file into an FP32 model)."""
-    reads: list[weakref.ref] = []
-    placed: list[weakref.ref] = []
-    worst = 0
-    real_read, real_place = ckpt_mod._read_tensor, ckpt_mod._place
-
-    def read(fh, key):
-        nonlocal worst
-        placed_ids = {id(r()) for r in placed if r() is not None}
-        alive = [r() for r in reads if r() is not None and id(r()) not in placed_ids]
-        worst = max(worst, len(alive))
-        t = real_read(fh, key)
-        reads.append(weakref.ref(t))
-        return t
-
-    def place(t, device, dtype):
-        out = real_place(t, device, dtype)
-        placed.append(weakref.ref(out))
-        return out
-
-    monkeypatch.setattr(ckpt_mod, "_read_tensor", read)
-    monkeypatch.setattr(ckpt_mod, "_place", place)
-    for dt in (torch.bfloat16, torch.float32):
-        reads.clear()
-        placed.clear()
-        model = MMDiT.from_pretrained(tiny_ckpt[0], torch_dtype=dt)
-        assert len(reads) == len(model.state_dict())
-        assert worst == 0, f"{dt}: {worst} earlier host reads still alive when reading the next tensor"
-        assert all(p.dtype == dt for p in model.parameters())
 
 
 # ------------------------------------------------------------------------------------ LoRA

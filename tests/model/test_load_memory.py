@@ -1,9 +1,9 @@
-"""Host memory while loading: the model plus one shard's mapped pages and a few tensors, never a
-second whole copy of the checkpoint.
+"""Host memory while loading: the model plus staging buffers (within a shard and a few tensors), never
+a second whole copy of the checkpoint.
 
-A fresh child process samples its resident memory (``RssAnon + RssFile``: safetensors maps the file,
-so tensors read from it are file-backed pages until cast) every 0.2 ms while it loads a BF16
-checkpoint into an FP32 model: once with ``from_pretrained`` (lazy, tensor by tensor) and, in another
+A fresh child process samples its resident memory (``RssAnon + RssFile``: file-backed pages count too,
+for a loader that maps the file) every 0.2 ms while it loads a BF16 checkpoint into an FP32 model: once
+with ``from_pretrained`` (tensors read straight into the parameters) and, in another
 child, the eager way (the whole state dict read and checked, then cast), to show the probe sees the
 difference.
 """
