@@ -95,6 +95,7 @@ def test_ranks_on_gpus_train_the_single_gpu_adapter(tmp_path: Path, backend: str
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the row owner / adapter / run parts are covered by faster tests
 def test_edit_training_on_two_ranks_gives_the_single_process_adapter(tmp_path: Path) -> None:
     """experiment=grpo_edit_tiny (seeded conditioning, drawn identically on every rank) on 2 ranks: on-policy
     first update, and the single process's adapter, checkpoint and metric values."""

@@ -37,6 +37,7 @@ def test_layouts_that_cannot_run_are_refused_by_name(tmp_path: Path, capsys: pyt
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the row owner / adapter / run parts are covered by faster tests
 def test_a_drift_names_the_rank_that_computed_the_row(tmp_path: Path) -> None:
     """The rollout runs sp 2; a fault planted in one image row of the recompute (one rank per sample) drifts, and
     the first-drift line names the sequence rank of the rollout's group that computed that row."""

@@ -39,6 +39,7 @@ def test_edit_run_is_byte_identical_and_records_its_conditioning(tmp_path: Path)
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the row owner / adapter / run parts are covered by faster tests
 def test_two_input_images_per_prompt_run_is_byte_identical(tmp_path: Path) -> None:
     """`mmdit-strict run experiment=edit_tiny prompts.edit.images_per_prompt=2` (Qwen-Image-Edit-Plus layout:
     two input images per sample, each its own grid, sizes mixed across the batch) exits 0, byte-identical;
