@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-ATTENTION = ("ulysses",)
+ATTENTION = ("ulysses", "allgather")
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,8 @@ class ModelLayout:
         sp: sequence-parallel degree: image rows of every sample split over ``sp`` ranks.
         cfg: CFG-parallel degree: 1, or 2 (the conditional and the negative branch on two ranks).
         attention: how sequence-parallel attention meets the whole sequence: ``ulysses`` (all-to-all from
-            row shards to head shards and back; needs heads divisible by ``sp``).
+            row shards to head shards and back; needs heads divisible by ``sp``) or ``allgather`` (every rank
+            gathers the image K/V rows and attends with its own query rows; any head count).
     """
 
     tp: int = 1
@@ -73,7 +74,7 @@ class ModelLayout:
         if heads is not None and self.tp > 1 and heads % self.tp:
             raise ValueError(f"parallel.tp={self.tp} splits the {heads} attention heads over its ranks: tp must divide "
                              f"the head count")
-        if heads is not None and self.sp > 1 and (heads // self.tp) % self.sp:
+        if heads is not None and self.sp > 1 and self.attention == "ulysses" and (heads // self.tp) % self.sp:
             raise ValueError(f"parallel.attention=ulysses splits the {heads // self.tp} attention heads of a tensor rank "
                              f"over sp={self.sp} ranks: sp must divide the head count (divided by tp)")
 

@@ -6,10 +6,12 @@ Forward (every operator is row-local and batch-invariant, so a row's bytes do no
 share its call): the image rows of sample ``b`` are cut into ``sp`` contiguous shards
 (:func:`~mmdit_strict.parallel.layout.row_shards`) with their RoPE rows; text rows, the timestep
 embedding and the per-sample modulation are computed whole on every rank (replicated, identical bytes).
-Joint attention meets the whole sequence by Ulysses: an all-to-all turns (my rows, every head) into
-(every row, my heads) for image Q/K/V, the text Q/K/V keep my heads, the one-rank attention operator runs
-on those heads, and the inverse all-to-all (image) and a head gather (text) bring the outputs back.
-Attention is per head, so its bytes are the one-rank call's. After the last block, the output rows are
+Joint attention meets the whole sequence by Ulysses (``parallel.attention=ulysses``): an all-to-all turns
+(my rows, every head) into (every row, my heads) for image Q/K/V, the text Q/K/V keep my heads, the
+one-rank attention operator runs on those heads, and the inverse all-to-all (image) and a head gather
+(text) bring the outputs back; attention is per head, so its bytes are the one-rank call's. Or by
+gathering K/V (``allgather``): every rank gathers the image K and V rows and the attention operator runs
+this rank's query rows against the whole samples' keys (queries are row-local; checked once per shape). After the last block, the output rows are
 gathered in packed order on every rank.
 
 Backward (autograd on): a block's backward is the one-rank block's backward, recomputed on the gathered
@@ -50,6 +52,70 @@ def ulysses(mp: ModelParallel, rows: RowLayout, heads: int, tseq: tuple[int, ...
         return gather_heads(mp, ot, heads), heads_to_rows(mp, oi, rows, heads)
 
     return attend
+
+
+def allgather(mp: ModelParallel, rows: RowLayout, tseq: tuple[int, ...], iseq_full: tuple[int, ...],
+              iseq: tuple[int, ...]) -> Callable[..., Any]:
+    """The ``attend`` of :func:`~mmdit_strict.model.strict.block_forward` that gathers every rank's image K and V
+    rows and attends with this rank's query rows only (``parallel.attention=allgather``). Text rows are whole on
+    every rank, so every rank also computes the text queries (identical bytes; nothing to gather back)."""
+    from ..kernels.execution import Runtime, current_runtime
+
+    if current_runtime() is Runtime.OFF:
+        raise ValueError("parallel.attention=allgather needs the strict attention operator (query-row subsets): "
+                         "use parallel.attention=ulysses on a runtime=off side")
+    checked: set[tuple] = set()
+
+    def attend(i: int, qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor,
+               vi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k_all, v_all = gather_rows(mp, ki, rows), gather_rows(mp, vi, rows)
+        shape = (tuple(qi.shape[1:]), qi.dtype, qi.device.type)
+        if shape not in checked:
+            _check_query_subsets(qt, qi, tseq, iseq_full, rows.local[mp.sp_rank])
+            checked.add(shape)
+        return _op("joint_attention_fused", f"block{i}.joint", qi, qt, kt, vt, qi, k_all, v_all, txt_seqlens=tseq,
+                   img_seqlens=iseq_full, query_img_seqlens=iseq)
+
+    return attend
+
+
+_SUBSETS_CHECKED: dict[tuple, bool] = {}
+
+
+def _check_query_subsets(qt: torch.Tensor, qi: torch.Tensor, tseq: tuple[int, ...], iseq_full: tuple[int, ...],
+                         mine: list[int]) -> None:
+    """Refuse (ValueError) when the attention in force gives this rank's query rows other bytes than the whole
+    call does: one probe per shape on random rows (the same call pattern as the batch), every row compared."""
+    key = (tseq, iseq_full, tuple(mine), tuple(qi.shape[1:]), qi.dtype, qi.device.type)
+    ok = _SUBSETS_CHECKED.get(key)
+    if ok is None:
+        from ..kernels.execution import bind, current
+
+        g = torch.Generator().manual_seed(len(mine) * 131 + sum(iseq_full))
+        h, d = qi.shape[1:]
+        make = lambda n: torch.randn(n, h, d, generator=g).to(qi.device, qi.dtype)  # noqa: E731
+        t = [make(sum(tseq)) for _ in range(3)]
+        q, k, v = (make(sum(iseq_full)) for _ in range(3))
+        idx = torch.tensor(mine, dtype=torch.long, device=qi.device)
+        qseq = tuple(len([r for r in mine if lo <= r < lo + n]) for lo, n in zip(_starts(iseq_full), iseq_full))
+        quiet = current().replace(trace=None, capture=None, fault=None, overlay=None, gemm_calls=None)
+        with torch.no_grad(), bind(quiet):
+            ot, oi = _op("joint_attention_fused", "sp_probe", q, t[0], t[1], t[2], q, k, v, txt_seqlens=tseq,
+                         img_seqlens=iseq_full)
+            st, si = _op("joint_attention_fused", "sp_probe", q, t[0], t[1], t[2], q.index_select(0, idx).contiguous(),
+                         k, v, txt_seqlens=tseq, img_seqlens=iseq_full, query_img_seqlens=qseq)
+        ok = _SUBSETS_CHECKED[key] = torch.equal(st, ot) and torch.equal(si, oi.index_select(0, idx))
+    if not ok:
+        raise ValueError("parallel.attention=allgather: this platform's joint attention gives a rank's query rows other "
+                         "bytes than the whole call; use parallel.attention=ulysses")
+
+
+def _starts(lengths: tuple[int, ...]) -> list[int]:
+    out, at = [], 0
+    for n in lengths:
+        out.append(at)
+        at += n
+    return out
 
 
 class ShardedBlock(torch.autograd.Function):
@@ -113,7 +179,10 @@ def sharded_forward(mp: ModelParallel, model: Any, inputs: Any,
     packed = pack_images(x, lengths)
     img = _gemm("latent_proj_gemm", "img_in", packed if mp.sp == 1 else rows.part(packed, k), model.img_in, iseq)
     txt, tseq = text_rows(model, inputs)
-    attend = ulysses(mp, rows, heads // mp.tp, tseq, iseq_full) if mp.sp > 1 else None
+    attend = None
+    if mp.sp > 1:
+        attend = (ulysses(mp, rows, heads // mp.tp, tseq, iseq_full) if mp.layout.attention == "ulysses"
+                  else allgather(mp, rows, tseq, iseq_full, iseq))
 
     grad = torch.is_grad_enabled()
     for i, block in enumerate(model.transformer_blocks):
@@ -143,4 +212,4 @@ def _anchor(block: Any, device: torch.device) -> torch.Tensor:
     return torch.empty(0, device=device, requires_grad=needs)
 
 
-__all__ = ["ShardedBlock", "sharded_forward", "ulysses"]
+__all__ = ["ShardedBlock", "allgather", "sharded_forward", "ulysses"]

@@ -27,7 +27,8 @@ import torch
 
 LAYOUTS = {"sp2": {"sp": 2}, "sp4": {"sp": 4}, "cfg2": {"cfg": 2}, "sp2xcfg2": {"sp": 2, "cfg": 2}, "tp2": {"tp": 2},
            "tp4": {"tp": 4}, "tp2xsp2": {"tp": 2, "sp": 2}, "tp2xcfg2": {"tp": 2, "cfg": 2},
-           "tp2xsp2xcfg2": {"tp": 2, "sp": 2, "cfg": 2}}
+           "tp2xsp2xcfg2": {"tp": 2, "sp": 2, "cfg": 2}, "sp2ag": {"sp": 2, "attention": "allgather"},
+           "tp2xsp2ag": {"tp": 2, "sp": 2, "attention": "allgather"}}
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_v_proj", "img_mlp.net.0.proj", "img_mlp.net.2",
                 "txt_mlp.net.2", "img_mod.1"]
 

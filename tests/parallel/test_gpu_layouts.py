@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 
 def _check(tmp_path: Path, ranks: int, extra: list[str]) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-           "-m", "mmdit_strict.trajectories.layout_check", "--arch", "tiny", "--size", "256", "--layouts", "sp2,cfg2,sp2xcfg2,tp2,tp2xcfg2",
+           "-m", "mmdit_strict.trajectories.layout_check", "--arch", "tiny", "--size", "256", "--layouts", "sp2,cfg2,sp2xcfg2,tp2,tp2xcfg2,sp2ag",
            "--out", str(tmp_path), *extra]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -31,7 +31,7 @@ def _check(tmp_path: Path, ranks: int, extra: list[str]) -> dict:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_ranks_sharing_one_gpu_keep_one_ranks_bytes(tmp_path: Path) -> None:
     report = _check(tmp_path, 4, [])
-    assert report["pass"] and {r["layout"] for r in report["rows"]} == {"sp2", "cfg2", "sp2xcfg2", "tp2", "tp2xcfg2"}
+    assert report["pass"] and {r["layout"] for r in report["rows"]} == {"sp2", "cfg2", "sp2xcfg2", "tp2", "tp2xcfg2", "sp2ag"}
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")

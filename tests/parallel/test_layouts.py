@@ -113,7 +113,9 @@ def _rank(rank: int, world: int, port: int, out: str, layouts: dict | None = Non
 
 
 LAYOUTS = {"sp2": {"sp": 2}, "sp4": {"sp": 4}, "cfg2": {"cfg": 2}, "sp2xcfg2": {"sp": 2, "cfg": 2}, "tp2": {"tp": 2},
-           "tp4": {"tp": 4}, "tp2xsp2": {"tp": 2, "sp": 2}, "tp2xcfg2": {"tp": 2, "cfg": 2}}
+           "tp4": {"tp": 4}, "tp2xsp2": {"tp": 2, "sp": 2}, "tp2xcfg2": {"tp": 2, "cfg": 2},
+           "sp2ag": {"sp": 2, "attention": "allgather"}, "sp4ag": {"sp": 4, "attention": "allgather"},
+           "tp2xsp2ag": {"tp": 2, "sp": 2, "attention": "allgather"}}
 WIDE = {"tp2xsp2xcfg2": {"tp": 2, "sp": 2, "cfg": 2}, "tp4xsp2": {"tp": 4, "sp": 2}}  # 8 ranks
 
 

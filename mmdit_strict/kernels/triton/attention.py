@@ -172,25 +172,32 @@ def _check_config(cfg: object) -> AttentionConfig:
 _TABLES: dict[tuple, tuple[torch.Tensor, int]] = {}
 
 
-def _tile_table(tseq: tuple[int, ...], iseq: tuple[int, ...], block: int, device: torch.device) -> tuple[torch.Tensor, int]:
+def _tile_table(tseq: tuple[int, ...], iseq: tuple[int, ...], block: int, device: torch.device,
+                qseq: tuple[int, ...] | None = None) -> tuple[torch.Tensor, int]:
     """Device table of ``block``-row tiles cut from every sample's text and image segments; cached.
 
-    Returns ``(table (tiles, 9) int32, tiles)``; the column meanings are listed above the kernels.
+    ``qseq`` (query subsets, forward only): the image query rows per sample live in their own buffer
+    (``sum(qseq)`` rows, a subset of each sample's image rows) while the keys and values are the whole
+    samples' (``iseq``); image query tiles are cut from each sample's query segment, and the stat rows
+    follow the query buffer. Returns ``(table (tiles, 9) int32, tiles)``; the column meanings are listed
+    above the kernels.
     """
-    key = (tseq, iseq, block, str(device))
+    key = (tseq, iseq, block, str(device), qseq)
     hit = _TABLES.get(key)
     if hit is not None:
         return retain(hit)
     mt = sum(tseq)
     rows: list[list[int]] = []
-    ts = is_ = 0
-    for nt, ni in zip(tseq, iseq):
+    ts = is_ = qs = 0
+    for nt, ni, nq in zip(tseq, iseq, qseq if qseq is not None else iseq):
         sample = [ts, nt, is_, ni, mt + is_]
-        for stream, start, n, stat in ((0, ts, nt, ts), (1, is_, ni, mt + is_)):
+        q0 = qs if qseq is not None else is_
+        for stream, start, n, stat in ((0, ts, nt, ts), (1, q0, nq, mt + q0)):
             for off in range(0, n, block):
                 rows.append([stream, start + off, start + n, stat + off] + sample)
         ts += nt
         is_ += ni
+        qs += nq
     if max((max(r) for r in rows), default=0) >= 2**31:
         raise ValueError("strict joint attention: more than 2^31 rows")
     table = torch.tensor(rows, dtype=torch.int32).reshape(-1, 9).to(device)
@@ -262,8 +269,10 @@ def _seqlens(seqlens: Sequence[int], rows: int, name: str) -> tuple[int, ...]:
     return out
 
 
-def check_inputs(q_txt, k_txt, v_txt, q_img, k_img, v_img, txt_seqlens, img_seqlens) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Validate a call (docs/operators.md); returns the seqlens as int tuples or raises ValueError."""
+def check_inputs(q_txt, k_txt, v_txt, q_img, k_img, v_img, txt_seqlens, img_seqlens,
+                 query_img_seqlens=None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Validate a call (docs/operators.md); returns the seqlens as int tuples or raises ValueError.
+    With ``query_img_seqlens`` q_img holds a subset of each sample's image rows (checked by the caller)."""
     names = ("q_txt", "k_txt", "v_txt", "q_img", "k_img", "v_img")
     tensors = (q_txt, k_txt, v_txt, q_img, k_img, v_img)
     for name, t in zip(names, tensors):
@@ -282,10 +291,10 @@ def check_inputs(q_txt, k_txt, v_txt, q_img, k_img, v_img, txt_seqlens, img_seql
         check_operand(name, t, dtype, device, dtype_of="q_img's", layout="rows, H, d")
     if not (q_txt.shape == k_txt.shape == v_txt.shape):
         raise ValueError(f"q_txt, k_txt, v_txt must have one shape, got {tuple(q_txt.shape)}, {tuple(k_txt.shape)}, {tuple(v_txt.shape)}")
-    if not (q_img.shape == k_img.shape == v_img.shape):
+    if not ((q_img.shape == k_img.shape or query_img_seqlens is not None) and k_img.shape == v_img.shape):
         raise ValueError(f"q_img, k_img, v_img must have one shape, got {tuple(q_img.shape)}, {tuple(k_img.shape)}, {tuple(v_img.shape)}")
     tseq = _seqlens(txt_seqlens, q_txt.shape[0], "txt_seqlens")
-    iseq = _seqlens(img_seqlens, q_img.shape[0], "img_seqlens")
+    iseq = _seqlens(img_seqlens, k_img.shape[0], "img_seqlens")
     if len(tseq) != len(iseq):
         raise ValueError(f"txt_seqlens has {len(tseq)} samples but img_seqlens has {len(iseq)}")
     if len(tseq) == 0:
@@ -293,8 +302,9 @@ def check_inputs(q_txt, k_txt, v_txt, q_img, k_img, v_img, txt_seqlens, img_seql
     return tseq, iseq
 
 
-def _sample_tiles(tseq, iseq, block: int, device: torch.device, only_sample: int | None) -> tuple[torch.Tensor, int]:
-    table, n = _tile_table(tseq, iseq, block, device)
+def _sample_tiles(tseq, iseq, block: int, device: torch.device, only_sample: int | None,
+                  qseq: tuple[int, ...] | None = None) -> tuple[torch.Tensor, int]:
+    table, n = _tile_table(tseq, iseq, block, device, qseq)
     if only_sample is None:
         return table, n
     keep = (table[:, 4] == sum(tseq[:only_sample])) & (table[:, 6] == sum(iseq[:only_sample]))
@@ -303,12 +313,14 @@ def _sample_tiles(tseq, iseq, block: int, device: torch.device, only_sample: int
 
 
 def attention_fwd(q_txt, k_txt, v_txt, q_img, k_img, v_img, tseq, iseq, cfg: AttentionConfig | None = None, *,
-                  out: tuple | None = None, only_sample: int | None = None):
+                  out: tuple | None = None, only_sample: int | None = None, qseq: tuple[int, ...] | None = None):
     """Forward on validated inputs. Returns ``(o_txt (Mt, H, d), o_img (Mi, H, d), lse (Mt+Mi, H) fp32)``.
 
     ``cfg`` replaces the frozen configuration (benchmark candidates only). ``out`` (o_txt, o_img, lse)
     and ``only_sample`` (launch the tiles of that sample alone) exist for the tests that prove no
-    program writes outside its own sample's rows.
+    program writes outside its own sample's rows. ``qseq``: q_img holds that many query rows per sample
+    (a subset of its image rows, against the whole samples' keys); ``Mi`` is then ``sum(qseq)`` and the
+    Triton forward runs (the warp-specialized one anchors queries at the keys' segment; same bytes).
     """
     heads, d = q_img.shape[1:]
     cfg = _check_config(cfg or config_for(d, q_img.dtype))
@@ -318,9 +330,9 @@ def attention_fwd(q_txt, k_txt, v_txt, q_img, k_img, v_img, tseq, iseq, cfg: Att
         out = (torch.empty_like(q_txt), torch.empty_like(q_img),
                torch.empty((q_txt.shape[0] + q_img.shape[0], heads), dtype=torch.float32, device=q_img.device))
     o_txt, o_img, lse = out
-    table, n_tiles = _sample_tiles(tseq, iseq, f.block_m, q_img.device, only_sample)
+    table, n_tiles = _sample_tiles(tseq, iseq, f.block_m, q_img.device, only_sample, qseq)
     qk_scale, _ = _scales(d)
-    if cfg.fwd_ws and n_tiles and _ws_fits(cfg, q_img.dtype, d, tma, q_txt, q_img):
+    if cfg.fwd_ws and qseq is None and n_tiles and _ws_fits(cfg, q_img.dtype, d, tma, q_txt, q_img):
         attention_ws.launch(q_txt, k_txt, v_txt, q_img, k_img, v_img, o_txt, o_img, lse, table, n_tiles, heads, d,
                             qk_scale, f.block_n, f.stages)
     elif n_tiles:
@@ -394,6 +406,7 @@ def joint_attention_fused(
     q_txt: torch.Tensor, k_txt: torch.Tensor, v_txt: torch.Tensor,
     q_img: torch.Tensor, k_img: torch.Tensor, v_img: torch.Tensor, *,
     txt_seqlens: Sequence[int], img_seqlens: Sequence[int], config: AttentionConfig | None = None,
+    query_img_seqlens: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed joint attention (docs/operators.md).
 
@@ -401,8 +414,23 @@ def joint_attention_fused(
     ``txt_seqlens``/``img_seqlens``: rows per sample in each stream (one entry per sample each).
     Returns ``(o_txt (Mt, H·d), o_img (Mi, H·d))`` in the input dtype; differentiable in all six inputs.
     ``config`` replaces the frozen configuration (benchmark candidates only; not for model use).
+    ``query_img_seqlens`` (forward only): q_img holds that many image query rows per sample — a subset of
+    its image rows, as a sequence-parallel rank holds them — against the whole samples' keys and values;
+    o_img then has those rows. Each query row's bytes are its whole-sample call's (queries are row-local).
     """
-    tseq, iseq = check_inputs(q_txt, k_txt, v_txt, q_img, k_img, v_img, txt_seqlens, img_seqlens)
+    qseq = None
+    if query_img_seqlens is not None:
+        qseq = _seqlens(query_img_seqlens, q_img.shape[0], "query_img_seqlens")
+    tseq, iseq = check_inputs(q_txt, k_txt, v_txt, q_img, k_img, v_img, txt_seqlens, img_seqlens, qseq)
+    if qseq is not None:
+        if len(qseq) != len(iseq) or any(q > n for q, n in zip(qseq, iseq)):
+            raise ValueError(f"query_img_seqlens {qseq} must give each of the {len(iseq)} samples at most its "
+                             f"image rows {iseq}")
+        tensors = (q_txt, k_txt, v_txt, q_img, k_img, v_img)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            raise ValueError("joint attention over query subsets is forward only (run it under torch.no_grad())")
+        o_txt, o_img, _ = attention_fwd(*tensors, tseq, iseq, config, qseq=qseq)
+        return o_txt.view(o_txt.shape[0], -1), o_img.view(o_img.shape[0], -1)
     if config is not None:
         _check_config(config)
     tensors = (q_txt, k_txt, v_txt, q_img, k_img, v_img)
