@@ -93,7 +93,7 @@ class ParallelConfig:
     tp: int = 1  # tensor parallel: not built yet (must be 1)
     sp: int = 1  # sequence parallel: image rows of every sample split over sp ranks
     cfg: int = 1  # CFG parallel: 2 puts the conditional and the negative branch on two ranks
-    attention: str = "ulysses"  # how sequence-parallel attention sees the whole sequence
+    attention: str = "ulysses"  # how sequence-parallel attention sees the whole sequence: ulysses | allgather
 
 
 @dataclass
@@ -289,8 +289,8 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "recompute.runtime": (None, "strict", "audit", "auto", "off"),
     "rollout.cfg_layout": ("batched", "sequential"),
     "recompute.cfg_layout": ("batched", "sequential"),
-    "rollout.parallel.attention": ("ulysses",),
-    "recompute.parallel.attention": ("ulysses",),
+    "rollout.parallel.attention": ("ulysses", "allgather"),
+    "recompute.parallel.attention": ("ulysses", "allgather"),
     "lora.init": ("zero_b", "random"),
     "wandb.mode": ("offline", "online", "disabled"),
     "distributed.backend": ("auto", "gloo", "nccl"),
