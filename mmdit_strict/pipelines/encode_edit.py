@@ -161,7 +161,16 @@ def encode_edit_prompts(processor: Any, text_encoder: Any, prompts: Sequence[str
     if any(im is None for im in images):
         raise ValueError(f"prompt {[im is None for im in images].index(True)} has no image")
     resized = [condition_image(im, condition_area) for im in images]
-    embeds, mask = in_batches(lambda a, b: encode_edit_batch(processor, text_encoder, prompts[a:b], resized[a:b], device=device),
+    return encode_with_negatives(encode_edit_batch, processor, text_encoder, prompts, resized, negative_prompt,
+                                 negative_with_images, batch_size, device)
+
+
+def encode_with_negatives(encode_batch: Any, processor: Any, text_encoder: Any, prompts: Sequence[str],
+                          images: Sequence[Any], negative_prompt: str | None, negative_with_images: bool,
+                          batch_size: int, device: str | torch.device) -> EncodedPrompts:
+    """``prompts[i]`` with its (already resized) ``images[i]`` through ``encode_batch(processor, encoder, texts,
+    images, device=)`` in batches, and the negative: none, text-only and shared, or with each prompt's images."""
+    embeds, mask = in_batches(lambda a, b: encode_batch(processor, text_encoder, prompts[a:b], images[a:b], device=device),
                               len(prompts), batch_size)
     if negative_prompt is None:
         return EncodedPrompts(embeds, mask, None, list(prompts), None)
@@ -169,7 +178,7 @@ def encode_edit_prompts(processor: Any, text_encoder: Any, prompts: Sequence[str
         return EncodedPrompts(embeds, mask, text_only_negative(processor, text_encoder, negative_prompt, device=device),
                               list(prompts), negative_prompt)
     negatives = [negative_prompt] * len(prompts)
-    ne, nm = in_batches(lambda a, b: encode_edit_batch(processor, text_encoder, negatives[a:b], resized[a:b], device=device),
+    ne, nm = in_batches(lambda a, b: encode_batch(processor, text_encoder, negatives[a:b], images[a:b], device=device),
                         len(prompts), batch_size)
     return EncodedPrompts(embeds, mask, ne, list(prompts), negative_prompt, nm)
 

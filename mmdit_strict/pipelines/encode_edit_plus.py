@@ -25,7 +25,7 @@ import torch
 
 from .encode import EncodedPrompts
 from .encode_edit import (
-    EDIT_PROMPT_TEMPLATE, check_prompts, condition_image, encode_vision_batch, in_batches, text_only_negative,
+    EDIT_PROMPT_TEMPLATE, check_prompts, condition_image, encode_vision_batch, encode_with_negatives,
 )
 
 PICTURE_BLOCK = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
@@ -70,14 +70,5 @@ def encode_plus_prompts(processor: Any, text_encoder: Any, prompts: Sequence[str
     check_prompts(prompts)
     check_image_sets(prompts, image_sets)
     resized = [[condition_image(im, condition_area) for im in s] for s in image_sets]
-    embeds, mask = in_batches(lambda a, b: encode_plus_batch(processor, text_encoder, prompts[a:b], resized[a:b], device=device),
-                              len(prompts), batch_size)
-    if negative_prompt is None:
-        return EncodedPrompts(embeds, mask, None, list(prompts), None)
-    if not negative_with_images:
-        return EncodedPrompts(embeds, mask, text_only_negative(processor, text_encoder, negative_prompt, device=device),
-                              list(prompts), negative_prompt)
-    negatives = [negative_prompt] * len(prompts)
-    ne, nm = in_batches(lambda a, b: encode_plus_batch(processor, text_encoder, negatives[a:b], resized[a:b], device=device),
-                        len(prompts), batch_size)
-    return EncodedPrompts(embeds, mask, ne, list(prompts), negative_prompt, nm)
+    return encode_with_negatives(encode_plus_batch, processor, text_encoder, prompts, resized, negative_prompt,
+                                 negative_with_images, batch_size, device)
