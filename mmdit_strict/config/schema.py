@@ -20,6 +20,7 @@ from typing import Any, Optional, TypeVar
 
 from omegaconf import OmegaConf
 
+from .parallel import ParallelConfig
 from .training import TRAIN_CHOICES, SampleConfig, TrainConfig
 
 
@@ -84,16 +85,6 @@ class PromptsConfig:
     negative_tokens: int = 3  # synthetic negative prompt length
     seed: int = 0
     edit: EditConfig = field(default_factory=EditConfig)  # input images (edit conditioning); source=None: none
-
-
-@dataclass
-class ParallelConfig:
-    """A side's model-parallel layout under torchrun (docs/parallel.md): ``tp · sp · cfg`` ranks share each batch."""
-
-    tp: int = 1  # tensor parallel: not built yet (must be 1)
-    sp: int = 1  # sequence parallel: image rows of every sample split over sp ranks
-    cfg: int = 1  # CFG parallel: 2 puts the conditional and the negative branch on two ranks
-    attention: str = "ulysses"  # how sequence-parallel attention sees the whole sequence: ulysses | allgather
 
 
 @dataclass
@@ -291,6 +282,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "recompute.cfg_layout": ("batched", "sequential"),
     "rollout.parallel.attention": ("ulysses", "allgather"),
     "recompute.parallel.attention": ("ulysses", "allgather"),
+    "sample.parallel.attention": ("ulysses", "allgather"),
     "lora.init": ("zero_b", "random"),
     "wandb.mode": ("offline", "online", "disabled"),
     "distributed.backend": ("auto", "gloo", "nccl"),

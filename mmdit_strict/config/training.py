@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .parallel import ParallelConfig
+
 
 @dataclass
 class SampleConfig:
@@ -28,6 +30,7 @@ class SampleConfig:
     sde_window_size: int = 0  # 0: SDE on every step; k: SDE on k consecutive steps (window start keyed per group), ODE elsewhere
     sde_window_range: Optional[list] = None  # [lo, hi): window starts drawn from this step range (None: every legal start)
     runtime: Optional[str] = None  # None → runtime.mode
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # the rollout's model-parallel layout (torchrun)
 
 
 @dataclass

@@ -349,7 +349,7 @@ class MMDiT(DiffusersCompatMixin, nn.Module):
             blocks: dict[str, torch.Tensor] | None = {} if audit else None
             graphed = (
                 self.graph_cache is not None and hidden_states.is_cuda and not torch.is_grad_enabled()
-                and runtime in (Runtime.STRICT, Runtime.AUTO) and not instrumented()
+                and runtime in (Runtime.STRICT, Runtime.AUTO) and not instrumented() and not _sharded()
             )
             with using(ctx):
                 if graphed:
@@ -449,3 +449,9 @@ def _desc(t: Any) -> str:
     if isinstance(t, torch.Tensor):
         return f"tensor of shape {tuple(t.shape)} ({t.dtype})"
     return type(t).__name__
+
+
+def _sharded() -> bool:
+    """True under a model-parallel layout that shards the forward (its exchanges cannot run inside a CUDA graph)."""
+    par = current().parallel
+    return par is not None and (par.sp > 1 or par.tp > 1)

@@ -63,6 +63,7 @@ from ..kernels.grad_sink import (
     pending_bound,
 )
 from ..kernels.runtime import Runtime
+from ..parallel import ModelLayout, model_parallel
 from ..sampling import sigma_table
 from ..trajectories.outdir import claim_output_dir
 from ..trajectories.setup import DTYPES, build_side_model, latent_grid, make_prompts, resolve_runtime
@@ -198,6 +199,13 @@ class Trainer:
         if self.session is not None and self.train_rt is Runtime.OFF:
             raise ValueError("train under torchrun folds per-sample LoRA-gradient partials across ranks; train.runtime=off "
                              "deposits none (autograd's sums depend on the split): use strict or audit")
+        self.rollout_layout = ModelLayout.from_config(self.scfg.parallel)  # the epoch rollout's model-parallel layout
+        self.rollout_exchanges = 0
+        if not self.rollout_layout.trivial:
+            if self.session is None:
+                raise ValueError(f"sample.parallel {self.rollout_layout.describe()} needs several ranks: launch with torchrun "
+                                 f"(--nproc-per-node a multiple of {self.rollout_layout.size})")
+            self.rollout_layout.check(self.session.world_size)
         self.model = build_side_model(self.mcfg, self.lcfg, self.rollout_rt)
         self.model.enable_gradient_checkpointing(self.tcfg.grad_checkpointing)
         self.device = self.model.device
@@ -548,16 +556,21 @@ class Trainer:
         return TrainResult(self.out, E, read_metrics(self.out), lora, exported, wandb_error)
 
     def _rollout(self, epoch: int) -> EpochSamples:
-        """The epoch's rollout; under torchrun each rank rolls out its block of sample positions and all gather the rest."""
+        """The epoch's rollout; under torchrun each rank (or model group, ``sample.parallel``) rolls out its block of
+        sample positions and all gather the rest."""
         if self.session is None:
             return rollout_epoch(self.model, self.rollout_rt, self.prompts, self.sigmas, self.grid, self.scfg, self.seed, epoch)
         n = self.scfg.prompts_per_epoch * self.scfg.num_image_per_prompt
-        span = layout.block(n, self.session.world_size, self.session.rank)
+        lay = self.rollout_layout  # model groups (sample.parallel) split the positions as single ranks do
+        span = layout.block(n, lay.groups(self.session.world_size), lay.coords(self.session.rank)["dp"])
         mine = list(span)
-        samples = rollout_epoch(self.model, self.rollout_rt, self.prompts, self.sigmas, self.grid, self.scfg, self.seed, epoch,
-                                positions=mine)
+        with model_parallel(lay) as mp:
+            samples = rollout_epoch(self.model, self.rollout_rt, self.prompts, self.sigmas, self.grid, self.scfg, self.seed,
+                                    epoch, positions=mine)
+        self.rollout_exchanges = int(mp.stats["calls"]) if mp is not None else 0
+        own = mine if mp is None or mp.leader else []  # a model group's ranks hold the same rows: its first sends them
         shares = distributed.all_gather(f"epoch {epoch}: rollout rows",
-                                        {"positions": mine, "x": samples.x[:, mine], "logp": samples.logp[:, mine]})
+                                        {"positions": own, "x": samples.x[:, own], "logp": samples.logp[:, own]})
         for r, share in enumerate(shares):
             if r != self.session.rank and share["positions"]:
                 samples.x[:, share["positions"]] = share["x"].to(samples.x.device)
@@ -615,6 +628,8 @@ class Trainer:
             row.update({"world_size": self.session.world_size, "time_comm_s": moved.seconds,
                         "comm_bytes": moved.bytes_out + moved.bytes_in, "time_fold_comm_s": t_fold_comm,
                         "comm_bytes_per_update": fold_bytes / max(1, train["optimizer_updates"])})
+            if not self.rollout_layout.trivial:  # the rollout's model-group exchanges (all epochs so far, this rank)
+                row["rollout_exchanges"] = self.rollout_exchanges
         return row
 
 

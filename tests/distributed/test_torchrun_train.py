@@ -1,6 +1,7 @@
 """``train`` under torchrun (gloo on the CPU): the same LoRA bytes for any number of ranks and micro-batch.
 
-Real ``torchrun --standalone`` subprocesses of the CLI on ``experiment=grpo_tiny`` cut to two epochs.
+Real ``torchrun --standalone`` subprocesses of the CLI on ``experiment=grpo_tiny`` cut to two epochs (the 4-rank
+job's rollout under a model-parallel layout, ``sample.parallel``).
 The single-process reference runs once per module, with one thread like torchrun's workers. Four
 multi-rank launches in all: 2 ranks (micro-batches of 4, state hashes compared after every update),
 4 ranks (micro-batches of 2), and a 2-rank job whose rank 1 dies mid-update, resumed by one process.
@@ -21,7 +22,8 @@ TINY = ["--quiet", "experiment=grpo_tiny", "train.num_epochs=2", "train.save_fre
 ADAPTERS = ("lora/peft/adapter_model.safetensors", "lora/diffusers/pytorch_lora_weights.safetensors")
 #: metrics that describe one rank's memory or the exchange, not the run's numbers
 PER_RANK = ("grad_sink_peak_buffer_mb", "grad_sink_bound_per_param", "grad_sink_peak_per_param",
-            "grad_sink_peak_tree_nodes", "peak_memory_mb", "world_size", "comm_bytes", "comm_bytes_per_update")
+            "grad_sink_peak_tree_nodes", "peak_memory_mb", "world_size", "comm_bytes", "comm_bytes_per_update",
+            "rollout_exchanges")
 
 
 def _rows(out: Path) -> list[dict]:
@@ -49,16 +51,21 @@ def _same_training(got: Path, want: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks, extra", [(2, ["distributed.check_state=update"]),
-                                          (4, ["train.micro_batch=2", "train.gradient_accumulation_steps=12"])])
+                                          (4, ["train.micro_batch=2", "train.gradient_accumulation_steps=12",
+                                               "sample.parallel.sp=2", "sample.parallel.cfg=2",
+                                               "sample.parallel.attention=allgather"])])
 def test_ranks_train_the_single_process_adapter(tmp_path: Path, single: Path, ranks: int, extra: list[str]) -> None:
     """N ranks (and another micro-batch) end on the single process's adapter, checkpoints and metric values;
-    rank 0 alone writes the folder; the rows record the exchange."""
+    rank 0 alone writes the folder; the rows record the exchange. The 4-rank job rolls out each epoch as one
+    model group (sequence 2 with the all-gather attention × CFG 2, docs/parallel.md) and trains 4-way."""
     out = tmp_path / f"r{ranks}"
     proc = ok(torchrun(ranks, "train", f"output_dir={out}", *TINY, *extra))
     assert "first-update logp byte-equal to the rollout's: 24/24 pairs (max |ratio-1| 0)" in proc.stdout
     _same_training(out, single)
     rows = _rows(out)
     assert all(r["world_size"] == ranks and r["comm_bytes_per_update"] > 0 and r["time_comm_s"] >= 0 for r in rows)
+    if "sample.parallel.sp=2" in extra:  # the rollout ran sharded: its model group exchanged rows and K/V
+        assert all(r["rollout_exchanges"] > 0 for r in rows)
     # one checkpoint per epoch and one metrics row per epoch: written once, by rank 0
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir()) == ["epoch_000000", "epoch_000001"]
     assert len(rows) == 2
@@ -108,3 +115,10 @@ def test_edit_training_on_two_ranks_gives_the_single_process_adapter(tmp_path: P
     for rel in ADAPTERS:
         assert sha(two / rel) == sha(one / rel), rel
     assert [_numbers(r) for r in _rows(two)] == [_numbers(r) for r in _rows(one)]
+
+
+def test_a_rollout_layout_without_torchrun_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from mmdit_strict.cli.main import main
+
+    assert main(["train", f"output_dir={tmp_path / 'x'}", *TINY, "sample.parallel.sp=2"]) != 0
+    assert "launch with torchrun" in capsys.readouterr().err
