@@ -58,7 +58,9 @@ class OperatorDrift:
     # which tokens the row belongs to: "noisy latent" | "conditioning image" (edit: the input image's rows,
     # after the noisy ones) | "text" | "sample vector" (timestep embedding, modulation) | "sampling"
     region: str = ""
-    region_row: int = 0  # the row within its region (a conditioning row counts from the input image's first token)
+    region_row: int = 0  # the row within its region (a conditioning row counts from its input image's first token)
+    region_image: int = 0  # conditioning rows: which of the sample's input images (0-based)
+    region_images: int = 1  # conditioning rows: how many input images the sample has
     owners: str = ""  # model-parallel sides: the rank that computed this row on each side ("" otherwise)
 
 
@@ -233,9 +235,10 @@ def _describe(branch: str, key: str, a: torch.Tensor, b: torch.Tensor) -> Operat
     )
 
 
-def _place(drift: OperatorDrift, grid: tuple[int, int]) -> None:
+def _place(drift: OperatorDrift, grid: tuple[int, int], images: list[list[int]] | None = None) -> None:
     """Name the tokens ``drift``'s row belongs to: an image-stream row past the ``h·w`` noisy tokens is
-    the edit conditioning image's (its rows follow the noisy latents in every sample)."""
+    the edit conditioning's (its rows follow the noisy latents in every sample); with the sample's input
+    image grids ``images`` (``[[h, w], ...]`` in tokens, in order) it names which image and the row in it."""
     T = grid[0] * grid[1]
     if drift.branch == "sampling":
         drift.region, drift.region_row = "sampling", drift.logical_row
@@ -244,7 +247,13 @@ def _place(drift: OperatorDrift, grid: tuple[int, int]) -> None:
     elif drift.stream in ("txt", "txt_in"):
         drift.region, drift.region_row = "text", drift.logical_row
     elif drift.logical_row >= T:
-        drift.region, drift.region_row = "conditioning image", drift.logical_row - T
+        r, k = drift.logical_row - T, 0
+        for k, (h, w) in enumerate(images or []):
+            if r < h * w or k == len(images) - 1:
+                break
+            r -= h * w
+        drift.region, drift.region_row = "conditioning image", r
+        drift.region_image, drift.region_images = k, max(1, len(images or []))
     else:
         drift.region, drift.region_row = "noisy latent", drift.logical_row
 
@@ -268,6 +277,15 @@ def _row_owners(drift: OperatorDrift, rollout: Trajectory, recompute: Trajectory
     return ", ".join(named) if any(t.manifest["side"].get("parallel") for t in (rollout, recompute)) else ""
 
 
+def _image_grids(t: Trajectory, position: int) -> list[list[int]] | None:
+    """The input image grids of the sample at ``position`` as the artifact records them (None: no edit)."""
+    cond = t.manifest.get("conditioning") or {}
+    images = cond.get("images")
+    if not images or position >= len(images):
+        return None
+    return [list(im["grid"]) for im in images[position]]
+
+
 def localize(rollout: Trajectory, recompute: Trajectory, first: FirstDrift) -> Localization:
     """Name the first operator whose output differs for ``first``'s sample at ``first``'s step.
 
@@ -288,7 +306,7 @@ def localize(rollout: Trajectory, recompute: Trajectory, first: FirstDrift) -> L
         if ta.shape != tb.shape or not torch.equal(ta.view(torch.uint8) if ta.is_floating_point() else ta,
                                                    tb.view(torch.uint8) if tb.is_floating_point() else tb):
             loc.first = _describe(branch, key, ta, tb)
-            _place(loc.first, tuple(rollout.manifest["grid"]))
+            _place(loc.first, tuple(rollout.manifest["grid"]), _image_grids(rollout, position))
             loc.first.owners = _row_owners(loc.first, rollout, recompute, position)
             break
     cond_a = {k: t for br, k, t in a if br == "cond"}

@@ -110,7 +110,9 @@ def summary_line(comp: Comparison, loc: Localization | None = None) -> str:
         context = "sampling chain" if o.branch == "sampling" else f"{where}{o.stream} stream, {o.branch} branch"
         row = f"row {o.logical_row}"
         if getattr(o, "region", "") == "conditioning image":  # edit: the input image's tokens, not the noisy latent's
-            row += f" (conditioning image row {o.region_row}, not the noisy latent)"
+            which = (f"conditioning image {getattr(o, 'region_image', 0) + 1} of {o.region_images}"
+                     if getattr(o, "region_images", 1) > 1 else "conditioning image")
+            row += f" ({which} row {o.region_row}, not the noisy latent)"
         if getattr(o, "owners", ""):  # model-parallel sides: who computed that row
             row += f" [{o.owners}]"
         line += (f"; first operator: {o.operator} ({context}), "
@@ -235,7 +237,8 @@ def render_markdown(p: dict[str, Any], comp: Comparison) -> str:
     if loc and loc.get("first"):
         o = loc["first"]
         lines += ["## First drift", "", "| field | value |", "|---|---|"]
-        for k in ("operator", "block", "stream", "branch", "logical_row", "region", "region_row", "element", "max_abs", "max_ulp",
+        for k in ("operator", "block", "stream", "branch", "logical_row", "region", "region_row", "region_image",
+                  "region_images", "element", "max_abs", "max_ulp",
                   "rows_differing", "rows_total", "owners", "key"):
             if k in o and o[k] != "":  # region / region_row: reports written before edit conditioning lack them
                 lines.append(f"| {k} | {o[k]} |")
