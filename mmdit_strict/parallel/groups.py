@@ -38,6 +38,7 @@ class ModelParallel:
     cfg_ranks: tuple[int, ...] = (0,)
     stage: bool = True
     stats: dict[str, float] = field(default_factory=lambda: {"calls": 0, "bytes": 0})
+    _columns: Any = field(default=None, repr=False)
 
     @property
     def tp(self) -> int:
@@ -74,6 +75,15 @@ class ModelParallel:
     def leader(self) -> bool:
         """True on the first rank of the model group."""
         return self.layout.leader(self.rank) == self.rank
+
+    def column_shards(self) -> Any:
+        """This rank's :class:`~.tensor.ColumnShards` (``tp > 1``), kept for the session: its weight views and
+        shape probes serve every forward."""
+        if self._columns is None:
+            from .tensor import ColumnShards
+
+            self._columns = ColumnShards(self)
+        return self._columns
 
     def forward(self, model: Any, inputs: Any, block_capture: dict[str, torch.Tensor] | None) -> torch.Tensor:
         """The strict forward of ``inputs`` under this layout (sequence shards when ``sp > 1``, column shards

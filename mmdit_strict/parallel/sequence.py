@@ -34,7 +34,6 @@ from ..model.strict import (_gemm, _op, block_forward, instrumented, pack_images
 from .exchange import RowLayout, gather_heads, gather_rows, heads_to_rows, replicated_rows, rows_to_heads
 from .groups import ModelParallel
 from .layout import packed_rows, row_shards
-from .tensor import ColumnShards
 
 
 def ulysses(mp: ModelParallel, rows: RowLayout, heads: int, tseq: tuple[int, ...], iseq_full: tuple[int, ...]) -> Callable[..., Any]:
@@ -55,24 +54,22 @@ def ulysses(mp: ModelParallel, rows: RowLayout, heads: int, tseq: tuple[int, ...
 
 
 def allgather(mp: ModelParallel, rows: RowLayout, tseq: tuple[int, ...], iseq_full: tuple[int, ...],
-              iseq: tuple[int, ...]) -> Callable[..., Any]:
+              iseq: tuple[int, ...], head_shape: tuple[int, int], dtype: torch.dtype,
+              device: torch.device) -> Callable[..., Any]:
     """The ``attend`` of :func:`~mmdit_strict.model.strict.block_forward` that gathers every rank's image K and V
     rows and attends with this rank's query rows only (``parallel.attention=allgather``). Text rows are whole on
-    every rank, so every rank also computes the text queries (identical bytes; nothing to gather back)."""
+    every rank, so every rank also computes the text queries (identical bytes; nothing to gather back).
+    ``head_shape``: ``(heads, head_dim)`` of this rank's attention calls."""
     from ..kernels.execution import Runtime, current_runtime
 
     if current_runtime() is Runtime.OFF:
         raise ValueError("parallel.attention=allgather needs the strict attention operator (query-row subsets): "
                          "use parallel.attention=ulysses on a runtime=off side")
-    checked: set[tuple] = set()
+    _check_query_subsets(tseq, iseq_full, iseq, rows.local[mp.sp_rank], head_shape, dtype, device)
 
     def attend(i: int, qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor,
                vi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k_all, v_all = gather_rows(mp, ki, rows), gather_rows(mp, vi, rows)
-        shape = (tuple(qi.shape[1:]), qi.dtype, qi.device.type)
-        if shape not in checked:
-            _check_query_subsets(qt, qi, tseq, iseq_full, rows.local[mp.sp_rank])
-            checked.add(shape)
         return _op("joint_attention_fused", f"block{i}.joint", qi, qt, kt, vt, qi, k_all, v_all, txt_seqlens=tseq,
                    img_seqlens=iseq_full, query_img_seqlens=iseq)
 
@@ -82,40 +79,31 @@ def allgather(mp: ModelParallel, rows: RowLayout, tseq: tuple[int, ...], iseq_fu
 _SUBSETS_CHECKED: dict[tuple, bool] = {}
 
 
-def _check_query_subsets(qt: torch.Tensor, qi: torch.Tensor, tseq: tuple[int, ...], iseq_full: tuple[int, ...],
-                         mine: list[int]) -> None:
-    """Refuse (ValueError) when the attention in force gives this rank's query rows other bytes than the whole
-    call does: one probe per shape on random rows (the same call pattern as the batch), every row compared."""
-    key = (tseq, iseq_full, tuple(mine), tuple(qi.shape[1:]), qi.dtype, qi.device.type)
+def _check_query_subsets(tseq: tuple[int, ...], iseq_full: tuple[int, ...], iseq: tuple[int, ...], mine: list[int],
+                         head_shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse (ValueError) when the attention in force gives this rank's query rows (``mine``, packed indices;
+    ``iseq`` of them per sample) other bytes than the whole call does: one probe per shape on random rows (the
+    same call pattern as the batch), every row compared."""
+    key = (tseq, iseq_full, tuple(mine), head_shape, dtype, device.type)
     ok = _SUBSETS_CHECKED.get(key)
     if ok is None:
         from ..kernels.execution import bind, current
 
         g = torch.Generator().manual_seed(len(mine) * 131 + sum(iseq_full))
-        h, d = qi.shape[1:]
-        make = lambda n: torch.randn(n, h, d, generator=g).to(qi.device, qi.dtype)  # noqa: E731
+        make = lambda n: torch.randn(n, *head_shape, generator=g).to(device, dtype)  # noqa: E731
         t = [make(sum(tseq)) for _ in range(3)]
         q, k, v = (make(sum(iseq_full)) for _ in range(3))
-        idx = torch.tensor(mine, dtype=torch.long, device=qi.device)
-        qseq = tuple(len([r for r in mine if lo <= r < lo + n]) for lo, n in zip(_starts(iseq_full), iseq_full))
+        idx = torch.tensor(mine, dtype=torch.long, device=device)
         quiet = current().replace(trace=None, capture=None, fault=None, overlay=None, gemm_calls=None)
         with torch.no_grad(), bind(quiet):
             ot, oi = _op("joint_attention_fused", "sp_probe", q, t[0], t[1], t[2], q, k, v, txt_seqlens=tseq,
                          img_seqlens=iseq_full)
             st, si = _op("joint_attention_fused", "sp_probe", q, t[0], t[1], t[2], q.index_select(0, idx).contiguous(),
-                         k, v, txt_seqlens=tseq, img_seqlens=iseq_full, query_img_seqlens=qseq)
+                         k, v, txt_seqlens=tseq, img_seqlens=iseq_full, query_img_seqlens=iseq)
         ok = _SUBSETS_CHECKED[key] = torch.equal(st, ot) and torch.equal(si, oi.index_select(0, idx))
     if not ok:
         raise ValueError("parallel.attention=allgather: this platform's joint attention gives a rank's query rows other "
                          "bytes than the whole call; use parallel.attention=ulysses")
-
-
-def _starts(lengths: tuple[int, ...]) -> list[int]:
-    out, at = [], 0
-    for n in lengths:
-        out.append(at)
-        at += n
-    return out
 
 
 class ShardedBlock(torch.autograd.Function):
@@ -169,7 +157,7 @@ def sharded_forward(mp: ModelParallel, model: Any, inputs: Any,
     rows = RowLayout([packed_rows(lengths, mp.sp, r) for r in range(mp.sp)], sum(lengths), x.device)
     iseq_full = tuple(lengths)
     iseq = tuple(b - a for a, b in row_shards(lengths, mp.sp)[k])
-    columns = ColumnShards(mp) if mp.tp > 1 else None
+    columns = mp.column_shards() if mp.tp > 1 else None
 
     img_cos, img_sin, txt_cos, txt_sin = packed_rope_tables(inputs.img_shapes, inputs.txt_lens, cfg.axes_dims_rope,
                                                             cfg.rope_theta, x.device)
@@ -182,7 +170,7 @@ def sharded_forward(mp: ModelParallel, model: Any, inputs: Any,
     attend = None
     if mp.sp > 1:
         attend = (ulysses(mp, rows, heads // mp.tp, tseq, iseq_full) if mp.layout.attention == "ulysses"
-                  else allgather(mp, rows, tseq, iseq_full, iseq))
+                  else allgather(mp, rows, tseq, iseq_full, iseq, (heads // mp.tp, head_dim), x.dtype, x.device))
 
     grad = torch.is_grad_enabled()
     for i, block in enumerate(model.transformer_blocks):

@@ -39,7 +39,7 @@ class ColumnShards:
         self.mp = mp
         self.size = mp.tp
         self.rank = mp.tp_rank
-        self._views: dict[int, tuple[int, int, tuple]] = {}
+        self._views: dict[int, tuple[tuple, tuple]] = {}  # id(weight) → (its version key, its shard views)
 
     def bounds(self, n: int) -> tuple[int, int]:
         """This rank's ``[start, stop)`` of ``n`` output columns."""
@@ -48,28 +48,24 @@ class ColumnShards:
         step = n // self.size
         return self.rank * step, (self.rank + 1) * step
 
-    def _shard(self, module: torch.nn.Module, lo: int, hi: int) -> tuple:
+    def _shard(self, op: str, x: torch.Tensor, module: torch.nn.Module, stream: str, kw: dict) -> tuple:
+        """This rank's ``(weight, bias, lora)`` views of ``module``, made (and the layer shape probed) once per
+        weight version: the same objects each call, so the engine's per-weight caches hold."""
         w, b, lora = linear_params(module)
         hit = self._views.get(id(w))
         key = (w._version, w.data_ptr(), None if lora is None else (lora[1]._version, lora[1].data_ptr(), lora[2]))
         if hit is not None and hit[0] == key:
             return hit[1]
-        # views of the whole parameters (rows of (N, K) are contiguous): the same objects each call, so the
-        # engine's per-weight caches hold
-        part = (w[lo:hi], None if b is None else b[lo:hi],
-                None if lora is None else (lora[0], lora[1][lo:hi], lora[2]))
+        self.check(op, x, module, stream, kw)
+        part = _columns(w, b, lora, *self.bounds(w.shape[0]))
         self._views[id(w)] = (key, part)
         return part
 
     def local(self, op: str, where: str, x: torch.Tensor, module: torch.nn.Module, seqlens: tuple[int, ...],
               stream: str = "image", **kw: Any) -> torch.Tensor:
         """This rank's columns of ``module``'s product ``(M, N/tp)`` (the Q/K/V heads this rank attends)."""
-        w = linear_params(module)[0]
-        n = w.shape[0]
-        lo, hi = self.bounds(n)
-        self.check(op, x, module, stream, kw)
-        ws, bs, ls = self._shard(module, lo, hi)
-        with gemm_columns(n):
+        ws, bs, ls = self._shard(op, x, module, stream, kw)
+        with gemm_columns(ws.shape[0] * self.size):
             return gemm_params(op, where, x, ws, bs, ls, seqlens, stream, **kw)
 
     def whole(self, op: str, where: str, x: torch.Tensor, module: torch.nn.Module, seqlens: tuple[int, ...],
@@ -122,6 +118,11 @@ class ColumnShards:
 _PROBED: dict[tuple, str] = {}
 
 
+def _columns(w: torch.Tensor, b: torch.Tensor | None, lora: tuple | None, lo: int, hi: int) -> tuple:
+    """Columns ``[lo, hi)`` of a layer's ``(weight, bias, lora)``: views (rows of ``(N, K)`` are contiguous)."""
+    return w[lo:hi], None if b is None else b[lo:hi], None if lora is None else (lora[0], lora[1][lo:hi], lora[2])
+
+
 def _probe(op: str, w: torch.Tensor, b: torch.Tensor | None, lora: tuple | None, x: torch.Tensor, stream: str,
            kw: dict, size: int) -> str:
     """'' when every shard's product equals its columns of the whole product (raw bytes), else what differs."""
@@ -137,8 +138,7 @@ def _probe(op: str, w: torch.Tensor, b: torch.Tensor | None, lora: tuple | None,
         with gemm_columns(n):
             for j in range(size):
                 lo, hi = j * step, (j + 1) * step
-                part = gemm_params(op, "tp_probe", rows, w[lo:hi], None if b is None else b[lo:hi],
-                                   None if lora is None else (lora[0], lora[1][lo:hi], lora[2]), seq, stream, **kw)
+                part = gemm_params(op, "tp_probe", rows, *_columns(w, b, lora, lo, hi), seq, stream, **kw)
                 if not torch.equal(part, whole[:, lo:hi]):
                     return f"the {n}x{k} product's shard {j} of {size} differs from its columns of the whole product"
     return ""
