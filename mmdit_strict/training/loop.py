@@ -64,6 +64,7 @@ from ..kernels.grad_sink import (
 )
 from ..kernels.runtime import Runtime
 from ..parallel import ModelLayout, model_parallel
+from ..parallel import build as build_model_parallel
 from ..sampling import sigma_table
 from ..trajectories.outdir import claim_output_dir
 from ..trajectories.setup import DTYPES, build_side_model, latent_grid, make_prompts, resolve_runtime
@@ -201,11 +202,8 @@ class Trainer:
                              "deposits none (autograd's sums depend on the split): use strict or audit")
         self.rollout_layout = ModelLayout.from_config(self.scfg.parallel)  # the epoch rollout's model-parallel layout
         self.rollout_exchanges = 0
-        if not self.rollout_layout.trivial:
-            if self.session is None:
-                raise ValueError(f"sample.parallel {self.rollout_layout.describe()} needs several ranks: launch with torchrun "
-                                 f"(--nproc-per-node a multiple of {self.rollout_layout.size})")
-            self.rollout_layout.check(self.session.world_size)
+        if not self.rollout_layout.trivial:  # refused before any work without torchrun or on a world it does not fit
+            build_model_parallel(self.rollout_layout)
         self.model = build_side_model(self.mcfg, self.lcfg, self.rollout_rt)
         self.model.enable_gradient_checkpointing(self.tcfg.grad_checkpointing)
         self.device = self.model.device
