@@ -191,8 +191,7 @@ def _tile_table(tseq: tuple[int, ...], iseq: tuple[int, ...], block: int, device
     ts = is_ = qs = 0
     for nt, ni, nq in zip(tseq, iseq, qseq if qseq is not None else iseq):
         sample = [ts, nt, is_, ni, mt + is_]
-        q0 = qs if qseq is not None else is_
-        for stream, start, n, stat in ((0, ts, nt, ts), (1, q0, nq, mt + q0)):
+        for stream, start, n, stat in ((0, ts, nt, ts), (1, qs, nq, mt + qs)):  # qs == is_ without qseq
             for off in range(0, n, block):
                 rows.append([stream, start + off, start + n, stat + off] + sample)
         ts += nt
