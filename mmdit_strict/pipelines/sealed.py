@@ -60,7 +60,7 @@ def platform_id(device: str = "cpu") -> dict[str, str]:
 
 def fixture_device(record: dict[str, Any]) -> str:
     """``"cuda"`` for a fixture sealed on a GPU, else ``"cpu"``."""
-    return "cuda" if "model.device=cuda" in record["overrides"] else "cpu"
+    return "cuda" if GPU_OVERRIDES[0] in record["overrides"] else "cpu"
 
 
 def _run(pipeline: Path, overrides: Sequence[str], out: Path) -> None:
