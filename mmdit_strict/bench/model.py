@@ -9,7 +9,11 @@ copy of the 20 B weights serves both), and times, in the same run:
 * ``fwd_b1``: forward, B = 1, no autograd (a rollout step without CFG);
 * ``fwd_b2_cfg``: forward, B = 2 — cond and negative prompt of different lengths in one batch (CFG);
 * ``fwd_bwd_lora``: forward + backward of a LoRA (rank 64, Flow-GRPO's Qwen-Image targets) with
-  gradient checkpointing, B = 1 (a training step).
+  gradient checkpointing, B = 1 (a training step); ``fwd_bwd_lora_b2_cfg``: the same, B = 2 (CFG).
+
+Our ``_graph`` engines replay CUDA graphs: the forward alone without autograd (``model/graphs.py``),
+forward and backward with it (``model/train_graphs.py``). ``--diffusers-compile`` adds diffusers with
+each transformer block compiled (``torch.compile``; its compile time stays out of the times).
 
 Per case and engine: median and spread of CUDA-event times, peak memory, MFU against the measured
 790 TFLOP/s BF16 matrix rate, host syncs per forward (``torch.cuda.set_sync_debug_mode``) and CUDA
@@ -21,11 +25,12 @@ an operator has no CUDA kernel) gets its error recorded instead of a time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -84,13 +89,15 @@ def _count_syncs(fn: Callable[[], Any]) -> int:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
-def _count_launches(fn: Callable[[], Any]) -> int:
+def _kernel_profile(fn: Callable[[], Any]) -> tuple[int, float]:
+    """(CUDA kernel launches, summed kernel time in ms) of one call, from the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    return len(kernels), sum(e.time_range.elapsed_us() for e in kernels) / 1e3
 
 
 def _inputs(arch: ArchConfig, grid: tuple[int, int], txt_lens: Sequence[int], dtype: torch.dtype) -> dict[str, Any]:
@@ -134,12 +141,15 @@ def run(args: argparse.Namespace, on_case: Callable[[dict[str, Any]], None] | No
     grid = tuple(args.grid)
     ti = grid[0] * grid[1]
     from ..model.graphs import GraphCache
+    from ..model.train_graphs import TrainGraphCache
 
-    graph_cache = GraphCache()
+    graph_cache, train_cache = GraphCache(), TrainGraphCache()
+    compiled: dict[int, torch.nn.Module] = {}  # diffusers block index → its compiled wrapper (same parameters)
     cases = {
         "fwd_b1": ([args.txt], False),
         "fwd_b2_cfg": ([args.txt, max(1, args.txt // 2)], False),
         "fwd_bwd_lora": ([args.txt], True),
+        "fwd_bwd_lora_b2_cfg": ([args.txt, max(1, args.txt // 2)], True),
     }
     results: dict[str, Any] = {}
     for case, (txt_lens, train) in cases.items():
@@ -155,13 +165,19 @@ def run(args: argparse.Namespace, on_case: Callable[[dict[str, Any]], None] | No
             def call() -> torch.Tensor:
                 ours.set_runtime(runtime)
                 ours.graph_cache = graph_cache if graphs else None
+                ours.train_graphs = train_cache if graphs else None
                 return ours(**inp, return_dict=False)[0]
 
             return call
 
         engine_calls = {"diffusers_eager": diffusers_call, **{f"ours_{r}": ours_call(r) for r in args.runtimes}}
-        if not train:  # graphs replay no-grad forwards only
-            engine_calls.update({f"ours_{r}_graph": ours_call(r, True) for r in args.runtimes if r in ("strict", "auto")})
+        engine_calls.update({f"ours_{r}_graph": ours_call(r, True) for r in args.runtimes if r in ("strict", "auto")})
+        if args.diffusers_compile:
+            def compiled_call() -> torch.Tensor:
+                with _compiled_blocks(theirs, compiled):
+                    return diffusers_call()
+
+            engine_calls["diffusers_compiled"] = compiled_call
         for name, call in engine_calls.items():
             if train:
                 def step(call: Callable[[], torch.Tensor] = call) -> None:
@@ -173,9 +189,11 @@ def run(args: argparse.Namespace, on_case: Callable[[dict[str, Any]], None] | No
                     with torch.no_grad():
                         call()
                 engines[name] = infer
-        if train:
+        if train and not getattr(ours, "_bench_lora", False):
             _attach_lora(ours, args.lora_rank, seed=1)
             _attach_lora(theirs, args.lora_rank, seed=1)
+            ours._bench_lora = True
+            graph_cache.clear(), train_cache.clear()  # the adapters are new parameters
             ours.enable_gradient_checkpointing(True)
             theirs.enable_gradient_checkpointing()
             theirs.train()
@@ -187,7 +205,8 @@ def run(args: argparse.Namespace, on_case: Callable[[dict[str, Any]], None] | No
                 t["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
                 t["mfu"] = flops / (t["median_ms"] * 1e-3) / (PEAK_TFLOPS * 1e12)
                 t["syncs"] = _count_syncs(fn)
-                t["launches"] = _count_launches(fn)
+                t["launches"], t["kernel_ms"] = _kernel_profile(fn)
+                t["busy"] = t["kernel_ms"] / t["median_ms"]  # GPU busy / wall (the profiled call against the median)
                 row[name] = t
             except Exception as exc:  # an engine that cannot run here: record why and go on
                 row[name] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
@@ -195,13 +214,33 @@ def run(args: argparse.Namespace, on_case: Callable[[dict[str, Any]], None] | No
                 for p in list(ours.parameters()) + list(theirs.parameters()):
                     p.grad = None
         base = row.get("diffusers_eager", {}).get("median_ms")
+        base_compiled = row.get("diffusers_compiled", {}).get("median_ms")
         for name in engines:
             if base and "median_ms" in row[name]:
                 row[name]["vs_diffusers"] = row[name]["median_ms"] / base
+            if base_compiled and "median_ms" in row[name]:
+                row[name]["vs_diffusers_compiled"] = row[name]["median_ms"] / base_compiled
         results[case] = row
         if on_case is not None:
             on_case(results)
     return {"arch_layers": arch.num_layers, "grid": list(grid), "cases": results}
+
+
+@contextlib.contextmanager
+def _compiled_blocks(model: torch.nn.Module, wrappers: dict[int, torch.nn.Module]) -> Iterator[None]:
+    """Inside the block, each of ``model``'s transformer blocks is its ``torch.compile`` wrapper (made once, kept
+    in ``wrappers``; the wrapper shares the block's parameters and recompiles when an adapter is added)."""
+    blocks = model.transformer_blocks
+    plain = list(blocks)
+    for i, block in enumerate(plain):
+        if i not in wrappers:
+            wrappers[i] = torch.compile(block)
+        blocks[i] = wrappers[i]
+    try:
+        yield
+    finally:
+        for i, block in enumerate(plain):
+            blocks[i] = block
 
 
 def environment() -> dict[str, Any]:
@@ -217,19 +256,20 @@ def render(report: dict[str, Any]) -> str:
         "",
         f"Identical BF16 weights (one storage). Times are medians of CUDA-event intervals; MFU against {PEAK_TFLOPS:.0f} TFLOP/s.",
         "",
-        "| case | engine | median ms | × diffusers | MFU | peak GiB | syncs | launches |",
-        "|---|---|---|---|---|---|---|---|",
+        "| case | engine | median ms | × diffusers | × diffusers compiled | MFU | kernel ms | busy / wall | peak GiB | syncs | launches |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for case, row in report["cases"].items():
         for name, r in row.items():
             if not isinstance(r, dict):
                 continue
             if "error" in r:
-                lines.append(f"| {case} | {name} | error: {r['error'][:120]} | | | | | |")
+                lines.append(f"| {case} | {name} | error: {r['error'][:120]} | | | | | | | | |")
                 continue
             lines.append(
-                f"| {case} | {name} | {r['median_ms']:.1f} | {r.get('vs_diffusers', float('nan')):.2f} | {r['mfu']:.2f} | "
-                f"{r['peak_gib']:.1f} | {r['syncs']} | {r['launches']} |"
+                f"| {case} | {name} | {r['median_ms']:.1f} | {r.get('vs_diffusers', float('nan')):.2f} | "
+                f"{r.get('vs_diffusers_compiled', float('nan')):.2f} | {r['mfu']:.2f} | {r.get('kernel_ms', float('nan')):.1f} | "
+                f"{r.get('busy', float('nan')):.2f} | {r['peak_gib']:.1f} | {r['syncs']} | {r['launches']} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -244,6 +284,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--lora-rank", type=int, default=64)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--diffusers-compile", action="store_true",
+                   help="also time diffusers with each transformer block compiled (torch.compile; minutes of compile)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.model needs a CUDA GPU")

@@ -271,6 +271,37 @@ class SampleGradSink:
         self._peak_nodes = max(self._peak_nodes, nodes)
 
 
+class DepositLog:
+    """A stand-in sink that records deposits instead of folding them, to hand them to a real sink later.
+
+    A captured backward (``model/train_graphs.py``) runs its Python once, at capture, under sample keys
+    that are batch positions ``0 .. B-1``; the log keeps each deposit's parameter, positions and
+    partials (the graph's own buffers, rewritten by every replay) in arrival order. After each replay,
+    :meth:`replay` gives a real sink the same deposits under that call's sample keys, copied where the
+    sink keeps them (``transfer=False``), so the sink's fold is the one an uncaptured backward gets.
+    """
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[torch.Tensor, tuple[int, ...], list[torch.Tensor]]] = []
+
+    def add(self, param: torch.Tensor, keys: Sequence[Hashable], partials: Sequence[torch.Tensor], *,
+            transfer: bool = False) -> None:
+        """Record one deposit (``keys`` are batch positions: the log is bound with ``sample_keys = range(B)``)."""
+        if len(keys) != len(partials):
+            raise ValueError(f"{len(keys)} sample keys for {len(partials)} gradient partials")
+        if not all(isinstance(k, int) for k in keys):
+            raise ValueError("a DepositLog records batch positions: bind sample_keys=range(B) while it is the sink")
+        self.entries.append((param, tuple(keys), [p.detach() for p in partials]))
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+    def replay(self, sink: SampleGradSink, keys: Sequence[Hashable]) -> None:
+        """Deposit every recorded partial into ``sink`` under ``keys[position]``, in the recorded order."""
+        for param, positions, partials in self.entries:
+            sink.add(param, [keys[i] for i in positions], partials, transfer=False)
+
+
 def pending_bound(batches: Sequence[Sequence[Hashable]]) -> int:
     """The most partials one parameter's streamed fold can buffer when ``batches`` run in this order.
 

@@ -37,6 +37,20 @@ class _Captured:
     tables: list  # cached device tables the graph reads (kept alive while the graph lives)
 
 
+def adapter_state(model: torch.nn.Module) -> tuple:
+    """What the strict forward's Python reads of the LoRA adapters: per adapted layer, whether adapters are
+    disabled, which are active and their scalings. A graph captured in one state must not replay in another
+    (a KL reference forward runs with the adapters disabled, as ``training.policy.adapters_disabled`` does)."""
+    state = []
+    for m in model.modules():
+        active = getattr(m, "active_adapters", None)
+        if active is None or not hasattr(m, "scaling"):
+            continue
+        state.append((bool(getattr(m, "disable_adapters", False)), tuple(active),
+                      tuple(sorted((k, float(v)) for k, v in m.scaling.items()))))
+    return tuple(state)
+
+
 class GraphCache:
     """Captured forwards keyed by batch layout (least recently used beyond ``max_graphs`` are dropped).
 
@@ -65,11 +79,13 @@ class GraphCache:
         shapes = tuple(tuple(tuple(s) for s in per) for per in inputs.img_shapes)
         return (tuple(hs.shape), tuple(ehs.shape), tuple(inputs.txt_lens), shapes, hs.dtype, str(hs.device), str(runtime))
 
-    def run(self, inputs: "ModelInputs", runtime: object, forward: Callable[["ModelInputs"], torch.Tensor]) -> torch.Tensor:
-        """``forward(inputs)`` through the graph for this layout (captured on first use)."""
+    def run(self, inputs: "ModelInputs", runtime: object, forward: Callable[["ModelInputs"], torch.Tensor],
+            extra_key: tuple = ()) -> torch.Tensor:
+        """``forward(inputs)`` through the graph for this layout (captured on first use); ``extra_key``: the
+        rest of what the forward's Python reads (:func:`adapter_state`)."""
         from .mmdit import ModelInputs
 
-        key = self.key(inputs, runtime)
+        key = (self.key(inputs, runtime), extra_key)
         cap = self._graphs.get(key)
         if cap is None:
             static = ModelInputs(

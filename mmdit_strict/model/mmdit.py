@@ -24,6 +24,7 @@ from torch import nn
 from ..config.arch import ArchConfig
 from ..kernels.execution import Runtime, current, using
 from .diffusers_compat import DiffusersCompatMixin, check_attention_kwargs
+from .graphs import GraphCache, adapter_state
 from .layers import AdaNormOut, DoubleStreamBlock, RMSNorm, TimeTextEmbed, is_plain_linear, linear_op, module_op, production_op
 from .rope import normalize_img_shapes, rope_tables
 from .strict import checkpointed, instrumented, strict_forward
@@ -100,6 +101,7 @@ class MMDiT(DiffusersCompatMixin, nn.Module):
         self.audit_records: list[dict[str, Any]] = []  # runtime=audit: one drift record per forward
         self.last_block_capture: dict[str, torch.Tensor] | None = None  # runtime=audit: strict block outputs
         self.graph_cache = None  # set by enable_cuda_graphs(): captured strict forwards per batch layout
+        self.train_graphs = None  # set by enable_cuda_graphs(): captured strict training steps per batch layout
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -131,15 +133,18 @@ class MMDiT(DiffusersCompatMixin, nn.Module):
         self._default_runtime = Runtime.parse(runtime)
         return self
 
-    def enable_cuda_graphs(self, enabled: bool = True, max_graphs: int = 8) -> "MMDiT":
-        """Replay the strict forward from CUDA graphs captured per batch layout (``model/graphs.py``).
+    def enable_cuda_graphs(self, enabled: bool = True, max_graphs: int = 8, training: bool = True,
+                           max_training_graphs: int = 4) -> "MMDiT":
+        """Replay strict forwards on CUDA from graphs captured per batch layout, under ``strict`` / ``auto``.
 
-        Applies to CUDA inputs with autograd off under ``strict`` / ``auto``; other calls run eagerly.
-        Same bytes as the eager strict forward. Call again (or ``disable``) after replacing weights' storage.
+        Autograd off: the forward alone (``model/graphs.py``). Autograd on (``training``): the forward and
+        its backward, grad-sink deposits included (``model/train_graphs.py``). Other calls run uncaptured.
+        Same bytes as the uncaptured strict step. Call again after replacing weights' storage.
         """
-        from .graphs import GraphCache
+        from .train_graphs import TrainGraphCache
 
         self.graph_cache = GraphCache(max_graphs) if enabled else None
+        self.train_graphs = TrainGraphCache(max_training_graphs) if enabled and training else None
         return self
 
     def lora_target_modules(self) -> list[str]:
@@ -347,19 +352,33 @@ class MMDiT(DiffusersCompatMixin, nn.Module):
         else:
             audit = runtime is Runtime.AUDIT
             blocks: dict[str, torch.Tensor] | None = {} if audit else None
-            graphed = (
-                self.graph_cache is not None and hidden_states.is_cuda and not torch.is_grad_enabled()
-                and runtime in (Runtime.STRICT, Runtime.AUTO) and not instrumented() and not _sharded()
+            capturable = (
+                hidden_states.is_cuda and runtime in (Runtime.STRICT, Runtime.AUTO) and not instrumented()
+                and not _sharded()
             )
+            out = None
             with using(ctx):
-                if graphed:
-                    out = self.graph_cache.run(inputs, runtime, lambda i: strict_forward(self, i))
-                else:
+                if capturable and torch.is_grad_enabled():
+                    out = self._train_graphed(inputs, runtime)
+                elif capturable and self.graph_cache is not None:
+                    out = self.graph_cache.run(inputs, runtime, lambda i: strict_forward(self, i), adapter_state(self))
+                if out is None:
                     out = strict_forward(self, inputs, block_capture=blocks)
             if audit:
                 self.last_block_capture = blocks
                 self.audit_records.append(self._audit(inputs, out, blocks))
         return MMDiTOutput(out) if return_dict else (out,)
+
+    def _train_graphed(self, inputs: ModelInputs, runtime: Runtime) -> torch.Tensor | None:
+        """The training forward through :attr:`train_graphs` (``model/train_graphs.py``), or None where it
+        does not apply (no cache, no trainable parameter, inputs that need gradients)."""
+        if self.train_graphs is None or inputs.hidden_states.requires_grad or inputs.encoder_hidden_states.requires_grad:
+            return None
+        params = [p for p in self.parameters() if p.requires_grad]
+        if not params:
+            return None
+        key = (GraphCache.key(inputs, runtime), adapter_state(self), self.gradient_checkpointing)
+        return self.train_graphs.run(inputs, runtime, params, lambda i: strict_forward(self, i), key)
 
     @torch.no_grad()
     def _audit(self, inputs: ModelInputs, out: torch.Tensor, blocks: dict[str, torch.Tensor] | None) -> dict[str, Any]:

@@ -266,10 +266,12 @@ def block_forward(
     return img, txt
 
 
-def checkpointed(fn: Callable[..., Any], *args: Any) -> Any:
+def checkpointed(fn: Callable[..., Any], *args: Any, preserve_rng: bool = True) -> Any:
     """``fn(*args)`` under gradient checkpointing (non-reentrant): its recompute during backward runs in the
-    execution context in force now, whatever context the backward runs in."""
-    return torch.utils.checkpoint.checkpoint(in_context(fn), *args, use_reentrant=False)
+    execution context in force now, whatever context the backward runs in. ``preserve_rng=False`` where
+    ``fn`` draws no random numbers: the strict blocks (reading the CUDA generator's state is not allowed
+    inside a CUDA graph capture, and there is nothing to restore)."""
+    return torch.utils.checkpoint.checkpoint(in_context(fn), *args, use_reentrant=False, preserve_rng_state=preserve_rng)
 
 
 def pack_text(ehs: torch.Tensor, lens: list[int]) -> torch.Tensor:
@@ -349,7 +351,8 @@ def strict_forward(model: "MMDiT", inputs: "ModelInputs", block_capture: dict[st
     heads, head_dim = cfg.num_attention_heads, cfg.attention_head_dim
     for i, block in enumerate(model.transformer_blocks):
         if model.gradient_checkpointing and torch.is_grad_enabled():
-            img, txt = checkpointed(block_forward, i, block, img, txt, temb, rope, iseq, tseq, heads, head_dim, eps)
+            img, txt = checkpointed(block_forward, i, block, img, txt, temb, rope, iseq, tseq, heads, head_dim, eps,
+                                    preserve_rng=False)
         else:
             img, txt = block_forward(i, block, img, txt, temb, rope, iseq, tseq, heads, head_dim, eps)
         if block_capture is not None:

@@ -52,3 +52,28 @@ def test_lora_grads_identical_for_micro_batches_on_the_gpu(tmp_path) -> None:
         for u, (ga, gb) in enumerate(zip(runs[1], runs[mb])):
             for name in ga:
                 assert_bytes_equal(gb[name], ga[name], f"micro_batch={mb} update {u} grad {name}")
+
+
+@pytest.mark.parametrize("layout", ["sequential", "batched"])
+def test_captured_training_steps_keep_the_uncaptured_bytes(tmp_path, layout: str) -> None:
+    """``model.cuda_graphs`` replays the training forward + backward from graphs (``model/train_graphs.py``):
+    every update's folded LoRA gradient and the adapter after the epoch are the uncaptured run's bytes."""
+    runs = {}
+    for graphs in (False, True):
+        tr = _Recording(compose_train([f"output_dir={tmp_path / str(graphs)}", *SMALL, *GPU, "lora.init=random",
+                                       f"model.cuda_graphs={str(graphs).lower()}", f"train.cfg_layout={layout}",
+                                       "train.grad_checkpointing=true"]), progress=False)
+        tr.grads = []
+        row = tr.train_epoch(0)
+        assert row["grad_fold"] == "sink" and row["first_update_ratio_exact_one_frac"] == 1.0, row
+        cache = tr.model.train_graphs
+        assert (cache is not None and cache.replays > 0) == graphs, vars(cache) if cache is not None else None
+        runs[graphs] = (tr.grads, {n: p.detach().clone() for n, p in tr.named})
+    (ga, pa), (gb, pb) = runs[False], runs[True]
+    assert len(ga) == len(gb) > 0
+    for u, (a, b) in enumerate(zip(ga, gb)):
+        assert a.keys() == b.keys()
+        for name in a:
+            assert_bytes_equal(b[name], a[name], f"{layout}: update {u} grad {name}")
+    for name in pa:
+        assert_bytes_equal(pb[name], pa[name], f"{layout}: {name} after the epoch")

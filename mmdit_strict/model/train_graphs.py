@@ -1,0 +1,219 @@
+"""CUDA-graph replay of the strict training step: the forward with autograd and its backward, per batch layout.
+
+A LoRA forward + backward with gradient checkpointing launches tens of thousands of small kernels;
+launched one by one from Python the GPU waits on the host (``docs/design.md`` §8). Here the forward
+(with checkpointing, saving what autograd saves) and the backward (checkpoint recomputes, every
+gradient product, the per-sample partials for the grad sink) are captured once per layout as two
+graphs sharing one memory pool, and a training forward replays them through one autograd node:
+
+* forward: copy the inputs into the graph's static buffers, replay the forward graph, return a copy
+  of its output (a node whose backward is the backward graph);
+* backward: copy the output gradient into the static buffer, replay the backward graph, return the
+  parameters' gradients (added into ``.grad`` as autograd accumulates the uncaptured ones),
+  and hand the grad sink in force at the forward the per-sample partials the replay wrote
+  (:class:`~mmdit_strict.kernels.grad_sink.DepositLog`, under that call's sample keys).
+
+The kernels and their arguments are those of the uncaptured step, so the bytes are too (tested on the
+GPU: ``tests/model/test_train_graphs_gpu.py``). A graph's activations live in its pool until its
+backward has run, so a layout whose forward runs again before the first one's backward (the two
+forwards of the sequential CFG layout) gets a second captured instance; one that is never
+backpropagated frees its instance when autograd drops the node.
+
+The parameters' gradients reach ``.grad`` (and the sink), not ``torch.autograd.grad(loss, params)``, which
+needs ``enable_cuda_graphs(training=False)``; hooks on the parameters' gradient accumulation do not run.
+
+Used where it is safe, else the uncaptured step runs: CUDA, a strict or auto runtime, no operator
+capture / fault / overlay, no sharded model-parallel layout, inputs that need no gradient, and
+trainable parameters (the LoRA) that keep their storage — an optimizer step updates them in place and
+the replay reads them; attaching another adapter makes a new key.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from ..kernels.execution import current, using
+from ..kernels.grad_sink import DepositLog
+from ..kernels.keepalive import retaining
+from ..kernels.trace import OperatorTrace, active_trace, capture_trace
+
+if TYPE_CHECKING:
+    from .mmdit import ModelInputs
+
+
+class _Lease:
+    """Held by an autograd node between a replayed forward and its backward: while it lives, the instance's
+    activations belong to that node."""
+
+
+@dataclass(eq=False)
+class _Instance:
+    forward: torch.cuda.CUDAGraph
+    backward: torch.cuda.CUDAGraph
+    inputs: "ModelInputs"  # static input buffers
+    out: torch.Tensor
+    grad_out: torch.Tensor
+    grads: tuple[torch.Tensor | None, ...]
+    deposits: DepositLog | None
+    trace: OperatorTrace  # operators of one forward + backward (checkpoint recomputes included)
+    tables: list[Any]  # cached device tables the graphs read
+    lease: Any = field(default=None)  # weakref to the _Lease of the node using the activations, or None
+
+    def busy(self) -> bool:
+        return self.lease is not None and self.lease() is not None
+
+
+class _Replay(torch.autograd.Function):
+    """One captured training forward as an autograd node whose backward replays the backward graph.
+
+    The node's only differentiable input is an empty ``anchor``; the backward adds the parameters'
+    gradients into ``.grad`` itself, as autograd's accumulation would (set where None, else added in
+    place). Were the parameters the node's inputs, their accumulation nodes would live on the stream of
+    this replay while a second instance is captured on the capture stream, and autograd's stream
+    synchronisation between the two invalidates that capture (the sequential CFG layout)."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, inst: _Instance, sink: Any, keys: tuple | None,  # type: ignore[override]
+                params: list[torch.Tensor]) -> torch.Tensor:
+        inst.forward.replay()
+        lease = _Lease()
+        inst.lease = weakref.ref(lease)
+        ctx.lease, ctx.inst, ctx.sink, ctx.keys, ctx.params = lease, inst, sink, keys, params
+        return inst.out.clone()
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
+        if ctx.lease is None:
+            raise RuntimeError("a captured training step cannot be backpropagated twice (retain_graph); "
+                               "disable training graphs (model.enable_cuda_graphs(training=False)) for that")
+        inst = ctx.inst
+        inst.grad_out.copy_(grad_out)
+        inst.backward.replay()
+        with torch.no_grad():
+            for p, g in zip(ctx.params, inst.grads):
+                if g is None:
+                    continue
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.add_(g)
+        if ctx.sink is not None:
+            inst.deposits.replay(ctx.sink, ctx.keys)
+        ctx.lease = None
+        return None, None, None, None, None
+
+
+def _static_inputs(inputs: "ModelInputs") -> "ModelInputs":
+    from .mmdit import ModelInputs
+
+    mask = inputs.txt_mask.clone() if isinstance(inputs.txt_mask, torch.Tensor) else inputs.txt_mask
+    return ModelInputs(
+        inputs.hidden_states.clone(), inputs.encoder_hidden_states.clone(), mask, list(inputs.txt_lens),
+        inputs.sigma.clone(), inputs.img_shapes, list(inputs.img_lens),
+    )
+
+
+class TrainGraphCache:
+    """Captured training steps keyed by batch layout, trainable parameters and grad-sink use.
+
+    ``max_instances`` bounds the captured instances (pairs of graphs and their pools) over every key;
+    the least recently used idle one goes first, and a call that finds every instance of its key busy
+    and no room runs uncaptured. :meth:`clear` releases them all (needed after swapping parameters'
+    storage, e.g. ``load_state_dict(assign=True)``).
+    """
+
+    def __init__(self, max_instances: int = 4) -> None:
+        self.max_instances = max_instances
+        self._entries: OrderedDict[tuple, list[_Instance]] = OrderedDict()
+        self.captures = 0
+        self.replays = 0
+        self.uncaptured = 0
+        self._anchors: dict[torch.device, torch.Tensor] = {}  # the replay node's one differentiable input
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def _anchor(self, device: torch.device) -> torch.Tensor:
+        if device not in self._anchors:
+            self._anchors[device] = torch.empty(0, device=device, requires_grad=True)
+        return self._anchors[device]
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._entries.values())
+
+    def run(self, inputs: "ModelInputs", runtime: object, params: list[torch.Tensor],
+            forward: Callable[["ModelInputs"], torch.Tensor], layout_key: tuple) -> torch.Tensor | None:
+        """``forward(inputs)`` with autograd through captured graphs, or None where none can serve this call
+        (the caller then runs it uncaptured)."""
+        ctx = current()
+        sink, keys = ctx.grad_sink, ctx.sample_keys
+        batch = inputs.hidden_states.shape[0]
+        with_sink = sink is not None and keys is not None
+        if with_sink and len(keys) != batch:
+            raise ValueError(f"sample_keys declares {len(keys)} samples but this forward has {batch}")
+        key = (layout_key, with_sink, tuple(id(p) for p in params))
+        pool = self._entries.get(key)
+        inst = next((i for i in pool if not i.busy()), None) if pool else None
+        if inst is None:
+            if not self._make_room():
+                self.uncaptured += 1
+                return None
+            inst = self._capture(inputs, params, forward, with_sink)
+            self._entries.setdefault(key, []).append(inst)
+            self.captures += 1
+        self._entries.move_to_end(key)
+        inst.inputs.hidden_states.copy_(inputs.hidden_states)
+        inst.inputs.encoder_hidden_states.copy_(inputs.encoder_hidden_states)
+        inst.inputs.sigma.copy_(inputs.sigma)
+        out = _Replay.apply(self._anchor(inputs.hidden_states.device), inst, sink if with_sink else None,
+                            tuple(keys) if with_sink else None, params)
+        self.replays += 1
+        outer = active_trace()
+        if outer is not None:  # a replay runs the operators recorded at capture: count them again
+            outer.merge(inst.trace)
+        return out
+
+    def _make_room(self) -> bool:
+        """Drop idle instances, least recently used first, until one more fits; False if every one is busy."""
+        while len(self) >= self.max_instances:
+            for key, pool in self._entries.items():
+                idle = next((i for i in pool if not i.busy()), None)
+                if idle is not None:
+                    pool.remove(idle)
+                    if not pool:
+                        del self._entries[key]
+                    break
+            else:
+                return False
+        return True
+
+    @staticmethod
+    def _capture(inputs: "ModelInputs", params: list[torch.Tensor], forward: Callable[["ModelInputs"], torch.Tensor],
+                 with_sink: bool) -> _Instance:
+        static = _static_inputs(inputs)
+        log = DepositLog() if with_sink else None
+        positions = tuple(range(inputs.hidden_states.shape[0])) if with_sink else None
+        bound = current().replace(grad_sink=log, sample_keys=positions)
+        with using(bound):
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream), capture_trace():  # warm-up: compiles kernels, fills every per-layout cache
+                out = forward(static)
+                torch.autograd.grad(out, params, torch.zeros_like(out), allow_unused=True)
+                del out
+            torch.cuda.current_stream().wait_stream(stream)
+            if log is not None:
+                log.clear()
+            fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            with retaining(every_thread=True) as tables, capture_trace() as trace:
+                with torch.cuda.graph(fwd):
+                    out = forward(static)
+                grad_out = torch.empty_like(out)
+                with torch.cuda.graph(bwd, pool=fwd.pool()):
+                    grads = torch.autograd.grad(out, params, grad_out, allow_unused=True)
+        return _Instance(fwd, bwd, static, out.detach(), grad_out, tuple(grads), log, trace, tables)

@@ -1,0 +1,231 @@
+"""Captured training steps (``model/train_graphs.py``): the deposits a captured backward hands the grad sink,
+and, on the GPU, forward + backward replays byte-equal to the uncaptured step."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from mmdit_strict.config.arch import preset
+from mmdit_strict.config.schema import LoraConfig
+from mmdit_strict.kernels.execution import bind, current
+from mmdit_strict.kernels.grad_sink import DepositLog, SampleGradSink, collect_sample_grads, sample_keys
+from mmdit_strict.kernels.keepalive import retain, retaining
+from mmdit_strict.model.graphs import adapter_state
+from mmdit_strict.model.init import build_model
+from mmdit_strict.trajectories.setup import attach_lora
+from mmdit_strict.training.policy import adapters_disabled
+from tests.harness import assert_bytes_equal
+from tests.helpers import make_inputs
+
+LORA = LoraConfig(rank=4, alpha=8.0, init="random", seed=3)  # scale 2: the LoRA dW products carry a scale
+
+
+def _lora_model(arch: Any, device: str = "cpu", dtype: torch.dtype = torch.float32, checkpointing: bool = True):
+    model = build_model(arch, seed=0, runtime="strict", dtype=dtype, device=device)
+    attach_lora(model, dataclasses.replace(LORA, targets=list(LORA.targets) + ["img_mod.1", "txt_mod.1"]))
+    model.requires_grad_(False)
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+    model.enable_gradient_checkpointing(checkpointing)
+    return model
+
+
+def _trainable(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return out.float().square().sum()
+
+
+def test_deposit_log_replays_a_backwards_deposits_under_the_calls_keys() -> None:
+    """A backward recorded under batch positions and replayed into a sink under the call's keys gives the
+    sink the folds it gets when the backward deposits into it directly (stored and streamed)."""
+    model = _lora_model(preset("tiny"))
+    inp = make_inputs(3, (4, 4), [5, 3, 4])
+    keys = [("b", 1), ("a", 0), ("c", 2)]
+
+    for streamed in (False, True):
+        direct = SampleGradSink(keys) if streamed else SampleGradSink()
+        with collect_sample_grads(direct), sample_keys(keys):
+            out = model(**inp).sample
+        _loss(out).backward()
+        direct.done(keys)
+
+        log = DepositLog()
+        with bind(current().replace(grad_sink=log, sample_keys=(0, 1, 2))):
+            again = model(**inp).sample
+        _loss(again).backward()
+        assert_bytes_equal(again, out, "forward under the log")
+        assert log.entries, "the strict backward deposited nothing into the log"
+        replayed = SampleGradSink(keys) if streamed else SampleGradSink()
+        log.replay(replayed, keys)
+        replayed.done(keys)
+        for name, p in _trainable(model):
+            assert_bytes_equal(replayed.fold(p), direct.fold(p), f"{name} (streamed={streamed})")
+        model.zero_grad(set_to_none=True)
+
+
+def test_deposit_log_takes_batch_positions_only() -> None:
+    log = DepositLog()
+    p = torch.zeros(2)
+    with pytest.raises(ValueError, match="batch positions"):
+        log.add(p, [("a", 0)], [torch.ones(2)])
+    with pytest.raises(ValueError, match="2 sample keys for 1"):
+        log.add(p, [0, 1], [torch.ones(2)])
+
+
+def test_retaining_every_thread_collects_what_another_thread_retains() -> None:
+    """A backward runs on autograd's device thread, outside the capturing thread's context."""
+    table = object()
+    with retaining() as mine:
+        worker = threading.Thread(target=retain, args=(table,))
+        worker.start(), worker.join()
+    assert table not in mine
+    with retaining(every_thread=True) as held:
+        worker = threading.Thread(target=retain, args=(table,))
+        worker.start(), worker.join()
+    assert any(t is table for t in held)
+
+
+def test_adapter_state_tells_disabled_adapters_apart() -> None:
+    model = _lora_model(preset("tiny"))
+    on = adapter_state(model)
+    assert on and all(not disabled for disabled, _, _ in on)
+    with adapters_disabled(model):
+        off = adapter_state(model)
+    assert off != on and all(disabled for disabled, _, _ in off)
+    assert adapter_state(model) == on
+
+
+def test_training_graphs_are_bypassed_on_the_cpu() -> None:
+    model = _lora_model(preset("tiny")).enable_cuda_graphs()
+    inp = make_inputs(2, (4, 4), [5, 3])
+    out = model(**inp).sample
+    _loss(out).backward()
+    assert model.train_graphs.captures == 0 and model.train_graphs.replays == 0
+    grads = {n: p.grad for n, p in _trainable(model) if p.grad is not None}
+    assert grads, "the uncaptured backward gave no LoRA gradient"
+    model.zero_grad(set_to_none=True)
+    model.enable_cuda_graphs(False)
+    _loss(model(**inp).sample).backward()
+    for n, p in _trainable(model):
+        if n in grads:
+            assert_bytes_equal(p.grad, grads[n], n)
+
+
+# ----------------------------------------------------------------------------------------------------- GPU
+
+
+def _cuda_case(num_layers: int = 2, checkpointing: bool = True):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    arch = dataclasses.replace(preset("qwen-image"), num_layers=num_layers)
+    return arch, _lora_model(arch, "cuda", torch.bfloat16, checkpointing)
+
+
+def _cuda_inputs(arch: Any, txt_lens: list[int], seed: int, grid: tuple[int, int] = (16, 16)) -> dict[str, Any]:
+    inp = make_inputs(len(txt_lens), grid, txt_lens, txt_dim=arch.joint_attention_dim, seed=seed,
+                      sigma=[0.9 - 0.1 * i for i in range(len(txt_lens))])
+    return {k: (v.to("cuda", torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point()
+                else v.to("cuda") if isinstance(v, torch.Tensor) else v) for k, v in inp.items()}
+
+
+def _step(model, inputs: list[dict[str, Any]], keys: list[list[Any]]) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Forwards of ``inputs`` (each under its keys), one backward of their summed loss: outputs, folds, ``.grad``."""
+    flat = [k for ks in keys for k in ks]
+    sink = SampleGradSink(flat)
+    outs = []
+    with collect_sample_grads(sink):
+        for inp, ks in zip(inputs, keys):
+            with sample_keys(ks):
+                outs.append(model(**inp).sample)
+    sum(_loss(o) for o in outs).backward()
+    sink.done(flat)
+    folds = {n: sink.fold(p) for n, p in _trainable(model)}
+    grads = {n: p.grad.clone() for n, p in _trainable(model) if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return [o.detach() for o in outs], folds, grads
+
+
+def _same(a, b, what: str) -> None:
+    (oa, fa, ga), (ob, fb, gb) = a, b
+    for i, (x, y) in enumerate(zip(oa, ob)):
+        assert_bytes_equal(y, x, f"{what}: output {i}")
+    assert fa.keys() == fb.keys() and ga.keys() == gb.keys() and any(v is not None for v in fa.values())
+    for n in fa:
+        if fa[n] is None:
+            assert fb[n] is None, f"{what}: {n} got a partial only when captured"
+            continue
+        assert_bytes_equal(fb[n], fa[n], f"{what}: fold of {n}")
+    for n in ga:
+        assert_bytes_equal(gb[n], ga[n], f"{what}: .grad of {n}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_captured_training_step_equals_the_uncaptured_one(checkpointing: bool) -> None:
+    arch, model = _cuda_case(checkpointing=checkpointing)
+    calls = [([_cuda_inputs(arch, [77, 20], seed=1)], [[(5, 1), (2, 0)]]),
+             ([_cuda_inputs(arch, [77, 20], seed=2)], [[(1, 0), (9, 3)]]),  # same layout, other data and keys
+             ([_cuda_inputs(arch, [30], seed=3, grid=(8, 24))], [[(4, 4)]])]
+    eager = [_step(model, i, k) for i, k in calls]
+    model.enable_cuda_graphs()
+    graphed = [_step(model, i, k) for i, k in calls]
+    again = _step(model, *calls[0])
+    assert model.train_graphs.captures == 2 and model.train_graphs.replays == 4, vars(model.train_graphs)
+    for n, (a, b) in enumerate(zip(eager, graphed)):
+        _same(a, b, f"call {n}")
+    _same(eager[0], again, "replay after other layouts")
+
+
+@pytest.mark.gpu
+def test_two_forwards_of_one_layout_before_the_backward_use_two_captures() -> None:
+    """The sequential CFG layout: the conditional and the negative forward, then one backward."""
+    arch, model = _cuda_case()
+    cond, neg = _cuda_inputs(arch, [40], seed=4), _cuda_inputs(arch, [40], seed=5)
+    keys = [[((0, 1), 0)], [((0, 1), 1)]]
+    eager = _step(model, [cond, neg], keys)
+    model.enable_cuda_graphs()
+    graphed = _step(model, [cond, neg], keys)
+    assert model.train_graphs.captures == 2, "the second forward reused the first one's activations"
+    _same(eager, graphed, "sequential CFG")
+    graphed_again = _step(model, [neg, cond], [keys[1], keys[0]])
+    assert model.train_graphs.captures == 2 and model.train_graphs.replays == 4
+    # the same forwards in the other order: per-sample outputs swap, folds and sums are the same bytes
+    assert_bytes_equal(graphed_again[0][0], eager[0][1], "negative output")
+    for n, f in eager[1].items():
+        if f is not None:
+            assert_bytes_equal(graphed_again[1][n], f, f"fold of {n}")
+
+
+@pytest.mark.gpu
+def test_a_step_never_backpropagated_frees_its_capture() -> None:
+    arch, model = _cuda_case(num_layers=1)
+    model.enable_cuda_graphs()
+    inp = _cuda_inputs(arch, [40], seed=6)
+    for _ in range(3):
+        model(**inp).sample  # autograd on, the graph dropped without a backward
+    assert model.train_graphs.captures == 1 and model.train_graphs.replays == 3
+
+
+@pytest.mark.gpu
+def test_graphed_forward_with_adapters_disabled_equals_the_uncaptured_one() -> None:
+    """A KL reference forward (adapters disabled) must not replay the graph captured with them on."""
+    arch, model = _cuda_case(num_layers=1)
+    inp = _cuda_inputs(arch, [40], seed=7)
+    with torch.no_grad():
+        on = model(**inp).sample
+        with adapters_disabled(model):
+            off = model(**inp).sample
+        model.enable_cuda_graphs()
+        assert_bytes_equal(model(**inp).sample, on, "adapters on, graphed")
+        with adapters_disabled(model):
+            assert_bytes_equal(model(**inp).sample, off, "adapters off, graphed")
+    assert not torch.equal(on, off)
+    assert model.graph_cache.captures == 2
