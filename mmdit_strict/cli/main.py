@@ -545,8 +545,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which kernels to qualify (default: all of gemm, attention, norms, model); peers: the survey of "
                    "other batch-invariant kernels through the same checks (bench peers; run on its own, in a fresh process)")
     p = add("bench", cmd_bench, "run a benchmark and write its JSON + markdown report", overrides=False)
-    p.add_argument("which", choices=["cpu_strict", "gemm", "model", "attention", "norms", "peers", "load"],
+    p.add_argument("which", choices=["cpu_strict", "gemm", "ksplit", "model", "attention", "norms", "peers", "load"],
                    help="cpu_strict: CPU strict vs production forward; gemm: Triton GEMM engine (GPU); "
+                   "ksplit: the K-split (row-parallel TP) arithmetic of attention output and MLP down vs the unsplit "
+                   "strict GEMM and cuBLAS: accuracy, bytes, invariance, speed, communication (GPU); "
                    "model: whole transformer vs diffusers eager on identical weights (GPU); "
                    "attention: strict joint attention vs SDPA/cuDNN (GPU); "
                    "norms: strict row operators (norms, modulation, gating, QK-norm, RoPE) vs FP64 and eager PyTorch (GPU); "

@@ -193,14 +193,15 @@ def _use_tma(cfg: _configs.FwdConfig, a: torch.Tensor, b: Operand, bk: int, bn: 
 
 def _main(a: torch.Tensor, b: Operand, n_out: int, cfg: _configs.FwdConfig, *, prologue: int = Act.NONE,
           epilogue: int = Act.NONE, bias: torch.Tensor | None = None, lora: Lora | None = None,
-          aux: torch.Tensor | None = None, store_pre: bool = False,
+          aux: torch.Tensor | None = None, store_pre: bool = False, out_dtype: torch.dtype | None = None,
           on_launch: Callable[[object], None] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the main kernel: ``out (M, n_out) = epi(p(a) (M, K) @ b (K, n_out) + …)`` with ``cfg``.
 
-    Returns ``(out, pre)`` (``pre`` only with ``store_pre``). ``on_launch`` receives the compiled
-    kernel handle (benchmarks read its registers and spills)."""
+    Returns ``(out, pre)`` (``pre`` only with ``store_pre``). ``out_dtype``: the dtype ``out`` is
+    stored in (default ``a``'s; the kernel's one cast goes to it, so FP32 keeps the accumulator
+    unrounded). ``on_launch`` receives the compiled kernel handle (benchmarks read its registers and spills)."""
     m, k = a.shape
-    out = torch.empty((m, n_out), dtype=a.dtype, device=a.device)
+    out = torch.empty((m, n_out), dtype=out_dtype or a.dtype, device=a.device)
     pre = torch.empty((m, n_out), dtype=a.dtype, device=a.device) if store_pre else None
     if m == 0 or n_out == 0:
         return out, pre
@@ -213,7 +214,9 @@ def _main(a: torch.Tensor, b: Operand, n_out: int, cfg: _configs.FwdConfig, *, p
     grid = (min(tiles, nprog) if nprog else tiles,)
     use_tma = _use_tma(cfg, a, b, bk, bn, prologue)
     split = cfg.epi_split if bn % (16 * cfg.epi_split) == 0 else 1  # parts narrower than 16 columns: one part
-    tma_store = use_tma and cfg.tma_store and (n_out * out.element_size()) % 16 == 0
+    # a widened output (out_dtype) leaves through pointer stores: an FP32 tile doubles the store's shared-memory
+    # staging, which the configurations were not tuned (or checked to fit) for; the store path moves no arithmetic
+    tma_store = use_tma and cfg.tma_store and out.dtype == a.dtype and (n_out * out.element_size()) % 16 == 0
     a_arg, b_arg, out_desc = a, b.tensor, out
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -419,7 +422,7 @@ def act_fwd(x: torch.Tensor, act: str) -> torch.Tensor:
 
 def gemm_fwd(x, weight, bias=None, *, prologue="none", epilogue="none", lora=None, store_pre=False,
              return_h=False, config: _configs.FwdConfig | None = None,
-             on_launch: Callable[[object], None] | None = None):
+             on_launch: Callable[[object], None] | None = None, out_dtype: torch.dtype | None = None):
     """Forward product. x: (M, K), weight: (N, K), bias: (N,) — fp32 or bf16, contiguous.
 
     Returns ``(y (M, N), pre (M, N) or None, u (M, r) or None)``: the output, the pre-activation
@@ -435,7 +438,14 @@ def gemm_fwd(x, weight, bias=None, *, prologue="none", epilogue="none", lora=Non
     into the main loop (``"fused"``); both round ``silu(x)`` once to the execution dtype before the
     tensor cores, so they give the same bytes — the pass evaluates each element once instead of once
     per ``BLOCK_N`` column tile.
+
+    ``out_dtype``: the dtype of ``y`` — None (the default) or x's dtype: the one cast to the execution
+    dtype; ``torch.float32``: the FP32 epilogue result stored unrounded (BF16 operands, FP32 output:
+    partial products that a caller sums itself, :mod:`mmdit_strict.kernels.ksplit`). The LoRA
+    intermediate and the pre-activation keep the execution dtype.
     """
+    if out_dtype is not None and out_dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"gemm_fwd: out_dtype must be None, x's dtype ({x.dtype}) or torch.float32, got {out_dtype}")
     k = x.shape[1]
     n = weight.shape[0]
     pro = PROLOGUES[prologue]
@@ -459,7 +469,7 @@ def gemm_fwd(x, weight, bias=None, *, prologue="none", epilogue="none", lora=Non
         lo = Lora(u, lb, (1, r), scale)  # B (N, r) read as (r, N)
     store = store_pre and epilogue != "none"
     y, pre = _main(x, b, n, cfg, prologue=pro, epilogue=EPILOGUES[epilogue], bias=bias, lora=lo,
-                   store_pre=store, on_launch=on_launch)
+                   store_pre=store, out_dtype=out_dtype, on_launch=on_launch)
     return (y, pre, u, h) if return_h else (y, pre, u)
 
 
