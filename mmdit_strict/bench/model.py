@@ -89,15 +89,20 @@ def _count_syncs(fn: Callable[[], Any]) -> int:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
-def _kernel_profile(fn: Callable[[], Any]) -> tuple[int, float]:
-    """(CUDA kernel launches, summed kernel time in ms) of one call, from the profiler."""
+def _kernel_profile(fn: Callable[[], Any], top: int = 0) -> tuple[int, float, list[dict[str, Any]]]:
+    """(CUDA kernel launches, summed kernel time in ms, the ``top`` kernels by summed time) of one call."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
-    return len(kernels), sum(e.time_range.elapsed_us() for e in kernels) / 1e3
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.time_range.elapsed_us() / 1e3)
+    table = sorted(({"kernel": k[:90], "ms": sum(v), "launches": len(v)} for k, v in by_name.items()),
+                   key=lambda r: -r["ms"])[:top]
+    return len(kernels), sum(e.time_range.elapsed_us() for e in kernels) / 1e3, table
 
 
 def _inputs(arch: ArchConfig, grid: tuple[int, int], txt_lens: Sequence[int], dtype: torch.dtype) -> dict[str, Any]:
@@ -153,6 +158,8 @@ def run(args: argparse.Namespace, on_case: Callable[[dict[str, Any]], None] | No
     }
     results: dict[str, Any] = {}
     for case, (txt_lens, train) in cases.items():
+        if args.cases and case not in args.cases:
+            continue
         inp = _inputs(arch, grid, txt_lens, dtype)
         flops = forward_flops(arch, [ti] * len(txt_lens), txt_lens) * (3.0 if train else 1.0)
         engines: dict[str, Callable[[], Any]] = {}
@@ -205,7 +212,9 @@ def run(args: argparse.Namespace, on_case: Callable[[dict[str, Any]], None] | No
                 t["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
                 t["mfu"] = flops / (t["median_ms"] * 1e-3) / (PEAK_TFLOPS * 1e12)
                 t["syncs"] = _count_syncs(fn)
-                t["launches"], t["kernel_ms"] = _kernel_profile(fn)
+                t["launches"], t["kernel_ms"], table = _kernel_profile(fn, args.kernel_table)
+                if table:
+                    t["kernels"] = table
                 t["busy"] = t["kernel_ms"] / t["median_ms"]  # GPU busy / wall (the profiled call against the median)
                 row[name] = t
             except Exception as exc:  # an engine that cannot run here: record why and go on
@@ -271,6 +280,12 @@ def render(report: dict[str, Any]) -> str:
                 f"{r.get('vs_diffusers_compiled', float('nan')):.2f} | {r['mfu']:.2f} | {r.get('kernel_ms', float('nan')):.1f} | "
                 f"{r.get('busy', float('nan')):.2f} | {r['peak_gib']:.1f} | {r['syncs']} | {r['launches']} |"
             )
+    for case, row in report["cases"].items():
+        for name, r in row.items():
+            if isinstance(r, dict) and r.get("kernels"):
+                lines += ["", f"### {case} · {name}: kernels by summed time (one call)", "",
+                          "| kernel | ms | launches |", "|---|---|---|"]
+                lines += [f"| `{k['kernel']}` | {k['ms']:.1f} | {k['launches']} |" for k in r["kernels"]]
     return "\n".join(lines) + "\n"
 
 
@@ -284,6 +299,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--lora-rank", type=int, default=64)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--kernel-table", type=int, default=0, metavar="N",
+                   help="record each engine's N most expensive kernels of one call (profiler)")
+    p.add_argument("--cases", nargs="+", default=None, help="run only these cases (default: all)")
     p.add_argument("--diffusers-compile", action="store_true",
                    help="also time diffusers with each transformer block compiled (torch.compile; minutes of compile)")
     args = p.parse_args(argv)

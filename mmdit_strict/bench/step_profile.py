@@ -1,0 +1,147 @@
+"""Where a strict LoRA training step's GPU time goes: kernels grouped by name and launch grid.
+
+    python -m mmdit_strict.bench.step_profile --out DIR [--layers 2] [--grid 64 64] [--txt 128]
+
+One forward + backward (LoRA rank 64 on Flow-GRPO's targets, gradient checkpointing, B = 1) of the
+Qwen-Image architecture cut to ``--layers`` blocks, captured (``model/train_graphs.py``) and replayed
+under the profiler. Triton kernels are one name for many products; the launch grid tells the products
+apart (a product's grid is its tile count), so the table groups by ``(kernel, grid)`` and reports time
+per block. A second, uncaptured step runs under the profiler with Python stacks, and each PyTorch
+fill / copy / add kernel is attributed to the Python line that launched it (the glue between strict
+kernels). Writes ``step_profile.json`` and ``step_profile.md``. A benchmark: nothing here asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..config.arch import preset
+from ..environment import environment_line, gpu_environment
+
+
+def _trace(fn: Callable[[], Any], stacks: bool) -> list[dict[str, Any]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stacks) as prof:
+        fn()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return json.loads(path.read_text())["traceEvents"]
+
+
+def kernels_by_grid(events: list[dict[str, Any]], layers: int, top: int) -> list[dict[str, Any]]:
+    """GPU kernel events grouped by (name, grid): summed ms, launches, ms per block."""
+    groups: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for e in events:
+        if e.get("cat") == "kernel":
+            grid = str(e.get("args", {}).get("grid", "?"))
+            groups[(e["name"][:80], grid)].append(e.get("dur", 0.0) / 1e3)
+    rows = [{"kernel": k, "grid": g, "ms": sum(v), "launches": len(v), "ms_per_block": sum(v) / layers}
+            for (k, g), v in groups.items()]
+    return sorted(rows, key=lambda r: -r["ms"])[:top]
+
+
+def glue_sites(events: list[dict[str, Any]], top: int) -> list[dict[str, Any]]:
+    """PyTorch (non-Triton) kernels attributed to the innermost project line whose CPU op launched them.
+
+    A kernel and its launching runtime call share a correlation id; the CPU op that encloses the launch
+    in time on the same thread carries the Python stack (``with_stack``)."""
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    py = [e for e in events if e.get("cat") == "python_function"]
+    by_tid: dict[Any, list[dict[str, Any]]] = defaultdict(list)
+    for e in py:
+        by_tid[e.get("tid")].append(e)
+    sites: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for e in events:
+        if e.get("cat") != "kernel" or not e["name"].startswith(("void at::", "Memcpy", "Memset")):
+            continue
+        launch = launches.get(e.get("args", {}).get("correlation"))
+        where = "?"
+        if launch is not None:
+            t = launch["ts"]
+            frames = [f for f in by_tid.get(launch.get("tid"), []) if f["ts"] <= t <= f["ts"] + f.get("dur", 0)
+                      and "mmdit_strict" in f["name"]]
+            if frames:
+                where = max(frames, key=lambda f: f["ts"])["name"][:110]
+        sites[(e["name"][:60], where)].append(e.get("dur", 0.0) / 1e3)
+    rows = [{"kernel": k, "site": s, "ms": sum(v), "launches": len(v)} for (k, s), v in sites.items()]
+    return sorted(rows, key=lambda r: -r["ms"])[:top]
+
+
+def run(layers: int, grid: tuple[int, int], txt: int, rank: int, top: int) -> dict[str, Any]:
+    from ..model.init import build_model
+    from .model import _attach_lora, _inputs
+
+    arch = dataclasses.replace(preset("qwen-image"), num_layers=layers)
+    model = build_model(arch, seed=0, runtime="strict", dtype=torch.bfloat16, device="cuda")
+    _attach_lora(model, rank, seed=1)
+    model.enable_gradient_checkpointing(True)
+    inp = _inputs(arch, grid, [txt], torch.bfloat16)
+
+    def step() -> None:
+        model(**inp, return_dict=False)[0].float().square().mean().backward()
+        model.zero_grad(set_to_none=True)
+
+    model.enable_cuda_graphs()
+    step(), step()  # capture, then one replay
+    captured = _trace(step, stacks=False)
+    model.enable_cuda_graphs(False)
+    step()
+    eager = _trace(step, stacks=True)
+    kern = [e for e in captured if e.get("cat") == "kernel"]
+    return {
+        "layers": layers, "grid": list(grid), "txt": txt, "rank": rank,
+        "captured_kernel_ms": sum(e.get("dur", 0.0) for e in kern) / 1e3, "captured_launches": len(kern),
+        "by_grid": kernels_by_grid(captured, layers, top),
+        "glue": glue_sites(eager, top),
+    }
+
+
+def render(report: dict[str, Any]) -> str:
+    lines = [f"# Strict LoRA training step, kernel time by launch ({report['layers']} blocks, grid {report['grid']}, "
+             f"{report['txt']} text tokens, rank {report['rank']})", "", environment_line(report["environment"]), "",
+             f"Captured step: {report['captured_kernel_ms']:.1f} ms of kernels in {report['captured_launches']} launches "
+             f"({report['captured_kernel_ms'] / report['layers']:.2f} ms per block, embeddings and output included).", "",
+             "| kernel | grid | ms | launches | ms per block |", "|---|---|---|---|---|"]
+    lines += [f"| `{r['kernel']}` | {r['grid']} | {r['ms']:.2f} | {r['launches']} | {r['ms_per_block']:.3f} |"
+              for r in report["by_grid"]]
+    lines += ["", "## PyTorch kernels of the uncaptured step, by launching line", "",
+              "| kernel | launched from | ms | launches |", "|---|---|---|---|"]
+    lines += [f"| `{r['kernel']}` | `{r['site']}` | {r['ms']:.2f} | {r['launches']} |" for r in report["glue"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mmdit_strict.bench.step_profile", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="experiments/local", help="output folder")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--grid", type=int, nargs=2, default=(64, 64))
+    p.add_argument("--txt", type=int, default=128)
+    p.add_argument("--lora-rank", type=int, default=64)
+    p.add_argument("--top", type=int, default=40)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.step_profile needs a CUDA GPU")
+    report = run(args.layers, tuple(args.grid), args.txt, args.lora_rank, args.top)
+    report["environment"] = gpu_environment()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "step_profile.json").write_text(json.dumps(report, indent=2))
+    (out / "step_profile.md").write_text(render(report))
+    print(render(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
