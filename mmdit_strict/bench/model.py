@@ -33,6 +33,7 @@ from ..config.arch import ArchConfig, preset
 from ..kernels.runtime import Runtime
 from ..model.inputs import random_inputs
 from ..environment import environment_line, gpu_environment
+from .timing import gpu_profile
 
 PEAK_TFLOPS = 790.0  # BF16 dense matrix rate measured on the H200 (docs/design.md, anchors)
 LORA_TARGETS = (
@@ -85,12 +86,7 @@ def _count_syncs(fn: Callable[[], Any]) -> int:
 
 
 def _count_launches(fn: Callable[[], Any]) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+    return gpu_profile(fn)[1].device_events
 
 
 def _inputs(arch: ArchConfig, grid: tuple[int, int], txt_lens: Sequence[int], dtype: torch.dtype) -> dict[str, Any]:

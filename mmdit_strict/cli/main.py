@@ -400,7 +400,7 @@ def _require_gpu(what: str) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
-    if args.which not in ("cpu_strict", "peers", "load"):  # the peer survey runs its tiny record set on the CPU
+    if args.which not in ("cpu_strict", "peers", "load", "train"):  # these run a tiny case on the CPU
         _require_gpu(f"bench {args.which}")
     argv = ["--out", args.out]
     if args.which == "peers":
@@ -411,6 +411,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.which == "load":
         argv += (["--checkpoint", args.checkpoint] if args.checkpoint else []) + (["--device", args.device] if args.device else []) \
             + (["--repeats", str(args.repeats)] if args.repeats is not None else [])
+    elif args.which == "train":
+        if args.checkpoint is not None or args.repeats is not None:
+            raise ValueError("--checkpoint and --repeats belong to `bench load`, not `bench train`")
+        argv += ["--device", args.device] if args.device else []
     elif args.checkpoint is not None or args.device is not None or args.repeats is not None:
         raise ValueError(f"--checkpoint, --device and --repeats belong to `bench load`, not `bench {args.which}`")
     module = importlib.import_module(f"mmdit_strict.bench.{args.which}")
@@ -545,7 +549,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which kernels to qualify (default: all of gemm, attention, norms, model); peers: the survey of "
                    "other batch-invariant kernels through the same checks (bench peers; run on its own, in a fresh process)")
     p = add("bench", cmd_bench, "run a benchmark and write its JSON + markdown report", overrides=False)
-    p.add_argument("which", choices=["cpu_strict", "gemm", "model", "attention", "norms", "peers", "load"],
+    p.add_argument("which", choices=["cpu_strict", "gemm", "model", "attention", "norms", "peers", "load", "train"],
                    help="cpu_strict: CPU strict vs production forward; gemm: Triton GEMM engine (GPU); "
                    "model: whole transformer vs diffusers eager on identical weights (GPU); "
                    "attention: strict joint attention vs SDPA/cuDNN (GPU); "
@@ -553,7 +557,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "peers: other batch-invariant kernels (PyTorch deterministic, SDPA backends, Liger-Kernel, Megatron-Core) "
                    "through our invariance / accuracy / speed checks, per operator family (GPU: full record set; CPU: tiny); "
                    "load: MMDiT.from_pretrained vs diffusers' from_pretrained(...).to(device) on the same files, time and "
-                   "host memory (GPU or CPU)")
+                   "host memory (GPU or CPU); "
+                   "train: one Flow-GRPO update (group rollout with CFG, LoRA training over the SDE window, AdamW) with ours "
+                   "and with diffusers + PEFT on the same weights, per phase (GPU: 60 blocks at 1024²; CPU: the tiny model; "
+                   "sizes: python -m mmdit_strict.bench.train --help)")
     p.add_argument("--out", default="experiments/local", help="output folder")
     p.add_argument("--quick", action="store_true", help="peers only: the quick record set (a GPU smoke run)")
     p.add_argument("--profile", default=None, choices=["full", "quick", "tiny"],
@@ -564,7 +571,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "attention (default: all)")
     p.add_argument("--checkpoint", default=None, help="load only: a diffusers transformer folder (default: write the "
                    "60-block Qwen-Image with random BF16 weights in 9 shards to a cache folder first)")
-    p.add_argument("--device", default=None, help="load only: where the weights go (default: cuda when there is a GPU)")
+    p.add_argument("--device", default=None, help="load and train only: where the weights go (default: cuda when there is "
+                   "a GPU; train: the tiny model on the CPU otherwise)")
     p.add_argument("--repeats", type=int, default=None, help="load only: pairs of loads, engines alternating (default 3)")
     return parser
 
