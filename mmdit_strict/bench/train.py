@@ -66,7 +66,7 @@ from .timing import gpu_profile
 PHASES = ("rollout", "train", "optimizer")
 #: Per architecture: latent grid, prompt tokens and LoRA rank when the flags leave them out.
 SIZES = {"qwen-image": {"grid": (64, 64), "txt": 128, "lora_rank": 64}, "tiny": {"grid": (4, 4), "txt": 8, "lora_rank": 4}}
-CFG_SCALE, ETA, SEED = 4.0, 1.0, 0
+CFG_SCALE, ETA, SEED = 4.0, 0.7, 0  # configs/sampler/flow_grpo.yaml's cfg_scale and eta; the noise seed
 
 
 @dataclass
