@@ -89,7 +89,6 @@ class Update:
     grid: tuple[int, int]
     scfg: SampleConfig
     tcfg: TrainConfig
-    micro_batch: int
     advantages: torch.Tensor  # (G,) FP32 on the device
 
 
@@ -108,6 +107,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--layers, --txt, --lora-rank and --grid must be positive")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda but this machine has no CUDA GPU (use --device cpu --arch tiny)")
+    if args.device == "cpu" and args.arch == "qwen-image" and args.layers is None:
+        raise ValueError("--arch qwen-image on the CPU builds the 20B model: pass --arch tiny, or --layers N for a slice")
 
 
 def build_engines(arch: ArchConfig, device: str, dtype: torch.dtype, rank: int) -> list[Engine]:
@@ -134,11 +135,12 @@ def build_engines(arch: ArchConfig, device: str, dtype: torch.dtype, rank: int) 
 
 
 def _train_phase(engine: Engine, up: Update, samples: EpochSamples) -> tuple[SampleGradSink | None, dict[str, Any]]:
-    """Forward + loss + backward over every (sample, window step) pair, ``up.micro_batch`` pairs at a time."""
+    """Forward + loss + backward over every (sample, window step) pair, ``up.tcfg.micro_batch`` pairs at a time."""
     scale = up.scfg.guidance_scale
     pairs = sorted(((n, s) for n in range(len(samples.sample_ids)) for s in samples.sde_steps[n]),
                    key=lambda p: pair_key(samples, p))
-    batches = [pairs[i:i + up.micro_batch] for i in range(0, len(pairs), up.micro_batch)]
+    mb = up.tcfg.micro_batch
+    batches = [pairs[i:i + mb] for i in range(0, len(pairs), mb)]
     keys = [grad_keys(samples, b, scale) for b in batches]
     sink = SampleGradSink([k for ks in keys for k in ks]) if engine.grad_sink else None
     differ, exact = [], []
@@ -263,8 +265,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         sde_window_size=args.window, runtime=None)
     tcfg = TrainConfig(micro_batch=args.micro_batch, cfg_layout=args.cfg_layout)
     adv, _ = StatTracker().advantages(torch.arange(args.group, dtype=torch.float64), [0] * args.group)
-    up = Update(prompts, sigma_table(args.steps, grid[0] * grid[1]), grid, scfg, tcfg, args.micro_batch,
-                adv.to(device=device, dtype=torch.float32))
+    up = Update(prompts, sigma_table(args.steps, grid[0] * grid[1]), grid, scfg, tcfg, adv.to(device=device, dtype=torch.float32))
     results: dict[str, Any] = {}
     errors = []
     per_engine = args.warmup + 1 + (device.type == "cuda")
