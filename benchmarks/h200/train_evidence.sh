@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One Flow-GRPO update, ours vs diffusers + PEFT, in one GPU call (about 4 minutes on an H200):
+# One Flow-GRPO update, ours vs diffusers + PEFT, in one GPU call (estimated at about 4 minutes on an H200; not yet timed):
 #   `bench.train` on the 60-block Qwen-Image at 1024² (grid 64×64, 128 prompt tokens, random BF16 weights held once
 #   for both engines), LoRA rank 64 on bench.model's targets, gradient checkpointing, CFG 4 in the sequential layout.
 #   Sizes: G = 2 samples, S = 10 steps, SDE window W = 2 (4 pairs), micro-batches of 2 pairs. Per engine that is one
