@@ -1,10 +1,17 @@
-"""The CUDA-graph timing the qualification benches share (``triton.testing``, imported on first use)."""
+"""The timing and profiling the benches share: CUDA-graph and plain medians (``triton.testing``, imported on
+first use) and the CUDA profiler's count of one call's GPU work."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+
+#: Host calls that put work on the GPU: the runtime's and the driver's kernel launches (Triton launches through
+#: the driver) and a CUDA-graph replay (one call for a whole graph).
+LAUNCH_CALLS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cudaLaunchCooperativeKernel", "cuLaunchKernel",
+                          "cuLaunchKernelEx", "cudaGraphLaunch"})
 
 
 def median_ms(result: Any) -> float:
@@ -32,3 +39,32 @@ def plain_ms(fn: Callable[[], Any]) -> float:
     from triton.testing import do_bench
 
     return median_ms(do_bench(fn, warmup=10, rep=50, quantiles=[0.5]))
+
+
+@dataclass(frozen=True)
+class GpuProfile:
+    """What the CUDA profiler saw during one call.
+
+    Attributes:
+        device_events: kernels, copies and fills that ran on the GPU (a graph replay counts each of its kernels).
+        host_launches: :data:`LAUNCH_CALLS` the host made (a graph replay counts once); 0 where the profiler
+            recorded no host API calls.
+        device_s: summed GPU time of ``device_events``, seconds.
+    """
+
+    device_events: int
+    host_launches: int
+    device_s: float
+
+
+def gpu_profile(fn: Callable[[], Any]) -> tuple[Any, GpuProfile]:
+    """``fn()``'s result and its :class:`GpuProfile` (the GPU is synchronised before the profiler stops)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = fn()
+        torch.cuda.synchronize()
+    events = prof.events()
+    device = [e for e in events if e.device_type.name == "CUDA"]
+    host = sum(1 for e in events if e.device_type.name == "CPU" and e.name in LAUNCH_CALLS)
+    return out, GpuProfile(len(device), host, sum(e.time_range.elapsed_us() for e in device) * 1e-6)

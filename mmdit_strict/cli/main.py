@@ -298,8 +298,6 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
 def cmd_encode(args: argparse.Namespace) -> int:
     """Prompts → embeddings + masks with a pipeline folder's Qwen2.5-VL text encoder (a ``prompts.embeddings`` file)."""
-    import torch
-
     from ..dtypes import from_config
     from ..pipelines.encode import encode_prompts, load_text_components, write_prompt_file
 
@@ -400,7 +398,7 @@ def _require_gpu(what: str) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
-    if args.which not in ("cpu_strict", "peers", "load"):  # the peer survey runs its tiny record set on the CPU
+    if args.which not in ("cpu_strict", "peers", "load", "train"):  # these run a tiny case on the CPU
         _require_gpu(f"bench {args.which}")
     argv = ["--out", args.out]
     if args.which == "peers":
@@ -411,6 +409,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.which == "load":
         argv += (["--checkpoint", args.checkpoint] if args.checkpoint else []) + (["--device", args.device] if args.device else []) \
             + (["--repeats", str(args.repeats)] if args.repeats is not None else [])
+    elif args.which == "train":
+        if args.checkpoint is not None or args.repeats is not None:
+            raise ValueError("--checkpoint and --repeats belong to `bench load`, not `bench train`")
+        argv += ["--device", args.device] if args.device else []
     elif args.checkpoint is not None or args.device is not None or args.repeats is not None:
         raise ValueError(f"--checkpoint, --device and --repeats belong to `bench load`, not `bench {args.which}`")
     module = importlib.import_module(f"mmdit_strict.bench.{args.which}")
@@ -545,17 +547,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which kernels to qualify (default: all of gemm, attention, norms, model); peers: the survey of "
                    "other batch-invariant kernels through the same checks (bench peers; run on its own, in a fresh process)")
     p = add("bench", cmd_bench, "run a benchmark and write its JSON + markdown report", overrides=False)
-    p.add_argument("which", choices=["cpu_strict", "gemm", "ksplit", "model", "attention", "norms", "peers", "load"],
+    p.add_argument("which", choices=["cpu_strict", "gemm", "ksplit", "lora_tiles", "model", "step_profile", "attention", "norms",
+                                      "peers", "load", "train"],
                    help="cpu_strict: CPU strict vs production forward; gemm: Triton GEMM engine (GPU); "
                    "ksplit: the K-split (row-parallel TP) arithmetic of attention output and MLP down vs the unsplit "
                    "strict GEMM and cuBLAS: accuracy, bytes, invariance, speed, communication (GPU); "
+                   "lora_tiles: the rank-r LoRA products under candidate tiles, time and bytes (GPU); "
                    "model: whole transformer vs diffusers eager on identical weights (GPU); "
+                   "step_profile: a strict LoRA training step's kernel time by kernel and launch grid (GPU); "
                    "attention: strict joint attention vs SDPA/cuDNN (GPU); "
                    "norms: strict row operators (norms, modulation, gating, QK-norm, RoPE) vs FP64 and eager PyTorch (GPU); "
                    "peers: other batch-invariant kernels (PyTorch deterministic, SDPA backends, Liger-Kernel, Megatron-Core) "
                    "through our invariance / accuracy / speed checks, per operator family (GPU: full record set; CPU: tiny); "
                    "load: MMDiT.from_pretrained vs diffusers' from_pretrained(...).to(device) on the same files, time and "
-                   "host memory (GPU or CPU)")
+                   "host memory (GPU or CPU); "
+                   "train: one Flow-GRPO update (group rollout with CFG, LoRA training over the SDE window, AdamW) with ours "
+                   "and with diffusers + PEFT on the same weights, per phase (GPU: 60 blocks at 1024²; CPU: the tiny model; "
+                   "sizes: python -m mmdit_strict.bench.train --help)")
     p.add_argument("--out", default="experiments/local", help="output folder")
     p.add_argument("--quick", action="store_true", help="peers only: the quick record set (a GPU smoke run)")
     p.add_argument("--profile", default=None, choices=["full", "quick", "tiny"],
@@ -566,7 +574,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "attention (default: all)")
     p.add_argument("--checkpoint", default=None, help="load only: a diffusers transformer folder (default: write the "
                    "60-block Qwen-Image with random BF16 weights in 9 shards to a cache folder first)")
-    p.add_argument("--device", default=None, help="load only: where the weights go (default: cuda when there is a GPU)")
+    p.add_argument("--device", default=None, help="load and train only: where the weights go (default: cuda when there is "
+                   "a GPU; train: the tiny model on the CPU otherwise)")
     p.add_argument("--repeats", type=int, default=None, help="load only: pairs of loads, engines alternating (default 3)")
     return parser
 

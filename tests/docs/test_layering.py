@@ -37,6 +37,11 @@ ALLOWED: dict[str, set[str]] = {
     "__main__": {"cli"},
 }
 
+#: Single modules allowed more than their subpackage (path under mmdit_strict → the extra subpackages). The
+#: benchmark of one Flow-GRPO update drives the training functions themselves, so it sits above training;
+#: the rest of bench/ keeps its row above.
+MODULE_EXTRA: dict[str, set[str]] = {"bench/train.py": {"sampling", "trajectories", "training"}}
+
 
 def _layer(parts: tuple[str, ...]) -> str:
     return parts[0].removesuffix(".py")
@@ -76,9 +81,10 @@ def test_every_import_follows_the_layering() -> None:
         if layer in BASE:
             continue
         assert layer in ALLOWED, f"{path}: subpackage {layer!r} has no entry in the layering table"
+        allowed = ALLOWED[layer] | MODULE_EXTRA.get(path.relative_to(PACKAGE).as_posix(), set())
         for target in _imports(path) - {layer} - BASE:
             if (PACKAGE / target).is_dir() or (PACKAGE / f"{target}.py").exists():
-                if target not in ALLOWED[layer]:
+                if target not in allowed:
                     wrong.append(f"{path.relative_to(PACKAGE)} imports {target}")
     assert not wrong, "layering broken:\n" + "\n".join(wrong)
 

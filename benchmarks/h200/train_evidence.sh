@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One Flow-GRPO update, ours vs diffusers + PEFT, in one GPU call (estimated at about 4 minutes on an H200; not yet timed):
+#   `bench.train` on the 60-block Qwen-Image at 1024² (grid 64×64, 128 prompt tokens, random BF16 weights held once
+#   for both engines), LoRA rank 64 on bench.model's targets, gradient checkpointing, CFG 4 in the sequential layout.
+#   Sizes: G = 2 samples, S = 10 steps, SDE window W = 2 (4 pairs), micro-batches of 2 pairs. Per engine that is one
+#   untimed warm-up update (Triton compiles, CUDA-graph captures, cuBLAS heuristics), the timed update and the
+#   profiled update: 3 × (20 CFG forwards of 2 samples + 4 training forwards / backwards of 2 samples). A larger
+#   group or window multiplies the train phase and would not fit the call.
+# diffusers is not in the GPU image: carry its wheels (and any missing dependency) in .whl/; they are installed
+# into /tmp/site without network. Run from the repository root on the GPU machine:
+#   MMDIT_COMMIT=<hash> bash benchmarks/h200/train_evidence.sh OUT_DIR     (OUT_DIR: $OUT on the device machine)
+# OUT_DIR/train_bench.json and OUT_DIR/train_bench.md are the report; OUT_DIR/train_evidence.tgz holds them with the log.
+set -uo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/evidence_common.sh"
+evidence_begin train_evidence "${1:-}"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "could not install the carried wheels from .whl/" >&2; exit 2; }
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+python3 -c 'import diffusers, peft' || { echo "diffusers or peft is not importable: carry the wheels in .whl/" >&2; exit 2; }
+{
+  evidence_header
+  time python3 -m mmdit_strict.bench.train --out "$ev" --device cuda --arch qwen-image --layers 60 --grid 64 64 --txt 128 \
+    --group 2 --steps 10 --window 2 --micro-batch 2 --lora-rank 64 --warmup 1
+} 2>&1 | tee "$ev/log.txt"
+cp "$ev/train_bench.json" "$ev/train_bench.md" "$out/" 2>/dev/null || echo "no report was written (see the log)" >&2
+evidence_pack

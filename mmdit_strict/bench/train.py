@@ -1,0 +1,368 @@
+"""One Flow-GRPO update timed phase by phase: our strict engine vs diffusers + PEFT, same weights, same run.
+
+    python -m mmdit_strict.bench.train --out DIR [--layers N] [--grid H W] [--txt L] [--group G] [--steps S]
+        [--window W] [--micro-batch B] [--lora-rank R] [--device cuda|cpu] [--arch qwen-image|tiny]
+
+Both engines start from one set of base weights: ours built by ``build_model``, theirs diffusers'
+``QwenImageTransformer2DModel`` holding the same parameter storage (``diffusers_twin``). Each gets a PEFT
+LoRA on :data:`~mmdit_strict.bench.model.LORA_TARGETS` with the same initial values (``attach_lora``, B
+non-zero), gradient checkpointing, and its own AdamW (``build_optimizer``, the trainer's defaults). One
+update, for each engine through the same training functions, is three phases:
+
+* ``rollout``: a group of ``G`` samples of one prompt, ``S`` steps with true CFG (conditional and negative
+  prompt), the Flow-GRPO SDE on a keyed window of ``W`` steps and Euler elsewhere, no autograd
+  (``training.rollout.rollout_epoch``: keyed latents and noise, ``sde_step`` and its logp, ``cfg_combine``);
+* ``train``: the ``W × G`` (sample, step) pairs in gradient-key order, ``B`` pairs per micro-batch: forward
+  with autograd and CFG (``evaluate_pairs``), ``grpo_loss`` against the rollout's logp with advantages
+  standardised from the fixed rewards ``0, 1, …, G-1``, backward. Ours runs in the strict runtime with its
+  gradient sink collecting per-(pair, branch) partials; theirs runs plain autograd;
+* ``optimizer``: (ours: fold the sink's partials into the gradients) clip the norm, AdamW step, zero grads.
+
+Ours runs in ``strict`` with CUDA graphs for the rollout's no-grad forwards (on CUDA), theirs eager in the
+``off`` runtime (PyTorch's default math, as diffusers users run it). Both use one CFG layout (``--cfg-layout``,
+default sequential: two forwards per step, as ``QwenImagePipeline``). On the CPU the model is FP32 (the CPU
+strict backend's dtype), on CUDA BF16.
+
+Per engine: ``--warmup`` untimed updates (compiles, graph captures, allocator), one timed update (wall seconds
+of each phase with the GPU synchronised, peak and starting memory), then on CUDA one more update under the
+profiler (GPU activities and host launches per phase; ``gpu_busy`` is that update's GPU time over the timed
+update's wall). ``first_update_ratio_exact_one`` checks the first update's recomputed logp against its
+rollout's, byte for byte, and every importance ratio is exactly 1. Writes ``DIR/train_bench.json`` and
+``DIR/train_bench.md``. A benchmark: an engine that fails has its error recorded instead of figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from ..config.arch import ArchConfig, preset
+from ..config.schema import LoraConfig, PromptsConfig
+from ..config.training import SampleConfig, TrainConfig
+from ..dtypes import BY_CONFIG_NAME as DTYPES
+from ..environment import environment_line, run_environment
+from ..kernels.grad_sink import SampleGradSink, collect_sample_grads
+from ..kernels.runtime import Runtime
+from ..sampling import sigma_table
+from ..training.advantages import StatTracker
+from ..training.loss import grpo_loss, logp_bytes_differ
+from ..training.optim import build_optimizer
+from ..training.policy import evaluate_pairs, grad_keys, pair_key
+from ..training.rollout import EpochSamples, rollout_epoch, side
+from ..trajectories.setup import Prompts, attach_lora, make_prompts
+from . import markdown as md
+from .model import LORA_TARGETS
+from .timing import gpu_profile
+
+PHASES = ("rollout", "train", "optimizer")
+#: Per architecture: latent grid, prompt tokens and LoRA rank when the flags leave them out.
+SIZES = {"qwen-image": {"grid": (64, 64), "txt": 128, "lora_rank": 64}, "tiny": {"grid": (4, 4), "txt": 8, "lora_rank": 4}}
+CFG_SCALE, ETA, SEED = 4.0, 0.7, 0  # configs/sampler/flow_grpo.yaml's cfg_scale and eta; the noise seed
+
+
+@dataclass
+class Engine:
+    """One side of the comparison: a transformer with its LoRA, the runtime it runs in, how it folds gradients."""
+
+    name: str
+    model: torch.nn.Module
+    runtime: Runtime
+    grad_sink: bool  # fold per-(pair, branch) partials through the strict gradient sink
+    what: str
+
+
+@dataclass
+class Update:
+    """What every update of both engines shares: the prompt, schedule, rollout and training settings."""
+
+    prompts: Prompts
+    sigmas: torch.Tensor
+    grid: tuple[int, int]
+    scfg: SampleConfig
+    tcfg: TrainConfig
+    advantages: torch.Tensor  # (G,) FP32 on the device
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse sizes that make no update, with the flag's name."""
+    if args.micro_batch < 1:
+        raise ValueError(f"--micro-batch must be >= 1 pair, got {args.micro_batch}")
+    if args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    if not 1 <= args.window <= args.steps:
+        raise ValueError(f"--window must be between 1 and --steps ({args.steps}): the SDE window is a run of the "
+                         f"sampling steps, got {args.window}")
+    if args.group < 2:
+        raise ValueError(f"--group must be >= 2: GRPO advantages compare the samples of a group, got {args.group}")
+    if (args.layers is not None and args.layers < 1) or args.txt < 1 or args.lora_rank < 1 or min(args.grid) < 1:
+        raise ValueError("--layers, --txt, --lora-rank and --grid must be positive")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda but this machine has no CUDA GPU (use --device cpu --arch tiny)")
+    if args.device == "cpu" and args.arch == "qwen-image" and args.layers is None:
+        raise ValueError("--arch qwen-image on the CPU builds the 20B model: pass --arch tiny, or --layers N for a slice")
+
+
+def build_engines(arch: ArchConfig, device: str, dtype: torch.dtype, rank: int) -> list[Engine]:
+    """Theirs (diffusers + PEFT, first: it runs before ours holds CUDA-graph memory) and ours, on one weight storage."""
+    from ..model.diffusers_compat import diffusers_twin
+    from ..model.init import build_model
+
+    ours = build_model(arch, seed=0, runtime="strict", dtype=dtype, device=device)
+    theirs = diffusers_twin(ours)
+    lora = LoraConfig(rank=rank, alpha=float(rank), targets=list(LORA_TARGETS), init="random", seed=1)
+    for model in (ours, theirs):
+        attach_lora(model, lora)
+        model.requires_grad_(False)
+        for name, p in model.named_parameters():
+            p.requires_grad_("lora_" in name)
+    ours.enable_gradient_checkpointing(True)
+    theirs.enable_gradient_checkpointing()
+    theirs.train()
+    if device == "cuda":
+        ours.enable_cuda_graphs()
+    return [Engine("diffusers_peft", theirs, Runtime.OFF, False, "diffusers QwenImageTransformer2DModel + PEFT, eager, autograd"),
+            Engine("ours", ours, Runtime.STRICT, True, "MMDiT strict" + (" + CUDA graphs (rollout)" if device == "cuda" else "")
+                   + ", grad sink")]
+
+
+def _train_phase(engine: Engine, up: Update, samples: EpochSamples) -> tuple[SampleGradSink | None, dict[str, Any]]:
+    """Forward + loss + backward over every (sample, window step) pair, ``up.tcfg.micro_batch`` pairs at a time."""
+    scale = up.scfg.guidance_scale
+    pairs = sorted(((n, s) for n in range(len(samples.sample_ids)) for s in samples.sde_steps[n]),
+                   key=lambda p: pair_key(samples, p))
+    mb = up.tcfg.micro_batch
+    batches = [pairs[i:i + mb] for i in range(0, len(pairs), mb)]
+    keys = [grad_keys(samples, b, scale) for b in batches]
+    sink = SampleGradSink([k for ks in keys for k in ks]) if engine.grad_sink else None
+    differ, exact = [], []
+    with collect_sample_grads(sink) if sink is not None else contextlib.nullcontext(), side(engine.model, engine.runtime):
+        for part, ks in zip(batches, keys):
+            ev = evaluate_pairs(engine.model, samples, part, up.prompts, up.sigmas, up.grid, scale, up.tcfg.cfg_layout,
+                                up.scfg.noise_level)
+            old = torch.stack([samples.logp[s, n] for n, s in part])
+            loss = grpo_loss(ev.logp, old, up.advantages[[n for n, _ in part]], 1.0 / len(pairs), up.tcfg.clip_range,
+                             up.tcfg.adv_clip_max)
+            loss.loss.backward()
+            if sink is not None:
+                sink.done(ks)
+            differ.append(logp_bytes_differ(ev.logp, old))
+            exact.append(loss.ratio == 1.0)
+    return sink, {"pairs": len(pairs), "micro_batches": len(batches), "logp_bytes_differ": int(torch.cat(differ).sum()),
+                  "ratio_exact_one_frac": float(torch.cat(exact).double().mean())}
+
+
+def _optimizer_phase(params: list[torch.nn.Parameter], opt: torch.optim.Optimizer, sink: SampleGradSink | None,
+                     max_norm: float) -> None:
+    """(The sink's fold into ``.grad``,) gradient clipping, one AdamW step, gradients dropped."""
+    if sink is not None:
+        for p in params:
+            if p.grad is None:  # no path to the loss (the last block's text stream)
+                continue
+            folded = sink.fold(p)
+            if folded is None:
+                raise RuntimeError(f"the strict backward deposited no per-sample partial for a LoRA tensor of shape "
+                                   f"{tuple(p.shape)}: its gradient would be autograd's sum, not the sink's fold")
+            p.grad = folded.to(p.dtype)
+    torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _measure(fn: Callable[[], Any], device: torch.device, profile: bool) -> tuple[Any, dict[str, Any]]:
+    """``fn()`` and its wall seconds and memory (CUDA: synchronised; ``profile``: its :class:`GpuProfile` too)."""
+    cuda = device.type == "cuda"
+    row: dict[str, Any] = {"start_gib": None, "peak_gib": None}
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        row["start_gib"] = torch.cuda.memory_allocated(device) / 2**30
+    t0 = time.perf_counter()
+    out, prof = gpu_profile(fn) if profile else (fn(), None)
+    if cuda:
+        torch.cuda.synchronize(device)
+        row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    row["wall_s"] = time.perf_counter() - t0
+    if prof is not None:
+        row.update(launches=prof.device_events, host_launches=prof.host_launches or None, gpu_s=prof.device_s)
+    return out, row
+
+
+def one_update(engine: Engine, up: Update, opt: torch.optim.Optimizer, params: list[torch.nn.Parameter],
+               device: torch.device, profile: bool = False) -> dict[str, Any]:
+    """Rollout, train and optimizer phases of one update; per phase its measurements, plus the train phase's checks."""
+    samples, roll = _measure(lambda: rollout_epoch(engine.model, engine.runtime, up.prompts, up.sigmas, up.grid, up.scfg,
+                                                   SEED, 0), device, profile)
+    (sink, checks), train = _measure(lambda: _train_phase(engine, up, samples), device, profile)
+    _, step = _measure(lambda: _optimizer_phase(params, opt, sink, up.tcfg.max_grad_norm), device, profile)
+    return {"phases": {"rollout": roll, "train": train, "optimizer": step}, "checks": checks}
+
+
+def run_engine(engine: Engine, up: Update, device: torch.device, warmup: int, bar: tqdm) -> dict[str, Any]:
+    """``warmup`` untimed updates, the timed one, and on CUDA the profiled one; the engine's report row."""
+    named = sorted(((n, p) for n, p in engine.model.named_parameters() if p.requires_grad), key=lambda t: t[0])
+    params = [p for _, p in named]
+    opt, _ = build_optimizer(params, up.tcfg)
+    runs = []
+    for kind in ["warmup"] * warmup + ["timed"] + (["profiled"] if device.type == "cuda" else []):
+        bar.set_postfix_str(f"{engine.name} {kind}")
+        runs.append(one_update(engine, up, opt, params, device, profile=kind == "profiled"))
+        bar.update(1)
+    timed, first = runs[warmup], runs[0]["checks"]
+    phases = timed["phases"]
+    prof = runs[-1]["phases"] if device.type == "cuda" else None
+    for name, row in phases.items():
+        row.update(launches=None, host_launches=None, gpu_busy=None)
+        if prof is not None:
+            row.update(launches=prof[name]["launches"], host_launches=prof[name]["host_launches"],
+                       gpu_busy=prof[name]["gpu_s"] / row["wall_s"], profiled_wall_s=prof[name]["wall_s"])
+    total = {"wall_s": sum(r["wall_s"] for r in phases.values()),
+             "peak_gib": None if device.type != "cuda" else max(r["peak_gib"] for r in phases.values()),
+             "launches": None if prof is None else sum(r["launches"] for r in phases.values()),
+             "gpu_busy": None if prof is None else sum(p["gpu_s"] for p in prof.values()) / sum(r["wall_s"] for r in phases.values())}
+    return {"engine": engine.what, "runtime": engine.runtime.value, "phases": phases, "total": total,
+            "lora_tensors": len(params), **timed["checks"],
+            "first_update_logp_bytes_differ": first["logp_bytes_differ"],
+            "first_update_ratio_exact_one": first["logp_bytes_differ"] == 0 and first["ratio_exact_one_frac"] == 1.0,
+            "checks_every_update": [r["checks"] for r in runs]}
+
+
+def ratios(engines: dict[str, Any], ours: str = "ours", theirs: str = "diffusers_peft") -> dict[str, dict[str, float | None]]:
+    """Ours / theirs per phase (and ``total``) for wall, peak memory, launches and GPU busy; None where either is missing."""
+    if "phases" not in engines.get(ours, {}) or "phases" not in engines.get(theirs, {}):
+        return {}
+    a, b = engines[ours], engines[theirs]
+    out = {}
+    for phase in [*PHASES, "total"]:
+        ra, rb = (a["total"], b["total"]) if phase == "total" else (a["phases"][phase], b["phases"][phase])
+        out[phase] = {k: (ra[k] / rb[k] if ra.get(k) is not None and rb.get(k) else None)
+                      for k in ("wall_s", "peak_gib", "launches", "gpu_busy")}
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Build both engines on one set of weights, run each one's updates, return the report (no environment)."""
+    arch = preset(args.arch)
+    if args.layers is not None:
+        arch = dataclasses.replace(arch, num_layers=args.layers)
+    device = torch.device(args.device)
+    dtype_name = "bfloat16" if device.type == "cuda" else "float32"  # the CPU strict backend computes in FP32
+    dtype = DTYPES[dtype_name]
+    grid = (int(args.grid[0]), int(args.grid[1]))
+    engines = build_engines(arch, args.device, dtype, args.lora_rank)
+    prompts = make_prompts(PromptsConfig(num_prompts=1, min_tokens=args.txt, max_tokens=args.txt,
+                                         negative_tokens=max(1, args.txt // 2)), arch, args.device, dtype_name)
+    scfg = SampleConfig(num_steps=args.steps, noise_level=ETA, guidance_scale=CFG_SCALE, num_image_per_prompt=args.group,
+                        prompts_per_epoch=1, batch_size=args.group, cfg_layout=args.cfg_layout,
+                        sde_window_size=args.window, runtime=None)
+    tcfg = TrainConfig(micro_batch=args.micro_batch, cfg_layout=args.cfg_layout)
+    adv, _ = StatTracker().advantages(torch.arange(args.group, dtype=torch.float64), [0] * args.group)
+    up = Update(prompts, sigma_table(args.steps, grid[0] * grid[1]), grid, scfg, tcfg, adv.to(device=device, dtype=torch.float32))
+    results: dict[str, Any] = {}
+    errors = []
+    per_engine = args.warmup + 1 + (device.type == "cuda")
+    with tqdm(total=len(engines) * per_engine, desc="bench train", unit="update") as bar:
+        for engine in engines:
+            try:
+                results[engine.name] = run_engine(engine, up, device, args.warmup, bar)
+            except Exception as exc:  # an engine that cannot run here: record why and go on
+                results[engine.name] = {"engine": engine.what, "error": f"{type(exc).__name__}: {exc}"[:400]}
+                errors.append(f"{engine.name}: {results[engine.name]['error']}")
+    config = {"arch": args.arch, "layers": arch.num_layers, "grid": list(grid), "txt": args.txt, "negative_txt": max(1, args.txt // 2),
+              "group": args.group, "steps": args.steps, "window": args.window, "micro_batch": args.micro_batch,
+              "lora_rank": args.lora_rank, "lora_targets": list(LORA_TARGETS), "device": args.device, "dtype": str(dtype),
+              "cfg_scale": CFG_SCALE, "eta": ETA, "cfg_layout": args.cfg_layout, "warmup": args.warmup,
+              "grad_checkpointing": True, "clip_range": tcfg.clip_range, "learning_rate": tcfg.learning_rate}
+    return {"config": config, "engines": results, "ratios": ratios(results), "errors": errors}
+
+
+def _fmt(x: float | None, spec: str = ".3f") -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def render(report: dict[str, Any]) -> str:
+    """The Markdown report: setup, one row per engine and phase, ours / theirs ratios, the on-policy check."""
+    c, env = report["config"], report["environment"]
+    lines = [f"# One Flow-GRPO update: ours vs diffusers + PEFT ({c['arch']}, {c['layers']} blocks, grid {c['grid']})", "",
+             environment_line(env), "",
+             f"Group G = {c['group']}, S = {c['steps']} steps with CFG {c['cfg_scale']} ({c['cfg_layout']}), SDE window "
+             f"W = {c['window']}, {c['group'] * c['window']} pairs in micro-batches of {c['micro_batch']}; LoRA rank "
+             f"{c['lora_rank']} on {len(c['lora_targets'])} targets, gradient checkpointing, {c['dtype']}, "
+             f"{c['warmup']} untimed warm-up update(s). Same base weights (one storage), same LoRA init.", ""]
+    rows = []
+    for name, e in report["engines"].items():
+        if "error" in e:
+            rows.append(md.row(name, "error", e["error"][:160], "", "", "", ""))
+            continue
+        for phase, r in [*e["phases"].items(), ("total", e["total"])]:
+            rows.append(md.row(name, phase, _fmt(r["wall_s"]), _fmt(r["peak_gib"], ".1f"), _fmt(r.get("launches"), "d"),
+                               _fmt(r.get("host_launches"), "d"), _fmt(r.get("gpu_busy"), ".2f")))
+    lines += md.section("Per phase", ["engine", "phase", "wall s", "peak GiB", "GPU launches", "host launches", "GPU busy / wall"],
+                        rows, notes=["GPU launches: kernels, copies and fills the profiler saw on the GPU (a CUDA-graph "
+                                     "replay counts each kernel); host launches: launch calls the host made (a replay counts "
+                                     "once); GPU busy: the profiled update's GPU time over the timed update's wall. "
+                                     "The optimizer phase of ours includes the gradient sink's fold."])
+    ratio_rows = [md.row(phase, *(_fmt(r[k], ".2f") for k in ("wall_s", "peak_gib", "launches", "gpu_busy")))
+                  for phase, r in report["ratios"].items()]
+    lines += md.section("Ours / theirs", ["phase", "wall", "peak memory", "GPU launches", "GPU busy"], ratio_rows)
+    checks = [md.row(name, e["first_update_logp_bytes_differ"], e["pairs"], "yes" if e["first_update_ratio_exact_one"] else "no")
+              for name, e in report["engines"].items() if "error" not in e]
+    lines += md.section("On-policy check (first update)", ["engine", "pairs whose logp bytes differ from the rollout's",
+                                                           "pairs", "every ratio exactly 1"], checks)
+    return "\n".join(lines + md.errors_and_wall_time(report)) + "\n"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m mmdit_strict.bench.train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="experiments/local", help="output folder")
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when there is a GPU, else cpu")
+    p.add_argument("--arch", choices=sorted(SIZES), default=None, help="default: qwen-image on cuda, tiny on the CPU")
+    p.add_argument("--layers", type=int, default=None, help="transformer blocks (default: the architecture's, 60 for Qwen-Image)")
+    p.add_argument("--grid", type=int, nargs=2, default=None, help="latent grid in tokens (default 64 64 = 1024², tiny 4 4)")
+    p.add_argument("--txt", type=int, default=None, help="prompt tokens (default 128, tiny 8); the negative prompt has half")
+    p.add_argument("--group", type=int, default=2, help="samples of the prompt (the GRPO group)")
+    p.add_argument("--steps", type=int, default=10, help="sampling steps of the rollout")
+    p.add_argument("--window", type=int, default=2, help="SDE window: the steps trained on")
+    p.add_argument("--micro-batch", type=int, default=2, help="(sample, step) pairs per training forward")
+    p.add_argument("--lora-rank", type=int, default=None, help="default 64, tiny 4")
+    p.add_argument("--cfg-layout", choices=["sequential", "batched"], default="sequential",
+                   help="CFG of both engines in both phases (sequential: two forwards, as QwenImagePipeline)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed updates per engine before the timed one")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.arch = args.arch or ("qwen-image" if args.device == "cuda" else "tiny")
+    sizes = SIZES[args.arch]
+    args.grid = args.grid or sizes["grid"]
+    args.txt = args.txt if args.txt is not None else sizes["txt"]
+    args.lora_rank = args.lora_rank if args.lora_rank is not None else sizes["lora_rank"]
+    try:
+        check_args(args)
+    except ValueError as exc:
+        p.error(str(exc))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    report = run(args)
+    report["environment"] = run_environment(args.device)
+    report["wall_s"] = time.perf_counter() - t0
+    (out / "train_bench.json").write_text(json.dumps(report, indent=2))
+    (out / "train_bench.md").write_text(render(report))
+    print(render(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

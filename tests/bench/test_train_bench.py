@@ -1,0 +1,69 @@
+"""`mmdit-strict bench train` on the CPU at tiny size: both engines run every phase of one Flow-GRPO update,
+the report has their figures and ratios, and our recomputed logp is the rollout's to the byte."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mmdit_strict.bench import train as train_bench
+from mmdit_strict.cli.main import main as cli_main
+
+
+@pytest.mark.slow
+def test_bench_train_writes_every_phase_of_both_engines(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    # 3 steps, a window of 2: 4 pairs in micro-batches of 3 and 1 (the CPU default is 10 steps and micro-batches of 2)
+    assert train_bench.main(["--out", str(out), "--device", "cpu", "--steps", "3", "--micro-batch", "3"]) == 0
+    report = json.loads((out / "train_bench.json").read_text())
+    c = report["config"]
+    assert (c["arch"], c["device"], c["group"], c["steps"], c["window"], c["micro_batch"]) == ("tiny", "cpu", 2, 3, 2, 3)
+    assert report["errors"] == [] and set(report["engines"]) == {"ours", "diffusers_peft"}
+    for name, e in report["engines"].items():
+        assert list(e["phases"]) == list(train_bench.PHASES), name
+        for r in [*e["phases"].values(), e["total"]]:
+            assert r["wall_s"] > 0 and r["peak_gib"] is None and r["launches"] is None and r["gpu_busy"] is None
+        assert e["total"]["wall_s"] == pytest.approx(sum(r["wall_s"] for r in e["phases"].values()))
+        assert (e["pairs"], e["micro_batches"]) == (4, 2)
+    ours, theirs = report["engines"]["ours"], report["engines"]["diffusers_peft"]
+    # the honesty check: the first update recomputes the rollout's logp bytes, so every ratio is exactly 1
+    assert ours["first_update_ratio_exact_one"] is True and ours["first_update_logp_bytes_differ"] == 0
+    assert all(u["logp_bytes_differ"] == 0 and u["ratio_exact_one_frac"] == 1.0 for u in ours["checks_every_update"])
+    assert len(ours["checks_every_update"]) == 2  # the warm-up update and the timed one
+    assert ours["runtime"] == "strict" and theirs["runtime"] == "off"
+    for phase in [*train_bench.PHASES, "total"]:
+        want = ours["phases"][phase]["wall_s"] if phase != "total" else ours["total"]["wall_s"]
+        base = theirs["phases"][phase]["wall_s"] if phase != "total" else theirs["total"]["wall_s"]
+        assert report["ratios"][phase]["wall_s"] == pytest.approx(want / base)
+        assert report["ratios"][phase]["peak_gib"] is None
+    md = (out / "train_bench.md").read_text()
+    assert md.splitlines()[2].startswith("CPU ") and report["environment"]["commit"]
+    for name in ("ours", "diffusers_peft"):
+        for phase in [*train_bench.PHASES, "total"]:
+            assert f"| {name} | {phase} |" in md
+    assert "| ours | 0 | 4 | yes |" in md and "## Errors" not in md
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--micro-batch", "0"], "--micro-batch must be >= 1 pair, got 0"),
+    (["--steps", "3", "--window", "5"], "--window must be between 1 and --steps (3)"),
+    (["--window", "0"], "--window must be between 1 and --steps (10)"),
+    (["--group", "1"], "--group must be >= 2"),
+])
+def test_bad_sizes_are_refused_before_any_work(tmp_path: Path, capsys, argv: list[str], message: str) -> None:
+    with pytest.raises(SystemExit) as exc:
+        train_bench.main(["--out", str(tmp_path / "out"), "--device", "cpu", *argv])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_passes_the_device_and_refuses_the_load_options(tmp_path: Path, monkeypatch, capsys) -> None:
+    seen: list[list[str]] = []
+    monkeypatch.setattr(train_bench, "main", lambda argv: seen.append(list(argv)) or 0)
+    assert cli_main(["bench", "train", "--out", str(tmp_path), "--device", "cpu"]) == 0
+    assert cli_main(["bench", "train", "--out", str(tmp_path)]) == 0
+    assert seen == [["--out", str(tmp_path), "--device", "cpu"], ["--out", str(tmp_path)]]
+    assert cli_main(["bench", "train", "--out", str(tmp_path), "--repeats", "2"]) == 2
+    assert "belong to `bench load`, not `bench train`" in capsys.readouterr().err
