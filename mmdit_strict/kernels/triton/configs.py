@@ -122,7 +122,10 @@ _MOD_BF16_NK = FwdConfig(16, 256, 64, 8, 4, weight_layout="nk", tma=True)
 _FINAL_MOD_BF16_NK = FwdConfig(16, 64, 128, 4, 4, weight_layout="nk", tma=True)
 _MOD_DX_BF16 = FwdConfig(16, 32, 128, 4, 6)
 _THIN_K_BF16 = FwdConfig(128, 128, 64, 8, 3)  # K = 64 (img_in): one K step
-_THIN_N_BF16 = FwdConfig(64, 64, 64, 4, 4)    # N = 64 (proj_out fwd, img_in dX): more programs than BLOCK_M 128
+# N = 64 (proj_out fwd, img_in dX, and a rank-64 LoRA's u = x Aᵀ and v = dZ B): more programs than BLOCK_M 128; six
+# stages keep the long K loop fed (0.021 → 0.018 ms at K = 3072, 0.098 → 0.055 ms at K = 12288 where the size class
+# ran 128 × 128 tiles; the same bytes: experiments/gemm/d604caf_lora_tiles)
+_THIN_N_BF16 = FwdConfig(64, 64, 64, 4, 6)
 # FP32 (IEEE FMA): the text tile keeps the big tile's 32-wide K step (the same bytes) on more programs.
 _BIG_FP32 = FwdConfig(64, 128, 32, 4, 3)
 _TEXT_FP32 = FwdConfig(32, 64, 32, 4, 3)
@@ -143,7 +146,8 @@ FWD: Mapping[tuple[int, int, str], FwdConfig] = MappingProxyType({
     (3072, 18432, _BF16): _MOD_DX_BF16,        # dX of the block modulation
     (3072, 6144, _BF16): _MOD_DX_BF16,         # dX of the final modulation
     (3072, 64, _BF16): _THIN_K_BF16,           # img_in
-    (64, 3072, _BF16): _THIN_N_BF16,           # proj_out
+    (64, 3072, _BF16): _THIN_N_BF16,           # proj_out; rank-64 LoRA u (K = 3072) and v (N = 3072)
+    (64, 12288, _BF16): _THIN_N_BF16,          # rank-64 LoRA u of mlp_down (K = 12288), v of mlp_up (N = 12288)
     (3072, 3072, _FP32): _BIG_FP32,
     (12288, 3072, _FP32): _BIG_FP32,
     (3072, 12288, _FP32): _BIG_FP32,
@@ -171,6 +175,12 @@ DW: Mapping[tuple[int, int, str], DwConfig] = MappingProxyType({
     (3072, 12288, _BF16): _DW_WIDE_BF16,   # mlp_down
     (3072, 3584, _BF16): _DW_WIDE_BF16,    # txt_in
     (3072, 3072, _BF16): DwConfig(128, 128, 64, 8, 4),  # attn_out
+    # rank-64 LoRA gradients: dA (64, K) and dB (N, 64) have few output tiles; narrower ones fill more SMs with the
+    # same 64-row chain per element (the same bytes: experiments/gemm/d604caf_lora_tiles)
+    (64, 3072, _BF16): DwConfig(64, 32, 64, 4, 4),
+    (3072, 64, _BF16): DwConfig(64, 32, 64, 4, 4),
+    (64, 12288, _BF16): DwConfig(64, 64, 64, 4, 4),
+    (12288, 64, _BF16): DwConfig(64, 64, 64, 4, 4),
 })
 DB = DbConfig(BLOCK_N=128, BLOCK_M=32, num_warps=4, num_stages=2)
 ELEMENTWISE = ElementwiseConfig(BLOCK=1024, num_warps=4)
