@@ -31,10 +31,7 @@ LoRA = tuple  # (A (r, K), B (N, r), scale)
 def _per_sample_outer(dz: torch.Tensor, x: torch.Tensor, seqlens: tuple[int, ...], sink=None, param=None, keys=None) -> torch.Tensor:
     """``sum_s dz_sᵀ x_s`` folded in sample order; each product on fresh contiguous operands.
 
-    With a gradient sink, each sample's partial — the very term the fold adds — is also handed over to
-    it under the sample's key (``transfer=True``: the products are fresh tensors nobody else reads), after
-    the fold, which returns a tensor of its own (a copy when there is one sample), so the sink may add
-    into the partials in place.
+    With a gradient sink, each sample's partial is also handed to it under the sample's key.
     """
     parts = []
     start = 0
@@ -44,14 +41,11 @@ def _per_sample_outer(dz: torch.Tensor, x: torch.Tensor, seqlens: tuple[int, ...
             continue
         parts.append(dz[start:start + n].t().contiguous().clone() @ x[start:start + n].contiguous().clone())
         start += n
-    deposit = sink is not None and param is not None and keys is not None
+    if sink is not None and param is not None and keys is not None:
+        sink.add(param, keys, parts)
     acc = parts[0] if parts else dz.new_zeros(dz.shape[1], x.shape[1])
     for part in parts[1:]:
         acc = acc + part
-    if deposit:
-        if len(parts) == 1:
-            acc = acc.clone()
-        sink.add(param, keys, parts, transfer=True)
     return acc
 
 
@@ -137,7 +131,7 @@ class StrictGemmFunction(torch.autograd.Function):
             dW = _per_sample_outer(dz, px, seqlens, sink, p_w, keys)
         if bias is not None and ctx.needs_input_grad[2]:
             per_sample = segment_tree_sum(dz, seqlens)
-            if sink is not None:  # rows of one buffer, not handed over: the sink copies what it keeps (N floats each)
+            if sink is not None:
                 sink.add(p_b, keys, list(per_sample))
             db = fold(per_sample)
         return dx, dW, db, dA, dB, None, None, None, None

@@ -395,27 +395,6 @@ def gemm_db_samples(g: torch.Tensor, seqlens: tuple[int, ...]) -> list[torch.Ten
     return parts
 
 
-def _fold_partials(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """The sample-order fold of per-sample FP32 partials cast once to ``dtype``, as a new tensor (never
-    one of ``parts``, which go to the grad sink): the bytes :func:`gemm_dw` / :func:`gemm_db` return.
-
-    Why equal: each partial is what those kernels store from ``acc = 0; acc = acc + t_s`` with one
-    sample, i.e. ``0 + t_s`` (``t_s = scale·part_s`` for dW, rounded on its own: every launch compiles
-    with ``enable_fp_fusion=False`` and the interpreter never contracts, so ``acc + scale·part`` is two
-    IEEE FP32 operations; ``t_s = part_s`` for db). Their fold ``((0 + t_0) + t_1) + …`` equals
-    ``((p_0 + p_1) + p_2) + …``: ``0 + t`` is ``t`` except that −0 becomes +0, and that matters only
-    when added to −0, which a running sum started from +0 never is. The cast comes last, once, in both;
-    ``torch.add(..., out=)`` of a lower dtype rounds the FP32 sum to it (round to nearest even, as the
-    kernels' store)."""
-    if len(parts) == 1:
-        return parts[0].to(dtype, copy=True)  # S = 1: cast(0 + t_0), the one-sample launch's own result
-    acc = parts[0]
-    for p in parts[1:-1]:
-        acc = torch.add(acc, p, out=None if acc is parts[0] else acc)  # the first add makes the accumulator
-    out = acc if acc is not parts[0] and dtype == torch.float32 else torch.empty_like(parts[0], dtype=dtype)
-    return torch.add(acc, parts[-1], out=out)  # the last term and the one cast in one pass
-
-
 def _elementwise(kernel, src: torch.Tensor, other: torch.Tensor | None, act: Act) -> torch.Tensor:
     out = torch.empty_like(src)
     n = src.numel()
@@ -504,10 +483,7 @@ def gemm_bwd(dy, x, weight, *, seqlens, prologue="none", epilogue="none", pre=No
     ``dx_config``: the dX product's configuration (default ``configs.fwd_config(K, N, dtype)``).
     ``deposit``: called as ``deposit(i, partials)`` for each parameter gradient computed (i = 1 W,
     2 b, 3 A, 4 B) with that gradient's per-sample FP32 partials (:func:`gemm_dw_samples`,
-    :func:`gemm_db_samples`), for the grad sink, which may take them over. The product then runs once,
-    per sample: the returned gradient is those partials folded in sample order in FP32 and cast once
-    (:func:`_fold_partials`, a new tensor made before ``deposit`` is called) — the same bytes as
-    :func:`gemm_dw` / :func:`gemm_db`, which compute it without a deposit (and for no samples)."""
+    :func:`gemm_db_samples`), for the grad sink; the returned gradients are unchanged."""
     need_x, need_w, need_b, need_a, need_lb = needs
     k = x.shape[1]
     n = weight.shape[0]
@@ -523,27 +499,21 @@ def gemm_bwd(dy, x, weight, *, seqlens, prologue="none", epilogue="none", pre=No
         cfg = dx_config or _configs.fwd_config(k, n, dz.dtype)
         dx, _ = _main(dz, Operand(weight, (k, 1)), k, cfg, epilogue=epi, aux=aux, lora=lo)  # dX = dZ W (+ s·v A) [· silu'(x)]
     xw, pw = (h, "none") if h is not None else (x, prologue)
-
-    def grad(i: int, g: torch.Tensor, a: torch.Tensor | None, pro: str = "none", scale: float = 1.0) -> torch.Tensor:
-        """Parameter gradient i from upstream g and input a (None: the bias); its partials deposited when asked."""
-        parts = None
-        if deposit is not None:
-            parts = gemm_db_samples(g, seqlens) if a is None else gemm_dw_samples(g, a, seqlens, prologue=pro, scale=scale)
-        if parts:
-            out = _fold_partials(parts, g.dtype)  # before the deposit: the sink may add into its partials
-        else:
-            out = gemm_db(g, seqlens) if a is None else gemm_dw(g, a, seqlens, prologue=pro, scale=scale)
-        if parts is not None:
-            deposit(i, parts)
-        return out
-
     if need_w:
-        dw = grad(1, dz, xw, pw)
+        dw = gemm_dw(dz, xw, seqlens, prologue=pw)
+        if deposit is not None:
+            deposit(1, gemm_dw_samples(dz, xw, seqlens, prologue=pw))
     if need_b:
-        db = grad(2, dz, None)
+        db = gemm_db(dz, seqlens)
+        if deposit is not None:
+            deposit(2, gemm_db_samples(dz, seqlens))
     if lora is not None:
         if need_a:
-            da = grad(3, v, xw, pw, lora[2])
+            da = gemm_dw(v, xw, seqlens, prologue=pw, scale=lora[2])
+            if deposit is not None:
+                deposit(3, gemm_dw_samples(v, xw, seqlens, prologue=pw, scale=lora[2]))
         if need_lb:
-            dlb = grad(4, dz, u, scale=lora[2])
+            dlb = gemm_dw(dz, u, seqlens, scale=lora[2])
+            if deposit is not None:
+                deposit(4, gemm_dw_samples(dz, u, seqlens, scale=lora[2]))
     return dx, dw, db, da, dlb
