@@ -3,6 +3,8 @@
 #                                 unbuffered Python output
 #   evidence_header               the GPU and driver, torch / triton / CUDA versions, the commit (MMDIT_COMMIT)
 #   evidence_pack                 OUT_DIR/NAME.tgz: the NAME folder, one file (device transfers limit the file count)
+#   evidence_wheels               the wheels carried in .whl/ (diffusers, ...) installed into /tmp/site without
+#                                 network and put on PYTHONPATH with the repository; exits 2 if they do not install
 
 evidence_begin() {
   name=$1
@@ -21,4 +23,14 @@ evidence_header() {
 
 evidence_pack() {
   tar -C "$work" -czf "$out/$name.tgz" "$name"
+}
+
+evidence_wheels() {
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      || { echo "could not install the carried wheels from .whl/" >&2; exit 2; }
+    export PYTHONPATH=/tmp/site:$PWD
+  else
+    export PYTHONPATH=$PWD
+  fi
 }

@@ -32,6 +32,7 @@ from typing import Any, Sequence
 
 import torch
 
+from .output import write_report
 from ..environment import environment_line, gpu_environment, run_environment
 from .load_checkpoint import read_stamp
 from .load_child import ENGINES
@@ -240,13 +241,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.repeats < 1:
         raise SystemExit("--repeats must be at least 1")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     report = run(args)
     report = {"environment": environment(report["device"]), **report}
-    (out / "load_bench.json").write_text(json.dumps(report, indent=2))
-    (out / "load_bench.md").write_text(render(report))
-    print(render(report))
+    print(write_report(args.out, "load_bench", report, render))
     return 0
 
 

@@ -15,14 +15,13 @@ does is a pure speed choice; one that does not would be an arithmetic change. Wr
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
 from ..environment import environment_line, gpu_environment
 from ..kernels.triton import configs
+from .output import write_report
 from .timing import plain_ms
 
 # the (in, out) features of the LoRA-adapted Qwen-Image layers: q/k/v/out, MLP up, MLP down
@@ -126,11 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("bench.lora_tiles needs a CUDA GPU")
     report = {"rank": args.rank, "rows": args.rows, "environment": gpu_environment(),
               "products": run(args.rank, args.rows)}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "lora_tiles.json").write_text(json.dumps(report, indent=2))
-    (out / "lora_tiles.md").write_text(render(report))
-    print(render(report))
+    print(write_report(args.out, "lora_tiles", report, render))
     return 0
 
 

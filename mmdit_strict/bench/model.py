@@ -38,6 +38,7 @@ from ..config.arch import ArchConfig, preset
 from ..kernels.runtime import Runtime
 from ..model.inputs import random_inputs
 from ..environment import environment_line, gpu_environment
+from .output import write_report
 
 PEAK_TFLOPS = 790.0  # BF16 dense matrix rate measured on the H200 (docs/design.md, anchors)
 LORA_TARGETS = (
@@ -317,9 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     report = run(args, on_case=partial)
     report["environment"] = env
-    (out / "model_bench.json").write_text(json.dumps(report, indent=2))
-    (out / "model_bench.md").write_text(render(report))
-    print(render(report))
+    print(write_report(out, "model_bench", report, render))
     return 0
 
 

@@ -25,6 +25,7 @@ import torch
 
 from ..config.arch import preset
 from ..environment import environment_line, gpu_environment
+from .output import write_report
 
 
 def _trace(fn: Callable[[], Any], stacks: bool) -> list[dict[str, Any]]:
@@ -135,11 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("bench.step_profile needs a CUDA GPU")
     report = run(args.layers, tuple(args.grid), args.txt, args.lora_rank, args.top)
     report["environment"] = gpu_environment()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "step_profile.json").write_text(json.dumps(report, indent=2))
-    (out / "step_profile.md").write_text(render(report))
-    print(render(report))
+    print(write_report(args.out, "step_profile", report, render))
     return 0
 
 

@@ -36,10 +36,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -61,6 +59,7 @@ from ..training.rollout import EpochSamples, rollout_epoch, side
 from ..trajectories.setup import Prompts, attach_lora, make_prompts
 from . import markdown as md
 from .model import LORA_TARGETS
+from .output import write_report
 from .timing import gpu_profile
 
 PHASES = ("rollout", "train", "optimizer")
@@ -352,15 +351,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_args(args)
     except ValueError as exc:
         p.error(str(exc))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     report = run(args)
     report["environment"] = run_environment(args.device)
     report["wall_s"] = time.perf_counter() - t0
-    (out / "train_bench.json").write_text(json.dumps(report, indent=2))
-    (out / "train_bench.md").write_text(render(report))
-    print(render(report))
+    print(write_report(args.out, "train_bench", report, render))
     return 0
 
 
