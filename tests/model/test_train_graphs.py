@@ -15,6 +15,7 @@ from mmdit_strict.config.schema import LoraConfig
 from mmdit_strict.kernels.execution import bind, current
 from mmdit_strict.kernels.grad_sink import DepositLog, SampleGradSink, collect_sample_grads, sample_keys
 from mmdit_strict.kernels.keepalive import retain, retaining
+from mmdit_strict.kernels.trace import OperatorTrace
 from mmdit_strict.model.graphs import adapter_state
 from mmdit_strict.model.init import build_model
 from mmdit_strict.trajectories.setup import attach_lora
@@ -229,3 +230,109 @@ def test_graphed_forward_with_adapters_disabled_equals_the_uncaptured_one() -> N
             assert_bytes_equal(model(**inp).sample, off, "adapters off, graphed")
     assert not torch.equal(on, off)
     assert model.graph_cache.captures == 2
+
+
+# ------------------------------------------------------------------------- bookkeeping with a stand-in graph
+
+
+class _StandInGraph:
+    """What a captured graph does to its static buffers, done by Python (no CUDA here): ``replay`` reruns
+    ``fn``, which rewrites the instance's static output / gradient / partial buffers in place."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def replay(self) -> None:
+        self.fn()
+
+
+def _stand_in_capture(inputs, params, forward, with_sink):
+    from mmdit_strict.model import train_graphs as tg
+
+    static = tg._static_inputs(inputs)
+    batch = inputs.hidden_states.shape[0]
+    held: dict[str, torch.Tensor] = {}
+    out = forward(static).detach().clone()
+    grad_out = torch.empty_like(out)
+    grads = tuple(torch.empty_like(p) for p in params)
+    parts = [[torch.empty_like(p) for _ in range(batch)] for p in params]
+    log = DepositLog() if with_sink else None
+    if log is not None:
+        for p, ps in zip(params, parts):
+            log.add(p, tuple(range(batch)), ps)
+
+    def fwd() -> None:
+        with torch.enable_grad():
+            held["y"] = forward(static)
+        out.copy_(held["y"].detach())
+
+    def bwd() -> None:
+        y = held.pop("y")
+        with torch.enable_grad():  # a backward runs without grad mode; the per-sample slices need it
+            for dst, g in zip(grads, torch.autograd.grad(y, params, grad_out, retain_graph=True)):
+                dst.copy_(g)
+            for b in range(batch):  # each sample's own partial
+                for dst, g in zip(parts, torch.autograd.grad(y[b], params, grad_out[b], retain_graph=True)):
+                    dst[b].copy_(g)
+
+    return tg._Instance(_StandInGraph(fwd), _StandInGraph(bwd), static, out, grad_out, grads, log, OperatorTrace(), [])
+
+
+def _toy(batch: int = 2, seed: int = 0):
+    from mmdit_strict.model.mmdit import ModelInputs
+
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(4, 3, generator=g, requires_grad=True)
+    inputs = ModelInputs(torch.randn(batch, 5, 4, generator=g), torch.randn(batch, 2, 6, generator=g), None, [2] * batch,
+                         torch.rand(batch, generator=g), [[(1, 1, 5)]] * batch, [5] * batch)
+    return w, inputs, (lambda i: (i.hidden_states @ w) * i.sigma[:, None, None])
+
+
+@pytest.fixture
+def stand_in(monkeypatch: pytest.MonkeyPatch):
+    from mmdit_strict.model import train_graphs as tg
+
+    monkeypatch.setattr(tg.TrainGraphCache, "_capture", staticmethod(_stand_in_capture))
+    return tg.TrainGraphCache
+
+
+def test_replay_node_gives_the_output_grad_and_the_sinks_partials(stand_in) -> None:
+    w, inputs, forward = _toy()
+    eager = forward(inputs)
+    (eager * 3).sum().backward()
+    want, w.grad = w.grad.clone(), None
+    cache = stand_in(max_instances=2)
+    keys = [("b", 0), ("a", 1)]
+    sink = SampleGradSink(keys)
+    with collect_sample_grads(sink), sample_keys(keys):
+        out = cache.run(inputs, "strict", [w], forward, ("layout",))
+    assert out is not None and out.requires_grad and torch.equal(out, eager.detach())
+    (out * 3).sum().backward()
+    assert torch.equal(w.grad, want)
+    sink.done(keys)
+    per_sample = [torch.autograd.grad((forward(inputs)[b] * 3).sum(), w)[0] for b in range(2)]
+    from mmdit_strict.kernels import fold_tree
+
+    assert torch.equal(sink.fold(w), fold_tree.fold([per_sample[1], per_sample[0]]))  # keys sorted: ("a", 1) first
+    again = stand_in().run(inputs, "strict", [w], forward, ("layout",))
+    again.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backpropagated twice"):
+        again.sum().backward()
+
+
+def test_instances_are_leased_until_backward_or_drop_then_reused_or_evicted(stand_in) -> None:
+    w, inputs, forward = _toy()
+    cache = stand_in(max_instances=2)
+    a = cache.run(inputs, "strict", [w], forward, ("one",))
+    b = cache.run(inputs, "strict", [w], forward, ("one",))  # the first is still waiting for its backward
+    assert cache.captures == 2 and len(cache) == 2
+    assert cache.run(inputs, "strict", [w], forward, ("one",)) is None and cache.uncaptured == 1  # no room
+    a.sum().backward()
+    c = cache.run(inputs, "strict", [w], forward, ("one",))  # a's instance is free again
+    assert cache.captures == 2 and cache.replays == 3
+    del b, c  # dropped without backward: their leases end with their nodes
+    cache.run(inputs, "strict", [w], forward, ("two",)).sum().backward()  # evicts the least recently used idle one
+    assert cache.captures == 3 and len(cache) == 2
+    with pytest.raises(ValueError, match="sample_keys declares 3 samples"):
+        with collect_sample_grads(SampleGradSink()), sample_keys([1, 2, 3]):
+            cache.run(inputs, "strict", [w], forward, ("one",))
