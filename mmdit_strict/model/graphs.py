@@ -37,6 +37,20 @@ class _Captured:
     tables: list  # cached device tables the graph reads (kept alive while the graph lives)
 
 
+def graph_stats(model: torch.nn.Module) -> dict[str, dict[str, int]] | None:
+    """How a model's CUDA graphs served its forwards so far (captures, replays; for training graphs also the calls
+    that ran uncaptured for want of room), or None where graphs are off (``enable_cuda_graphs``)."""
+    fwd, train = getattr(model, "graph_cache", None), getattr(model, "train_graphs", None)
+    if fwd is None and train is None:
+        return None
+    stats: dict[str, dict[str, int]] = {}
+    if fwd is not None:
+        stats["forward"] = {"captures": fwd.captures, "replays": fwd.replays}
+    if train is not None:
+        stats["training"] = {"captures": train.captures, "replays": train.replays, "uncaptured": train.uncaptured}
+    return stats
+
+
 def adapter_state(model: torch.nn.Module) -> tuple:
     """What the strict forward's Python reads of the LoRA adapters: per adapted layer, whether adapters are
     disabled, which are active and their scalings. A graph captured in one state must not replay in another

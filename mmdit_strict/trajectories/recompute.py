@@ -26,6 +26,7 @@ from ..kernels.runtime import Runtime, runtime_mode
 from ..kernels.trace import capture_trace
 from ..model import build_model
 from ..model.edit import split_conditioning
+from ..model.graphs import graph_stats
 from .conditioning import recorded_grids
 from ..model.strict import capture_operators, inject_fault, strict_forward
 from . import artifact, partial
@@ -265,7 +266,7 @@ def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | 
             "inject_fault": cfg.recompute.inject_fault, **perturb_fields(cfg.recompute.perturb, overlay),
             **({"parallel": layout.describe()} if not layout.trivial else {}),
             "time_split": {k: round(v, 4) for k, v in split.items()}, "resumed_after_step": start or None,
-            "lora_grads_per_step": grad_records, **plan.side_fields(ids)}
+            "lora_grads_per_step": grad_records, "cuda_graphs": graph_stats(model), **plan.side_fields(ids)}
     trace = plan.merge_trace(trace)
 
     def write() -> artifact.Trajectory:

@@ -184,6 +184,15 @@ def write_report(out_dir: str | Path, rollout: Trajectory, recompute: Trajectory
     return payload
 
 
+def _graphs(stats: dict[str, dict[str, int]] | None) -> str:
+    """``forward 2 / 18, training 4 / 36 (0 uncaptured)``: the side model's graph use (``model.graphs.graph_stats``)."""
+    if not stats:
+        return "off"
+    parts = [f"{kind} {s['captures']} / {s['replays']}" + (f" ({s['uncaptured']} uncaptured)" if "uncaptured" in s else "")
+             for kind, s in stats.items()]
+    return ", ".join(parts)
+
+
 def render_markdown(p: dict[str, Any], comp: Comparison) -> str:
     lines = ["# mmdit-strict: rollout vs recompute", "", f"**{p['summary']}**", ""]
     if p.get("environment"):
@@ -198,6 +207,9 @@ def render_markdown(p: dict[str, Any], comp: Comparison) -> str:
     lines.append(f"| backends | {', '.join(ra['trace']['backends'])} | {', '.join(rb['trace']['backends'])} |")
     lines.append(f"| fallbacks | {len(ra['trace']['fallbacks'])} | {len(rb['trace']['fallbacks'])} |")
     lines.append(f"| wall time | {ra['wall_seconds']} s | {rb['wall_seconds']} s |")
+    if ra["side"].get("cuda_graphs") or rb["side"].get("cuda_graphs"):
+        lines.append(f"| CUDA graphs: captures / replays | {_graphs(ra['side'].get('cuda_graphs'))} | "
+                     f"{_graphs(rb['side'].get('cuda_graphs'))} |")
     if ra.get("audit") or rb.get("audit"):
         def audit(a: Any) -> str:
             return f"max {a['max_abs_drift']:.3e} over {a['forwards']} forwards" if a else "—"

@@ -15,6 +15,7 @@ from .. import distributed
 from ..kernels.runtime import runtime_mode
 from ..kernels.trace import capture_trace
 from ..model import MMDiT
+from ..model.graphs import graph_stats
 from ..sampling import euler_step, initial_latents, sde_step, step_noise
 from . import artifact, partial
 from ..overlay import perturb_fields, perturbing
@@ -151,7 +152,8 @@ def run_rollout(cfg: DictConfig, out_dir: str | Path, progress: bool = True, mod
     side = {"batch_size": bs, "cfg_layout": cfg.rollout.cfg_layout, "pad_to": cfg.rollout.pad_to, "autograd": False,
             "resumed_after_step": start or None, "step_seconds": step_seconds, **perturb_fields(cfg.rollout.perturb, overlay),
             **({"parallel": layout.describe()} if not layout.trivial else {}),
-            "time_split": {k: round(v, 4) for k, v in split.items()}, **plan.side_fields(ids)}
+            "time_split": {k: round(v, 4) for k, v in split.items()}, "cuda_graphs": graph_stats(model),
+            **plan.side_fields(ids)}
     trace = plan.merge_trace(trace)
 
     def write() -> artifact.Trajectory:

@@ -336,3 +336,18 @@ def test_instances_are_leased_until_backward_or_drop_then_reused_or_evicted(stan
     with pytest.raises(ValueError, match="sample_keys declares 3 samples"):
         with collect_sample_grads(SampleGradSink()), sample_keys([1, 2, 3]):
             cache.run(inputs, "strict", [w], forward, ("one",))
+
+
+def test_graph_stats_say_how_graphs_served_and_the_report_shows_them() -> None:
+    from mmdit_strict.model.graphs import graph_stats
+    from mmdit_strict.trajectories.report import _graphs
+
+    model = _lora_model(preset("tiny"))
+    assert graph_stats(model) is None and _graphs(None) == "off"
+    model.enable_cuda_graphs()
+    model.train_graphs.captures, model.train_graphs.replays, model.train_graphs.uncaptured = 4, 36, 1
+    stats = graph_stats(model)
+    assert stats == {"forward": {"captures": 0, "replays": 0}, "training": {"captures": 4, "replays": 36, "uncaptured": 1}}
+    assert _graphs(stats) == "forward 0 / 0, training 4 / 36 (1 uncaptured)"
+    model.enable_cuda_graphs(training=False)
+    assert graph_stats(model) == {"forward": {"captures": 0, "replays": 0}}
