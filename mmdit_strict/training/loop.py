@@ -63,6 +63,7 @@ from ..kernels.grad_sink import (
     pending_bound,
 )
 from ..kernels.runtime import Runtime
+from ..model.graphs import graph_stats
 from ..parallel import ModelLayout, model_parallel
 from ..parallel import build as build_model_parallel
 from ..sampling import sigma_table
@@ -617,6 +618,9 @@ class Trainer:
         row.update({"time_rollout_s": t1 - t0, "time_reward_s": t2 - t1, "time_train_s": t3 - t2 - t_opt,
                     "time_optimizer_s": t_opt, "peak_memory_mb": peak_memory_mb(self.device),
                     "sde_window_starts": samples.window_starts, "prompt_ids": sorted(set(samples.prompt_ids))})
+        graphs = graph_stats(self.model)  # CUDA graphs so far (rollout forwards, training steps), where on
+        if graphs is not None:
+            row.update({f"cuda_graphs/{kind}_{k}": v for kind, s in graphs.items() for k, v in s.items()})
         if self.tcfg.eval_freq and (epoch + 1) % self.tcfg.eval_freq == 0:
             te = time.perf_counter()
             row.update(distributed.from_root(f"epoch {epoch}: evaluation", self._evaluate))
