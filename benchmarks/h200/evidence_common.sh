@@ -1,5 +1,5 @@
 # Sourced (never run) by the *_evidence.sh scripts of this folder: what every evidence call does the same way.
-#   evidence_begin NAME OUT_DIR   out=OUT_DIR (required), work=a fresh temporary folder, ev=$work/NAME (made);
+#   evidence_begin NAME OUT_DIR   out=OUT_DIR (required, made), work=a fresh temporary folder, ev=$work/NAME (made);
 #                                 unbuffered Python output
 #   evidence_header               the GPU and driver, torch / triton / CUDA versions, the commit (MMDIT_COMMIT)
 #   evidence_pack                 OUT_DIR/NAME.tgz: the NAME folder, one file (device transfers limit the file count)
@@ -9,6 +9,7 @@
 evidence_begin() {
   name=$1
   out=${2:?usage: $1.sh OUT_DIR}
+  mkdir -p "$out"  # the report and the .tgz land here
   work=$(mktemp -d)
   ev="$work/$name"
   mkdir -p "$ev"
