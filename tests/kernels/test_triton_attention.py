@@ -232,7 +232,7 @@ def test_bench_candidates_name_known_options() -> None:
 
 
 @interp
-@pytest.mark.slow
+@pytest.mark.extended  # the GPU bench's plumbing, not the product kernels: the device suite runs it
 def test_bench_candidates_and_overrides_through_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPU bench's candidate rows (bytes vs frozen) and a qualification with an override, shrunk to
     interpreter sizes (2 heads × 16, FP32; timing stubbed): the plumbing the next GPU call relies on (~8 s)."""

@@ -313,6 +313,7 @@ def check_launch_bytes_equal_reference(h, d, seq, target, launch):
 
 
 @interp
+@pytest.mark.extended  # tuning candidates (read-ahead 1, 2), not the product launch: the device suite runs them
 @pytest.mark.parametrize("ahead", (1, 2))
 def test_bwd_launch_bytes_equal_reference_interpreter(ahead):
     """Read-ahead depths 1 and 2 vs 3, chunks of 1, 16, 17 and 33 tokens and an empty sample; one head too."""
