@@ -29,12 +29,28 @@ if TYPE_CHECKING:
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
-    hidden_states: torch.Tensor
-    encoder_hidden_states: torch.Tensor
-    sigma: torch.Tensor
+    inputs: "ModelInputs"  # static input buffers
     out: torch.Tensor
     trace: OperatorTrace
     tables: list  # cached device tables the graph reads (kept alive while the graph lives)
+
+
+def static_inputs(inputs: "ModelInputs") -> "ModelInputs":
+    """A graph's input buffers: copies of ``inputs``' tensors (lengths and grids are part of the graph's key)."""
+    from .mmdit import ModelInputs
+
+    mask = inputs.txt_mask.clone() if isinstance(inputs.txt_mask, torch.Tensor) else inputs.txt_mask
+    return ModelInputs(
+        inputs.hidden_states.clone(), inputs.encoder_hidden_states.clone(), mask, list(inputs.txt_lens),
+        inputs.sigma.clone(), inputs.img_shapes, list(inputs.img_lens),
+    )
+
+
+def load_inputs(static: "ModelInputs", inputs: "ModelInputs") -> None:
+    """Copy this call's data into a graph's input buffers (:func:`static_inputs`) before a replay."""
+    static.hidden_states.copy_(inputs.hidden_states)
+    static.encoder_hidden_states.copy_(inputs.encoder_hidden_states)
+    static.sigma.copy_(inputs.sigma)
 
 
 def graph_stats(model: torch.nn.Module) -> dict[str, dict[str, int]] | None:
@@ -97,15 +113,10 @@ class GraphCache:
             extra_key: tuple = ()) -> torch.Tensor:
         """``forward(inputs)`` through the graph for this layout (captured on first use); ``extra_key``: the
         rest of what the forward's Python reads (:func:`adapter_state`)."""
-        from .mmdit import ModelInputs
-
         key = (self.key(inputs, runtime), extra_key)
         cap = self._graphs.get(key)
         if cap is None:
-            static = ModelInputs(
-                inputs.hidden_states.clone(), inputs.encoder_hidden_states.clone(), inputs.txt_mask,
-                list(inputs.txt_lens), inputs.sigma.clone(), inputs.img_shapes, list(inputs.img_lens),
-            )
+            static = static_inputs(inputs)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream), capture_trace():  # its own trace: the caller sees one forward per call
@@ -114,16 +125,14 @@ class GraphCache:
             graph = torch.cuda.CUDAGraph()
             with retaining() as tables, capture_trace() as trace, torch.cuda.graph(graph):
                 out = forward(static)
-            cap = _Captured(graph, static.hidden_states, static.encoder_hidden_states, static.sigma, out, trace, tables)
+            cap = _Captured(graph, static, out, trace, tables)
             self._graphs[key] = cap
             self.captures += 1
             while len(self._graphs) > self.max_graphs:
                 self._graphs.popitem(last=False)
         else:
             self._graphs.move_to_end(key)
-        cap.hidden_states.copy_(inputs.hidden_states)
-        cap.encoder_hidden_states.copy_(inputs.encoder_hidden_states)
-        cap.sigma.copy_(inputs.sigma)
+        load_inputs(cap.inputs, inputs)
         cap.graph.replay()
         self.replays += 1
         outer = active_trace()

@@ -14,7 +14,7 @@ graphs sharing one memory pool, and a training forward replays them through one 
   (:class:`~mmdit_strict.kernels.grad_sink.DepositLog`, under that call's sample keys).
 
 The kernels and their arguments are those of the uncaptured step, so the bytes are too (tested on the
-GPU: ``tests/model/test_train_graphs_gpu.py``). A graph's activations live in its pool until its
+GPU: ``tests/model/test_train_graphs.py``, ``tests/training/test_gpu_training.py``). A graph's activations live in its pool until its
 backward has run, so a layout whose forward runs again before the first one's backward (the two
 forwards of the sequential CFG layout) gets a second captured instance; one that is never
 backpropagated frees its instance when autograd drops the node.
@@ -41,6 +41,7 @@ from ..kernels.execution import current, using
 from ..kernels.grad_sink import DepositLog
 from ..kernels.keepalive import retaining
 from ..kernels.trace import OperatorTrace, active_trace, capture_trace
+from .graphs import load_inputs, static_inputs
 
 if TYPE_CHECKING:
     from .mmdit import ModelInputs
@@ -108,16 +109,6 @@ class _Replay(torch.autograd.Function):
         return None, None, None, None, None
 
 
-def _static_inputs(inputs: "ModelInputs") -> "ModelInputs":
-    from .mmdit import ModelInputs
-
-    mask = inputs.txt_mask.clone() if isinstance(inputs.txt_mask, torch.Tensor) else inputs.txt_mask
-    return ModelInputs(
-        inputs.hidden_states.clone(), inputs.encoder_hidden_states.clone(), mask, list(inputs.txt_lens),
-        inputs.sigma.clone(), inputs.img_shapes, list(inputs.img_lens),
-    )
-
-
 class TrainGraphCache:
     """Captured training steps keyed by batch layout, trainable parameters and grad-sink use.
 
@@ -167,9 +158,7 @@ class TrainGraphCache:
             self._entries.setdefault(key, []).append(inst)
             self.captures += 1
         self._entries.move_to_end(key)
-        inst.inputs.hidden_states.copy_(inputs.hidden_states)
-        inst.inputs.encoder_hidden_states.copy_(inputs.encoder_hidden_states)
-        inst.inputs.sigma.copy_(inputs.sigma)
+        load_inputs(inst.inputs, inputs)
         out = _Replay.apply(self._anchor(inputs.hidden_states.device), inst, sink if with_sink else None,
                             tuple(keys) if with_sink else None, params)
         self.replays += 1
@@ -195,7 +184,7 @@ class TrainGraphCache:
     @staticmethod
     def _capture(inputs: "ModelInputs", params: list[torch.Tensor], forward: Callable[["ModelInputs"], torch.Tensor],
                  with_sink: bool) -> _Instance:
-        static = _static_inputs(inputs)
+        static = static_inputs(inputs)
         log = DepositLog() if with_sink else None
         positions = tuple(range(inputs.hidden_states.shape[0])) if with_sink else None
         bound = current().replace(grad_sink=log, sample_keys=positions)

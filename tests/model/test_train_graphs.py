@@ -16,7 +16,7 @@ from mmdit_strict.kernels.execution import bind, current
 from mmdit_strict.kernels.grad_sink import DepositLog, SampleGradSink, collect_sample_grads, sample_keys
 from mmdit_strict.kernels.keepalive import retain, retaining
 from mmdit_strict.kernels.trace import OperatorTrace
-from mmdit_strict.model.graphs import adapter_state
+from mmdit_strict.model.graphs import adapter_state, static_inputs
 from mmdit_strict.model.init import build_model
 from mmdit_strict.trajectories.setup import attach_lora
 from mmdit_strict.training.policy import adapters_disabled
@@ -249,7 +249,7 @@ class _StandInGraph:
 def _stand_in_capture(inputs, params, forward, with_sink):
     from mmdit_strict.model import train_graphs as tg
 
-    static = tg._static_inputs(inputs)
+    static = static_inputs(inputs)
     batch = inputs.hidden_states.shape[0]
     held: dict[str, torch.Tensor] = {}
     out = forward(static).detach().clone()
