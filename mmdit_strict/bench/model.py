@@ -158,6 +158,7 @@ def run(args: argparse.Namespace, on_case: Callable[[dict[str, Any]], None] | No
         "fwd_bwd_lora_b2_cfg": ([args.txt, max(1, args.txt // 2)], True),
     }
     results: dict[str, Any] = {}
+    lora_attached = False
     for case, (txt_lens, train) in cases.items():
         if args.cases and case not in args.cases:
             continue
@@ -197,10 +198,10 @@ def run(args: argparse.Namespace, on_case: Callable[[dict[str, Any]], None] | No
                     with torch.no_grad():
                         call()
                 engines[name] = infer
-        if train and not getattr(ours, "_bench_lora", False):
+        if train and not lora_attached:
             _attach_lora(ours, args.lora_rank, seed=1)
             _attach_lora(theirs, args.lora_rank, seed=1)
-            ours._bench_lora = True
+            lora_attached = True
             graph_cache.clear(), train_cache.clear()  # the adapters are new parameters
             ours.enable_gradient_checkpointing(True)
             theirs.enable_gradient_checkpointing()
