@@ -323,6 +323,7 @@ def test_bwd_launch_bytes_equal_reference_interpreter(ahead):
 
 
 @interp
+@pytest.mark.extended  # tuning candidates against the product's reference launch: the device suite runs them
 @pytest.mark.parametrize("launch", (R.QkBwdConfig(0, None, 2), R.QkFwdConfig(3), R.QkFwdConfig(4, 2), R.QkFwdConfig(16, 3),
                                     R.QkFwdConfig(split_heads=True), R.QkFwdConfig(4, 2, split_heads=True)),
                          ids=lambda c: c.label())
