@@ -34,6 +34,9 @@ R = TypeVar("R")
 
 GEMM_STREAMS = ("image", "text")
 
+# True: strict blocks keep PyTorch's NaN fill of uninitialized tensors (a debugging poison; see strict_math).
+POISON_UNINITIALIZED = False
+
 
 class Runtime(str, Enum):
     """How operators are chosen.
@@ -205,18 +208,26 @@ class switch:
 
 @contextlib.contextmanager
 def strict_math() -> Iterator[None]:
-    """Pin the arithmetic policy: TF32 off, deterministic algorithms on; restored on exit."""
+    """Pin the arithmetic policy: TF32 off, deterministic algorithms on; restored on exit.
+
+    PyTorch's deterministic mode also fills every uninitialized tensor (``torch.empty``) with NaN, one
+    extra write pass per output buffer. Strict kernels write every element they return, so the block turns
+    that fill off unless :data:`POISON_UNINITIALIZED` is set (a GPU test runs the model both ways and
+    compares bytes, which is what proves no strict kernel reads memory it did not write).
+    """
     saved = (
         torch.backends.cuda.matmul.allow_tf32,
         torch.backends.cudnn.allow_tf32,
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
         torch.get_float32_matmul_precision(),
+        torch.utils.deterministic.fill_uninitialized_memory,  # type: ignore[attr-defined]
     )
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
     torch.use_deterministic_algorithms(True, warn_only=False)
+    torch.utils.deterministic.fill_uninitialized_memory = POISON_UNINITIALIZED  # type: ignore[attr-defined]
     try:
         yield
     finally:
@@ -224,6 +235,7 @@ def strict_math() -> Iterator[None]:
         torch.backends.cudnn.allow_tf32 = saved[1]
         torch.use_deterministic_algorithms(saved[2], warn_only=saved[3])
         torch.set_float32_matmul_precision(saved[4])
+        torch.utils.deterministic.fill_uninitialized_memory = saved[5]  # type: ignore[attr-defined]
 
 
 def tf32_state() -> dict[str, bool]:

@@ -115,10 +115,11 @@ class OperatorTrace:
 
 
 def current_policy() -> dict[str, Any]:
-    """TF32 switches, deterministic-algorithms flag and FP32 matmul precision right now."""
+    """TF32 switches, deterministic-algorithms flag, uninitialized-memory fill and FP32 matmul precision now."""
     return {
         **tf32_state(),
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "fill_uninitialized_memory": bool(torch.utils.deterministic.fill_uninitialized_memory),  # type: ignore[attr-defined]
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
     }
 

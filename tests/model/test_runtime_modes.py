@@ -99,10 +99,12 @@ def test_strict_trace_records_policy_and_kernels(fp32_model, tmp_path):
     with capture_trace() as trace:
         _run(fp32_model, "strict", inputs)
     assert torch.are_deterministic_algorithms_enabled() == before, "strict_math must restore the global policy"
+    assert torch.utils.deterministic.fill_uninitialized_memory is True, "strict_math must restore the fill switch"
     d = trace.to_dict()
     assert d["policy"]["deterministic_algorithms"] is True, d["policy"]
     assert d["policy"]["cuda_matmul_allow_tf32"] is False and d["policy"]["cudnn_allow_tf32"] is False, d["policy"]
     assert d["policy"]["float32_matmul_precision"] == "highest"
+    assert d["policy"]["fill_uninitialized_memory"] is False, "strict blocks skip the NaN fill of torch.empty"
     assert d["fallbacks"] == 0
     expected_ops = {
         "timestep_embed_mlp", "latent_proj_gemm", "txt_in_rmsnorm_linear", "adaln_mod_projection", "adaln_modulation",

@@ -186,6 +186,23 @@ def test_captured_training_step_equals_the_uncaptured_one(checkpointing: bool) -
 
 
 @pytest.mark.gpu
+def test_strict_kernels_read_no_memory_they_did_not_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Strict blocks skip PyTorch's NaN fill of ``torch.empty``: safe only if no kernel reads an element it
+    did not write. With the fill on (NaN in every fresh buffer) the step gives the same bytes as without."""
+    from mmdit_strict.kernels import execution
+
+    arch, model = _cuda_case()
+    calls = ([_cuda_inputs(arch, [77, 20], seed=1)], [[(5, 1), (2, 0)]])
+    plain = _step(model, *calls)
+    monkeypatch.setattr(execution, "POISON_UNINITIALIZED", True)
+    torch.cuda.empty_cache()  # fresh blocks for the poisoned run, not the first run's leftovers
+    poisoned = _step(model, *calls)
+    _same(plain, poisoned, "NaN-filled empties")
+    model.enable_cuda_graphs()
+    _same(plain, _step(model, *calls), "NaN-filled empties, captured")
+
+
+@pytest.mark.gpu
 def test_two_forwards_of_one_layout_before_the_backward_use_two_captures() -> None:
     """The sequential CFG layout: the conditional and the negative forward, then one backward."""
     arch, model = _cuda_case()
