@@ -61,6 +61,23 @@ def test_engine_forward_asks_for_the_bound_stream(monkeypatch: pytest.MonkeyPatc
     assert torch.equal(plain, text)  # no text entry at this size: the same tile, the same bytes
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test (CPU tensors); the GPU test below covers CUDA")
+def test_engine_backward_takes_dx_tiles_from_the_forwards_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backward runs outside the forward's context (autograd's thread on CUDA): dX's tile is looked up for the
+    stream the forward ran in, kept by the autograd node."""
+    from mmdit_strict.kernels.triton import gemm as G
+
+    seen: list[tuple[int, int, str]] = []
+    real = C.fwd_config
+    monkeypatch.setattr(C, "fwd_config", lambda n, k, dtype, stream="image": seen.append((n, k, stream)) or real(n, k, dtype, stream))
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(5, 16, generator=g, requires_grad=True), torch.randn(24, 16, generator=g)
+    with gemm_stream("text"):
+        y = G.gemm(x, w, seqlens=(5,))
+    y.sum().backward()  # outside the text block
+    assert seen == [(24, 16, "text"), (16, 24, "text")]  # forward (N, K), then dX (K, N)
+
+
 def test_strict_model_binds_the_text_stream_for_text_products_only(tiny_ckpt, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every GEMM-family call of the strict forward sees the stream of the side it sits on."""
     from mmdit_strict import MMDiT
@@ -142,3 +159,30 @@ def test_gpu_fp32_text_tiles_give_the_big_tiles_bytes() -> None:
         want = G.gemm_bwd(dz, x, w, seqlens=(m,), needs=needs, dx_config=C._BIG_FP32)[0]
         got = G.gemm_bwd(dz, x, w, seqlens=(m,), needs=needs)[0]
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)), f"txt_in fp32 dX M={m}: the tile moved bytes"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(k, n) for n, k in _TEXT_CLASSES])  # layers whose dX (K, N) has a text tile
+def test_gpu_text_dx_tiles_give_the_image_tiles_bytes(n: int, k: int) -> None:
+    """On the H200: dX = dZ W of a text-stream layer through the text table's tile for (K, N) equals the image
+    tile's bytes (the same K step), bf16 and fp32, with and without a LoRA term, at prompt-sized row counts."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from mmdit_strict.kernels.triton import gemm as G
+
+    for dtype, bits in ((torch.bfloat16, torch.int16), (torch.float32, torch.int32)):
+        text, image = C.fwd_config(k, n, dtype, "text"), C.fwd_config(k, n, dtype, "image")
+        assert text != image
+        g = torch.Generator(device="cuda").manual_seed(n * 3 + k)
+        w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).to(dtype)
+        la = (torch.randn(64, k, device="cuda", generator=g) * k**-0.5).to(dtype)
+        lb = (torch.randn(n, 64, device="cuda", generator=g) * 0.125).to(dtype)
+        for m in (1, 77, 128, 300):
+            x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
+            dz = torch.randn(m, n, device="cuda", generator=g).to(dtype)
+            for lora in (None, (la, lb, 2.0)):
+                u = G.gemm_fwd(x, w, lora=lora)[2]
+                need = (True, False, False, False, False)
+                want = G.gemm_bwd(dz, x, w, seqlens=(m,), lora=lora, u=u, needs=need, dx_config=image)[0]
+                got = G.gemm_bwd(dz, x, w, seqlens=(m,), lora=lora, u=u, needs=need, dx_config=text)[0]
+                assert torch.equal(got.view(bits), want.view(bits)), f"{dtype} ({n}, {k}) dX M={m} lora={lora is not None}"

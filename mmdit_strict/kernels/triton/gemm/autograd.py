@@ -16,6 +16,7 @@ import sys
 import torch
 
 from ...grad_sink import active as active_grad_sink
+from ...streams import current_gemm_stream
 from ...registry import KernelImpl, register
 from .. import configs as _configs
 from . import codes, cuda_context, fpmath, kernels, launch, weights
@@ -31,7 +32,8 @@ class GemmFunction(torch.autograd.Function):
         y, pre, u, h = gemm_fwd(x, weight, bias, prologue=prologue, epilogue=epilogue, lora=lora, store_pre=True,
                                 return_h=True)
         ctx.save_for_backward(x, weight, pre, u, lora_a, lora_b, h)
-        ctx.meta = (seqlens, prologue, epilogue, lora_scale)
+        # the backward runs on autograd's thread, outside this context: keep the stream for dX's tile
+        ctx.meta = (seqlens, prologue, epilogue, lora_scale, current_gemm_stream())
         sink, keys = active_grad_sink()
         if sink is not None and keys is not None and len(keys) != len(seqlens):
             raise ValueError(f"sample_keys declares {len(keys)} samples but this GEMM sees {len(seqlens)}")
@@ -42,7 +44,7 @@ class GemmFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight, pre, u, lora_a, lora_b, h = ctx.saved_tensors
-        seqlens, prologue, epilogue, lora_scale = ctx.meta
+        seqlens, prologue, epilogue, lora_scale, stream = ctx.meta
         lora = (lora_a, lora_b, lora_scale) if lora_a is not None else None
         ni = ctx.needs_input_grad
         deposit = None
@@ -54,7 +56,8 @@ class GemmFunction(torch.autograd.Function):
 
         dx, dw, db, da, dlb = gemm_bwd(
             dy.contiguous(), x, weight, seqlens=seqlens, prologue=prologue, epilogue=epilogue, pre=pre,
-            lora=lora, u=u, needs=(ni[0], ni[1], ni[2], ni[3], ni[4]), h=h, deposit=deposit)
+            lora=lora, u=u, needs=(ni[0], ni[1], ni[2], ni[3], ni[4]), h=h, deposit=deposit,
+            dx_config=_configs.fwd_config(x.shape[1], weight.shape[0], dy.dtype, stream=stream))
         return dx, dw, db, da, dlb, None, None, None, None
 
 
