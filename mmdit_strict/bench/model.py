@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import json
 import statistics
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -65,15 +66,18 @@ def _timed(fn: Callable[[], Any], reps: int, warmup: int) -> dict[str, float]:
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
+    times, host = [], []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        t0 = time.perf_counter()
         fn()
+        host.append((time.perf_counter() - t0) * 1e3)  # until the last launch is queued: the host's share of the call
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "reps": reps}
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "reps": reps,
+            "host_ms": statistics.median(host)}
 
 
 def _count_syncs(fn: Callable[[], Any]) -> int:
@@ -218,6 +222,7 @@ def run(args: argparse.Namespace, on_case: Callable[[dict[str, Any]], None] | No
                 if table:
                     t["kernels"] = table
                 t["busy"] = t["kernel_ms"] / t["median_ms"]  # GPU busy / wall (the profiled call against the median)
+                t["host_us_per_launch"] = t["host_ms"] * 1e3 / max(1, t["launches"])
                 row[name] = t
             except Exception as exc:  # an engine that cannot run here: record why and go on
                 row[name] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
@@ -267,20 +272,24 @@ def render(report: dict[str, Any]) -> str:
         "",
         f"Identical BF16 weights (one storage). Times are medians of CUDA-event intervals; MFU against {PEAK_TFLOPS:.0f} TFLOP/s.",
         "",
-        "| case | engine | median ms | × diffusers | × diffusers compiled | MFU | kernel ms | busy / wall | peak GiB | syncs | launches |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "Host ms: the median time until a call returns with its last launch queued; host µs / launch divides it by the "
+        "profiled call's kernel launches (a host-bound engine's wall time is its host time).",
+        "",
+        "| case | engine | median ms | × diffusers | × diffusers compiled | MFU | kernel ms | busy / wall | host ms | host µs / launch | peak GiB | syncs | launches |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for case, row in report["cases"].items():
         for name, r in row.items():
             if not isinstance(r, dict):
                 continue
             if "error" in r:
-                lines.append(f"| {case} | {name} | error: {r['error'][:120]} | | | | | | | | |")
+                lines.append(f"| {case} | {name} | error: {r['error'][:120]} | | | | | | | | | | |")
                 continue
             lines.append(
                 f"| {case} | {name} | {r['median_ms']:.1f} | {r.get('vs_diffusers', float('nan')):.2f} | "
                 f"{r.get('vs_diffusers_compiled', float('nan')):.2f} | {r['mfu']:.2f} | {r.get('kernel_ms', float('nan')):.1f} | "
-                f"{r.get('busy', float('nan')):.2f} | {r['peak_gib']:.1f} | {r['syncs']} | {r['launches']} |"
+                f"{r.get('busy', float('nan')):.2f} | {r.get('host_ms', float('nan')):.1f} | "
+                f"{r.get('host_us_per_launch', float('nan')):.1f} | {r['peak_gib']:.1f} | {r['syncs']} | {r['launches']} |"
             )
     for case, row in report["cases"].items():
         for name, r in row.items():
