@@ -32,7 +32,7 @@ class GemmFunction(torch.autograd.Function):
         y, pre, u, h = gemm_fwd(x, weight, bias, prologue=prologue, epilogue=epilogue, lora=lora, store_pre=True,
                                 return_h=True)
         ctx.save_for_backward(x, weight, pre, u, lora_a, lora_b, h)
-        # the backward runs on autograd's thread, outside this context: keep the stream for dX's tile
+        # the backward runs on autograd's thread, outside this context: keep the stream for dX's and v's tiles
         ctx.meta = (seqlens, prologue, epilogue, lora_scale, current_gemm_stream())
         sink, keys = active_grad_sink()
         if sink is not None and keys is not None and len(keys) != len(seqlens):
@@ -56,8 +56,7 @@ class GemmFunction(torch.autograd.Function):
 
         dx, dw, db, da, dlb = gemm_bwd(
             dy.contiguous(), x, weight, seqlens=seqlens, prologue=prologue, epilogue=epilogue, pre=pre,
-            lora=lora, u=u, needs=(ni[0], ni[1], ni[2], ni[3], ni[4]), h=h, deposit=deposit,
-            dx_config=_configs.fwd_config(x.shape[1], weight.shape[0], dy.dtype, stream=stream))
+            lora=lora, u=u, needs=(ni[0], ni[1], ni[2], ni[3], ni[4]), h=h, deposit=deposit, stream=stream)
         return dx, dw, db, da, dlb, None, None, None, None
 
 

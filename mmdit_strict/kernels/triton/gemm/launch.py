@@ -450,7 +450,8 @@ def gemm_fwd(x, weight, bias=None, *, prologue="none", epilogue="none", lora=Non
     n = weight.shape[0]
     pro = PROLOGUES[prologue]
     # a column shard (tensor parallelism) takes its whole layer's configuration: the same tiles, the same bytes
-    cfg = config or _configs.fwd_config(configured_columns(n), k, x.dtype, stream=current_gemm_stream())
+    stream = current_gemm_stream()
+    cfg = config or _configs.fwd_config(configured_columns(n), k, x.dtype, stream=stream)
     h = None
     if pro and cfg.prologue == "pass":
         h = act_fwd(x, prologue)
@@ -465,7 +466,7 @@ def gemm_fwd(x, weight, bias=None, *, prologue="none", epilogue="none", lora=Non
         la, lb, scale = lora
         r = la.shape[0]
         # u = p(x) Aᵀ: A (r, K) read as (K, r) through strides, the configuration of its own shape
-        u, _ = _main(x, Operand(la, (1, k)), r, _configs.fwd_config(r, k, x.dtype), prologue=pro)
+        u, _ = _main(x, Operand(la, (1, k)), r, _configs.fwd_config(r, k, x.dtype, stream=stream), prologue=pro)
         lo = Lora(u, lb, (1, r), scale)  # B (N, r) read as (r, N)
     store = store_pre and epilogue != "none"
     y, pre = _main(x, b, n, cfg, prologue=pro, epilogue=EPILOGUES[epilogue], bias=bias, lora=lo,
@@ -475,12 +476,14 @@ def gemm_fwd(x, weight, bias=None, *, prologue="none", epilogue="none", lora=Non
 
 def gemm_bwd(dy, x, weight, *, seqlens, prologue="none", epilogue="none", pre=None, lora=None, u=None,
              needs=(True, True, True, True, True), h=None, dx_config: _configs.FwdConfig | None = None,
-             deposit: Callable[[int, list[torch.Tensor]], None] | None = None):
+             deposit: Callable[[int, list[torch.Tensor]], None] | None = None, stream: str = "image"):
     """Backward of :func:`gemm_fwd`. dy: (M, N). Returns (dx, dW, db, dA, dB); None where not needed.
 
     ``h``: ``p(x)`` from the forward's prologue pass, if it ran; dW/dA then read it instead of
     recomputing the prologue per tile (same bytes: the same rounded values enter the same dots).
-    ``dx_config``: the dX product's configuration (default ``configs.fwd_config(K, N, dtype)``).
+    ``stream``: the GEMM stream the forward ran in (the backward runs outside its context); dX and the LoRA
+    ``v = dZ B`` take that stream's tiles. ``dx_config``: the dX product's configuration (default
+    ``configs.fwd_config(K, N, dtype, stream)``).
     ``deposit``: called as ``deposit(i, partials)`` for each parameter gradient computed (i = 1 W,
     2 b, 3 A, 4 B) with that gradient's per-sample FP32 partials (:func:`gemm_dw_samples`,
     :func:`gemm_db_samples`), for the grad sink; the returned gradients are unchanged."""
@@ -492,11 +495,11 @@ def gemm_bwd(dy, x, weight, *, seqlens, prologue="none", epilogue="none", pre=No
     v = None
     if lora is not None and (need_x or need_a):
         r = lora[0].shape[0]
-        v, _ = _main(dz, Operand(lora[1], (r, 1)), r, _configs.fwd_config(r, n, dz.dtype))  # v = dZ B (M, r)
+        v, _ = _main(dz, Operand(lora[1], (r, 1)), r, _configs.fwd_config(r, n, dz.dtype, stream))  # v = dZ B (M, r)
     if need_x:
         lo = Lora(v, lora[0], (k, 1), lora[2]) if lora is not None else None  # + s·v A
         epi, aux = (Act.TIMES_SILU_GRAD, x) if prologue == "silu" else (Act.NONE, None)
-        cfg = dx_config or _configs.fwd_config(k, n, dz.dtype)
+        cfg = dx_config or _configs.fwd_config(k, n, dz.dtype, stream)
         dx, _ = _main(dz, Operand(weight, (k, 1)), k, cfg, epilogue=epi, aux=aux, lora=lo)  # dX = dZ W (+ s·v A) [· silu'(x)]
     xw, pw = (h, "none") if h is not None else (x, prologue)
     if need_w:
