@@ -10,6 +10,7 @@
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/evidence_common.sh"
 evidence_begin suite_evidence "${1:-}"
+evidence_wheels  # the suite imports omegaconf, wandb and diffusers, which the GPU image lacks
 suite_part() {  # NAME LIMIT_S WORKERS MARK
   time OMP_NUM_THREADS=2 timeout -s INT "$2" python3 -m pytest -q -n "$3" -m "$4" -p no:cacheprovider -rfEs \
     --durations=40 >"$ev/pytest_$1.txt" 2>&1
