@@ -398,7 +398,7 @@ def _require_gpu(what: str) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
-    if args.which not in ("cpu_strict", "peers", "load", "train"):  # these run a tiny case on the CPU
+    if args.which not in ("cpu_strict", "peers", "load", "train", "host_profile"):  # these run a tiny case on the CPU
         _require_gpu(f"bench {args.which}")
     argv = ["--out", args.out]
     if args.which == "peers":
@@ -409,9 +409,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.which == "load":
         argv += (["--checkpoint", args.checkpoint] if args.checkpoint else []) + (["--device", args.device] if args.device else []) \
             + (["--repeats", str(args.repeats)] if args.repeats is not None else [])
-    elif args.which == "train":
+    elif args.which in ("train", "host_profile"):
         if args.checkpoint is not None or args.repeats is not None:
-            raise ValueError("--checkpoint and --repeats belong to `bench load`, not `bench train`")
+            raise ValueError(f"--checkpoint and --repeats belong to `bench load`, not `bench {args.which}`")
         argv += ["--device", args.device] if args.device else []
     elif args.checkpoint is not None or args.device is not None or args.repeats is not None:
         raise ValueError(f"--checkpoint, --device and --repeats belong to `bench load`, not `bench {args.which}`")
@@ -547,7 +547,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which kernels to qualify (default: all of gemm, attention, norms, model); peers: the survey of "
                    "other batch-invariant kernels through the same checks (bench peers; run on its own, in a fresh process)")
     p = add("bench", cmd_bench, "run a benchmark and write its JSON + markdown report", overrides=False)
-    p.add_argument("which", choices=["cpu_strict", "gemm", "ksplit", "lora_tiles", "model", "step_profile", "attention", "norms",
+    p.add_argument("which", choices=["cpu_strict", "gemm", "ksplit", "lora_tiles", "model", "step_profile", "host_profile", "attention", "norms",
                                       "peers", "load", "train"],
                    help="cpu_strict: CPU strict vs production forward; gemm: Triton GEMM engine (GPU); "
                    "ksplit: the K-split (row-parallel TP) arithmetic of attention output and MLP down vs the unsplit "
@@ -555,6 +555,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "lora_tiles: the rank-r LoRA products under candidate tiles, time and bytes (GPU); "
                    "model: whole transformer vs diffusers eager on identical weights (GPU); "
                    "step_profile: a strict LoRA training step's kernel time by kernel and launch grid (GPU); "
+                   "host_profile: the uncaptured strict forward's and LoRA step's host time by stack layer and function "
+                   "(GPU; CPU: the tiny preset); "
                    "attention: strict joint attention vs SDPA/cuDNN (GPU); "
                    "norms: strict row operators (norms, modulation, gating, QK-norm, RoPE) vs FP64 and eager PyTorch (GPU); "
                    "peers: other batch-invariant kernels (PyTorch deterministic, SDPA backends, Liger-Kernel, Megatron-Core) "
@@ -574,8 +576,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "attention (default: all)")
     p.add_argument("--checkpoint", default=None, help="load only: a diffusers transformer folder (default: write the "
                    "60-block Qwen-Image with random BF16 weights in 9 shards to a cache folder first)")
-    p.add_argument("--device", default=None, help="load and train only: where the weights go (default: cuda when there is "
-                   "a GPU; train: the tiny model on the CPU otherwise)")
+    p.add_argument("--device", default=None, help="load, train and host_profile only: where the weights go (default: cuda "
+                   "when there is a GPU; train, host_profile: the tiny model on the CPU otherwise)")
     p.add_argument("--repeats", type=int, default=None, help="load only: pairs of loads, engines alternating (default 3)")
     return parser
 
