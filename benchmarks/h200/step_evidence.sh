@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The training step's speed bars in one GPU call (about 5 minutes on an H200 at 017eda8):
+# The training step's speed bars in one GPU call (about 5 minutes on an H200 for parts 1-2 at 017eda8; part 3 not yet run there):
 #   1. `bench.model` on the 60-block Qwen-Image at 1024²: the B = 1 forward, the LoRA r = 64 forward + backward with
 #      checkpointing at B = 1 and at B = 2 with CFG; ours uncaptured and captured against diffusers eager and
 #      diffusers with each block under torch.compile (its compiles run in the warm-up, not timed);
