@@ -17,7 +17,9 @@ each transformer block compiled (``torch.compile``; its compile time stays out o
 
 Per case and engine: median and spread of CUDA-event times, peak memory, MFU against the measured
 790 TFLOP/s BF16 matrix rate, host syncs per forward (``torch.cuda.set_sync_debug_mode``) and CUDA
-kernel launches per forward (profiler). Writes ``DIR/model_bench.json`` and ``DIR/model_bench.md``.
+kernel launches per forward (profiler). Writes ``DIR/model_bench.json``, ``DIR/model_bench.md`` and
+``DIR/model_bench.png`` (wall and kernel time per case and engine); ``--replot REPORT.json`` redraws the
+figure of a written report, next to it (no GPU needed).
 A benchmark, not a test: nothing here asserts. An engine that cannot run a case (e.g. ``strict`` while
 an operator has no CUDA kernel) gets its error recorded instead of a time.
 """
@@ -259,6 +261,46 @@ def _compiled_blocks(model: torch.nn.Module, wrappers: dict[int, torch.nn.Module
             blocks[i] = block
 
 
+#: engines in the figure's order, with their labels
+_PLOT_ENGINES = (("diffusers_eager", "diffusers eager"), ("diffusers_compiled", "diffusers compiled"),
+                 ("ours_strict", "ours, uncaptured"), ("ours_strict_graph", "ours, captured"))
+
+
+def plot(report: dict[str, Any], path: str | Path) -> bool:
+    """A horizontal bar per (case, engine): wall time, with the profiled kernel time drawn inside it (the
+    rest of the bar is the GPU waiting). Writes ``path`` (PNG); False when the report holds no timed engine."""
+    rows = [(case, label, r["median_ms"], r.get("kernel_ms"))
+            for case, row in report["cases"].items()
+            for name, label in _PLOT_ENGINES
+            if isinstance(row.get(name), dict) and "median_ms" in row[name]
+            for r in (row[name],)]
+    if not rows:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {label: c for (_, label), c in zip(_PLOT_ENGINES, ("#9e9e9e", "#616161", "#90caf9", "#1565c0"))}
+    fig, ax = plt.subplots(figsize=(9, 0.42 * len(rows) + 1.4))
+    ys = list(range(len(rows)))[::-1]
+    for y, (case, label, wall, kernel) in zip(ys, rows):
+        ax.barh(y, wall, color=colors[label], alpha=0.45, height=0.8)
+        if kernel is not None:
+            ax.barh(y, min(kernel, wall), color=colors[label], height=0.8)
+        ax.text(wall, y, f" {wall:.0f} ms", va="center", fontsize=8)
+    ax.set_yticks(ys, [f"{case} · {label}" for case, label, _, _ in rows], fontsize=8)
+    ax.set_xlabel("ms per call (dark: kernel time of one profiled call; light: the rest of the wall time)")
+    env = report.get("environment", {})
+    ax.set_title(f"{report.get('arch_layers', '?')} blocks, grid {report.get('grid')}, {env.get('gpu', '')} · "
+                 f"commit {str(env.get('commit', '?'))[:7]}", fontsize=9)
+    ax.set_xlim(0, max(w for _, _, w, _ in rows) * 1.15)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def environment() -> dict[str, Any]:
     return gpu_environment()
 
@@ -315,7 +357,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--cases", nargs="+", default=None, help="run only these cases (default: all)")
     p.add_argument("--diffusers-compile", action="store_true",
                    help="also time diffusers with each transformer block compiled (torch.compile; minutes of compile)")
+    p.add_argument("--replot", default=None, metavar="REPORT.json",
+                   help="only redraw the figure of a written report (model_bench.png beside it); no GPU needed")
     args = p.parse_args(argv)
+    if args.replot:
+        src = Path(args.replot)
+        if not src.is_file():
+            raise SystemExit(f"bench.model --replot: no report at {src}")
+        target = src.with_suffix(".png")
+        if not plot(json.loads(src.read_text()), target):
+            raise SystemExit(f"bench.model --replot: {src} holds no timed engine to draw")
+        print(target)
+        return 0
     if not torch.cuda.is_available():
         raise SystemExit("bench.model needs a CUDA GPU")
     out = Path(args.out)
@@ -329,6 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = run(args, on_case=partial)
     report["environment"] = env
     print(write_report(out, "model_bench", report, render))
+    plot(report, out / "model_bench.png")
     return 0
 
 

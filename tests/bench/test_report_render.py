@@ -126,3 +126,29 @@ def test_text_sweep_candidates_keep_the_k_step_and_classes_have_incumbents() -> 
         assert configs.FWD[(n, k, "bf16")].BLOCK_K == 64
     assert all(c.BLOCK_K == 64 and c.weight_layout == "nk" for c in gemm_sweeps.TEXT_SWEEP)
     assert len(set(gemm_sweeps.TEXT_SWEEP)) == len(gemm_sweeps.TEXT_SWEEP)
+
+
+def test_model_bench_figure_is_drawn_from_a_written_report_without_a_gpu(tmp_path) -> None:
+    import json
+
+    import pytest
+
+    from mmdit_strict.bench import model
+
+    timed = {"median_ms": 700.0, "kernel_ms": 650.0}
+    report = {"arch_layers": 60, "grid": [64, 64], "environment": {"gpu": "H200", "commit": "abcdef0123"},
+              "cases": {"fwd_bwd_lora": {"txt_lens": [128], "diffusers_eager": {"median_ms": 1400.0, "kernel_ms": 700.0},
+                                         "ours_strict_graph": timed, "ours_strict": {"error": "OOM"}}}}
+    src = tmp_path / "model_bench.json"
+    src.write_text(json.dumps(report))
+    assert model.main(["--replot", str(src)]) == 0
+    png = tmp_path / "model_bench.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    # nothing timed: no figure, and a clear refusal
+    src.write_text(json.dumps({**report, "cases": {"fwd_b1": {"ours_strict": {"error": "OOM"}}}}))
+    png.unlink()
+    with pytest.raises(SystemExit, match="no timed engine"):
+        model.main(["--replot", str(src)])
+    assert not png.exists()
+    with pytest.raises(SystemExit, match="no report at"):
+        model.main(["--replot", str(tmp_path / "missing.json")])
