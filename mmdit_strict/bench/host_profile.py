@@ -9,7 +9,7 @@ report gives, per call: the profiled host time split by where the code lives (Tr
 kernels' host code, our model, autograd and checkpointing, the rest of PyTorch's Python, built-ins such as tensor
 allocation) and the functions with the most own time. cProfile inflates small functions' time, so the shares
 are the figure to read, not the absolute milliseconds. On the CPU (``--device cpu``) the tiny preset runs
-instead, for trying the tool; its kernels then run in Triton's interpreter or the CPU backend. Writes
+instead, for trying the tool; its operators then run the CPU strict backend. Writes
 ``host_profile.json`` and ``host_profile.md``. A benchmark: nothing here asserts.
 """
 
