@@ -8,8 +8,12 @@ the weight-gradient kernel. With ``r = 64`` their output has few tiles, so the c
 SMs idle. For each product class of Qwen-Image's LoRA targets this times the configured tile and
 candidates that keep its reduction step (the main kernel's ``BLOCK_K``, the weight-gradient kernel's
 ``BLOCK_M``) and records whether each gives the configured tile's bytes (``torch.equal``): a candidate that
-does is a pure speed choice; one that does not would be an arithmetic change. Writes
-``lora_tiles.json`` and ``lora_tiles.md``. A benchmark: nothing here asserts.
+does is a pure speed choice; one that does not would be an arithmetic change.
+
+A second section times what the LoRA term costs the layer's big products: the training forward (with the
+pre-activation stored where an epilogue needs it) and dX, each with and without the adapter (``u`` or ``v``
+and the main kernel's LoRA term), replayed from CUDA graphs. Writes ``lora_tiles.json`` and
+``lora_tiles.md``. A benchmark: nothing here asserts.
 """
 
 from __future__ import annotations
@@ -101,6 +105,61 @@ def run(rank: int, rows: int) -> list[dict[str, Any]]:
     return out
 
 
+#: the model's bias and epilogue per LoRA layer (in, out): the MLP up projection's tanh-GELU needs its pre-activation
+_EPILOGUES = {(3072, 12288): "gelu_tanh"}
+
+
+def lora_term_cases(rank: int, rows: int, device: str, layers: Sequence[tuple[int, int]] = LAYERS,
+                    dtype: torch.dtype = torch.bfloat16,
+                    epilogues: dict[tuple[int, int], str] = _EPILOGUES) -> list[dict[str, Any]]:
+    """Per layer and pass (training forward, dX): the call without the adapter and the call with it."""
+    from ..kernels.triton.gemm import launch as L
+
+    g = torch.Generator(device=device).manual_seed(1)
+    seqlens = (rows,)
+    cases = []
+    for k, n in layers:
+        epi = epilogues.get((k, n), "none")
+        x = torch.randn(rows, k, device=device, generator=g).to(dtype)
+        w = (torch.randn(n, k, device=device, generator=g) / k ** 0.5).to(dtype)
+        bias = (0.1 * torch.randn(n, device=device, generator=g)).to(dtype)
+        lora = ((torch.randn(rank, k, device=device, generator=g) / k ** 0.5).to(dtype),
+                (torch.randn(n, rank, device=device, generator=g) / rank ** 0.5).to(dtype), 1.0)
+        dy = torch.randn(rows, n, device=device, generator=g).to(dtype)
+        store = epi != "none"
+        _, pre, _ = L.gemm_fwd(x, w, bias, epilogue=epi, store_pre=store)
+        _, pre_l, u = L.gemm_fwd(x, w, bias, epilogue=epi, store_pre=store, lora=lora)
+        dx_only = (True, False, False, False, False)
+        layer = f"{k} → {n}" + (f" ({epi})" if store else "")
+        cases.append({"layer": layer, "pass": "forward",
+                      "plain": lambda x=x, w=w, b=bias, e=epi, s=store: L.gemm_fwd(x, w, b, epilogue=e, store_pre=s)[0],
+                      "lora": lambda x=x, w=w, b=bias, e=epi, s=store, lo=lora: L.gemm_fwd(
+                          x, w, b, epilogue=e, store_pre=s, lora=lo)[0]})
+        cases.append({"layer": layer, "pass": "dX",
+                      "plain": lambda dy=dy, x=x, w=w, e=epi, p=pre: L.gemm_bwd(
+                          dy, x, w, seqlens=seqlens, epilogue=e, pre=p, needs=dx_only)[0],
+                      "lora": lambda dy=dy, x=x, w=w, e=epi, p=pre_l, lo=lora, u=u: L.gemm_bwd(
+                          dy, x, w, seqlens=seqlens, epilogue=e, pre=p, lora=lo, u=u, needs=dx_only)[0]})
+    return cases
+
+
+def lora_term(rank: int, rows: int) -> list[dict[str, Any]]:
+    """GPU time (graph replay) of each case of :func:`lora_term_cases`, without and with the adapter."""
+    from .timing import graph_ms
+
+    out = []
+    for case in lora_term_cases(rank, rows, "cuda"):
+        plain, lora = graph_ms(case["plain"], rep=100), graph_ms(case["lora"], rep=100)
+        out.append({"layer": case["layer"], "pass": case["pass"], "plain_ms": plain, "lora_ms": lora,
+                    "ratio": lora / plain if plain and lora else None})
+        print(f"{case['layer']} {case['pass']}: {plain} ms plain, {lora} ms with the adapter", flush=True)
+    return out
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "—" if v is None else format(v, spec)
+
+
 def render(report: dict[str, Any]) -> str:
     lines = [f"# LoRA product tiles (rank {report['rank']}, {report['rows']} rows, BF16)", "",
              environment_line(report["environment"]), "",
@@ -112,6 +171,11 @@ def render(report: dict[str, Any]) -> str:
         tile = {k: v for k, v in best["config"].items() if k.isupper() or k in ("num_warps", "num_stages")} if best else "—"
         lines.append(f"| {row['product']} | {row['configured_ms']:.3f} | {best['ms'] if best else float('nan'):.3f} | "
                      f"{row.get('speedup', float('nan')):.2f} | {tile} | {other} of {len(row['candidates'])} |")
+    if report.get("lora_term"):
+        lines += ["", "## What the LoRA term costs the big products (CUDA-graph replay)", "",
+                  "| layer | pass | without adapter ms | with adapter ms | × |", "|---|---|---|---|---|"]
+        lines += [f"| {r['layer']} | {r['pass']} | {_fmt(r['plain_ms'], '.4f')} | {_fmt(r['lora_ms'], '.4f')} | "
+                  f"{_fmt(r['ratio'], '.2f')} |" for r in report["lora_term"]]
     return "\n".join(lines) + "\n"
 
 
@@ -124,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("bench.lora_tiles needs a CUDA GPU")
     report = {"rank": args.rank, "rows": args.rows, "environment": gpu_environment(),
-              "products": run(args.rank, args.rows)}
+              "products": run(args.rank, args.rows), "lora_term": lora_term(args.rank, args.rows)}
     print(write_report(args.out, "lora_tiles", report, render))
     return 0
 
