@@ -8,7 +8,9 @@ under the profiler. Triton kernels are one name for many products; the launch gr
 apart (a product's grid is its tile count), so the table groups by ``(kernel, grid)`` and reports time
 per block. A second, uncaptured step runs under the profiler with Python stacks, and each PyTorch
 fill / copy / add kernel is attributed to the Python line that launched it (the glue between strict
-kernels). Writes ``step_profile.json`` and ``step_profile.md``. A benchmark: nothing here asserts.
+kernels). Writes ``step_profile.json``, ``step_profile.md`` and ``step_profile.png`` (ms per block of the
+costliest launches); ``--replot REPORT.json`` redraws a written report's figure (no GPU needed). A benchmark:
+nothing here asserts.
 """
 
 from __future__ import annotations
@@ -109,6 +111,35 @@ def run(layers: int, grid: tuple[int, int], txt: int, rank: int, top: int) -> di
     }
 
 
+def plot(report: dict[str, Any], path: str | Path, top: int = 16) -> bool:
+    """Horizontal bars: ms per block of the ``top`` costliest (kernel, grid) groups of the captured step. Writes
+    ``path`` (PNG); False when the report has no kernel group."""
+    rows = report.get("by_grid", [])[:top]
+    if not rows:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8.5, 0.32 * len(rows) + 1.3))
+    ys = list(range(len(rows)))[::-1]
+    ax.barh(ys, [r["ms_per_block"] for r in rows], color="#1565c0")
+    for y, r in zip(ys, rows):
+        ax.text(r["ms_per_block"], y, f" {r['ms_per_block']:.2f} ({r['launches']} launches in {report['layers']} blocks)",
+                va="center", fontsize=7)
+    ax.set_yticks(ys, [f"{r['kernel'][:40]} {r['grid']}" for r in rows], fontsize=7)
+    ax.set_xlabel("ms of kernel time per block (captured LoRA training step)")
+    env = report.get("environment", {})
+    ax.set_title(f"{report['captured_kernel_ms'] / report['layers']:.2f} ms per block, grid {report['grid']}, "
+                 f"rank {report['rank']} · {env.get('gpu', '')} · commit {str(env.get('commit', '?'))[:7]}", fontsize=9)
+    ax.set_xlim(0, max(r["ms_per_block"] for r in rows) * 1.35)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def render(report: dict[str, Any]) -> str:
     lines = [f"# Strict LoRA training step, kernel time by launch ({report['layers']} blocks, grid {report['grid']}, "
              f"{report['txt']} text tokens, rank {report['rank']})", "", environment_line(report["environment"]), "",
@@ -131,12 +162,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--txt", type=int, default=128)
     p.add_argument("--lora-rank", type=int, default=64)
     p.add_argument("--top", type=int, default=40)
+    p.add_argument("--replot", default=None, metavar="REPORT.json",
+                   help="only redraw the figure of a written report (step_profile.png beside it); no GPU needed")
     args = p.parse_args(argv)
+    if args.replot:
+        src = Path(args.replot)
+        if not src.is_file():
+            raise SystemExit(f"bench.step_profile --replot: no report at {src}")
+        if not plot(json.loads(src.read_text()), src.with_suffix(".png")):
+            raise SystemExit(f"bench.step_profile --replot: {src} holds no kernel group to draw")
+        print(src.with_suffix(".png"))
+        return 0
     if not torch.cuda.is_available():
         raise SystemExit("bench.step_profile needs a CUDA GPU")
     report = run(args.layers, tuple(args.grid), args.txt, args.lora_rank, args.top)
     report["environment"] = gpu_environment()
     print(write_report(args.out, "step_profile", report, render))
+    plot(report, Path(args.out) / "step_profile.png")
     return 0
 
 

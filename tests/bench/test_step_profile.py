@@ -33,3 +33,19 @@ def test_glue_kernels_point_at_the_project_line_that_launched_them() -> None:
               "environment": {"gpu": "H200", "driver": "580", "torch": "2.11", "triton": "3.6", "commit": "abc"}}
     md = sp.render(report)
     assert "| `_gemm_fwd_kernel` | [132, 1, 1] | 0.15 | 2 | 0.075 |" in md and "block_forward" in md
+
+
+def test_figure_is_redrawn_from_a_written_report_without_a_gpu(tmp_path) -> None:
+    import json
+
+    import pytest
+
+    report = {"layers": 2, "grid": [64, 64], "txt": 128, "rank": 64, "captured_kernel_ms": 0.2, "captured_launches": 4,
+              "by_grid": sp.kernels_by_grid(EVENTS, 2, 10), "glue": [], "environment": {"gpu": "H200", "commit": "abc"}}
+    src = tmp_path / "step_profile.json"
+    src.write_text(json.dumps(report))
+    assert sp.main(["--replot", str(src)]) == 0
+    assert (tmp_path / "step_profile.png").read_bytes()[:4] == b"\x89PNG"
+    src.write_text(json.dumps({**report, "by_grid": []}))
+    with pytest.raises(SystemExit, match="no kernel group"):
+        sp.main(["--replot", str(src)])
