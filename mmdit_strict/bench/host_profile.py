@@ -5,7 +5,7 @@
 An uncaptured strict forward (no autograd) and a LoRA forward + backward with gradient checkpointing (B = 1, rank
 ``--lora-rank`` on Flow-GRPO's targets) of the Qwen-Image architecture cut to ``--layers`` blocks, each timed
 (wall per call), counted (CUDA kernel launches, on a GPU) and then run ``--calls`` times under ``cProfile``. The
-report gives, per call: the profiled host time split by where the code lives (Triton's launcher, our kernel
+report gives, per call: the profiled host time split by where the code lives (Triton's launcher, our
 kernels' host code, our model, autograd and checkpointing, the rest of PyTorch's Python, built-ins such as tensor
 allocation) and the functions with the most own time. cProfile inflates small functions' time, so the shares
 are the figure to read, not the absolute milliseconds. On the CPU (``--device cpu``) the tiny preset runs
@@ -27,6 +27,7 @@ import torch
 
 from ..config.arch import preset
 from ..environment import environment_line, run_environment
+from .model import _attach_lora, _inputs, _kernel_profile
 from .output import write_report
 
 #: (area, path fragment) in match order: the first fragment found in a function's file names its area
@@ -78,17 +79,6 @@ def _short(filename: str) -> str:
     return path
 
 
-def _launches(fn: Callable[[], None]) -> int | None:
-    if not torch.cuda.is_available():
-        return None
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
-
-
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -103,7 +93,7 @@ def profile_call(fn: Callable[[], None], device: str, calls: int, top: int) -> d
         fn()
     _sync(device)
     wall = (time.perf_counter() - t0) * 1e3 / calls
-    launches = _launches(fn) if device.startswith("cuda") else None
+    launches = _kernel_profile(fn)[0] if device.startswith("cuda") else None
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(calls):
@@ -117,11 +107,7 @@ def profile_call(fn: Callable[[], None], device: str, calls: int, top: int) -> d
 
 
 def run(layers: int, grid: tuple[int, int], txt: int, rank: int, device: str, calls: int, top: int) -> dict[str, Any]:
-    from peft import LoraConfig, inject_adapter_in_model
-
     from ..model.init import build_model
-    from ..model.inputs import random_inputs
-    from .model import LORA_TARGETS
 
     on_gpu = device.startswith("cuda")
     arch = preset("qwen-image") if on_gpu else preset("tiny")
@@ -130,9 +116,7 @@ def run(layers: int, grid: tuple[int, int], txt: int, rank: int, device: str, ca
     if not on_gpu:
         grid, txt = (min(grid[0], 8), min(grid[1], 8)), min(txt, 16)
     model = build_model(arch, seed=0, runtime="strict", dtype=dtype, device=device)
-    inp = {k: (v.to(device, dtype) if isinstance(v, torch.Tensor) and v.is_floating_point()
-               else v.to(device) if isinstance(v, torch.Tensor) else v)
-           for k, v in random_inputs(arch, grid, [txt], seed=0).items()}
+    inp = _inputs(arch, grid, [txt], dtype, device)
 
     def forward() -> None:
         with torch.no_grad():
@@ -145,14 +129,7 @@ def run(layers: int, grid: tuple[int, int], txt: int, rank: int, device: str, ca
     report: dict[str, Any] = {"layers": layers, "grid": list(grid), "txt": txt, "rank": rank, "device": device,
                               "calls": calls, "cases": {}}
     report["cases"]["forward"] = profile_call(forward, device, calls, top)
-    r = min(rank, arch.num_attention_heads * arch.attention_head_dim)
-    inject_adapter_in_model(LoraConfig(r=r, lora_alpha=r, target_modules=list(LORA_TARGETS), lora_dropout=0.0), model)
-    gen = torch.Generator(device=device).manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.requires_grad_("lora_" in name)
-            if "lora_" in name:  # non-zero B: the adapter's backward is real work
-                p.copy_((0.01 * torch.randn(p.shape, generator=gen, device=device)).to(p.dtype))
+    _attach_lora(model, min(rank, arch.num_attention_heads * arch.attention_head_dim), seed=1)
     model.enable_gradient_checkpointing(True)
     report["cases"]["lora_fwd_bwd"] = profile_call(step, device, calls, top)
     return report

@@ -41,7 +41,7 @@ from ..config.arch import ArchConfig, preset
 from ..kernels.runtime import Runtime
 from ..model.inputs import random_inputs
 from ..environment import environment_line, gpu_environment
-from .output import write_report
+from .output import replot, write_report
 
 PEAK_TFLOPS = 790.0  # BF16 dense matrix rate measured on the H200 (docs/design.md, anchors)
 LORA_TARGETS = (
@@ -112,12 +112,13 @@ def _kernel_profile(fn: Callable[[], Any], top: int = 0) -> tuple[int, float, li
     return len(kernels), sum(e.time_range.elapsed_us() for e in kernels) / 1e3, table
 
 
-def _inputs(arch: ArchConfig, grid: tuple[int, int], txt_lens: Sequence[int], dtype: torch.dtype) -> dict[str, Any]:
+def _inputs(arch: ArchConfig, grid: tuple[int, int], txt_lens: Sequence[int], dtype: torch.dtype,
+            device: str = "cuda") -> dict[str, Any]:
     inp = random_inputs(arch, grid, txt_lens, seed=0)
     out = {}
     for k, v in inp.items():
         if isinstance(v, torch.Tensor):
-            v = v.cuda()
+            v = v.to(device)
             out[k] = v.to(dtype) if v.is_floating_point() else v
         else:
             out[k] = v
@@ -125,16 +126,18 @@ def _inputs(arch: ArchConfig, grid: tuple[int, int], txt_lens: Sequence[int], dt
 
 
 def _attach_lora(module: torch.nn.Module, rank: int, seed: int) -> None:
-    """Rank-``rank`` LoRA on Flow-GRPO's targets with non-zero B (so the adapter's backward is real)."""
+    """Rank-``rank`` LoRA on Flow-GRPO's targets with non-zero B (so the adapter's backward is real), on the
+    module's device; only the adapter trains."""
     from peft import LoraConfig, inject_adapter_in_model
 
     inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=rank, target_modules=list(LORA_TARGETS), lora_dropout=0.0), module)
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    device = next(module.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in module.named_parameters():
             p.requires_grad_("lora_" in name)
             if "lora_" in name:
-                p.copy_((0.01 * torch.randn(p.shape, generator=gen, device="cuda", dtype=torch.float32)).to(p.dtype))
+                p.copy_((0.01 * torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32)).to(p.dtype))
 
 
 def run(args: argparse.Namespace, on_case: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
@@ -361,14 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="only redraw the figure of a written report (model_bench.png beside it); no GPU needed")
     args = p.parse_args(argv)
     if args.replot:
-        src = Path(args.replot)
-        if not src.is_file():
-            raise SystemExit(f"bench.model --replot: no report at {src}")
-        target = src.with_suffix(".png")
-        if not plot(json.loads(src.read_text()), target):
-            raise SystemExit(f"bench.model --replot: {src} holds no timed engine to draw")
-        print(target)
-        return 0
+        return replot(args.replot, plot, "bench.model", "no timed engine to draw")
     if not torch.cuda.is_available():
         raise SystemExit("bench.model needs a CUDA GPU")
     out = Path(args.out)

@@ -27,7 +27,7 @@ import torch
 
 from ..config.arch import preset
 from ..environment import environment_line, gpu_environment
-from .output import write_report
+from .output import replot, write_report
 
 
 def _trace(fn: Callable[[], Any], stacks: bool) -> list[dict[str, Any]]:
@@ -166,13 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="only redraw the figure of a written report (step_profile.png beside it); no GPU needed")
     args = p.parse_args(argv)
     if args.replot:
-        src = Path(args.replot)
-        if not src.is_file():
-            raise SystemExit(f"bench.step_profile --replot: no report at {src}")
-        if not plot(json.loads(src.read_text()), src.with_suffix(".png")):
-            raise SystemExit(f"bench.step_profile --replot: {src} holds no kernel group to draw")
-        print(src.with_suffix(".png"))
-        return 0
+        return replot(args.replot, plot, "bench.step_profile", "no kernel group to draw")
     if not torch.cuda.is_available():
         raise SystemExit("bench.step_profile needs a CUDA GPU")
     report = run(args.layers, tuple(args.grid), args.txt, args.lora_rank, args.top)
