@@ -12,7 +12,7 @@ import torch
 from mmdit_strict.kernels.streams import current_gemm_stream, gemm_stream
 from mmdit_strict.kernels.triton import configs as C
 
-_TEXT_CLASSES = [(3072, 3072), (3072, 12288)]  # q/k/v + attn_out, mlp_down
+_TEXT_CLASSES = [(3072, 3072), (3072, 12288), (64, 3072), (64, 12288)]  # q/k/v + attn_out, mlp_down; LoRA u / v
 
 
 def test_text_stream_tiles_keep_the_image_k_step_and_differ_only_where_listed() -> None:
@@ -124,7 +124,7 @@ def test_strict_model_binds_the_text_stream_for_text_products_only(tiny_ckpt, mo
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,k", _TEXT_CLASSES + [(3072, 3584)])
+@pytest.mark.parametrize("n,k", _TEXT_CLASSES[:2] + [(3072, 3584)])
 def test_gpu_text_tiles_give_the_image_tiles_bytes(n: int, k: int) -> None:
     """bf16 on the H200: the text stream's forward tile and the image stream's give the same bytes at prompt-sized
     and image-sized row counts (txt_in, whose class now runs the text tile, against the image table's big tile)."""
@@ -158,7 +158,7 @@ def test_gpu_fp32_text_tiles_give_the_big_tiles_bytes() -> None:
 
     assert C.fwd_config(3072, 3584, torch.float32) == C.fwd_config(3584, 3072, torch.float32) == C._TEXT_FP32
     g = torch.Generator(device="cuda").manual_seed(11)
-    for n, k in _TEXT_CLASSES:  # the text stream's fp32 classes against the image tile
+    for n, k in _TEXT_CLASSES[:2]:  # the text stream's fp32 classes against the image tile
         w = torch.randn(n, k, device="cuda", generator=g) * k**-0.5
         for m in (1, 77, 256, 300):
             x = torch.randn(m, k, device="cuda", generator=g)
@@ -205,3 +205,34 @@ def test_gpu_text_dx_tiles_give_the_image_tiles_bytes(n: int, k: int) -> None:
                 got = G.gemm_bwd(dz, x, w, seqlens=(m,), lora=lora, u=u, needs=need, dx_config=text)[0]
                 assert torch.equal(got.view(bits), want.view(bits)), f"{dtype} ({n}, {k}) dX M={m} lora={lora is not None}"
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(3072, 3072), (3072, 12288), (12288, 3072)])  # q/k/v + attn_out, mlp_down, mlp_up
+def test_gpu_text_lora_products_give_the_image_streams_bytes(n: int, k: int) -> None:
+    """On the H200: a LoRA layer's forward and backward run in the text stream (its rank-64 ``u`` / ``v`` on the text
+    table's 16-row tiles) give the image stream's bytes for y, u, dX, dA and dB, bf16 and fp32, at prompt-sized and
+    larger row counts."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from mmdit_strict.kernels.triton import gemm as G
+
+    for dtype, bits in ((torch.bfloat16, torch.int16), (torch.float32, torch.int32)):
+        assert C.fwd_config(64, k, dtype, "text") != C.fwd_config(64, k, dtype, "image")  # u takes another tile
+        g = torch.Generator(device="cuda").manual_seed(n + 7 * k)
+        w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).to(dtype)
+        la = (torch.randn(64, k, device="cuda", generator=g) * k**-0.5).to(dtype)
+        lb = (torch.randn(n, 64, device="cuda", generator=g) * 0.125).to(dtype)
+        lora = (la, lb, 2.0)
+        for m in (1, 77, 128, 300):
+            x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
+            dz = torch.randn(m, n, device="cuda", generator=g).to(dtype)
+            outs = {}
+            for stream in ("image", "text"):
+                with gemm_stream(stream):
+                    y, _, u = G.gemm_fwd(x, w, lora=lora)
+                dx, _, _, da, dlb = G.gemm_bwd(dz, x, w, seqlens=(m,), lora=lora, u=u,
+                                               needs=(True, False, False, True, True), stream=stream)
+                outs[stream] = (y, u, dx, da, dlb)
+            for name, want, got in zip(("y", "u", "dX", "dA", "dB"), outs["image"], outs["text"]):
+                assert torch.equal(got.view(bits), want.view(bits)), f"{dtype} ({n}, {k}) M={m}: text stream moved {name}"

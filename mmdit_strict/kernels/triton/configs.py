@@ -132,6 +132,9 @@ _TEXT_FP32 = FwdConfig(32, 64, 32, 4, 3)
 _MOD_FP32 = FwdConfig(16, 64, 64, 4, 4)
 _MOD_DX_FP32 = FwdConfig(16, 32, 64, 4, 4)
 _THIN_N_FP32 = FwdConfig(64, 64, 32, 4, 3)
+# the text stream's rank-64 LoRA products: the thin tiles' K steps on 16-row tiles
+_TEXT_THIN_N_BF16 = FwdConfig(16, 64, 64, 4, 4)
+_TEXT_THIN_N_FP32 = FwdConfig(16, 64, 32, 4, 3)
 
 # Keys (N, K, dtype) of the Qwen-Image layers as the strict model runs them (bench/gemm_shapes.py reads them from a
 # forward); dX products look up their transposed pair (K, N).
@@ -159,12 +162,18 @@ FWD: Mapping[tuple[int, int, str], FwdConfig] = MappingProxyType({
     (3072, 6144, _FP32): _MOD_DX_FP32,
     (3072, 64, _FP32): _BIG_FP32,
     (64, 3072, _FP32): _THIN_N_FP32,
+    (64, 12288, _FP32): _THIN_N_FP32,
 })
 FWD_TEXT: Mapping[tuple[int, int, str], FwdConfig] = MappingProxyType({
     (3072, 3072, _BF16): _TEXT_BF16,   # q, k, v (added projections), to_add_out
     (3072, 12288, _BF16): _TEXT_BF16,  # txt_mlp down
     (3072, 3072, _FP32): _TEXT_FP32,
     (3072, 12288, _FP32): _TEXT_FP32,
+    # a rank-64 LoRA's u and v over prompt rows: 16-row tiles give 5-20 programs where 64-row tiles gave 2-5
+    (64, 3072, _BF16): _TEXT_THIN_N_BF16,
+    (64, 12288, _BF16): _TEXT_THIN_N_BF16,
+    (64, 3072, _FP32): _TEXT_THIN_N_FP32,
+    (64, 12288, _FP32): _TEXT_THIN_N_FP32,
 })
 
 _DW_BF16 = DwConfig(128, 128, 64, 8, 3)
