@@ -70,6 +70,7 @@ from ..registry import KernelImpl, register
 from . import attention_bwd_kernels, attention_fwd_kernels, attention_ws
 from .attention_bwd_kernels import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _bwd_delta_kernel
 from .attention_fwd_kernels import _attn_fwd_kernel
+from .bound import bound
 from .gemm import DTYPES, interpreting, launch_opts
 
 # ----------------------------------------------------------------------------------------------
@@ -335,7 +336,7 @@ def attention_fwd(q_txt, k_txt, v_txt, q_img, k_img, v_img, tseq, iseq, cfg: Att
         attention_ws.launch(q_txt, k_txt, v_txt, q_img, k_img, v_img, o_txt, o_img, lse, table, n_tiles, heads, d,
                             qk_scale, f.block_n, f.stages)
     elif n_tiles:
-        _attn_fwd_kernel[(n_tiles, heads)](
+        bound(_attn_fwd_kernel)[(n_tiles, heads)](
             q_txt, k_txt, v_txt, q_img, k_img, v_img, o_txt, o_img, lse, table,
             heads * d, heads, qk_scale,
             D=d, BLOCK_M=f.block_m, BLOCK_N=f.block_n, DOT_PRECISION=_DOT_PRECISION, TMA=tma,
@@ -357,7 +358,7 @@ def attention_bwd(do_txt, do_img, q_txt, k_txt, v_txt, q_img, k_img, v_img, o_tx
     delta = torch.empty_like(lse)
     table, n = _sample_tiles(tseq, iseq, cfg.delta_rows, dev, only_sample)
     if n:
-        _bwd_delta_kernel[(n, heads)](o_txt, o_img, do_txt, do_img, delta, table, heads * d, heads,
+        bound(_bwd_delta_kernel)[(n, heads)](o_txt, o_img, do_txt, do_img, delta, table, heads * d, heads,
                                       D=d, BLOCK_M=cfg.delta_rows, **_launch_opts(4, 1))
     if out is None:
         out = tuple(torch.empty_like(t) for t in (q_txt, k_txt, v_txt, q_img, k_img, v_img))
@@ -365,7 +366,7 @@ def attention_bwd(do_txt, do_img, q_txt, k_txt, v_txt, q_img, k_img, v_img, o_tx
     t = cfg.dkdv
     table, n = _sample_tiles(tseq, iseq, t.block_n, dev, only_sample)
     if n:
-        _attn_bwd_dkdv_kernel[(n, heads)](
+        bound(_attn_bwd_dkdv_kernel)[(n, heads)](
             q_txt, k_txt, v_txt, q_img, k_img, v_img, do_txt, do_img, dk_txt, dv_txt, dk_img, dv_img, lse, delta, table,
             heads * d, heads, qk_scale, sm_scale,
             D=d, BLOCK_M=t.block_m, BLOCK_N=t.block_n, DOT_PRECISION=_DOT_PRECISION,
@@ -373,7 +374,7 @@ def attention_bwd(do_txt, do_img, q_txt, k_txt, v_txt, q_img, k_img, v_img, o_tx
     t = cfg.dq
     table, n = _sample_tiles(tseq, iseq, t.block_m, dev, only_sample)
     if n:
-        _attn_bwd_dq_kernel[(n, heads)](
+        bound(_attn_bwd_dq_kernel)[(n, heads)](
             q_txt, k_txt, v_txt, q_img, k_img, v_img, do_txt, do_img, dq_txt, dq_img, lse, delta, table,
             heads * d, heads, qk_scale, sm_scale,
             D=d, BLOCK_M=t.block_m, BLOCK_N=t.block_n, DOT_PRECISION=_DOT_PRECISION,

@@ -37,6 +37,7 @@ import triton.language as tl
 
 from ..registry import KernelImpl, register
 from .gemm import DTYPES, interpreting, launch_opts
+from .bound import bound, cdiv
 
 
 @triton.jit
@@ -130,7 +131,7 @@ def _bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, dot_dtype: to
         return c
     bm, bn, bk, warps, stages = _INTERPRET_TILES if interpreting() else CONFIGS[dot_dtype]
     dd = tl.bfloat16 if dot_dtype == torch.bfloat16 else tl.float32
-    _bmm_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn), H)](
+    bound(_bmm_kernel)[(cdiv(M, bm), cdiv(N, bn), H)](
         a, b, c, M, N, K, *a.stride(), *b.stride(), *c.stride(), float(scale),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_DTYPE=dd, DOT_PRECISION="ieee", **_opts(warps, stages))
     return c
@@ -141,7 +142,7 @@ def _rows_kernel_launch(kernel, *tensors: torch.Tensor, L: int) -> None:
     if rows == 0 or L == 0:
         return
     block = _INTERPRET_SOFTMAX_BLOCK if interpreting() else SOFTMAX_BLOCK
-    kernel[(rows,)](*tensors, L, BLOCK=block, **_opts(4, 1))
+    bound(kernel)[(rows,)](*tensors, L, BLOCK=block, **_opts(4, 1))
 
 
 def _check(name: str, t: torch.Tensor, dims: int = 3) -> None:

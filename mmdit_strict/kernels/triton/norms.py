@@ -49,11 +49,11 @@ from types import MappingProxyType
 from typing import Sequence
 
 import torch
-import triton
 
 from ..registry import KernelImpl, register
 from . import norms_kernels
 from . import segments as seg
+from .bound import bound, cdiv, next_power_of_2
 from .gemm import DTYPES, interpreting, check_dtype_device, gemm, launch_opts
 from .norms_kernels import (_adaln_mod_bwd_kernel, _adaln_mod_fwd_kernel, _gate_residual_bwd_kernel,
                             _gate_residual_fwd_kernel)
@@ -185,8 +185,8 @@ def adaln_modulation_fwd(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tens
         return y, mean, rstd
     ch = seg.chunks(seqlens, x.device, launch.fwd_rows)
     thirds = ln_thirds(d)
-    block = d // 3 if thirds else triton.next_power_of_2(d)
-    _adaln_mod_fwd_kernel[(ch.n,)](
+    block = d // 3 if thirds else next_power_of_2(d)
+    bound(_adaln_mod_fwd_kernel)[(ch.n,)](
         x, shift, scale, ch.table, y, mean if store_stats else y, rstd if store_stats else y,
         ch.n, d, float(d), float(eps), x.stride(0), y.stride(0), _stride0(shift), _stride0(scale),
         STORE_STATS=store_stats, AHEAD=launch.fwd_ahead, STAGES=launch.fwd_stages, BLOCK_D=block, THIRDS=thirds,
@@ -210,12 +210,12 @@ def adaln_modulation_bwd(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor,
     ch = seg.chunks(seqlens, x.device)
     part = torch.empty((ch.n, 2 * d), dtype=torch.float32, device=x.device) if need_vec else None
     if m:
-        block = d // 3 if thirds else triton.next_power_of_2(d)
-        _adaln_mod_bwd_kernel[(ch.n,)](
+        block = d // 3 if thirds else next_power_of_2(d)
+        bound(_adaln_mod_bwd_kernel)[(ch.n,)](
             x, scale, dy, mean, rstd, ch.table, dx, part if need_vec else dx,
             ch.n, d, float(d), x.stride(0), dy.stride(0), dx.stride(0), _stride0(scale), 2 * d,
             NEED_VEC=need_vec, AHEAD=launch.bwd_ahead, STAGES=launch.bwd_stages, BLOCK_D=block, THIRDS=thirds,
-            **launch_opts(num_warps_for(triton.next_power_of_2(d)), interpreting(), maxnreg=launch.bwd_maxnreg),
+            **launch_opts(num_warps_for(next_power_of_2(d)), interpreting(), maxnreg=launch.bwd_maxnreg),
         )
     if not need_vec:
         return dx, None, None
@@ -270,8 +270,8 @@ def gate_residual_fwd(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, seql
     if m == 0:
         return out
     ch = seg.chunks(seqlens, x.device, FWD_ROWS)
-    block = triton.next_power_of_2(d)
-    _gate_residual_fwd_kernel[(ch.n,)](
+    block = next_power_of_2(d)
+    bound(_gate_residual_fwd_kernel)[(ch.n,)](
         x, y, gate, ch.table, out, ch.n, d, x.stride(0), y.stride(0), _stride0(gate), out.stride(0),
         BLOCK_D=block, **launch_opts(num_warps_for(block), interpreting()),
     )
@@ -290,12 +290,12 @@ def gate_residual_bwd(dout: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, s
     if chunk_rows is not None and chunk_rows < 1:
         raise ValueError(f"gate_residual_bwd: chunk_rows must be >= 1, got {chunk_rows}")
     m, d = y.shape
-    block = min(triton.next_power_of_2(d), cols or GATE_BWD_COLS)
+    block = min(next_power_of_2(d), cols or GATE_BWD_COLS)
     dy = torch.empty_like(y) if need_dy else None
     ch = seg.chunks(seqlens, y.device, chunk_rows or seg.CHUNK_ROWS)
     part = torch.empty((ch.n, d), dtype=torch.float32, device=y.device) if need_gate else None
     if m and (need_dy or need_gate):
-        _gate_residual_bwd_kernel[(ch.n, triton.cdiv(d, block))](
+        bound(_gate_residual_bwd_kernel)[(ch.n, cdiv(d, block))](
             dout, y, gate, ch.table, dy if need_dy else dout, part if need_gate else dout,
             ch.n, d, dout.stride(0), y.stride(0), _stride0(gate), y.stride(0), d,
             NEED_DY=need_dy, NEED_VEC=need_gate, BLOCK_D=block,

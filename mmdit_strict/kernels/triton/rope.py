@@ -54,10 +54,10 @@ from types import MappingProxyType
 from typing import Sequence
 
 import torch
-import triton
 
 from ..registry import KernelImpl, register
 from . import rope_kernels
+from .bound import bound, cdiv, next_power_of_2
 from . import segments as seg
 from .gemm import DTYPES, interpreting, check_dtype_device, launch_opts
 from .rope_kernels import _qk_bwd_chunk_kernel, _qk_fwd_kernel
@@ -207,16 +207,16 @@ def check_tables(op: str, cos: object, sin: object, x: torch.Tensor) -> None:
 
 
 def _contig_blocks(h: int, d: int) -> tuple[int, int]:
-    return triton.next_power_of_2(h), max(2, triton.next_power_of_2(d))
+    return next_power_of_2(h), max(2, next_power_of_2(d))
 
 
 def head_tiles(h: int, split: bool) -> tuple[int, int]:
     """Heads per tile of the QK forward, (first, second): one pow2(h) tile (second 0), or with ``split`` the
     largest power of two <= h and pow2 of the rest when those hold fewer heads (24 -> (16, 8); 28 -> (32, 0))."""
-    one = triton.next_power_of_2(h)
+    one = next_power_of_2(h)
     if split:
         a = 1 << (h.bit_length() - 1)
-        b = triton.next_power_of_2(h - a) if h > a else 0
+        b = next_power_of_2(h - a) if h > a else 0
         if b and a + b < one:
             return a, b
     return one, 0
@@ -247,7 +247,7 @@ def _contig_fwd(x: torch.Tensor, gain: torch.Tensor | None, cos: torch.Tensor | 
     _, bd = _contig_blocks(h, d)
     bh, bh2 = head_tiles(h, config.split_heads)
     warps = num_warps_for((bh2 or bh) * bd)  # a split runs on the smaller tile's warps
-    _qk_fwd_kernel[(triton.cdiv(m, config.tokens),)](
+    bound(_qk_fwd_kernel)[(cdiv(m, config.tokens),)](
         x, _aligned(gain) if norm else x, _f32(cos) if rope else dummy, _f32(sin) if rope else dummy, y,
         rstd if rstd is not None else dummy,
         m, h, d, float(d), float(eps), float(sign), h * d, h * d, d // 2,
@@ -286,7 +286,7 @@ def qk_norm_bwd(dy: torch.Tensor, x: torch.Tensor, gain: torch.Tensor, rstd: tor
     if m:
         bh, bd = _contig_blocks(h, d)
         dummy = torch.empty(1, dtype=torch.float32, device=x.device)
-        _qk_bwd_chunk_kernel[(ch.n,)](
+        bound(_qk_bwd_chunk_kernel)[(ch.n,)](
             _aligned(x), _aligned(gain), _f32(cos) if rope else dummy, _f32(sin) if rope else dummy, _aligned(dy), rstd, ch.table,
             dx, part if need_gain else dummy,
             ch.n, h, d, float(d), h * d, h * d, h * d, d // 2, d,

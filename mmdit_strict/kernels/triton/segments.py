@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from ..keepalive import retain
+from .bound import bound, cdiv
 
 CHUNK_ROWS = 16  # frozen: rows per level-1 partial of every backward row reduction (changing it changes bytes)
 FOLD_TILE = 64  # frozen: chunk partials per level-2 tile
@@ -171,7 +172,7 @@ def _launch_fold(part: torch.Tensor, seg: torch.Tensor, groups: int, out: torch.
     if groups == 0 or n == 0:
         return
     opts = {} if interpreting else {"num_warps": warps, "num_stages": stages, "enable_fp_fusion": False}
-    _segment_fold_kernel[(triton.cdiv(n, block_n), 1 if mode == NESTED else groups)](
+    bound(_segment_fold_kernel)[(cdiv(n, block_n), 1 if mode == NESTED else groups)](
         part, seg, out, n, part.stride(0), out.stride(0), groups,
         MODE=mode, BLOCK_C=FOLD_TILE, BLOCK_N=block_n, **opts,
     )

@@ -15,13 +15,15 @@ from typing import NamedTuple
 
 import torch
 
+from triton.tools.tensor_descriptor import TensorDescriptor
+
 from ....dtypes import EXECUTION_DTYPES
-import triton
 
 from ...checks import check_operand
 from ...keepalive import retain
 from ...streams import configured_columns, current_gemm_stream
 from .. import configs as _configs
+from ..bound import bound, cdiv, next_power_of_2
 from . import kernels as _k
 from .codes import EPILOGUES, PROLOGUES, Act
 from .cuda_context import ensure_cuda_context
@@ -32,8 +34,10 @@ _DOT_PRECISION = "ieee"
 _INTERPRETER_PROGRAMS = 3  # persistent programs under the interpreter: several tiles per program
 
 
+@functools.cache
 def interpreting() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET``)."""
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET``). Read once: Triton itself decides
+    when a kernel is decorated, so the answer cannot change for kernels already imported."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
@@ -61,7 +65,7 @@ def _launch_opts(num_warps: int, num_stages: int | None = None) -> dict:
 
 
 def _pow2_at_least(n: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(max(int(n), 1)))
+    return max(lo, next_power_of_2(max(int(n), 1)))
 
 
 _STARTS: dict[tuple, torch.Tensor] = {}
@@ -87,11 +91,20 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.cache
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _num_programs(device: torch.device) -> int:
     """Programs of a persistent launch: one per SM (the tile loop keeps each SM busy)."""
     if device.type != "cuda":
         return _INTERPRETER_PROGRAMS
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _sm_count(_device_index(device))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -180,7 +193,7 @@ def _use_tma(cfg: _configs.FwdConfig, a: torch.Tensor, b: Operand, bk: int, bn: 
     if not cfg.tma or prologue:
         return False
     if a.device.type == "cuda":
-        if torch.cuda.get_device_capability(a.device)[0] < 9:
+        if _capability_major(_device_index(a.device)) < 9:
             return False
     elif not interpreting():
         return False
@@ -209,7 +222,7 @@ def _main(a: torch.Tensor, b: Operand, n_out: int, cfg: _configs.FwdConfig, *, p
         raise ValueError("the strict GEMM engine needs K >= 1")
     bn = min(cfg.BLOCK_N, _pow2_at_least(n_out))
     bk = min(cfg.BLOCK_K, _pow2_at_least(k))
-    tiles = triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(n_out, bn)
+    tiles = cdiv(m, cfg.BLOCK_M) * cdiv(n_out, bn)
     nprog = _num_programs(a.device) if cfg.persistent else 0
     grid = (min(tiles, nprog) if nprog else tiles,)
     use_tma = _use_tma(cfg, a, b, bk, bn, prologue)
@@ -219,8 +232,6 @@ def _main(a: torch.Tensor, b: Operand, n_out: int, cfg: _configs.FwdConfig, *, p
     tma_store = use_tma and cfg.tma_store and out.dtype == a.dtype and (n_out * out.element_size()) % 16 == 0
     a_arg, b_arg, out_desc = a, b.tensor, out
     if use_tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
         if a.device.type == "cuda":
             ensure_cuda_context(a.device)
         a_arg = TensorDescriptor(a, [m, k], [a.stride(0), 1], [cfg.BLOCK_M, bk])
@@ -244,7 +255,7 @@ def _main(a: torch.Tensor, b: Operand, n_out: int, cfg: _configs.FwdConfig, *, p
         lora_args = (out, 0, out, 0, 0, 0, 1.0)
     epi = (bias if bias is not None else out, aux if aux is not None else out, aux.stride(0) if aux is not None else 0,
            out, pre if pre is not None else out)
-    compiled = _k._gemm_fwd_kernel[grid](a_arg, b_arg, out_desc, strides, lora_args, epi, m, n_out, k, CFG=spec,
+    compiled = bound(_k._gemm_fwd_kernel)[grid](a_arg, b_arg, out_desc, strides, lora_args, epi, m, n_out, k, CFG=spec,
                                          **_launch_opts(cfg.num_warps, cfg.num_stages))
     if on_launch is not None:
         on_launch(compiled)
@@ -289,10 +300,10 @@ def gemm_dw(g: torch.Tensor, x: torch.Tensor, seqlens: tuple[int, ...], *, prolo
     else:
         out = torch.empty((n, k), dtype=out_dtype or g.dtype, device=g.device)
     starts = _starts(tuple(seqlens), g.device)
-    grid = (triton.cdiv(n, bn) * triton.cdiv(k, bk),)
+    grid = (cdiv(n, bn) * cdiv(k, bk),)
     spec = _k.DwSpec(PROLOGUE=int(PROLOGUES[prologue]), HAS_INIT=accumulate_into is not None,
                      DOT_PRECISION=_DOT_PRECISION, BLOCK_N=bn, BLOCK_K=bk, BLOCK_M=cfg.BLOCK_M, GROUP_N=cfg.GROUP_N)
-    _k._gemm_dw_kernel[grid](
+    bound(_k._gemm_dw_kernel)[grid](
         g, x, starts, out if accumulate_into is not None else g, out,
         n, k, len(seqlens), g.stride(0), x.stride(0), float(scale), CFG=spec,
         **_launch_opts(cfg.num_warps, cfg.num_stages),
@@ -314,7 +325,7 @@ def gemm_db(g: torch.Tensor, seqlens: tuple[int, ...], *, accumulate_into: torch
         out = torch.empty((n,), dtype=out_dtype or g.dtype, device=g.device)
     starts = _starts(tuple(seqlens), g.device)
     cfg = _configs.DB
-    _k._gemm_db_kernel[(triton.cdiv(n, cfg.BLOCK_N),)](
+    bound(_k._gemm_db_kernel)[(cdiv(n, cfg.BLOCK_N),)](
         g, starts, out if accumulate_into is not None else g, out, n, len(seqlens), g.stride(0),
         HAS_INIT=accumulate_into is not None, BLOCK_N=cfg.BLOCK_N, BLOCK_M=cfg.BLOCK_M,
         **_launch_opts(cfg.num_warps, cfg.num_stages),
@@ -362,13 +373,13 @@ def gemm_dw_samples(g: torch.Tensor, x: torch.Tensor, seqlens: tuple[int, ...], 
     bn = min(cfg.BLOCK_N, _pow2_at_least(n))
     bk = min(cfg.BLOCK_K, _pow2_at_least(k))
     spans = _sample_spans(tuple(seqlens), g.device)
-    grid = (triton.cdiv(n, bn) * triton.cdiv(k, bk),)
+    grid = (cdiv(n, bn) * cdiv(k, bk),)
     spec = _k.DwSpec(PROLOGUE=int(PROLOGUES[prologue]), HAS_INIT=False, DOT_PRECISION=_DOT_PRECISION,
                      BLOCK_N=bn, BLOCK_K=bk, BLOCK_M=cfg.BLOCK_M, GROUP_N=cfg.GROUP_N)
     parts = []
     for s in range(len(seqlens)):
         out = torch.empty((n, k), dtype=torch.float32, device=g.device)
-        _k._gemm_dw_kernel[grid](
+        bound(_k._gemm_dw_kernel)[grid](
             g, x, spans[s], g, out, n, k, 1, g.stride(0), x.stride(0), float(scale), CFG=spec,
             **_launch_opts(cfg.num_warps, cfg.num_stages),
         )
@@ -387,7 +398,7 @@ def gemm_db_samples(g: torch.Tensor, seqlens: tuple[int, ...]) -> list[torch.Ten
     parts = []
     for s in range(len(seqlens)):
         out = torch.empty((n,), dtype=torch.float32, device=g.device)
-        _k._gemm_db_kernel[(triton.cdiv(n, cfg.BLOCK_N),)](
+        bound(_k._gemm_db_kernel)[(cdiv(n, cfg.BLOCK_N),)](
             g, spans[s], g, out, n, 1, g.stride(0), HAS_INIT=False, BLOCK_N=cfg.BLOCK_N, BLOCK_M=cfg.BLOCK_M,
             **_launch_opts(cfg.num_warps, cfg.num_stages),
         )
@@ -401,7 +412,7 @@ def _elementwise(kernel, src: torch.Tensor, other: torch.Tensor | None, act: Act
     if n:
         cfg = _configs.ELEMENTWISE
         args = (src, other, out, n) if other is not None else (src, out, n)
-        kernel[(triton.cdiv(n, cfg.BLOCK),)](*args, ACT=int(act), BLOCK=cfg.BLOCK, **_launch_opts(cfg.num_warps))
+        bound(kernel)[(cdiv(n, cfg.BLOCK),)](*args, ACT=int(act), BLOCK=cfg.BLOCK, **_launch_opts(cfg.num_warps))
     return out
 
 
