@@ -1,12 +1,11 @@
-"""Bound launches (kernels/triton/bound.py): the host-side key, the plain-Python grid helpers, and on the GPU
-the same bytes as Triton's own launch path with the binder skipped."""
+"""Bound launches (kernels/triton/bound.py): the plain-Python grid helpers, the GEMM engine's launch plans, and on
+the GPU the same bytes as Triton's own launch path when a bound kernel is reused."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import triton
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mmdit_strict.kernels.triton import bound as B
 
@@ -18,26 +17,6 @@ def test_grid_helpers_agree_with_tritons() -> None:
             assert B.cdiv(n, d) == triton.cdiv(n, d), (n, d)
 
 
-def test_arg_key_separates_what_triton_specializes_on() -> None:
-    base = torch.zeros(64, dtype=torch.float32)
-    k = B.arg_key
-    assert k(base) == k(torch.ones(64, dtype=torch.float32))  # values never enter the key
-    assert k(base) != k(base.to(torch.bfloat16))  # dtype
-    assert k(base) != k(base[1:])  # 4-byte offset: not 16-byte aligned
-    assert k(base[4:]) == k(base)  # 16-byte offset: aligned again
-    assert k(1) != k(16) and k(16) != k(17)  # ints by value (a superset of 1 / divisible by 16)
-    assert k(True) != k(1) and k(False) != k(0)  # bools are not ints here
-    assert k(0.5) == k(2.0)  # every float is passed as fp32, its value never specialized
-    assert k((1, base)) == (1, k(base)) and k((1, base)) != k((2, base))  # tuples item by item
-    assert k(None) is None and k("ieee") == "ieee"
-    x = torch.zeros(32, 64, dtype=torch.float32)
-    d1 = TensorDescriptor(x, [32, 64], [64, 1], [16, 32])
-    assert k(d1) == k(TensorDescriptor(torch.ones(32, 64), [32, 64], [64, 1], [16, 32]))
-    assert k(d1) != k(TensorDescriptor(x, [32, 64], [64, 1], [16, 16]))  # block shape
-    assert k(d1) != k(TensorDescriptor(x, [16, 64], [64, 1], [16, 32]))  # shape
-    assert k(d1) != k(TensorDescriptor(x.to(torch.bfloat16), [32, 64], [64, 1], [16, 32]))  # dtype
-
-
 def test_interpreted_kernels_keep_tritons_path() -> None:
     from mmdit_strict.kernels.triton.gemm import interpreting
     from mmdit_strict.kernels.triton.gemm import kernels as K
@@ -47,6 +26,30 @@ def test_interpreted_kernels_keep_tritons_path() -> None:
         assert B.bound(K._gemm_fwd_kernel) is K._gemm_fwd_kernel
     else:
         assert isinstance(B.bound(K._gemm_fwd_kernel), B.BoundKernel)
+
+
+def test_gemm_launch_plans_are_keyed_on_operand_alignment() -> None:
+    """The engine derives a launch plan once per key: a misaligned operand (a 4-byte offset view) gets its own plan
+    (pointer loads where the aligned one takes tensor descriptors) and the same bytes; a repeat reuses the plan."""
+    from mmdit_strict.kernels.triton import configs as C
+    from mmdit_strict.kernels.triton.gemm import launch as L
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=dev).manual_seed(3)
+    w = torch.randn(48, 32, device=dev, generator=g)
+    flat = torch.randn(7 * 32 + 1, device=dev, generator=g)
+    aligned, misaligned = flat[: 7 * 32].clone().view(7, 32), flat[1:].view(7, 32)
+    aligned.copy_(misaligned)
+    cfg = C.FwdConfig(16, 32, 16, 4, 2, weight_layout="nk", tma=True)
+    b = L.Operand(w, (1, 32), nk=True)
+    L._PLANS.clear()
+    want, _ = L._main(aligned, b, 48, cfg)
+    got, _ = L._main(misaligned, b, 48, cfg)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    plans = list(L._PLANS.values())
+    assert len(plans) == 2 and sorted(p.use_tma for p in plans) == [False, True]
+    again, _ = L._main(misaligned, b, 48, cfg)
+    assert len(L._PLANS) == 2 and torch.equal(again.view(torch.int32), got.view(torch.int32))
 
 
 @pytest.mark.gpu

@@ -204,6 +204,52 @@ def _use_tma(cfg: _configs.FwdConfig, a: torch.Tensor, b: Operand, bk: int, bn: 
             and (row_stride * es) % 16 == 0 and a.stride(1) == 1 and bk * es >= 16 and bn * es >= 16)
 
 
+class _Plan(NamedTuple):
+    """What a main-kernel launch derives from its key: tile widths, grid, specialization and options."""
+
+    bn: int
+    bk: int
+    split: int
+    grid: tuple[int]
+    use_tma: bool
+    tma_store: bool
+    kw: dict
+
+
+_PLANS: dict[tuple, _Plan] = {}
+
+
+def _plan(key: tuple, a: torch.Tensor, b: Operand, n_out: int, cfg: _configs.FwdConfig, prologue: int, epilogue: int,
+          has_bias: bool, lora: Lora | None, store_pre: bool, out: torch.Tensor) -> _Plan:
+    m, k = a.shape
+    bn = min(cfg.BLOCK_N, _pow2_at_least(n_out))
+    bk = min(cfg.BLOCK_K, _pow2_at_least(k))
+    tiles = cdiv(m, cfg.BLOCK_M) * cdiv(n_out, bn)
+    nprog = _num_programs(a.device) if cfg.persistent else 0
+    use_tma = _use_tma(cfg, a, b, bk, bn, prologue)
+    split = cfg.epi_split if bn % (16 * cfg.epi_split) == 0 else 1  # parts narrower than 16 columns: one part
+    # a widened output (out_dtype) leaves through pointer stores: an FP32 tile doubles the store's shared-memory
+    # staging, which the configurations were not tuned (or checked to fit) for; the store path moves no arithmetic
+    tma_store = use_tma and cfg.tma_store and out.dtype == a.dtype and (n_out * out.element_size()) % 16 == 0
+    r = lora.u.shape[1] if lora is not None else 0
+    spec = _k.FwdSpec(
+        PROLOGUE=int(prologue), EPILOGUE=int(epilogue), HAS_BIAS=has_bias, HAS_LORA=lora is not None,
+        STORE_PRE=store_pre, EVEN_K=(k % bk == 0), DOT_PRECISION=_DOT_PRECISION,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, BLOCK_R=min(64, _pow2_at_least(r)), GROUP_M=cfg.GROUP_M,
+        USE_TMA=use_tma, W_NK=use_tma and b.nk, TMA_STORE=tma_store, EPI_SPLIT=split, NUM_PROGRAMS=nprog,
+    )
+    plan = _Plan(bn, bk, split, (min(tiles, nprog) if nprog else tiles,), use_tma, tma_store,
+                 {"CFG": spec, **_launch_opts(cfg.num_warps, cfg.num_stages)})
+    if len(_PLANS) >= 4096:
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
+
+
+def _aligned(t: torch.Tensor | None) -> bool | None:
+    return None if t is None else t.data_ptr() & 15 == 0
+
+
 def _main(a: torch.Tensor, b: Operand, n_out: int, cfg: _configs.FwdConfig, *, prologue: int = Act.NONE,
           epilogue: int = Act.NONE, bias: torch.Tensor | None = None, lora: Lora | None = None,
           aux: torch.Tensor | None = None, store_pre: bool = False, out_dtype: torch.dtype | None = None,
@@ -212,7 +258,11 @@ def _main(a: torch.Tensor, b: Operand, n_out: int, cfg: _configs.FwdConfig, *, p
 
     Returns ``(out, pre)`` (``pre`` only with ``store_pre``). ``out_dtype``: the dtype ``out`` is
     stored in (default ``a``'s; the kernel's one cast goes to it, so FP32 keeps the accumulator
-    unrounded). ``on_launch`` receives the compiled kernel handle (benchmarks read its registers and spills)."""
+    unrounded). ``on_launch`` receives the compiled kernel handle (benchmarks read its registers and spills).
+
+    The launch's plan (tiles, grid, specialization) is derived once per key — every shape, stride, dtype, flag
+    and operand alignment the launch depends on — and the kernel is launched bound to that key
+    (:meth:`~mmdit_strict.kernels.triton.bound.BoundKernel.launch_keyed`)."""
     m, k = a.shape
     out = torch.empty((m, n_out), dtype=out_dtype or a.dtype, device=a.device)
     pre = torch.empty((m, n_out), dtype=a.dtype, device=a.device) if store_pre else None
@@ -220,43 +270,36 @@ def _main(a: torch.Tensor, b: Operand, n_out: int, cfg: _configs.FwdConfig, *, p
         return out, pre
     if k == 0:
         raise ValueError("the strict GEMM engine needs K >= 1")
-    bn = min(cfg.BLOCK_N, _pow2_at_least(n_out))
-    bk = min(cfg.BLOCK_K, _pow2_at_least(k))
-    tiles = cdiv(m, cfg.BLOCK_M) * cdiv(n_out, bn)
-    nprog = _num_programs(a.device) if cfg.persistent else 0
-    grid = (min(tiles, nprog) if nprog else tiles,)
-    use_tma = _use_tma(cfg, a, b, bk, bn, prologue)
-    split = cfg.epi_split if bn % (16 * cfg.epi_split) == 0 else 1  # parts narrower than 16 columns: one part
-    # a widened output (out_dtype) leaves through pointer stores: an FP32 tile doubles the store's shared-memory
-    # staging, which the configurations were not tuned (or checked to fit) for; the store path moves no arithmetic
-    tma_store = use_tma and cfg.tma_store and out.dtype == a.dtype and (n_out * out.element_size()) % 16 == 0
-    a_arg, b_arg, out_desc = a, b.tensor, out
-    if use_tma:
+    bt = b.tensor
+    key = (a.device, a.dtype, bt.dtype, out.dtype, m, k, n_out, a.stride(0), a.stride(1), b.strides, b.nk, cfg,
+           int(prologue), int(epilogue), store_pre,
+           None if lora is None else (lora.u.shape[1], lora.u.stride(0), lora.l_strides, lora.u.dtype, lora.l.dtype),
+           None if aux is None else (aux.dtype, aux.stride(0)), None if bias is None else bias.dtype,
+           _aligned(a), _aligned(bt), _aligned(out), _aligned(pre), _aligned(bias), _aligned(aux),
+           None if lora is None else (_aligned(lora.u), _aligned(lora.l)))
+    plan = _PLANS.get(key) or _plan(key, a, b, n_out, cfg, prologue, epilogue, bias is not None, lora, store_pre, out)
+    a_arg, b_arg, out_desc = a, bt, out
+    if plan.use_tma:
         if a.device.type == "cuda":
             ensure_cuda_context(a.device)
-        a_arg = TensorDescriptor(a, [m, k], [a.stride(0), 1], [cfg.BLOCK_M, bk])
+        a_arg = TensorDescriptor(a, [m, k], [a.stride(0), 1], [cfg.BLOCK_M, plan.bk])
         if b.nk:
-            b_arg = TensorDescriptor(b.tensor, [n_out, k], [b.strides[1], 1], [bn, bk])
+            b_arg = TensorDescriptor(bt, [n_out, k], [b.strides[1], 1], [plan.bn, plan.bk])
         else:
-            b_arg = TensorDescriptor(b.tensor, [k, n_out], [b.strides[0], 1], [bk, bn])
-        if tma_store:
-            out_desc = TensorDescriptor(out, [m, n_out], [out.stride(0), 1], [cfg.BLOCK_M, bn // split])
-    r = lora.u.shape[1] if lora is not None else 0
-    spec = _k.FwdSpec(
-        PROLOGUE=int(prologue), EPILOGUE=int(epilogue), HAS_BIAS=bias is not None, HAS_LORA=lora is not None,
-        STORE_PRE=store_pre, EVEN_K=(k % bk == 0), DOT_PRECISION=_DOT_PRECISION,
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, BLOCK_R=min(64, _pow2_at_least(r)), GROUP_M=cfg.GROUP_M,
-        USE_TMA=use_tma, W_NK=use_tma and b.nk, TMA_STORE=tma_store, EPI_SPLIT=split, NUM_PROGRAMS=nprog,
-    )
+            b_arg = TensorDescriptor(bt, [k, n_out], [b.strides[0], 1], [plan.bk, plan.bn])
+        if plan.tma_store:
+            out_desc = TensorDescriptor(out, [m, n_out], [out.stride(0), 1], [cfg.BLOCK_M, plan.bn // plan.split])
     strides = (a.stride(0), b.strides[0], b.strides[1], out.stride(0))
     if lora is not None:
-        lora_args = (lora.u, lora.u.stride(0), lora.l, lora.l_strides[0], lora.l_strides[1], r, float(lora.scale))
+        lora_args = (lora.u, lora.u.stride(0), lora.l, lora.l_strides[0], lora.l_strides[1], lora.u.shape[1],
+                     float(lora.scale))
     else:
         lora_args = (out, 0, out, 0, 0, 0, 1.0)
     epi = (bias if bias is not None else out, aux if aux is not None else out, aux.stride(0) if aux is not None else 0,
            out, pre if pre is not None else out)
-    compiled = bound(_k._gemm_fwd_kernel)[grid](a_arg, b_arg, out_desc, strides, lora_args, epi, m, n_out, k, CFG=spec,
-                                         **_launch_opts(cfg.num_warps, cfg.num_stages))
+    kernel = bound(_k._gemm_fwd_kernel)
+    args = (a_arg, b_arg, out_desc, strides, lora_args, epi, m, n_out, k)
+    compiled = kernel[plan.grid](*args, **plan.kw) if interpreting() else kernel.launch_keyed(key, plan.grid, args, plan.kw)
     if on_launch is not None:
         on_launch(compiled)
     return out, pre
