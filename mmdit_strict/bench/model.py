@@ -42,6 +42,7 @@ from ..kernels.runtime import Runtime
 from ..model.inputs import random_inputs
 from ..environment import environment_line, gpu_environment
 from .output import replot, write_report
+from .timing import cuda_profiler
 
 PEAK_TFLOPS = 790.0  # BF16 dense matrix rate measured on the H200 (docs/design.md, anchors)
 LORA_TARGETS = (
@@ -98,9 +99,9 @@ def _count_syncs(fn: Callable[[], Any]) -> int:
 
 def _kernel_profile(fn: Callable[[], Any], top: int = 0) -> tuple[int, float, list[dict[str, Any]]]:
     """(CUDA kernel launches, summed kernel time in ms, the ``top`` kernels by summed time) of one call."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with cuda_profiler(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]

@@ -28,12 +28,13 @@ import torch
 from ..config.arch import preset
 from ..environment import environment_line, gpu_environment
 from .output import replot, write_report
+from .timing import cuda_profiler
 
 
 def _trace(fn: Callable[[], Any], stacks: bool) -> list[dict[str, Any]]:
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stacks) as prof:
+    with cuda_profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stacks) as prof:
         fn()
         torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:

@@ -3,6 +3,7 @@ first use) and the CUDA profiler's count of one call's GPU work."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -12,6 +13,17 @@ import torch
 #: the driver) and a CUDA-graph replay (one call for a whole graph).
 LAUNCH_CALLS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cudaLaunchCooperativeKernel", "cuLaunchKernel",
                           "cuLaunchKernelEx", "cudaGraphLaunch"})
+
+
+def cuda_profiler(**kw: Any) -> Any:
+    """``torch.profiler.profile(**kw)`` that tears CUPTI down when it stops (``TEARDOWN_CUPTI=1`` unless the
+    environment sets it). Left subscribed, CUPTI's callbacks stay on every later driver call of the process:
+    every launch after the first profiled call then costs more host time, which skews the uncaptured engines'
+    timings taken after it (and Triton's launches, several driver calls each, more than PyTorch's)."""
+    os.environ.setdefault("TEARDOWN_CUPTI", "1")
+    from torch.profiler import profile
+
+    return profile(**kw)
 
 
 def median_ms(result: Any) -> float:
@@ -59,9 +71,9 @@ class GpuProfile:
 
 def gpu_profile(fn: Callable[[], Any]) -> tuple[Any, GpuProfile]:
     """``fn()``'s result and its :class:`GpuProfile` (the GPU is synchronised before the profiler stops)."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with cuda_profiler(activities=[ProfilerActivity.CUDA]) as prof:
         out = fn()
         torch.cuda.synchronize()
     events = prof.events()
