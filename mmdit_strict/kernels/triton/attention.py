@@ -359,7 +359,7 @@ def attention_bwd(do_txt, do_img, q_txt, k_txt, v_txt, q_img, k_img, v_img, o_tx
     table, n = _sample_tiles(tseq, iseq, cfg.delta_rows, dev, only_sample)
     if n:
         bound(_bwd_delta_kernel)[(n, heads)](o_txt, o_img, do_txt, do_img, delta, table, heads * d, heads,
-                                      D=d, BLOCK_M=cfg.delta_rows, **_launch_opts(4, 1))
+                                             D=d, BLOCK_M=cfg.delta_rows, **_launch_opts(4, 1))
     if out is None:
         out = tuple(torch.empty_like(t) for t in (q_txt, k_txt, v_txt, q_img, k_img, v_img))
     dq_txt, dk_txt, dv_txt, dq_img, dk_img, dv_img = out

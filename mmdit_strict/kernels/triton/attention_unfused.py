@@ -36,8 +36,8 @@ import triton
 import triton.language as tl
 
 from ..registry import KernelImpl, register
-from .gemm import DTYPES, interpreting, launch_opts
 from .bound import bound, cdiv
+from .gemm import DTYPES, interpreting, launch_opts
 
 
 @triton.jit
