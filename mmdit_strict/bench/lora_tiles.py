@@ -12,7 +12,8 @@ does is a pure speed choice; one that does not would be an arithmetic change.
 
 A second section times what the LoRA term costs the layer's big products: the training forward (with the
 pre-activation stored where an epilogue needs it) and dX, each with and without the adapter (``u`` or ``v``
-and the main kernel's LoRA term), replayed from CUDA graphs. Writes ``lora_tiles.json`` and
+and the main kernel's LoRA term), replayed from CUDA graphs, and the forward main kernel's registers and spills
+with and without the term (its second FP32 accumulator). Writes ``lora_tiles.json`` and
 ``lora_tiles.md``. A benchmark: nothing here asserts.
 """
 
@@ -112,7 +113,8 @@ _EPILOGUES = {(3072, 12288): "gelu_tanh"}
 def lora_term_cases(rank: int, rows: int, device: str, layers: Sequence[tuple[int, int]] = LAYERS,
                     dtype: torch.dtype = torch.bfloat16,
                     epilogues: dict[tuple[int, int], str] = _EPILOGUES) -> list[dict[str, Any]]:
-    """Per layer and pass (training forward, dX): the call without the adapter and the call with it."""
+    """Per layer and pass (training forward, dX): the call without the adapter and the call with it. A forward's
+    calls take an optional ``on_launch`` callback (the main kernel's compiled handle, as ``gemm_fwd``'s)."""
     from ..kernels.triton.gemm import launch as L
 
     g = torch.Generator(device=device).manual_seed(1)
@@ -132,9 +134,10 @@ def lora_term_cases(rank: int, rows: int, device: str, layers: Sequence[tuple[in
         dx_only = (True, False, False, False, False)
         layer = f"{k} → {n}" + (f" ({epi})" if store else "")
         cases.append({"layer": layer, "pass": "forward",
-                      "plain": lambda x=x, w=w, b=bias, e=epi, s=store: L.gemm_fwd(x, w, b, epilogue=e, store_pre=s)[0],
-                      "lora": lambda x=x, w=w, b=bias, e=epi, s=store, lo=lora: L.gemm_fwd(
-                          x, w, b, epilogue=e, store_pre=s, lora=lo)[0]})
+                      "plain": lambda cb=None, x=x, w=w, b=bias, e=epi, s=store: L.gemm_fwd(
+                          x, w, b, epilogue=e, store_pre=s, on_launch=cb)[0],
+                      "lora": lambda cb=None, x=x, w=w, b=bias, e=epi, s=store, lo=lora: L.gemm_fwd(
+                          x, w, b, epilogue=e, store_pre=s, lora=lo, on_launch=cb)[0]})
         cases.append({"layer": layer, "pass": "dX",
                       "plain": lambda dy=dy, x=x, w=w, e=epi, p=pre: L.gemm_bwd(
                           dy, x, w, seqlens=seqlens, epilogue=e, pre=p, needs=dx_only)[0],
@@ -150,10 +153,26 @@ def lora_term(rank: int, rows: int) -> list[dict[str, Any]]:
     out = []
     for case in lora_term_cases(rank, rows, "cuda"):
         plain, lora = graph_ms(case["plain"], rep=100), graph_ms(case["lora"], rep=100)
-        out.append({"layer": case["layer"], "pass": case["pass"], "plain_ms": plain, "lora_ms": lora,
-                    "ratio": lora / plain if plain and lora else None})
+        row = {"layer": case["layer"], "pass": case["pass"], "plain_ms": plain, "lora_ms": lora,
+               "ratio": lora / plain if plain and lora else None}
+        if case["pass"] == "forward":  # the main kernel's registers and spills: does the LoRA accumulator spill?
+            row["regs_spills"] = {which: kernel_stats(case[which]) for which in ("plain", "lora")}
+        out.append(row)
         print(f"{case['layer']} {case['pass']}: {plain} ms plain, {lora} ms with the adapter", flush=True)
     return out
+
+
+def kernel_stats(call: Callable[..., Any]) -> list[int | None]:
+    """``[registers per thread, spilled registers]`` of the main kernel ``call(on_launch)`` launches (None where the
+    backend reports none, as the interpreter)."""
+    seen: dict[str, Any] = {}
+    call(lambda kernel: seen.update(regs=getattr(kernel, "n_regs", None), spills=getattr(kernel, "n_spills", None)))
+    return [seen.get("regs"), seen.get("spills")]
+
+
+def _regs(r: dict[str, Any], which: str) -> str:
+    rs = (r.get("regs_spills") or {}).get(which)
+    return "—" if not rs or rs[0] is None else f"{rs[0]} / {rs[1]}"
 
 
 def _fmt(v: float | None, spec: str) -> str:
@@ -173,9 +192,11 @@ def render(report: dict[str, Any]) -> str:
                      f"{row.get('speedup', float('nan')):.2f} | {tile} | {other} of {len(row['candidates'])} |")
     if report.get("lora_term"):
         lines += ["", "## What the LoRA term costs the big products (CUDA-graph replay)", "",
-                  "| layer | pass | without adapter ms | with adapter ms | × |", "|---|---|---|---|---|"]
+                  "Registers / spills per thread of the main kernel, forward only.", "",
+                  "| layer | pass | without adapter ms | with adapter ms | × | regs / spills without | with |",
+                  "|---|---|---|---|---|---|---|"]
         lines += [f"| {r['layer']} | {r['pass']} | {_fmt(r['plain_ms'], '.4f')} | {_fmt(r['lora_ms'], '.4f')} | "
-                  f"{_fmt(r['ratio'], '.2f')} |" for r in report["lora_term"]]
+                  f"{_fmt(r['ratio'], '.2f')} | {_regs(r, 'plain')} | {_regs(r, 'lora')} |" for r in report["lora_term"]]
     return "\n".join(lines) + "\n"
 
 
