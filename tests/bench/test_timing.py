@@ -1,11 +1,14 @@
-"""The benches' shared timing helpers, on the CPU: the median's two result forms and the no-graph answer."""
+"""The benches' shared timing helpers, on the CPU: the median's two result forms, the no-graph answer and the
+profiler that tears CUPTI down."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
-from mmdit_strict.bench.timing import graph_ms, median_ms
+from mmdit_strict.bench.timing import cuda_profiler, graph_ms, median_ms
 
 
 def test_median_ms_reads_a_float_or_a_one_element_list() -> None:
@@ -20,3 +23,17 @@ def test_graph_ms_is_none_where_no_graph_can_be_captured() -> None:
     calls = []
     assert graph_ms(lambda: calls.append(1), rep=5) is None
     assert calls == [1]  # the warm call ran once, outside any capture
+
+
+def test_cuda_profiler_asks_kineto_to_tear_cupti_down_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
+    with cuda_profiler(activities=[ProfilerActivity.CPU]) as prof:
+        torch.ones(3).sum()
+    assert isinstance(prof, profile)
+    assert any(e.name == "aten::sum" for e in prof.events())  # a working profiler, not a stand-in
+    assert os.environ["TEARDOWN_CUPTI"] == "1"
+    monkeypatch.setenv("TEARDOWN_CUPTI", "0")  # the user's choice stands
+    cuda_profiler(activities=[ProfilerActivity.CPU])
+    assert os.environ["TEARDOWN_CUPTI"] == "0"
