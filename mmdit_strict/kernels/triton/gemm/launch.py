@@ -14,11 +14,9 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ....dtypes import EXECUTION_DTYPES
-
 from ...checks import check_operand
 from ...keepalive import retain
 from ...streams import configured_columns, current_gemm_stream
@@ -221,6 +219,7 @@ _PLANS: dict[tuple, _Plan] = {}
 
 def _plan(key: tuple, a: torch.Tensor, b: Operand, n_out: int, cfg: _configs.FwdConfig, prologue: int, epilogue: int,
           has_bias: bool, lora: Lora | None, store_pre: bool, out: torch.Tensor) -> _Plan:
+    """Derive the plan of a launch whose key missed the cache, and keep it under ``key``."""
     m, k = a.shape
     bn = min(cfg.BLOCK_N, _pow2_at_least(n_out))
     bk = min(cfg.BLOCK_K, _pow2_at_least(k))
