@@ -4,7 +4,8 @@
 adapter-free time, far above its arithmetic. The term keeps a second FP32 accumulator the size of the output tile
 (128 × 256 on the image stream's big tile: 128 registers per thread at 8 warps, as many as the main accumulator).
 This builds ``_gemm_fwd_kernel`` for sm_90 with the Triton wheel the H200 runs (``benchmarks/sm90.py``), with each
-LoRA layer's configured tile for the forward and dX, with and without the term, and reports registers per thread,
+LoRA layer's configured tile for the forward and dX (the image stream at 4224 rows, the text stream at a prompt's
+128 rows), with and without the term, and reports registers per thread,
 stack bytes (spills) and local-memory instructions (``LDL`` / ``STL``) in the SASS.
 
 The launch arguments mirror ``gemm/launch._main`` for a GPU call (tensor descriptors where the configuration takes
@@ -16,27 +17,31 @@ them; CPU tensors stand in for the operands, only their dtype and alignment ente
 from __future__ import annotations
 
 import argparse
+import itertools
 
 from benchmarks.sm90 import Sm90Compiler, count_ops, instructions, use_wheel
 
 ROWS = 4224  # 4096 image + 128 text tokens
+TEXT_ROWS = 128  # a prompt's rows in the text stream
 RANK = 64
 SMS = 132  # H200
 
 
-def _case(torch, C, K, TensorDescriptor, k: int, n: int, epilogue: int, dx: bool, lora: bool, epi_split: int | None):
-    """(args, kwargs) of the main kernel's launch for layer (k → n): its forward, or its dX (dZ (M, n) @ W → (M, k))."""
+def _case(torch, C, K, TensorDescriptor, k: int, n: int, epilogue: int, dx: bool, lora: bool, epi_split: int | None,
+          stream: str = "image"):
+    """(args, kwargs) of the main kernel's launch for layer (k → n): its forward, or its dX (dZ (M, n) @ W → (M, k)),
+    in ``stream`` (the text stream's launches run over the prompt's rows)."""
     dt = torch.bfloat16
-    m = ROWS
+    m = ROWS if stream == "image" else TEXT_ROWS
     if dx:
         kk, nn = n, k  # dX reduces over the layer's N and writes its K columns
-        cfg = C.fwd_config(nn, kk, dt)
+        cfg = C.fwd_config(nn, kk, dt, stream)
         a = torch.empty(m, kk, dtype=dt)
         w = torch.empty(n, k, dtype=dt)  # read as (K = n, N = k), row-major: the "kn" form
         nk = False
     else:
         kk, nn = k, n
-        cfg = C.fwd_config(nn, kk, dt)
+        cfg = C.fwd_config(nn, kk, dt, stream)
         a = torch.empty(m, kk, dtype=dt)
         w = torch.empty(n, k, dtype=dt)
         nk = cfg.weight_layout == "nk"
@@ -96,15 +101,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Triton {triton.__version__} from {triton_dir}, sm_90, {ROWS} rows, rank {RANK}\n")
     print("| layer | pass | tile (M × N × K, warps, stages) | epilogue parts | LoRA term | regs | stack B | LDL | STL |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for k, n, epilogue in ((3072, 3072, Act.NONE), (3072, 12288, Act.GELU_TANH), (12288, 3072, Act.NONE)):
-        for dx in (False, True):
-            for lora in (False, True):
-                a, kw, cfg = _case(torch, C, K, TensorDescriptor, k, n, int(epilogue), dx, lora, args.epi_split)
-                b = compiler.build(K._gemm_fwd_kernel, a, kw)
-                ops = count_ops([o for _, o, _ in instructions(b.sass)], ("LDL", "STL"))
-                tile = f"{cfg.BLOCK_M} × {cfg.BLOCK_N} × {cfg.BLOCK_K}, {cfg.num_warps}, {cfg.num_stages}"
-                print(f"| {k} → {n}{' GELU' if epilogue else ''} | {'dX' if dx else 'forward'} | {tile} | "
-                      f"{kw['CFG'].EPI_SPLIT} | {'yes' if lora else 'no'} | {b.regs} | {b.stack} | {ops['LDL']} | {ops['STL']} |", flush=True)
+    layers = ((3072, 3072, Act.NONE), (3072, 12288, Act.GELU_TANH), (12288, 3072, Act.NONE))
+    for stream, (k, n, epilogue), dx, lora in itertools.product(("image", "text"), layers, (False, True), (False, True)):
+        a, kw, cfg = _case(torch, C, K, TensorDescriptor, k, n, int(epilogue), dx, lora, args.epi_split, stream)
+        b = compiler.build(K._gemm_fwd_kernel, a, kw)
+        ops = count_ops([o for _, o, _ in instructions(b.sass)], ("LDL", "STL"))
+        tile = f"{cfg.BLOCK_M} × {cfg.BLOCK_N} × {cfg.BLOCK_K}, {cfg.num_warps}, {cfg.num_stages}"
+        print(f"| {stream}: {k} → {n}{' GELU' if epilogue else ''} | {'dX' if dx else 'forward'} | {tile} | "
+              f"{kw['CFG'].EPI_SPLIT} | {'yes' if lora else 'no'} | {b.regs} | {b.stack} | {ops['LDL']} | {ops['STL']} |",
+              flush=True)
     return 0
 
 
