@@ -76,7 +76,7 @@ def _case(torch, C, K, TensorDescriptor, k: int, n: int, epilogue: int, dx: bool
     epi = (bias if has_bias else out, out, 0, out, pre)
     spec = K.FwdSpec(PROLOGUE=0, EPILOGUE=0 if dx else epilogue, HAS_BIAS=has_bias, HAS_LORA=lora, STORE_PRE=store_pre,
                      EVEN_K=kk % bk == 0, DOT_PRECISION="ieee", BLOCK_M=cfg.BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
-                     BLOCK_R=RANK, GROUP_M=cfg.GROUP_M, USE_TMA=cfg.tma, W_NK=cfg.tma and nk, TMA_STORE=tma_store,
+                     BLOCK_R=RANK if lora else 16, GROUP_M=cfg.GROUP_M, USE_TMA=cfg.tma, W_NK=cfg.tma and nk, TMA_STORE=tma_store,
                      EPI_SPLIT=split, NUM_PROGRAMS=SMS if cfg.persistent else 0)
     kw = {"CFG": spec, "num_warps": cfg.num_warps, "enable_fp_fusion": False, "num_stages": cfg.num_stages}
     return (a_arg, b_arg, o_arg, strides, lora_args, epi, m, nn, kk), kw, cfg
