@@ -1,10 +1,10 @@
 """Bound launches: a Triton kernel called through its compiled handle once Triton has compiled it for the call.
 
 ``kernel[grid](*args, **kw)`` makes Triton derive every argument's specialization, turn it into a string cache
-key, re-check the kernel's globals and assemble launch metadata on each call: 46 µs of host time for one GEMM
-launch on the H200's host at 9b47798, of which its compiled kernel's own launcher is 21.5 µs and the binder
-(the specialization) 9.7 µs. A :class:`BoundKernel` keeps the compiled kernel Triton returned for each key and
-hands later calls of that key straight to its launcher, on the current stream:
+key, re-check the kernel's globals and assemble launch metadata on each call: about twice the host time of the
+compiled kernel's own launcher for one GEMM launch (``benchmarks/launch_cost_probe.py``). A :class:`BoundKernel`
+keeps the compiled kernel Triton returned for each key and hands later calls of that key straight to its
+launcher, on the current stream:
 
 * :meth:`BoundKernel.launch` (``bound(kernel)[grid](*args, **kw)``) keys a call by Triton's own binder: the
   specialization list and compile options Triton's cache key is made of, so the kernel it reuses is exactly
