@@ -35,6 +35,7 @@ from mmdit_strict.bench.gemm import (
     cuda_setup,
     md_footer,
 )
+from mmdit_strict.bench.timing import kernel_stats
 from mmdit_strict.kernels.triton.configs import FwdConfig
 
 # The shapes the tuning rounds swept, as they were written then (name, N, K, bias, prologue, epilogue,
@@ -199,13 +200,6 @@ def text_sweep(G, C, report, save, budget_ok, candidates=None, rows=TEXT_ROWS, c
         save()
 
 
-def _kernel_stats(G, fn_with_hook) -> dict:
-    """Registers and spills of the forward kernel ``fn_with_hook(on_launch)`` launches (None under the interpreter)."""
-    seen = {}
-    fn_with_hook(lambda k: seen.update(n_regs=getattr(k, "n_regs", None), n_spills=getattr(k, "n_spills", None)))
-    return {"n_regs": seen.get("n_regs"), "n_spills": seen.get("n_spills")}
-
-
 def round2_sweep(G, C, report, save, budget_ok, classes=None, big_candidates=None):
     """Time candidates per (N, K, bf16) class, each passed explicitly (``config=`` / ``dx_config=``),
     and record the fastest (``report["round2_winners"]``; adopting one is an edit of configs.py and a
@@ -268,8 +262,8 @@ def round2_sweep(G, C, report, save, budget_ok, classes=None, big_candidates=Non
                     ok = False
                     break
                 with torch.no_grad():
-                    stats = _kernel_stats(G, lambda hook: G.gemm_fwd(x, w, b, prologue=pro, epilogue=epi, config=cand,
-                                                                     on_launch=hook)) if kind == "fwd" else {}
+                    stats = dict(zip(("n_regs", "n_spills"), kernel_stats(lambda hook: G.gemm_fwd(
+                        x, w, b, prologue=pro, epilogue=epi, config=cand, on_launch=hook))[1])) if kind == "fwd" else {}
                     tg, tgr = _bench_graph(fn), _bench_graph(ref)
                 rows.append({"layer": name, "kind": kind, "M": m, "ms": t, "cublas_ms": tr, "ratio": tr / t,
                              "graph_ms": tg, "cublas_graph_ms": tgr})

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from ..dtypes import EXECUTION_BY_SHORT_NAME as DTYPES
 from . import markdown as md
 from ..environment import environment_line, gpu_environment
-from .timing import graph_ms
+from .timing import graph_ms, kernel_stats
 
 # the batch layouts the qualification reads the model's GEMM classes from: (latent grid, prompt tokens
 # per sample) — one 1024² image with a 128-token prompt, then with its 16-token negative prompt (CFG)
@@ -297,16 +297,12 @@ def layout_case(G, C, name, n, k, bias, prologue, epilogue, dtype, m=4224):
         ref = lambda: _torch_linear(x, w, b, prologue, epilogue)  # noqa: E731
         cublas = {"cublas_ms": _bench(ref)["median_ms"], "cublas_graph_ms": _bench_graph(ref)}
         for variant, cfg in variants:
-            stats = {}
-
-            def record(kernel, _s=stats):
-                _s.update(n_regs=getattr(kernel, "n_regs", None), n_spills=getattr(kernel, "n_spills", None))
-
-            outs[variant] = G.gemm_fwd(x, w, b, prologue=prologue, epilogue=epilogue, config=cfg, on_launch=record)[0]
+            outs[variant], regs_spills = kernel_stats(lambda hook, _c=cfg: G.gemm_fwd(
+                x, w, b, prologue=prologue, epilogue=epilogue, config=_c, on_launch=hook)[0])
             fn = lambda _c=cfg: G.gemm_fwd(x, w, b, prologue=prologue, epilogue=epilogue, config=_c)  # noqa: E731
             rows.append({"layer": name, "M": m, "N": n, "K": k, "dtype": str(dtype).replace("torch.", ""),
                          "variant": variant, "config": cfg.as_dict(), "ms": _bench(fn)["median_ms"],
-                         "graph_ms": _bench_graph(fn), "regs_spills": [stats.get("n_regs"), stats.get("n_spills")],
+                         "graph_ms": _bench_graph(fn), "regs_spills": regs_spills,
                          "weight_copy_bytes": n * k * w.element_size() if variant == "kn" else 0, **cublas})
             G.drop_prepacked(w)
     _sync()

@@ -27,7 +27,7 @@ import torch
 from ..environment import environment_line, gpu_environment
 from ..kernels.triton import configs
 from .output import write_report
-from .timing import plain_ms
+from .timing import kernel_stats, plain_ms
 
 # the (in, out) features of the LoRA-adapted Qwen-Image layers: q/k/v/out, MLP up, MLP down
 LAYERS = ((3072, 3072), (3072, 12288), (12288, 3072))
@@ -156,18 +156,10 @@ def lora_term(rank: int, rows: int) -> list[dict[str, Any]]:
         row = {"layer": case["layer"], "pass": case["pass"], "plain_ms": plain, "lora_ms": lora,
                "ratio": lora / plain if plain and lora else None}
         if case["pass"] == "forward":  # the main kernel's registers and spills: does the LoRA accumulator spill?
-            row["regs_spills"] = {which: kernel_stats(case[which]) for which in ("plain", "lora")}
+            row["regs_spills"] = {which: kernel_stats(case[which])[1] for which in ("plain", "lora")}
         out.append(row)
         print(f"{case['layer']} {case['pass']}: {plain} ms plain, {lora} ms with the adapter", flush=True)
     return out
-
-
-def kernel_stats(call: Callable[..., Any]) -> list[int | None]:
-    """``[registers per thread, spilled registers]`` of the main kernel ``call(on_launch)`` launches (None where the
-    backend reports none, as the interpreter)."""
-    seen: dict[str, Any] = {}
-    call(lambda kernel: seen.update(regs=getattr(kernel, "n_regs", None), spills=getattr(kernel, "n_spills", None)))
-    return [seen.get("regs"), seen.get("spills")]
 
 
 def _regs(r: dict[str, Any], which: str) -> str:

@@ -26,6 +26,14 @@ def cuda_profiler(**kw: Any) -> Any:
     return profile(**kw)
 
 
+def kernel_stats(call: Callable[[Callable[[Any], None]], Any]) -> tuple[Any, list[int | None]]:
+    """``call(on_launch)``'s result and ``[registers per thread, spilled registers]`` of the compiled kernel it hands
+    ``on_launch`` (as the GEMM engine's ``on_launch=`` does); None where the backend reports none (the interpreter)."""
+    seen: dict[str, Any] = {}
+    out = call(lambda kernel: seen.update(regs=getattr(kernel, "n_regs", None), spills=getattr(kernel, "n_spills", None)))
+    return out, [seen.get("regs"), seen.get("spills")]
+
+
 def median_ms(result: Any) -> float:
     """The median of a ``do_bench`` / ``do_bench_cudagraph`` call asked for ``quantiles=[0.5]``: one quantile
     comes back as a float, or as a one-element list in other Triton versions."""
