@@ -115,8 +115,10 @@ def lora_term_cases(rank: int, rows: int, device: str, layers: Sequence[tuple[in
                     epilogues: dict[tuple[int, int], str] = _EPILOGUES) -> list[dict[str, Any]]:
     """Per layer and pass (training forward, dX): the call without the adapter and the call with it. A forward's
     calls take an optional ``on_launch`` callback (the main kernel's compiled handle, as ``gemm_fwd``'s)."""
+    from ..kernels.streams import current_gemm_stream
     from ..kernels.triton.gemm import launch as L
 
+    stream = current_gemm_stream()
     g = torch.Generator(device=device).manual_seed(1)
     seqlens = (rows,)
     cases = []
@@ -132,17 +134,23 @@ def lora_term_cases(rank: int, rows: int, device: str, layers: Sequence[tuple[in
         _, pre, _ = L.gemm_fwd(x, w, bias, epilogue=epi, store_pre=store)
         _, pre_l, u = L.gemm_fwd(x, w, bias, epilogue=epi, store_pre=store, lora=lora)
         dx_only = (True, False, False, False, False)
+        fwd4 = configs.fwd_config(n, k, dtype, stream).replace(epi_split=4)  # the epilogue in four column parts
+        dx4 = configs.fwd_config(k, n, dtype, stream).replace(epi_split=4)
         layer = f"{k} → {n}" + (f" ({epi})" if store else "")
         cases.append({"layer": layer, "pass": "forward",
                       "plain": lambda cb=None, x=x, w=w, b=bias, e=epi, s=store: L.gemm_fwd(
                           x, w, b, epilogue=e, store_pre=s, on_launch=cb)[0],
                       "lora": lambda cb=None, x=x, w=w, b=bias, e=epi, s=store, lo=lora: L.gemm_fwd(
-                          x, w, b, epilogue=e, store_pre=s, lora=lo, on_launch=cb)[0]})
+                          x, w, b, epilogue=e, store_pre=s, lora=lo, on_launch=cb)[0],
+                      "lora_4parts": lambda cb=None, x=x, w=w, b=bias, e=epi, s=store, lo=lora, c=fwd4: L.gemm_fwd(
+                          x, w, b, epilogue=e, store_pre=s, lora=lo, config=c, on_launch=cb)[0]})
         cases.append({"layer": layer, "pass": "dX",
                       "plain": lambda dy=dy, x=x, w=w, e=epi, p=pre: L.gemm_bwd(
                           dy, x, w, seqlens=seqlens, epilogue=e, pre=p, needs=dx_only)[0],
                       "lora": lambda dy=dy, x=x, w=w, e=epi, p=pre_l, lo=lora, u=u: L.gemm_bwd(
-                          dy, x, w, seqlens=seqlens, epilogue=e, pre=p, lora=lo, u=u, needs=dx_only)[0]})
+                          dy, x, w, seqlens=seqlens, epilogue=e, pre=p, lora=lo, u=u, needs=dx_only)[0],
+                      "lora_4parts": lambda dy=dy, x=x, w=w, e=epi, p=pre_l, lo=lora, u=u, c=dx4: L.gemm_bwd(
+                          dy, x, w, seqlens=seqlens, epilogue=e, pre=p, lora=lo, u=u, needs=dx_only, dx_config=c)[0]})
     return cases
 
 
@@ -152,13 +160,16 @@ def lora_term(rank: int, rows: int) -> list[dict[str, Any]]:
 
     out = []
     for case in lora_term_cases(rank, rows, "cuda"):
-        plain, lora = graph_ms(case["plain"], rep=100), graph_ms(case["lora"], rep=100)
+        plain, lora, lora4 = (graph_ms(case[w], rep=100) for w in ("plain", "lora", "lora_4parts"))
+        same = torch.equal(case["lora"](), case["lora_4parts"]())
         row = {"layer": case["layer"], "pass": case["pass"], "plain_ms": plain, "lora_ms": lora,
-               "ratio": lora / plain if plain and lora else None}
+               "ratio": lora / plain if plain and lora else None, "lora_4parts_ms": lora4,
+               "ratio_4parts": lora4 / plain if plain and lora4 else None, "4parts_same_bytes": same}
         if case["pass"] == "forward":  # the main kernel's registers and spills: does the LoRA accumulator spill?
-            row["regs_spills"] = {which: kernel_stats(case[which])[1] for which in ("plain", "lora")}
+            row["regs_spills"] = {which: kernel_stats(case[which])[1] for which in ("plain", "lora", "lora_4parts")}
         out.append(row)
-        print(f"{case['layer']} {case['pass']}: {plain} ms plain, {lora} ms with the adapter", flush=True)
+        print(f"{case['layer']} {case['pass']}: {plain} ms plain, {lora} ms with the adapter, {lora4} ms with it "
+              f"in four epilogue parts ({'same' if same else 'OTHER'} bytes)", flush=True)
     return out
 
 
@@ -185,10 +196,13 @@ def render(report: dict[str, Any]) -> str:
     if report.get("lora_term"):
         lines += ["", "## What the LoRA term costs the big products (CUDA-graph replay)", "",
                   "Registers / spills per thread of the main kernel, forward only.", "",
-                  "| layer | pass | without adapter ms | with adapter ms | × | regs / spills without | with |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| layer | pass | without adapter ms | with adapter ms | × | with adapter, 4 epilogue parts ms | × | "
+                  "same bytes | regs / spills without | with | with, 4 parts |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['layer']} | {r['pass']} | {_fmt(r['plain_ms'], '.4f')} | {_fmt(r['lora_ms'], '.4f')} | "
-                  f"{_fmt(r['ratio'], '.2f')} | {_regs(r, 'plain')} | {_regs(r, 'lora')} |" for r in report["lora_term"]]
+                  f"{_fmt(r['ratio'], '.2f')} | {_fmt(r.get('lora_4parts_ms'), '.4f')} | {_fmt(r.get('ratio_4parts'), '.2f')} | "
+                  f"{ {True: 'yes', False: '**no**'}.get(r.get('4parts_same_bytes'), '—') } | {_regs(r, 'plain')} | "
+                  f"{_regs(r, 'lora')} | {_regs(r, 'lora_4parts')} |" for r in report["lora_term"]]
     return "\n".join(lines) + "\n"
 
 

@@ -20,6 +20,7 @@ def test_lora_term_cases_run_with_and_without_the_adapter() -> None:
     for case, want in zip(cases, ((11, 24), (11, 16), (11, 16), (11, 24))):
         plain, lora = case["plain"](), case["lora"]()
         assert plain.shape == lora.shape == want, case["layer"]
+        assert torch.equal(case["lora_4parts"](), lora), f"{case['layer']} {case['pass']}: four parts moved bytes"
         assert torch.isfinite(plain).all() and torch.isfinite(lora).all()
         assert not torch.equal(plain, lora), f"{case['layer']} {case['pass']}: the adapter changed nothing"
         if case["pass"] == "forward":  # the interpreter reports no registers: the stats come back empty, not made up
@@ -29,11 +30,12 @@ def test_lora_term_cases_run_with_and_without_the_adapter() -> None:
 def test_lora_term_table_renders() -> None:
     report = {"rank": 64, "rows": 4224, "environment": {"gpu": "H200", "commit": "abc"}, "products": [],
               "lora_term": [{"layer": "3072 → 3072", "pass": "forward", "plain_ms": 0.12, "lora_ms": 0.15, "ratio": 1.25,
-                             "regs_spills": {"plain": [168, 0], "lora": [255, 40]}},
+                             "lora_4parts_ms": 0.132, "ratio_4parts": 1.1, "4parts_same_bytes": True,
+                             "regs_spills": {"plain": [168, 0], "lora": [255, 40], "lora_4parts": [232, 0]}},
                             {"layer": "3072 → 3072", "pass": "dX", "plain_ms": None, "lora_ms": 0.15, "ratio": None}]}
     md = lt.render(report)
-    assert "| 3072 → 3072 | forward | 0.1200 | 0.1500 | 1.25 | 168 / 0 | 255 / 40 |" in md
-    assert "| 3072 → 3072 | dX | — | 0.1500 | — | — | — |" in md
+    assert "| 3072 → 3072 | forward | 0.1200 | 0.1500 | 1.25 | 0.1320 | 1.10 | yes | 168 / 0 | 255 / 40 | 232 / 0 |" in md
+    assert "| 3072 → 3072 | dX | — | 0.1500 | — | — | — | — | — | — | — |" in md
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")

@@ -75,7 +75,7 @@ def _grouped_tile(tile, num_a, num_b, GROUP: tl.constexpr):
 
 @triton.jit
 def _fwd_tile_acc(a_ptr, b_ptr, strides, lora, epi, pid_m, pid_n, M, N, K, CFG: tl.constexpr):
-    """FP32 tile ``p(a) @ b (+ bias) (+ lora_scale · u @ l)`` of output tile (pid_m, pid_n)."""
+    """FP32 tile ``p(a) @ b (+ bias)`` of output tile (pid_m, pid_n); the LoRA term joins per epilogue part."""
     stride_am, stride_bk, stride_bn, _ = strides
     BLOCK_M: tl.constexpr = CFG.BLOCK_M
     BLOCK_N: tl.constexpr = CFG.BLOCK_N
@@ -115,11 +115,27 @@ def _fwd_tile_acc(a_ptr, b_ptr, strides, lora, epi, pid_m, pid_n, M, N, K, CFG: 
     if CFG.HAS_BIAS:
         bias = tl.load(epi[0] + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         acc = acc + bias[None, :]
-    if CFG.HAS_LORA:
+    return acc
+
+
+@triton.jit
+def _fwd_store_part(acc, m0, n0, M, N, lora, epi, out_desc, stride_om, CFG: tl.constexpr, PART_N: tl.constexpr):
+    """Epilogue of one (BLOCK_M, PART_N) column part of a tile at (m0, n0): [+ lora_scale · u @ l over the part's
+    columns, its own FP32 accumulator over R in BLOCK_R steps], [pre store], activation, one cast, store. Each
+    element's LoRA chain runs over R alone, so how a tile is cut into parts moves no arithmetic."""
+    _, aux_ptr, stride_auxm, out_ptr, pre_ptr = epi
+    offs_m = m0 + tl.arange(0, CFG.BLOCK_M)
+    offs_n = n0 + tl.arange(0, PART_N)
+    rows = offs_m.to(tl.int64)
+    out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    if CFG.HAS_LORA:  # its own FP32 accumulator per part: a whole-tile one spills the big tiles (benchmarks/lora_regs_sass.py)
         u_ptr, stride_um, l_ptr, stride_lr, stride_ln, R, lora_scale = lora
         BLOCK_R: tl.constexpr = CFG.BLOCK_R
         offs_r = tl.arange(0, BLOCK_R)
-        lacc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        mask_m = offs_m < M
+        mask_n = offs_n < N
+        BLOCK_M: tl.constexpr = CFG.BLOCK_M  # tl.zeros takes a constexpr shape, not a field of CFG
+        lacc = tl.zeros((BLOCK_M, PART_N), dtype=tl.float32)
         for r0 in range(tl.cdiv(R, BLOCK_R)):
             r_left = R - r0 * BLOCK_R
             u = tl.load(u_ptr + rows[:, None] * stride_um + (r0 * BLOCK_R + offs_r)[None, :],
@@ -129,18 +145,6 @@ def _fwd_tile_acc(a_ptr, b_ptr, strides, lora, epi, pid_m, pid_n, M, N, K, CFG: 
                          mask=(offs_r[:, None] < r_left) & mask_n[None, :], other=0.0)
             lacc = tl.dot(u, lw, lacc, input_precision=CFG.DOT_PRECISION)
         acc = acc + lacc * lora_scale
-    return acc
-
-
-@triton.jit
-def _fwd_store_part(acc, m0, n0, M, N, epi, out_desc, stride_om, CFG: tl.constexpr, PART_N: tl.constexpr):
-    """Epilogue of one (BLOCK_M, PART_N) column part of a tile at (m0, n0): [pre store], activation,
-    one cast, store. Elementwise: how a tile is cut into parts moves no arithmetic."""
-    _, aux_ptr, stride_auxm, out_ptr, pre_ptr = epi
-    offs_m = m0 + tl.arange(0, CFG.BLOCK_M)
-    offs_n = n0 + tl.arange(0, PART_N)
-    rows = offs_m.to(tl.int64)
-    out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     out_offs = rows[:, None] * stride_om + offs_n[None, :]
     if CFG.STORE_PRE:
         tl.store(pre_ptr + out_offs, acc.to(pre_ptr.dtype.element_ty), mask=out_mask)
@@ -164,28 +168,28 @@ def _halves(x, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
-def _fwd_tile_store(acc, pid_m, pid_n, M, N, epi, out_desc, stride_om, CFG: tl.constexpr):
+def _fwd_tile_store(acc, pid_m, pid_n, M, N, lora, epi, out_desc, stride_om, CFG: tl.constexpr):
     """Epilogue of a whole tile in EPI_SPLIT column parts (1, 2 or 4): fewer live registers per part."""
     BLOCK_M: tl.constexpr = CFG.BLOCK_M
     BLOCK_N: tl.constexpr = CFG.BLOCK_N
     m0 = pid_m * BLOCK_M
     n0 = pid_n * BLOCK_N
     if CFG.EPI_SPLIT == 1:
-        _fwd_store_part(acc, m0, n0, M, N, epi, out_desc, stride_om, CFG, BLOCK_N)
+        _fwd_store_part(acc, m0, n0, M, N, lora, epi, out_desc, stride_om, CFG, BLOCK_N)
     elif CFG.EPI_SPLIT == 2:
         HALF: tl.constexpr = BLOCK_N // 2
         h0, h1 = _halves(acc, BLOCK_M, BLOCK_N)
-        _fwd_store_part(h0, m0, n0, M, N, epi, out_desc, stride_om, CFG, HALF)
-        _fwd_store_part(h1, m0, n0 + HALF, M, N, epi, out_desc, stride_om, CFG, HALF)
+        _fwd_store_part(h0, m0, n0, M, N, lora, epi, out_desc, stride_om, CFG, HALF)
+        _fwd_store_part(h1, m0, n0 + HALF, M, N, lora, epi, out_desc, stride_om, CFG, HALF)
     else:
         PART: tl.constexpr = BLOCK_N // 4
         h0, h1 = _halves(acc, BLOCK_M, BLOCK_N)
         q0, q1 = _halves(h0, BLOCK_M, BLOCK_N // 2)
         q2, q3 = _halves(h1, BLOCK_M, BLOCK_N // 2)
-        _fwd_store_part(q0, m0, n0, M, N, epi, out_desc, stride_om, CFG, PART)
-        _fwd_store_part(q1, m0, n0 + PART, M, N, epi, out_desc, stride_om, CFG, PART)
-        _fwd_store_part(q2, m0, n0 + 2 * PART, M, N, epi, out_desc, stride_om, CFG, PART)
-        _fwd_store_part(q3, m0, n0 + 3 * PART, M, N, epi, out_desc, stride_om, CFG, PART)
+        _fwd_store_part(q0, m0, n0, M, N, lora, epi, out_desc, stride_om, CFG, PART)
+        _fwd_store_part(q1, m0, n0 + PART, M, N, lora, epi, out_desc, stride_om, CFG, PART)
+        _fwd_store_part(q2, m0, n0 + 2 * PART, M, N, lora, epi, out_desc, stride_om, CFG, PART)
+        _fwd_store_part(q3, m0, n0 + 3 * PART, M, N, lora, epi, out_desc, stride_om, CFG, PART)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -197,8 +201,8 @@ def _gemm_fwd_kernel(a_ptr, b_ptr, out_desc, strides, lora, epi, M, N, K, CFG: t
     one FMA chain over all of K per element. (``acc + dot(a, b)`` with a fresh accumulator is folded
     back into ``dot(a, b, acc)`` by Triton's combiner — measured on the H200: identical bytes — so a
     two-level FP32 sum needs another formulation; see experiments/gemm/NOTES.md.) LoRA: a second FP32
-    accumulator over R in BLOCK_R steps, same form. Then, in FP32: acc = acc + bias; acc = acc +
-    lora_scale · lacc; [pre = acc, stored with one cast]; out = epi(acc) stored with one cast.
+    accumulator over R in BLOCK_R steps, same form, one per epilogue column part. Then, in FP32: acc = acc + bias;
+    acc = acc + lora_scale · lacc; [pre = acc, stored with one cast]; out = epi(acc) stored with one cast.
     PROLOGUE ACT_SILU: p = silu, in FP32 on the loaded a tile, rounded once to a's dtype before the dot.
     EPILOGUE: ACT_NONE, ACT_GELU_TANH, ACT_SILU, or ACT_TIMES_SILU_GRAD (multiply by silu'(aux), the
     prologue's backward). Masked rows/columns load 0 and are never stored; the grouped tile order
@@ -226,11 +230,11 @@ def _gemm_fwd_kernel(a_ptr, b_ptr, out_desc, strides, lora, epi, M, N, K, CFG: t
             acc = _fwd_tile_acc(a_ptr, b_ptr, strides, lora, epi, pid_m, pid_n, M, N, K, CFG)
             tile_c += CFG.NUM_PROGRAMS
             pid_m_c, pid_n_c = _grouped_tile(tile_c, num_pid_m, num_pid_n, CFG.GROUP_M)
-            _fwd_tile_store(acc, pid_m_c, pid_n_c, M, N, epi, out_desc, stride_om, CFG)
+            _fwd_tile_store(acc, pid_m_c, pid_n_c, M, N, lora, epi, out_desc, stride_om, CFG)
     else:
         pid_m, pid_n = _grouped_tile(pid, num_pid_m, num_pid_n, CFG.GROUP_M)
         acc = _fwd_tile_acc(a_ptr, b_ptr, strides, lora, epi, pid_m, pid_n, M, N, K, CFG)
-        _fwd_tile_store(acc, pid_m, pid_n, M, N, epi, out_desc, stride_om, CFG)
+        _fwd_tile_store(acc, pid_m, pid_n, M, N, lora, epi, out_desc, stride_om, CFG)
 
 
 @triton.jit(do_not_specialize=["S"])
