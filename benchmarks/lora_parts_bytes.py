@@ -17,6 +17,7 @@ import argparse
 import hashlib
 import json
 import sys
+from pathlib import Path
 
 LAYERS = ((3072, 3072, "none"), (3072, 12288, "gelu_tanh"), (12288, 3072, "none"))  # (in, out, epilogue)
 ROWS = (1, 77, 128, 300, 4224)
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="compare two digest files and exit")
     args = p.parse_args(argv)
     if args.compare:
-        a, b = (json.load(open(f))["digests"] for f in args.compare)
+        a, b = (json.loads(Path(f).read_text())["digests"] for f in args.compare)
         common = sorted(set(a) & set(b))
         moved = [c for c in common if a[c] != b[c]]
         print(f"{len(common)} outputs in both; {len(moved)} moved")
@@ -103,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     for c in bad[:50]:
         print("  differs:", c)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"digests": digests, "split_mismatches": bad}, f, indent=1, sort_keys=True)
+        Path(args.out).write_text(json.dumps({"digests": digests, "split_mismatches": bad}, indent=1, sort_keys=True))
     return 1 if bad else 0
 
 

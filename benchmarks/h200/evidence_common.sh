@@ -3,6 +3,8 @@
 #                                 unbuffered Python output
 #   evidence_header               the GPU and driver, torch / triton / CUDA versions, the commit (MMDIT_COMMIT)
 #   evidence_pack                 OUT_DIR/NAME.tgz: the NAME folder, one file (device transfers limit the file count)
+#   evidence_run CMD...           time CMD, then evidence_pack: a call cut by its time limit still returns the reports
+#                                 of the steps that finished
 #   evidence_wheels               the wheels carried in .whl/ (diffusers, ...) installed into /tmp/site without
 #                                 network and put on PYTHONPATH with the repository; exits 2 if they do not install
 
@@ -23,7 +25,15 @@ evidence_header() {
 }
 
 evidence_pack() {
-  tar -C "$work" -czf "$out/$name.tgz" "$name"
+  tar -C "$work" -czf "$out/$name.tgz.part" "$name" && mv "$out/$name.tgz.part" "$out/$name.tgz"
+}
+
+evidence_run() {
+  local rc
+  time "$@"
+  rc=$?
+  evidence_pack
+  return $rc
 }
 
 evidence_wheels() {
