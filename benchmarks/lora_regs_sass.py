@@ -11,7 +11,10 @@ stack bytes (spills) and local-memory instructions (``LDL`` / ``STL``) in the SA
 The launch arguments mirror ``gemm/launch._main`` for a GPU call (tensor descriptors where the configuration takes
 them; CPU tensors stand in for the operands, only their dtype and alignment enter the build).
 
-    python -m benchmarks.lora_regs_sass --triton /path/to/unpacked/triton-3.6-wheel
+    python -m benchmarks.lora_regs_sass --triton /path/to/unpacked/triton-3.6-wheel [--epi-split 1 2 4]
+
+(Any Triton with its NVIDIA backend builds them; the installed one too, which a CPU test uses to check that the
+LoRA launches compile for the GPU at all: the interpreter runs code the GPU compiler refuses.)
 """
 
 from __future__ import annotations
@@ -84,9 +87,14 @@ def _case(torch, C, K, TensorDescriptor, k: int, n: int, epilogue: int, dx: bool
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--triton", required=True, help="an unpacked Triton 3.6 wheel (the directory holding triton/)")
-    p.add_argument("--epi-split", type=int, default=None, choices=(1, 2, 4),
-                   help="build with this epilogue split instead of the configured one")
+    p.add_argument("--triton", required=True, help="an unpacked Triton wheel, 3.6 as on the H200 (the directory holding triton/)")
+    p.add_argument("--epi-split", type=int, nargs="+", default=None, choices=(1, 2, 4),
+                   help="build with these epilogue splits instead of the configured one")
+    p.add_argument("--stream", choices=("image", "text"), nargs="+", default=["image", "text"])
+    p.add_argument("--pass", dest="passes", choices=("forward", "dX"), nargs="+", default=["forward", "dX"])
+    p.add_argument("--layer", choices=("3072x3072", "3072x12288", "12288x3072"), nargs="+", default=None,
+                   help="only these layers (in x out); default all three")
+    p.add_argument("--lora-only", action="store_true", help="only the launches with the LoRA term")
     args = p.parse_args(argv)
     triton_dir = use_wheel(args.triton)
     import torch
@@ -101,9 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Triton {triton.__version__} from {triton_dir}, sm_90, {ROWS} rows, rank {RANK}\n")
     print("| layer | pass | tile (M × N × K, warps, stages) | epilogue parts | LoRA term | regs | stack B | LDL | STL |")
     print("|---|---|---|---|---|---|---|---|---|")
-    layers = ((3072, 3072, Act.NONE), (3072, 12288, Act.GELU_TANH), (12288, 3072, Act.NONE))
-    for stream, (k, n, epilogue), dx, lora in itertools.product(("image", "text"), layers, (False, True), (False, True)):
-        a, kw, cfg = _case(torch, C, K, TensorDescriptor, k, n, int(epilogue), dx, lora, args.epi_split, stream)
+    layers = [(k, n, e) for k, n, e in ((3072, 3072, Act.NONE), (3072, 12288, Act.GELU_TANH), (12288, 3072, Act.NONE))
+              if args.layer is None or f"{k}x{n}" in args.layer]
+    dxs = [p == "dX" for p in args.passes]
+    terms = (True,) if args.lora_only else (False, True)
+    for stream, (k, n, epilogue), split, dx, lora in itertools.product(args.stream, layers, args.epi_split or (None,), dxs,
+                                                                       terms):
+        a, kw, cfg = _case(torch, C, K, TensorDescriptor, k, n, int(epilogue), dx, lora, split, stream)
         b = compiler.build(K._gemm_fwd_kernel, a, kw)
         ops = count_ops([o for _, o, _ in instructions(b.sass)], ("LDL", "STL"))
         tile = f"{cfg.BLOCK_M} × {cfg.BLOCK_N} × {cfg.BLOCK_K}, {cfg.num_warps}, {cfg.num_stages}"
