@@ -229,6 +229,8 @@ def run(args: argparse.Namespace, on_case: Callable[[dict[str, Any]], None] | No
                     t["kernels"] = table
                 t["busy"] = t["kernel_ms"] / t["median_ms"]  # GPU busy / wall (the profiled call against the median)
                 t["host_us_per_launch"] = t["host_ms"] * 1e3 / max(1, t["launches"])
+                # the GPU's idle time spread over the launches: in a GPU-bound replay, the gaps between kernels
+                t["idle_us_per_launch"] = max(0.0, t["median_ms"] - t["kernel_ms"]) * 1e3 / max(1, t["launches"])
                 row[name] = t
             except Exception as exc:  # an engine that cannot run here: record why and go on
                 row[name] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
@@ -319,22 +321,25 @@ def render(report: dict[str, Any]) -> str:
         f"Identical BF16 weights (one storage). Times are medians of CUDA-event intervals; MFU against {PEAK_TFLOPS:.0f} TFLOP/s.",
         "",
         "Host ms: the median time until a call returns with its last launch queued; host µs / launch divides it by the "
-        "profiled call's kernel launches (a host-bound engine's wall time is its host time).",
+        "profiled call's kernel launches (a host-bound engine's wall time is its host time). Idle µs / launch: wall minus "
+        "kernel time over the launches (for a captured call, about the gap between two kernels).",
         "",
-        "| case | engine | median ms | × diffusers | × diffusers compiled | MFU | kernel ms | busy / wall | host ms | host µs / launch | peak GiB | syncs | launches |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| case | engine | median ms | × diffusers | × diffusers compiled | MFU | kernel ms | busy / wall | idle µs / launch "
+        "| host ms | host µs / launch | peak GiB | syncs | launches |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for case, row in report["cases"].items():
         for name, r in row.items():
             if not isinstance(r, dict):
                 continue
             if "error" in r:
-                lines.append(f"| {case} | {name} | error: {r['error'][:120]} | | | | | | | | | | |")
+                lines.append(f"| {case} | {name} | error: {r['error'][:120]} | | | | | | | | | | | |")
                 continue
             lines.append(
                 f"| {case} | {name} | {r['median_ms']:.1f} | {r.get('vs_diffusers', float('nan')):.2f} | "
                 f"{r.get('vs_diffusers_compiled', float('nan')):.2f} | {r['mfu']:.2f} | {r.get('kernel_ms', float('nan')):.1f} | "
-                f"{r.get('busy', float('nan')):.2f} | {r.get('host_ms', float('nan')):.1f} | "
+                f"{r.get('busy', float('nan')):.2f} | {r.get('idle_us_per_launch', float('nan')):.1f} | "
+                f"{r.get('host_ms', float('nan')):.1f} | "
                 f"{r.get('host_us_per_launch', float('nan')):.1f} | {r['peak_gib']:.1f} | {r['syncs']} | {r['launches']} |"
             )
     for case, row in report["cases"].items():
