@@ -9,7 +9,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/evidence_common.sh"
 evidence_begin gemm_evidence "${1:-}"
 {
   evidence_header
-  time python3 -m mmdit_strict.bench.gemm --out "$ev/invariance" --sections invariance --budget-s 200
-  time python3 -m mmdit_strict.bench.gemm --out "$ev/speed_accuracy" --sections speed,accuracy --budget-s 300
+  evidence_run python3 -m mmdit_strict.bench.gemm --out "$ev/invariance" --sections invariance --budget-s 200
+  evidence_run python3 -m mmdit_strict.bench.gemm --out "$ev/speed_accuracy" --sections speed,accuracy --budget-s 300
 } 2>&1 | tee "$ev/log.txt"
 evidence_pack

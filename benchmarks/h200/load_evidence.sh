@@ -20,8 +20,8 @@ cache=(); [ -n "${LOAD_CACHE:-}" ] && cache=(--cache "$LOAD_CACHE")
   evidence_header
   df -h "${LOAD_CACHE:-$HOME}" | tail -1
   free -g | head -2
-  time python3 -m pytest -q -p no:cacheprovider -m gpu tests/model/test_checkpoint.py
-  time python3 -m mmdit_strict.bench.load --out "$ev" --device cuda --repeats 3 "${cache[@]}"
+  evidence_run python3 -m pytest -q -p no:cacheprovider -m gpu tests/model/test_checkpoint.py
+  evidence_run python3 -m mmdit_strict.bench.load --out "$ev" --device cuda --repeats 3 "${cache[@]}"
 } 2>&1 | tee "$ev/log.txt"
 cp "$ev/load_bench.json" "$ev/load_bench.md" "$out/" 2>/dev/null || echo "no report was written (see the log)" >&2
 evidence_pack

@@ -12,9 +12,9 @@ source "$(dirname "${BASH_SOURCE[0]}")/evidence_common.sh"
 evidence_begin model_evidence "${1:-}"
 {
   evidence_header
-  time python3 -m mmdit_strict.bench.model --out "$ev/bench" --layers 60 --reps 3 --warmup 1
-  time python3 -m mmdit_strict.bench.model_qualify --out "$ev/qualify" --block-error-layers 4 --quiet
-  time python3 -m mmdit_strict run experiment=gpu_main_job output_dir="$work/run" progress=false wandb.mode=disabled
+  evidence_run python3 -m mmdit_strict.bench.model --out "$ev/bench" --layers 60 --reps 3 --warmup 1
+  evidence_run python3 -m mmdit_strict.bench.model_qualify --out "$ev/qualify" --block-error-layers 4 --quiet
+  evidence_run python3 -m mmdit_strict run experiment=gpu_main_job output_dir="$work/run" progress=false wandb.mode=disabled
   echo "main job exit $?"
   cp -r "$work/run/report" "$ev/main_job"
 } 2>&1 | tee "$ev/log.txt"
