@@ -42,7 +42,7 @@ from ..kernels.runtime import Runtime
 from ..model.inputs import random_inputs
 from ..environment import environment_line, gpu_environment
 from .output import replot, write_report
-from .timing import cuda_profiler
+from .timing import cuda_profiler, gpu_gaps
 
 PEAK_TFLOPS = 790.0  # BF16 dense matrix rate measured on the H200 (docs/design.md, anchors)
 LORA_TARGETS = (
@@ -97,8 +97,9 @@ def _count_syncs(fn: Callable[[], Any]) -> int:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
-def _kernel_profile(fn: Callable[[], Any], top: int = 0) -> tuple[int, float, list[dict[str, Any]]]:
-    """(CUDA kernel launches, summed kernel time in ms, the ``top`` kernels by summed time) of one call."""
+def _kernel_profile(fn: Callable[[], Any], top: int = 0) -> tuple[int, float, list[dict[str, Any]], dict[str, Any]]:
+    """(CUDA kernel launches, summed kernel time in ms, the ``top`` kernels by summed time, where the GPU waited
+    between them: :func:`~.timing.gpu_gaps`) of one call."""
     from torch.profiler import ProfilerActivity
 
     with cuda_profiler(activities=[ProfilerActivity.CUDA]) as prof:
@@ -110,7 +111,8 @@ def _kernel_profile(fn: Callable[[], Any], top: int = 0) -> tuple[int, float, li
         by_name.setdefault(e.name, []).append(e.time_range.elapsed_us() / 1e3)
     table = sorted(({"kernel": k[:90], "ms": sum(v), "launches": len(v)} for k, v in by_name.items()),
                    key=lambda r: -r["ms"])[:top]
-    return len(kernels), sum(e.time_range.elapsed_us() for e in kernels) / 1e3, table
+    gaps = gpu_gaps([(e.time_range.start, e.time_range.elapsed_us(), e.name) for e in kernels], top=5)
+    return len(kernels), sum(e.time_range.elapsed_us() for e in kernels) / 1e3, table, gaps
 
 
 def _inputs(arch: ArchConfig, grid: tuple[int, int], txt_lens: Sequence[int], dtype: torch.dtype,
@@ -224,7 +226,8 @@ def run(args: argparse.Namespace, on_case: Callable[[dict[str, Any]], None] | No
                 t["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
                 t["mfu"] = flops / (t["median_ms"] * 1e-3) / (PEAK_TFLOPS * 1e12)
                 t["syncs"] = _count_syncs(fn)
-                t["launches"], t["kernel_ms"], table = _kernel_profile(fn, args.kernel_table)
+                t["launches"], t["kernel_ms"], table, gaps = _kernel_profile(fn, args.kernel_table)
+                t["gaps"] = gaps
                 if table:
                     t["kernels"] = table
                 t["busy"] = t["kernel_ms"] / t["median_ms"]  # GPU busy / wall (the profiled call against the median)
@@ -311,6 +314,11 @@ def environment() -> dict[str, Any]:
     return gpu_environment()
 
 
+def _long_gaps(r: dict[str, Any]) -> str:
+    classes = (r.get("gaps") or {}).get("classes")
+    return f"{classes[-1]['idle_ms']:.1f} ({classes[-1]['gaps']})" if classes else "—"
+
+
 def render(report: dict[str, Any]) -> str:
     env = report["environment"]
     lines = [
@@ -322,23 +330,24 @@ def render(report: dict[str, Any]) -> str:
         "",
         "Host ms: the median time until a call returns with its last launch queued; host µs / launch divides it by the "
         "profiled call's kernel launches (a host-bound engine's wall time is its host time). Idle µs / launch: wall minus "
-        "kernel time over the launches (for a captured call, about the gap between two kernels).",
+        "kernel time over the launches. Long-gap idle: the profiled call's idle time in gaps of 100 µs or more between kernels "
+        "(the host blocked or queued late, not launch gaps).",
         "",
         "| case | engine | median ms | × diffusers | × diffusers compiled | MFU | kernel ms | busy / wall | idle µs / launch "
-        "| host ms | host µs / launch | peak GiB | syncs | launches |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| long-gap idle ms | host ms | host µs / launch | peak GiB | syncs | launches |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for case, row in report["cases"].items():
         for name, r in row.items():
             if not isinstance(r, dict):
                 continue
             if "error" in r:
-                lines.append(f"| {case} | {name} | error: {r['error'][:120]} | | | | | | | | | | | |")
+                lines.append(f"| {case} | {name} | error: {r['error'][:120]} | | | | | | | | | | | | |")
                 continue
             lines.append(
                 f"| {case} | {name} | {r['median_ms']:.1f} | {r.get('vs_diffusers', float('nan')):.2f} | "
                 f"{r.get('vs_diffusers_compiled', float('nan')):.2f} | {r['mfu']:.2f} | {r.get('kernel_ms', float('nan')):.1f} | "
-                f"{r.get('busy', float('nan')):.2f} | {r.get('idle_us_per_launch', float('nan')):.1f} | "
+                f"{r.get('busy', float('nan')):.2f} | {r.get('idle_us_per_launch', float('nan')):.1f} | {_long_gaps(r)} | "
                 f"{r.get('host_ms', float('nan')):.1f} | "
                 f"{r.get('host_us_per_launch', float('nan')):.1f} | {r['peak_gib']:.1f} | {r['syncs']} | {r['launches']} |"
             )

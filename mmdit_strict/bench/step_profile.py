@@ -8,7 +8,9 @@ under the profiler. Triton kernels are one name for many products; the launch gr
 apart (a product's grid is its tile count), so the table groups by ``(kernel, grid)`` and reports time
 per block. A second, uncaptured step runs under the profiler with Python stacks, and each PyTorch
 fill / copy / add kernel is attributed to the Python line that launched it (the glue between strict
-kernels). Writes ``step_profile.json``, ``step_profile.md`` and ``step_profile.png`` (ms per block of the
+kernels). For the captured step it also reports where the GPU waits (idle time between GPU activities by gap
+size, the largest gaps) and the CUDA runtime calls on the host (a blocking call shows as a long one). Writes
+``step_profile.json``, ``step_profile.md`` and ``step_profile.png`` (ms per block of the
 costliest launches); ``--replot REPORT.json`` redraws a written report's figure (no GPU needed). A benchmark:
 nothing here asserts.
 """
@@ -29,6 +31,7 @@ from ..config.arch import preset
 from ..environment import environment_line, gpu_environment
 from .output import replot, write_report
 from .timing import cuda_profiler
+from .timing import gpu_gaps as timing_gaps
 
 
 def _trace(fn: Callable[[], Any], stacks: bool) -> list[dict[str, Any]]:
@@ -83,6 +86,26 @@ def glue_sites(events: list[dict[str, Any]], top: int) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: -r["ms"])[:top]
 
 
+_GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def gpu_gaps(events: list[dict[str, Any]], top: int) -> dict[str, Any]:
+    """:func:`~.timing.gpu_gaps` of a trace's GPU activities (kernels, copies, fills)."""
+    return timing_gaps([(e["ts"], e.get("dur", 0.0), e["name"]) for e in events if e.get("cat") in _GPU_CATS and "ts" in e],
+                       top)
+
+
+def host_calls(events: list[dict[str, Any]], top: int) -> list[dict[str, Any]]:
+    """CUDA runtime / driver calls of a call on the host, by name: summed ms, calls and the longest one (a
+    synchronisation or a blocking graph launch shows here as a long call)."""
+    groups: dict[str, list[float]] = defaultdict(list)
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            groups[e["name"][:60]].append(e.get("dur", 0.0) / 1e3)
+    rows = [{"call": k, "ms": sum(v), "calls": len(v), "max_ms": max(v)} for k, v in groups.items()]
+    return sorted(rows, key=lambda r: -r["ms"])[:top]
+
+
 def run(layers: int, grid: tuple[int, int], txt: int, rank: int, top: int) -> dict[str, Any]:
     from ..model.init import build_model
     from .model import _attach_lora, _inputs
@@ -109,6 +132,8 @@ def run(layers: int, grid: tuple[int, int], txt: int, rank: int, top: int) -> di
         "captured_kernel_ms": sum(e.get("dur", 0.0) for e in kern) / 1e3, "captured_launches": len(kern),
         "by_grid": kernels_by_grid(captured, layers, top),
         "glue": glue_sites(eager, top),
+        "captured_gaps": gpu_gaps(captured, 12),
+        "captured_host_calls": host_calls(captured, 12),
     }
 
 
@@ -152,6 +177,19 @@ def render(report: dict[str, Any]) -> str:
     lines += ["", "## PyTorch kernels of the uncaptured step, by launching line", "",
               "| kernel | launched from | ms | launches |", "|---|---|---|---|"]
     lines += [f"| `{r['kernel']}` | `{r['site']}` | {r['ms']:.2f} | {r['launches']} |" for r in report["glue"]]
+    gaps = report.get("captured_gaps")
+    if gaps and gaps["span_ms"]:
+        lines += ["", "## Where the captured step's GPU waits", "",
+                  f"GPU span {gaps['span_ms']:.2f} ms: busy {gaps['busy_ms']:.2f}, idle {gaps['idle_ms']:.2f} "
+                  "(between GPU activities, by gap size).", "", "| gap | gaps | idle ms |", "|---|---|---|"]
+        lines += [f"| {c['from_us']:.0f}–{c['to_us']:.0f} µs | {c['gaps']} | {c['idle_ms']:.3f} |".replace("–inf µs", " µs or more")
+                  for c in gaps["classes"]]
+        lines += ["", "| largest gaps µs | after | before |", "|---|---|---|"]
+        lines += [f"| {g['us']:.1f} | `{g['after']}` | `{g['before']}` |" for g in gaps["largest"]]
+    if report.get("captured_host_calls"):
+        lines += ["", "## CUDA runtime calls of the captured step (host)", "",
+                  "| call | ms | calls | longest ms |", "|---|---|---|---|"]
+        lines += [f"| `{r['call']}` | {r['ms']:.3f} | {r['calls']} | {r['max_ms']:.3f} |" for r in report["captured_host_calls"]]
     return "\n".join(lines) + "\n"
 
 

@@ -88,3 +88,34 @@ def gpu_profile(fn: Callable[[], Any]) -> tuple[Any, GpuProfile]:
     device = [e for e in events if e.device_type.name == "CUDA"]
     host = sum(1 for e in events if e.device_type.name == "CPU" and e.name in LAUNCH_CALLS)
     return out, GpuProfile(len(device), host, sum(e.time_range.elapsed_us() for e in device) * 1e-6)
+
+
+GAP_CLASSES = ((0.0, 10.0), (10.0, 100.0), (100.0, float("inf")))  # µs
+
+
+def gpu_gaps(activities: list[tuple[float, float, str]], top: int) -> dict[str, Any]:
+    """Where the GPU waits during a call, from its activities ``(start µs, duration µs, name)``: the span (first
+    start to last end), the union of busy time, the idle time between activities by gap size (:data:`GAP_CLASSES`;
+    many small gaps: launch-bound, a few large ones: the host blocked or queued late) and the ``top`` largest gaps
+    with the activities on either side. Times in ms, gaps in µs."""
+    acts = sorted(activities)
+    if not acts:
+        return {"span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "classes": [], "largest": []}
+    gaps: list[tuple[float, str, str]] = []
+    busy, end, last = 0.0, acts[0][0], acts[0][2]
+    for start, dur, name in acts:
+        stop = start + dur
+        if start > end:
+            gaps.append((start - end, last[:60], name[:60]))
+            busy += dur
+        elif stop > end:
+            busy += stop - end
+        if stop >= end:
+            end, last = stop, name
+    span = end - acts[0][0]
+    classes = [{"from_us": lo, "to_us": hi, "gaps": sum(1 for g in gaps if lo <= g[0] < hi),
+                "idle_ms": sum(g[0] for g in gaps if lo <= g[0] < hi) / 1e3} for lo, hi in GAP_CLASSES]
+    largest = [{"us": g, "after": a, "before": b} for g, a, b in sorted(gaps, key=lambda g: -g[0])[:top]]
+    return {"span_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3, "classes": classes,
+            "largest": largest}
+

@@ -46,13 +46,14 @@ def test_model_bench_report_renders_times_and_errors() -> None:
 
     ok = {"median_ms": 190.0, "min_ms": 188.0, "max_ms": 193.0, "reps": 5, "peak_gib": 41.5, "mfu": 0.47, "syncs": 0,
           "launches": 915, "vs_diffusers": 1.0, "kernel_ms": 171.0, "busy": 0.9, "host_ms": 91.5, "host_us_per_launch": 100.0,
-          "idle_us_per_launch": 20.8}
+          "idle_us_per_launch": 20.8,
+          "gaps": {"classes": [{"gaps": 900, "idle_ms": 3.0}, {"gaps": 10, "idle_ms": 0.5}, {"gaps": 2, "idle_ms": 15.5}]}}
     report = {"arch_layers": 60, "grid": [64, 64], "environment": {"gpu": "H200", "driver": "580", "torch": "2.11",
               "triton": "3.6", "commit": "abc"},
               "cases": {"fwd_b1": {"txt_lens": [128], "img_tokens": 4096, "tflop": 70.6, "diffusers_eager": ok,
                                    "ours_strict": {"error": "NoStrictKernelError: no kernel"}}}}
     md = model.render(report)
-    assert "| fwd_b1 | diffusers_eager | 190.0 | 1.00 | nan | 0.47 | 171.0 | 0.90 | 20.8 | 91.5 | 100.0 | 41.5 | 0 | 915 |" in md
+    assert "| fwd_b1 | diffusers_eager | 190.0 | 1.00 | nan | 0.47 | 171.0 | 0.90 | 20.8 | 15.5 (2) | 91.5 | 100.0 | 41.5 | 0 | 915 |" in md
     assert "| fwd_b1 | ours_strict | error: NoStrictKernelError: no kernel |" in md
 
 

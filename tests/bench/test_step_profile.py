@@ -49,3 +49,40 @@ def test_figure_is_redrawn_from_a_written_report_without_a_gpu(tmp_path) -> None
     src.write_text(json.dumps({**report, "by_grid": []}))
     with pytest.raises(SystemExit, match="no kernel group"):
         sp.main(["--replot", str(src)])
+
+
+GPU = [  # µs: two overlapping kernels, a 5 µs gap, a memcpy, a 250 µs gap (the host blocked), a last kernel
+    {"cat": "kernel", "name": "_gemm_fwd_kernel", "ts": 0.0, "dur": 100.0},
+    {"cat": "kernel", "name": "_attn_fwd_ws_kernel", "ts": 50.0, "dur": 80.0},
+    {"cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 135.0, "dur": 15.0},
+    {"cat": "kernel", "name": "_qk_fwd_kernel", "ts": 400.0, "dur": 20.0},
+    {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 0.0, "dur": 300.0},
+    {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 350.0, "dur": 40.0},
+    {"cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 420.0, "dur": 5.0},
+]
+
+
+def test_gpu_gaps_split_idle_time_by_gap_size_and_name_the_largest() -> None:
+    g = sp.gpu_gaps(GPU, top=5)
+    assert g["span_ms"] == 420.0 / 1e3
+    assert abs(g["busy_ms"] - (130.0 + 15.0 + 20.0) / 1e3) < 1e-12  # the overlap counts once
+    assert abs(g["idle_ms"] - (5.0 + 250.0) / 1e3) < 1e-12
+    assert [(c["gaps"], round(c["idle_ms"] * 1e3, 6)) for c in g["classes"]] == [(1, 5.0), (0, 0.0), (1, 250.0)]
+    assert g["largest"][0] == {"us": 250.0, "after": "Memcpy DtoD", "before": "_qk_fwd_kernel"}
+    assert g["largest"][1] == {"us": 5.0, "after": "_attn_fwd_ws_kernel", "before": "Memcpy DtoD"}
+    assert sp.gpu_gaps([], top=5)["span_ms"] == 0.0
+
+
+def test_host_calls_group_runtime_calls_and_render() -> None:
+    rows = sp.host_calls(GPU, top=5)
+    assert (rows[0]["call"], rows[0]["calls"], rows[0]["max_ms"]) == ("cudaGraphLaunch", 2, 0.3)
+    assert abs(rows[0]["ms"] - 0.34) < 1e-12
+    assert rows[1]["call"] == "cudaStreamSynchronize" and rows[1]["calls"] == 1
+    report = {"layers": 2, "grid": [64, 64], "txt": 128, "rank": 64, "captured_kernel_ms": 0.2, "captured_launches": 4,
+              "by_grid": [], "glue": [], "captured_gaps": sp.gpu_gaps(GPU, 5), "captured_host_calls": rows,
+              "environment": {"gpu": "H200", "commit": "abc"}}
+    md = sp.render(report)
+    assert "GPU span 0.42 ms: busy 0.17, idle 0.26" in md
+    assert "| 100 µs or more | 1 | 0.250 |" in md and "| 0–10 µs | 1 | 0.005 |" in md
+    assert "| 250.0 | `Memcpy DtoD` | `_qk_fwd_kernel` |" in md
+    assert "| `cudaGraphLaunch` | 0.340 | 2 | 0.300 |" in md
