@@ -64,8 +64,16 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d1
 
 
+_WORKER_ERROR = ("terminate called", "what():", "Error", "Exception", "Aborted", "Fatal Python error")
+
+
 def ok(proc: subprocess.CompletedProcess, code: int = 0) -> subprocess.CompletedProcess:
-    assert proc.returncode == code, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    """``proc`` when it exited with ``code``; else a failure naming its output's tails and, first, the lines of its
+    whole stderr that carry a worker's own error (torchrun's summary at the tail names only the signal)."""
+    if proc.returncode != code:
+        errors = [line for line in proc.stderr.splitlines() if any(m in line for m in _WORKER_ERROR)][:20]
+        pytest.fail(f"exit {proc.returncode}\nworker errors:\n" + "\n".join(errors)
+                    + f"\n--- stdout tail\n{proc.stdout[-3000:]}\n--- stderr tail\n{proc.stderr[-3000:]}")
     return proc
 
 

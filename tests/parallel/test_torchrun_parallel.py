@@ -56,13 +56,13 @@ def test_the_layout_check_command_writes_a_passing_report(tmp_path: Path) -> Non
     import subprocess
     import sys
 
-    from tests.distributed.test_torchrun import ROOT, _env
+    from tests.distributed.test_torchrun import ROOT, _env, ok
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
            "mmdit_strict.trajectories.layout_check", "--layouts", "sp2,tp2,cfg2,sp2ag,tp2xsp2", "--lora-rank", "2",
            "--out", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    ok(proc)
     report = json.loads((tmp_path / "parallel_check.json").read_text())
     assert report["pass"] is True and report["world"] == 2
     rows = report["rows"]
