@@ -48,6 +48,8 @@ class Session:
     timeout_s: float
     broken: bool = False  # a collective failed or a peer reported a failure: no further collectives
     traffic: Traffic = dataclasses.field(default_factory=lambda: Traffic())
+    #: called when the session ends, before the process group goes: release what was built on it (subgroups)
+    on_close: list[Callable[[], None]] = dataclasses.field(default_factory=list)
 
     @property
     def root(self) -> bool:
@@ -142,6 +144,9 @@ def session(timeout_s: float, backend: str = "auto", device: str = "cpu") -> Ite
         with bound(_SESSION, s):
             yield s
     finally:
+        for release in reversed(s.on_close):
+            with contextlib.suppress(Exception):
+                release()
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
 

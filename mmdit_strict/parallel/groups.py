@@ -127,7 +127,23 @@ def build(layout: ModelLayout) -> ModelParallel:
     if "cfg" in made:
         mp.cfg_group, mp.cfg_ranks = made["cfg"]
     _BUILT[key] = mp
+    s.on_close.append(lambda: _release(key))
     return mp
+
+
+def _release(key: tuple) -> None:
+    """Destroy the subgroups built for ``key`` and forget them, when their session ends: a subgroup still referenced
+    here would otherwise be torn down only at interpreter exit, after its peers may have closed their connections."""
+    import torch.distributed as dist
+
+    mp = _BUILT.pop(key, None)
+    if mp is None:
+        return
+    for name in ("tp_group", "sp_group", "cfg_group"):
+        group = getattr(mp, name, None)
+        if group is not None:
+            setattr(mp, name, None)
+            dist.destroy_process_group(group)
 
 
 @contextlib.contextmanager

@@ -97,6 +97,7 @@ def _rank(rank: int, world: int, port: int, out: str, layouts: dict | None = Non
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     from mmdit_strict import distributed, parallel
+    from mmdit_strict.parallel import groups as built
 
     model = _model(heads)
     weight = torch.randn(3, GRID[0] * GRID[1], 64, generator=torch.Generator().manual_seed(5))
@@ -109,6 +110,10 @@ def _rank(rank: int, world: int, port: int, out: str, layouts: dict | None = Non
                 results[name] = _run(model, weight)
                 results[name]["edit"] = _edit_forward(model)
                 results[name]["exchanges"] = mpar.stats["calls"]
+        made = list(built._BUILT.values())
+    # the session ended: the subgroups it built are destroyed and forgotten, not left to interpreter exit
+    results["released"] = bool(made) and not built._BUILT and all(
+        m.tp_group is None and m.sp_group is None and m.cfg_group is None for m in made)
     torch.save(results, Path(out) / f"{rank}.pt")
 
 
@@ -128,6 +133,7 @@ def _free_port() -> int:
 def _check(tmp_path: Path, world: int, layouts: dict) -> None:
     for r in range(world):
         res = torch.load(tmp_path / f"{r}.pt")
+        assert res["released"] is True, f"rank {r}: subgroups outlived their session"
         ref = res["one rank"]
         assert len(ref["grads"]) > 0 and len(ref["folds"]) > 0
         for name in layouts:
