@@ -17,6 +17,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from ..kernels.execution import bind, current, current_runtime, in_context
+from ..kernels.prologues import shared_prologues
 from ..kernels.registry import dispatch, resolve
 from ..kernels.trace import record
 from ..kernels.streams import gemm_stream
@@ -213,11 +214,10 @@ def block_forward(
     ones = (1,) * B
     img_cos, img_sin, txt_cos, txt_sin = rope
     wi, wt = f"block{i}.img", f"block{i}.txt"
-    # (B, 6D) each, chunked as (shift, scale, gate) × (attention, MLP)
+    # (B, 6D) each, chunked as (shift, scale, gate) × (attention, MLP). The chunks stay views with row stride
+    # 6D: every row operator reads its per-sample vectors with a free row stride, so no copy is launched.
     imod = _gemm("adaln_mod_projection", wi, temb, block.img_mod[1], ones, prologue="silu").chunk(6, dim=-1)
     tmod = _gemm("adaln_mod_projection", wt, temb, block.txt_mod[1], ones, "text", prologue="silu").chunk(6, dim=-1)
-    imod = [m.contiguous() for m in imod]
-    tmod = [m.contiguous() for m in tmod]
 
     hi = _op("adaln_modulation", wi, img, img, imod[0], imod[1], seqlens=iseq, eps=eps)
     ht = _op("adaln_modulation", wt, txt, txt, tmod[0], tmod[1], seqlens=tseq, eps=eps)
@@ -334,9 +334,14 @@ def strict_forward(model: "MMDiT", inputs: "ModelInputs", block_capture: dict[st
 
     Under a model-parallel layout with sequence or column shards (the execution context's ``parallel``),
     the layout runs it (``mmdit_strict.parallel``): the same bytes, each rank computing its rows / columns."""
-    parallel = current().parallel
-    if parallel is not None and (parallel.sp > 1 or parallel.tp > 1):
-        return parallel.forward(model, inputs, block_capture)
+    with shared_prologues():  # SiLU(temb) once for the forward's 2·blocks + 1 modulation products
+        parallel = current().parallel
+        if parallel is not None and (parallel.sp > 1 or parallel.tp > 1):
+            return parallel.forward(model, inputs, block_capture)
+        return _strict_forward(model, inputs, block_capture)
+
+
+def _strict_forward(model: "MMDiT", inputs: "ModelInputs", block_capture: dict[str, torch.Tensor] | None) -> torch.Tensor:
     cfg = model.config
     x = inputs.hidden_states
     B, Ti, _ = x.shape

@@ -14,6 +14,8 @@ BLOCK_K 16; dW tiles 32×16 over 16-row chunks), so partial tiles in every dimen
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -33,6 +35,7 @@ ref_ops = pytest.importorskip(
     "mmdit_strict.reference.ops", reason="the FP64 reference (mmdit_strict.reference.ops.linear) is missing"
 )
 from mmdit_strict.bench.gemm import gemm_tolerance  # noqa: E402
+from tests.harness import assert_bytes_equal  # noqa: E402
 
 M, K, N, R = 37, 53, 45, 5
 SEQLENS = (10, 0, 27)
@@ -325,6 +328,34 @@ def test_prologue_pass_equals_fused_prologue_bytes(lora, monkeypatch):
         monkeypatch.setattr(configs, "fwd_config", orig)
     for a, c in zip(*runs):
         assert torch.equal(a, c)
+
+
+@interp
+def test_shared_prologue_pass_runs_once_and_keeps_bytes(monkeypatch):
+    """Inside ``shared_prologues`` three products reading the same x (one with a LoRA) evaluate the SiLU pass
+    once; their outputs and every gradient equal the bytes of each product running its own pass."""
+    from mmdit_strict.kernels.prologues import shared_prologues
+    from mmdit_strict.kernels.triton.gemm import launch
+
+    passes: list[int] = []
+    real = launch.act_fwd
+    monkeypatch.setattr(launch, "act_fwd", lambda t, act: passes.append(1) or real(t, act))
+    layers = [_params(lora, requires_grad=True) for lora in (False, True, False)]
+    dy = torch.randn(M, N, generator=torch.Generator().manual_seed(17))
+
+    def run(shared: bool):
+        x = _x(M, seed=13, requires_grad=True)
+        passes.clear()
+        with shared_prologues() if shared else contextlib.nullcontext():
+            ys = [G.gemm(x, w, b, seqlens=SEQLENS, prologue="silu", lora=lo) for w, b, lo in layers]
+        grads = torch.autograd.grad(ys, [x] + [t for w, b, lo in layers for t in (w, b, *(lo[:2] if lo else ()))],
+                                    [dy] * len(ys))
+        return len(passes), [y.detach() for y in ys] + list(grads)
+
+    (n_shared, shared), (n_own, own) = run(True), run(False)
+    assert (n_shared, n_own) == (1, 3)
+    for a, c in zip(shared, own):
+        assert_bytes_equal(a, c, "shared SiLU pass vs one per product")
 
 
 def test_activation_codes_agree_between_host_and_kernels():

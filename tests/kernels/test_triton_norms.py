@@ -219,6 +219,28 @@ def check_txt_gain_fold(ct, n, target, lens):
     check_param_grad_fold(fn, items, [gain, w, bias], gouts, what=f"triton txt_in_rmsnorm_linear {target.label} d_gain/dW/db")
 
 
+def check_row_strided_vectors(d, seqlens, target):
+    """Per-sample vectors passed as the column chunks of one (B, 6D) modulation product (row stride 6D, as the
+    strict block passes them) give the bytes of contiguous copies: both operators' outputs and every gradient,
+    the product's included."""
+    gen = generator(31)
+    b, m = len(seqlens), sum(seqlens)
+    x, y, dy = (randn(m, d, gen=gen, target=target) for _ in range(3))
+    mod = randn(b, 6 * d, gen=gen, target=target, scale=0.5)
+
+    def run(copy: bool):
+        xs, ys, ms = (t.detach().clone().requires_grad_(True) for t in (x, y, mod))
+        shift, scale, gate = (c.contiguous() if copy else c for c in ms.chunk(6, dim=-1)[:3])
+        assert copy or shift.stride(0) == 6 * d
+        h = N.adaln_modulation(xs, shift, scale, seqlens=seqlens, eps=EPS)
+        out = N.adaln_gate_residual(xs, h * ys, gate, seqlens=seqlens)
+        out.backward(dy)
+        return out.detach(), xs.grad, ys.grad, ms.grad
+
+    for a, c, what in zip(run(False), run(True), ("out", "dx", "dy", "d_mod")):
+        assert_bytes_equal(a, c, f"{what}: chunk views vs contiguous copies ({target.label})")
+
+
 # ------------------------------------------------------------------------------------------------
 # interpreter (CI)
 # ------------------------------------------------------------------------------------------------
@@ -230,6 +252,11 @@ def test_accuracy_interpreter():
     check_gate_accuracy(D, SEQ, CPU_FP32)
     check_final_accuracy(D, (7, 0, 20), CPU_FP32)
     check_txt_in_accuracy(24, 20, (7, 0, 20), CPU_FP32)
+
+
+@interp
+def test_row_strided_vectors_interpreter():
+    check_row_strided_vectors(D, SEQ, CPU_FP32)
 
 
 @interp
@@ -503,6 +530,12 @@ def test_gpu_accuracy(target):
     check_gate_accuracy(QD, GPU_SEQ, target)
     check_final_accuracy(QD, GPU_SEQ, target)
     check_txt_in_accuracy(QCT, QD, (90, 0, 37), target)
+
+
+@on_gpu_targets
+def test_gpu_row_strided_vectors(target):
+    skip_unless_compiled(target)
+    check_row_strided_vectors(QD, GPU_SEQ, target)
 
 
 @on_gpu_targets

@@ -18,6 +18,7 @@ from typing import Sequence
 import torch
 
 from ..grad_sink import active as active_grad_sink
+from ..prologues import prologue_pass
 from ..registry import KernelImpl, register
 from .primitives import (
     TILE_M, check_seqlens, fold, gelu_tanh_bwd, gelu_tanh_fwd, segment_tree_sum, silu_bwd, silu_fwd, tile_matmul,
@@ -76,10 +77,14 @@ def check_gemm_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
             raise ValueError(f"CPU strict GEMM needs CPU tensors, got {t.device}")
 
 
+def _prologue(x: torch.Tensor, act: str) -> torch.Tensor:
+    return silu_fwd(x)  # the one prologue there is
+
+
 class StrictGemmFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, lora_a, lora_b, scale, seqlens, prologue, epilogue):  # type: ignore[override]
-        px = silu_fwd(x) if prologue == "silu" else x
+        px = prologue_pass(x, prologue, _prologue) if prologue == "silu" else x
         z = tile_matmul(px, weight.t())
         u = None
         if lora_a is not None:

@@ -19,6 +19,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ....dtypes import EXECUTION_DTYPES
 from ...checks import check_operand
 from ...keepalive import retain
+from ...prologues import prologue_pass
 from ...streams import configured_columns, current_gemm_stream
 from .. import configs as _configs
 from ..bound import bound, cdiv, next_power_of_2
@@ -507,7 +508,7 @@ def gemm_fwd(x, weight, bias=None, *, prologue="none", epilogue="none", lora=Non
     cfg = config or _configs.fwd_config(configured_columns(n), k, x.dtype, stream=stream)
     h = None
     if pro and cfg.prologue == "pass":
-        h = act_fwd(x, prologue)
+        h = prologue_pass(x, prologue, act_fwd)  # once per forward for a tensor many products read (SiLU(temb))
         x, pro = h, Act.NONE
     if cfg.weight_layout == "kn":
         b = Operand(prepacked_weight(weight), (n, 1))

@@ -1,0 +1,92 @@
+"""SiLU(temb) once per strict forward (``kernels/prologues.py``): the modulation products of every block and
+the final AdaLN share one prologue pass, a checkpoint recompute reuses it, and no byte changes."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import pytest
+import torch
+
+from mmdit_strict import MMDiT
+from mmdit_strict.kernels.cpu import gemm as cpu_gemm
+from mmdit_strict.kernels.prologues import PrologueMemo, prologue_pass, shared_prologues
+from mmdit_strict.model import strict
+from tests.harness import assert_bytes_equal
+from tests.helpers import make_inputs
+
+
+def _count_passes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    passes: list[int] = []
+    real = cpu_gemm._prologue
+    monkeypatch.setattr(cpu_gemm, "_prologue", lambda t, act: passes.append(1) or real(t, act))
+    return passes
+
+
+def _step(model: MMDiT, inputs: dict[str, Any]) -> list[torch.Tensor]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    x = inputs["hidden_states"].clone().requires_grad_(True)
+    out = model(**{**inputs, "hidden_states": x}).sample
+    grads = torch.autograd.grad(out.square().sum(), [x] + params, allow_unused=True)
+    return [out.detach(), *(g for g in grads if g is not None)]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_one_silu_pass_per_forward_and_the_same_bytes(tiny_ckpt, monkeypatch: pytest.MonkeyPatch,
+                                                      checkpointing: bool) -> None:
+    model = MMDiT.from_pretrained(tiny_ckpt[0], runtime="strict")
+    model.enable_gradient_checkpointing(checkpointing)
+    blocks = len(model.transformer_blocks)
+    inputs = make_inputs(3, (4, 4), [5, 3, 7])
+    passes = _count_passes(monkeypatch)
+
+    shared = _step(model, inputs)
+    assert len(passes) == 1, f"{len(passes)} SiLU(temb) passes for one forward + backward"
+    passes.clear()
+    monkeypatch.setattr(strict, "shared_prologues", contextlib.nullcontext)  # each product its own pass, as before
+    own = _step(model, inputs)
+    assert len(passes) == (2 * blocks + 1) * (2 if checkpointing else 1) - (1 if checkpointing else 0)
+    assert len(shared) == len(own)
+    for i, (a, c) in enumerate(zip(shared, own)):
+        assert_bytes_equal(a, c, f"output / gradient {i}: shared SiLU(temb) vs one pass per product")
+
+
+def test_memo_reuses_only_the_same_unchanged_tensor() -> None:
+    calls: list[str] = []
+
+    def compute(t: torch.Tensor, act: str) -> torch.Tensor:
+        calls.append(act)
+        return t * 2
+
+    x = torch.ones(2, 3)
+    memo = PrologueMemo()
+    first = memo.apply(x, "silu", compute)
+    assert memo.apply(x, "silu", compute) is first and len(calls) == 1
+    assert memo.apply(x.clone(), "silu", compute) is not first  # equal values, another tensor
+    assert memo.apply(x, "gelu", compute) is not first  # another activation
+    x.add_(1)  # in place: a new version
+    assert torch.equal(memo.apply(x, "silu", compute), torch.full((2, 3), 4.0))
+    assert (memo.evaluations, memo.reuses, len(calls)) == (4, 1, 4)
+    with torch.inference_mode():
+        y = torch.ones(2)
+        memo.apply(y, "silu", compute)
+        memo.apply(y, "silu", compute)
+    assert len(calls) == 6  # inference tensors carry no version counter: never reused
+
+
+def test_no_memo_outside_a_shared_block() -> None:
+    calls: list[int] = []
+    x = torch.ones(2)
+
+    def compute(t: torch.Tensor, act: str) -> torch.Tensor:
+        calls.append(1)
+        return t
+
+    prologue_pass(x, "silu", compute)
+    prologue_pass(x, "silu", compute)
+    assert len(calls) == 2
+    with shared_prologues() as memo:
+        prologue_pass(x, "silu", compute)
+        prologue_pass(x, "silu", compute)
+    assert len(calls) == 3 and memo.reuses == 1
