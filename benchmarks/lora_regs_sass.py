@@ -11,7 +11,11 @@ stack bytes (spills) and local-memory instructions (``LDL`` / ``STL``) in the SA
 The launch arguments mirror ``gemm/launch._main`` for a GPU call (tensor descriptors where the configuration takes
 them; CPU tensors stand in for the operands, only their dtype and alignment enter the build).
 
-    python -m benchmarks.lora_regs_sass --triton /path/to/unpacked/triton-3.6-wheel [--epi-split 1 2 4]
+    python -m benchmarks.lora_regs_sass --triton /path/to/unpacked/triton-3.6-wheel [--epi-split 1 2 4] [--digest]
+
+``--digest`` adds each build's SASS digest (SHA-256 of its instruction listing): a kernel-source edit meant to move
+no arithmetic (a dropped unused argument, a deduplicated mask) keeps every digest, which is evidence that the GPU
+runs the very same instructions, hence gives the same bytes.
 
 (Any Triton with its NVIDIA backend builds them; the installed one too, which a CPU test uses to check that the
 LoRA launches compile for the GPU at all: the interpreter runs code the GPU compiler refuses.)
@@ -20,6 +24,7 @@ LoRA launches compile for the GPU at all: the interpreter runs code the GPU comp
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
 
 from benchmarks.sm90 import Sm90Compiler, count_ops, instructions, use_wheel
@@ -95,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layer", choices=("3072x3072", "3072x12288", "12288x3072"), nargs="+", default=None,
                    help="only these layers (in x out); default all three")
     p.add_argument("--lora-only", action="store_true", help="only the launches with the LoRA term")
+    p.add_argument("--digest", action="store_true", help="add a column with the SHA-256 of each build's SASS instructions")
     args = p.parse_args(argv)
     triton_dir = use_wheel(args.triton)
     import torch
@@ -107,8 +113,10 @@ def main(argv: list[str] | None = None) -> int:
 
     compiler = Sm90Compiler(triton_dir)
     print(f"Triton {triton.__version__} from {triton_dir}, sm_90, {ROWS} rows, rank {RANK}\n")
-    print("| layer | pass | tile (M × N × K, warps, stages) | epilogue parts | LoRA term | regs | stack B | LDL | STL |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    digest_head = (" SASS sha256 |", "---|") if args.digest else ("", "")
+    print("| layer | pass | tile (M × N × K, warps, stages) | epilogue parts | LoRA term | regs | stack B | LDL | STL |"
+          + digest_head[0])
+    print("|---|---|---|---|---|---|---|---|---|" + digest_head[1])
     layers = [(k, n, e) for k, n, e in ((3072, 3072, Act.NONE), (3072, 12288, Act.GELU_TANH), (12288, 3072, Act.NONE))
               if args.layer is None or f"{k}x{n}" in args.layer]
     dxs = [p == "dX" for p in args.passes]
@@ -117,10 +125,15 @@ def main(argv: list[str] | None = None) -> int:
                                                                        terms):
         a, kw, cfg = _case(torch, C, K, TensorDescriptor, k, n, int(epilogue), dx, lora, split, stream)
         b = compiler.build(K._gemm_fwd_kernel, a, kw)
-        ops = count_ops([o for _, o, _ in instructions(b.sass)], ("LDL", "STL"))
+        listing = instructions(b.sass)
+        ops = count_ops([o for _, o, _ in listing], ("LDL", "STL"))
+        digest = ""
+        if args.digest:
+            digest = " " + hashlib.sha256("\n".join(f"{a:x} {o}{r}" for a, o, r in listing).encode()).hexdigest()[:16] + " |"
         tile = f"{cfg.BLOCK_M} × {cfg.BLOCK_N} × {cfg.BLOCK_K}, {cfg.num_warps}, {cfg.num_stages}"
         print(f"| {stream}: {k} → {n}{' GELU' if epilogue else ''} | {'dX' if dx else 'forward'} | {tile} | "
-              f"{kw['CFG'].EPI_SPLIT} | {'yes' if lora else 'no'} | {b.regs} | {b.stack} | {ops['LDL']} | {ops['STL']} |",
+              f"{kw['CFG'].EPI_SPLIT} | {'yes' if lora else 'no'} | {b.regs} | {b.stack} | {ops['LDL']} | {ops['STL']} |"
+              + digest,
               flush=True)
     return 0
 

@@ -74,7 +74,7 @@ def _grouped_tile(tile, num_a, num_b, GROUP: tl.constexpr):
 
 
 @triton.jit
-def _fwd_tile_acc(a_ptr, b_ptr, strides, lora, epi, pid_m, pid_n, M, N, K, CFG: tl.constexpr):
+def _fwd_tile_acc(a_ptr, b_ptr, strides, epi, pid_m, pid_n, M, N, K, CFG: tl.constexpr):
     """FP32 tile ``p(a) @ b (+ bias)`` of output tile (pid_m, pid_n); the LoRA term joins per epilogue part."""
     stride_am, stride_bk, stride_bn, _ = strides
     BLOCK_M: tl.constexpr = CFG.BLOCK_M
@@ -127,13 +127,13 @@ def _fwd_store_part(acc, m0, n0, M, N, lora, epi, out_desc, stride_om, CFG: tl.c
     offs_m = m0 + tl.arange(0, CFG.BLOCK_M)
     offs_n = n0 + tl.arange(0, PART_N)
     rows = offs_m.to(tl.int64)
-    out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    out_mask = mask_m[:, None] & mask_n[None, :]
     if CFG.HAS_LORA:  # its own FP32 accumulator per part: a whole-tile one spills the big tiles (benchmarks/lora_regs_sass.py)
         u_ptr, stride_um, l_ptr, stride_lr, stride_ln, R, lora_scale = lora
         BLOCK_R: tl.constexpr = CFG.BLOCK_R
         offs_r = tl.arange(0, BLOCK_R)
-        mask_m = offs_m < M
-        mask_n = offs_n < N
         BLOCK_M: tl.constexpr = CFG.BLOCK_M  # tl.zeros takes a constexpr shape, not a field of CFG
         lacc = tl.zeros((BLOCK_M, PART_N), dtype=tl.float32)
         for r0 in range(tl.cdiv(R, BLOCK_R)):
@@ -227,13 +227,13 @@ def _gemm_fwd_kernel(a_ptr, b_ptr, out_desc, strides, lora, epi, M, N, K, CFG: t
         tile_c = pid - CFG.NUM_PROGRAMS  # separate counter for the epilogue, as the pipeliner prefers
         for tile in tl.range(pid, num_pid_m * num_pid_n, CFG.NUM_PROGRAMS, flatten=True):
             pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, CFG.GROUP_M)
-            acc = _fwd_tile_acc(a_ptr, b_ptr, strides, lora, epi, pid_m, pid_n, M, N, K, CFG)
+            acc = _fwd_tile_acc(a_ptr, b_ptr, strides, epi, pid_m, pid_n, M, N, K, CFG)
             tile_c += CFG.NUM_PROGRAMS
             pid_m_c, pid_n_c = _grouped_tile(tile_c, num_pid_m, num_pid_n, CFG.GROUP_M)
             _fwd_tile_store(acc, pid_m_c, pid_n_c, M, N, lora, epi, out_desc, stride_om, CFG)
     else:
         pid_m, pid_n = _grouped_tile(pid, num_pid_m, num_pid_n, CFG.GROUP_M)
-        acc = _fwd_tile_acc(a_ptr, b_ptr, strides, lora, epi, pid_m, pid_n, M, N, K, CFG)
+        acc = _fwd_tile_acc(a_ptr, b_ptr, strides, epi, pid_m, pid_n, M, N, K, CFG)
         _fwd_tile_store(acc, pid_m, pid_n, M, N, lora, epi, out_desc, stride_om, CFG)
 
 
