@@ -197,27 +197,41 @@ def gemm_params(op: str, where: str, x: torch.Tensor, w: torch.Tensor, b: torch.
         return _op(op, where, x, x, w, b, seqlens=seqlens, lora=lora, **kw)
 
 
+Modulation = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]
+
+
+def block_modulation(i: int, block: nn.Module, temb: torch.Tensor) -> Modulation:
+    """Block ``i``'s per-sample modulation vectors, image then text: the six ``(B, D)`` column chunks
+    (shift, scale, gate) × (attention, MLP) of each stream's ``(B, 6D)`` product ``SiLU(temb) Wᵀ + b``.
+
+    The chunks stay views with row stride 6D (every row operator reads per-sample vectors with a free row
+    stride, so no copy is launched). They read nothing but ``temb``."""
+    ones = (1,) * temb.shape[0]
+    imod = _gemm("adaln_mod_projection", f"block{i}.img", temb, block.img_mod[1], ones, prologue="silu").chunk(6, dim=-1)
+    tmod = _gemm("adaln_mod_projection", f"block{i}.txt", temb, block.txt_mod[1], ones, "text",
+                 prologue="silu").chunk(6, dim=-1)
+    return imod, tmod
+
+
 def block_forward(
     i: int, block: nn.Module, img: torch.Tensor, txt: torch.Tensor, temb: torch.Tensor,
     rope: tuple[torch.Tensor, ...], iseq: tuple[int, ...], tseq: tuple[int, ...], heads: int, head_dim: int, eps: float,
     attend: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None, columns: Any = None,
+    modulation: Modulation | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block ``i`` on packed rows. ``attend(i, qt, kt, vt, qi, ki, vi) → (ot, oi)`` replaces the joint
     attention operator call (sequence parallelism meets the whole sequence there); None calls it.
     ``columns`` (tensor parallelism, :class:`mmdit_strict.parallel.tensor.ColumnShards`): Q/K/V give this
     rank's heads (``columns.local``), attention runs on them, their outputs are gathered
-    (``columns.gather``) and the other block products are whole on every rank (``columns.whole``)."""
-    B = len(iseq)
+    (``columns.gather``) and the other block products are whole on every rank (``columns.whole``).
+    ``modulation``: :func:`block_modulation` of this block and ``temb`` computed by the caller (outside a
+    gradient checkpoint, so the recompute skips it), or None to compute it here first."""
     qkv, proj = (_gemm, _gemm) if columns is None else (columns.local, columns.whole)
     if columns is not None:
         heads //= columns.size
-    ones = (1,) * B
     img_cos, img_sin, txt_cos, txt_sin = rope
     wi, wt = f"block{i}.img", f"block{i}.txt"
-    # (B, 6D) each, chunked as (shift, scale, gate) × (attention, MLP). The chunks stay views with row stride
-    # 6D: every row operator reads its per-sample vectors with a free row stride, so no copy is launched.
-    imod = _gemm("adaln_mod_projection", wi, temb, block.img_mod[1], ones, prologue="silu").chunk(6, dim=-1)
-    tmod = _gemm("adaln_mod_projection", wt, temb, block.txt_mod[1], ones, "text", prologue="silu").chunk(6, dim=-1)
+    imod, tmod = block_modulation(i, block, temb) if modulation is None else modulation
 
     hi = _op("adaln_modulation", wi, img, img, imod[0], imod[1], seqlens=iseq, eps=eps)
     ht = _op("adaln_modulation", wt, txt, txt, tmod[0], tmod[1], seqlens=tseq, eps=eps)
@@ -356,8 +370,11 @@ def _strict_forward(model: "MMDiT", inputs: "ModelInputs", block_capture: dict[s
     heads, head_dim = cfg.num_attention_heads, cfg.attention_head_dim
     for i, block in enumerate(model.transformer_blocks):
         if model.gradient_checkpointing and torch.is_grad_enabled():
+            # the block's first operators, made just before the checkpoint: the autograd graph and its order are
+            # unchanged, and the recompute skips these weight-streaming products (they read only temb)
+            mod = block_modulation(i, block, temb)
             img, txt = checkpointed(block_forward, i, block, img, txt, temb, rope, iseq, tseq, heads, head_dim, eps,
-                                    preserve_rng=False)
+                                    None, None, mod, preserve_rng=False)
         else:
             img, txt = block_forward(i, block, img, txt, temb, rope, iseq, tseq, heads, head_dim, eps)
         if block_capture is not None:

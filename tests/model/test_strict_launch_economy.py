@@ -1,5 +1,7 @@
-"""SiLU(temb) once per strict forward (``kernels/prologues.py``): the modulation products of every block and
-the final AdaLN share one prologue pass, a checkpoint recompute reuses it, and no byte changes."""
+"""Work the strict forward does not repeat, with no byte changed: SiLU(temb) once per forward
+(``kernels/prologues.py``: the modulation products of every block and the final AdaLN share one prologue pass, a
+checkpoint recompute reuses it), and each block's modulation products made outside its gradient checkpoint (the
+recompute skips them)."""
 
 from __future__ import annotations
 
@@ -46,10 +48,30 @@ def test_one_silu_pass_per_forward_and_the_same_bytes(tiny_ckpt, monkeypatch: py
     passes.clear()
     monkeypatch.setattr(strict, "shared_prologues", contextlib.nullcontext)  # each product its own pass, as before
     own = _step(model, inputs)
-    assert len(passes) == (2 * blocks + 1) * (2 if checkpointing else 1) - (1 if checkpointing else 0)
+    assert len(passes) == 2 * blocks + 1  # checkpointed, the modulation products run outside the recompute
     assert len(shared) == len(own)
     for i, (a, c) in enumerate(zip(shared, own)):
         assert_bytes_equal(a, c, f"output / gradient {i}: shared SiLU(temb) vs one pass per product")
+
+
+def test_checkpoint_recompute_skips_the_modulation_products(tiny_ckpt) -> None:
+    """Checkpointed forward + backward: every modulation product runs once (the recomputes run in the forward's
+    context, so they would be recorded too), the block's other products twice; full fine-tuning, so temb's
+    gradient sums 2·blocks + 1 contributions, and every byte equals the run without checkpointing."""
+    runs = {}
+    for checkpointing in (False, True):
+        model = MMDiT.from_pretrained(tiny_ckpt[0], runtime="strict")
+        model.enable_gradient_checkpointing(checkpointing)
+        with strict.record_gemms() as calls:
+            runs[checkpointing] = _step(model, make_inputs(2, (4, 4), [5, 3]))
+        blocks = len(model.transformer_blocks)
+        mods = [c for c in calls if c.op == "adaln_mod_projection"]
+        mlp_down = [c for c in calls if c.op == "mlp_down_gemm"]
+        assert len(mods) == 2 * blocks
+        assert len(mlp_down) == 2 * blocks * (2 if checkpointing else 1)
+    assert len(runs[False]) == len(runs[True])
+    for i, (a, c) in enumerate(zip(runs[False], runs[True])):
+        assert_bytes_equal(a, c, f"output / gradient {i}: checkpointing off vs on")
 
 
 def test_memo_reuses_only_the_same_unchanged_tensor() -> None:
