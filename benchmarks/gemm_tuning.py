@@ -22,10 +22,10 @@ import argparse
 import cProfile
 import io
 import pstats
-import time
 
 import torch
 
+from mmdit_strict.bench import timing
 from mmdit_strict.environment import environment_line
 from mmdit_strict.bench.gemm import (
     ReportWriter,
@@ -106,14 +106,7 @@ def host_probe(G, calls: int = 300) -> list[dict]:
                           ("gemm_fwd (launches)", lambda: G.gemm_fwd(x, w, b, prologue="silu")),
                           ("cuBLAS F.linear(silu(x))", lambda: _torch_linear(x, w, b, "silu", "none"))):
             with torch.no_grad():
-                for _ in range(20):
-                    fn()
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                host_us = (time.perf_counter() - t0) / calls * 1e6
-                torch.cuda.synchronize()
+                host_us = timing.host_us(fn, calls, warmup=20)
             rows.append({"layer": name, "M": m, "what": label, "host_us_per_call": host_us})
             print(f"host {name} M={m} {label}: {host_us:.1f} us/call", flush=True)
         prof = cProfile.Profile()

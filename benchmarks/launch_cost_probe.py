@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from typing import Any, Callable
 
 import torch
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 from triton.runtime.driver import driver
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from mmdit_strict.bench import timing
 from mmdit_strict.kernels.triton import configs as C
 from mmdit_strict.kernels.triton import gemm as G
 from mmdit_strict.kernels.triton.bound import bound
@@ -38,15 +38,7 @@ CALLS = 3000
 
 
 def host_us(fn: Callable[[], Any], n: int = CALLS) -> float:
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    us = (time.perf_counter() - t) / n * 1e6
-    torch.cuda.synchronize()
-    return us
+    return timing.host_us(fn, n, warmup=50)
 
 
 def main(out_dir: str) -> dict[str, float]:

@@ -4,6 +4,7 @@ first use) and the CUDA profiler's count of one call's GPU work."""
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -59,6 +60,21 @@ def plain_ms(fn: Callable[[], Any]) -> float:
     from triton.testing import do_bench
 
     return median_ms(do_bench(fn, warmup=10, rep=50, quantiles=[0.5]))
+
+
+def host_us(fn: Callable[[], Any], calls: int, warmup: int) -> float:
+    """Host µs per call of ``fn``: ``warmup`` calls, a synchronisation, then ``perf_counter`` around ``calls`` calls
+    (synchronised after, outside the clock). Meaningful where the GPU never holds the host back (small work per
+    call): it then measures what the host pays to launch."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    us = (time.perf_counter() - t) / calls * 1e6
+    torch.cuda.synchronize()
+    return us
 
 
 @dataclass(frozen=True)

@@ -37,3 +37,16 @@ def test_cuda_profiler_asks_kineto_to_tear_cupti_down_unless_told_otherwise(monk
     monkeypatch.setenv("TEARDOWN_CUPTI", "0")  # the user's choice stands
     cuda_profiler(activities=[ProfilerActivity.CPU])
     assert os.environ["TEARDOWN_CUPTI"] == "0"
+
+
+@pytest.mark.gpu
+def test_host_us_counts_every_call_and_times_only_the_loop() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from mmdit_strict.bench.timing import host_us
+
+    calls: list[int] = []
+    x = torch.ones(8, device="cuda")
+    us = host_us(lambda: calls.append(1) or x.add_(1), calls=200, warmup=7)
+    assert len(calls) == 207 and float(x[0]) == 208.0
+    assert 0.0 < us < 1e5  # a host launch of a tiny add: microseconds, not a synchronised wait
