@@ -21,6 +21,7 @@ import torch
 
 from ..kernels.keepalive import retaining
 from ..kernels.trace import OperatorTrace, active_trace, capture_trace
+from .module_index import module_index
 
 if TYPE_CHECKING:
     from .mmdit import ModelInputs
@@ -70,15 +71,11 @@ def graph_stats(model: torch.nn.Module) -> dict[str, dict[str, int]] | None:
 def adapter_state(model: torch.nn.Module) -> tuple:
     """What the strict forward's Python reads of the LoRA adapters: per adapted layer, whether adapters are
     disabled, which are active and their scalings. A graph captured in one state must not replay in another
-    (a KL reference forward runs with the adapters disabled, as ``training.policy.adapters_disabled`` does)."""
-    state = []
-    for m in model.modules():
-        active = getattr(m, "active_adapters", None)
-        if active is None or not hasattr(m, "scaling"):
-            continue
-        state.append((bool(getattr(m, "disable_adapters", False)), tuple(active),
-                      tuple(sorted((k, float(v)) for k, v in m.scaling.items()))))
-    return tuple(state)
+    (a KL reference forward runs with the adapters disabled, as ``training.policy.adapters_disabled`` does).
+    The adapter layers come from the kept walk of the model (:mod:`.module_index`); their state is read now."""
+    return tuple((bool(getattr(m, "disable_adapters", False)), tuple(m.active_adapters),
+                  tuple(sorted((k, float(v)) for k, v in m.scaling.items())))
+                 for m in module_index(model).adapted)
 
 
 class GraphCache:

@@ -25,6 +25,7 @@ from ..config.arch import ArchConfig
 from ..kernels.execution import Runtime, current, using
 from .diffusers_compat import DiffusersCompatMixin, check_attention_kwargs
 from .graphs import GraphCache, adapter_state
+from .module_index import trainable_parameters
 from .layers import AdaNormOut, DoubleStreamBlock, RMSNorm, TimeTextEmbed, is_plain_linear, linear_op, module_op, production_op
 from .rope import normalize_img_shapes, rope_tables
 from .strict import checkpointed, instrumented, strict_forward
@@ -374,7 +375,7 @@ class MMDiT(DiffusersCompatMixin, nn.Module):
         does not apply (no cache, no trainable parameter, inputs that need gradients)."""
         if self.train_graphs is None or inputs.hidden_states.requires_grad or inputs.encoder_hidden_states.requires_grad:
             return None
-        params = [p for p in self.parameters() if p.requires_grad]
+        params = trainable_parameters(self)
         if not params:
             return None
         key = (GraphCache.key(inputs, runtime), adapter_state(self), self.gradient_checkpointing)
