@@ -259,13 +259,16 @@ class MMDiT(DiffusersCompatMixin, nn.Module):
                 raise ValueError(f"{name} has dtype {t.dtype} but the model runs in {self.dtype}; cast the input")
             if t.device != self.device:
                 raise ValueError(f"{name} is on {t.device} but the model is on {self.device}")
-            if not torch.isfinite(t).all():
-                raise ValueError(f"{name} contains NaN or Inf")
         L = encoder_hidden_states.shape[1]
         if L < 1:
             raise ValueError("encoder_hidden_states needs at least one text token")
-        mask = None
-        txt_lens = [L] * B
+        # Data checks run on the device and come back in one transfer: one host synchronisation on the good path.
+        # Each entry: (flag tensor that is True when the check passes, the error raised when it is False).
+        checks: list[tuple[torch.Tensor, str]] = [
+            (torch.isfinite(hidden_states).all(), "hidden_states contains NaN or Inf"),
+            (torch.isfinite(encoder_hidden_states).all(), "encoder_hidden_states contains NaN or Inf"),
+        ]
+        mask = lens = None
         if encoder_hidden_states_mask is not None:
             m = encoder_hidden_states_mask
             if not isinstance(m, torch.Tensor) or tuple(m.shape) != (B, L):
@@ -273,27 +276,33 @@ class MMDiT(DiffusersCompatMixin, nn.Module):
             if m.device != self.device:
                 raise ValueError(f"encoder_hidden_states_mask is on {m.device} but the model is on {self.device}")
             if m.dtype != torch.bool:
-                if m.is_floating_point() and not torch.isfinite(m).all():
-                    raise ValueError("encoder_hidden_states_mask contains NaN or Inf")
-                if not ((m == 0) | (m == 1)).all():
-                    raise ValueError("encoder_hidden_states_mask must hold only 0 and 1")
+                if m.is_floating_point():
+                    checks.append((torch.isfinite(m).all(), "encoder_hidden_states_mask contains NaN or Inf"))
+                checks.append((((m == 0) | (m == 1)).all(), "encoder_hidden_states_mask must hold only 0 and 1"))
                 m = m != 0
             lens = m.sum(dim=1)
             prefix = torch.arange(L, device=m.device)[None, :] < lens[:, None]
-            if not torch.equal(prefix, m):
-                raise ValueError("encoder_hidden_states_mask must be a prefix mask (valid tokens first, padding after)")
-            if (lens == 0).any():
-                raise ValueError("every sample needs at least one valid text token (a row of the mask is all zero)")
-            txt_lens = [int(v) for v in lens.tolist()]
+            checks.append(((prefix == m).all(), "encoder_hidden_states_mask must be a prefix mask (valid tokens first, "
+                                                "padding after)"))
             mask = m
         sigma = torch.as_tensor(timestep, device=self.device)
         if sigma.dim() == 0:
             sigma = sigma.expand(B)
         if sigma.dim() != 1 or sigma.shape[0] != B:
             raise ValueError(f"timestep must be a scalar or a ({B},) tensor of sigmas, got shape {tuple(sigma.shape)}")
-        # one host sync on the good path: NaN fails both comparisons, so it takes the same branch
-        if not sigma.is_floating_point() or not ((sigma >= 0) & (sigma <= 1)).all():
-            if not sigma.is_floating_point() or not torch.isfinite(sigma).all():
+        if not sigma.is_floating_point():
+            raise ValueError("timestep must be finite floating-point sigmas (the pipeline passes t / 1000)")
+        in_range = ((sigma >= 0) & (sigma <= 1)).all()  # NaN fails both comparisons
+        flags = torch.stack([f for f, _ in checks] + [in_range]).to(torch.int64)
+        read = (flags if lens is None else torch.cat([flags, lens.to(torch.int64)])).tolist()
+        for ok, (_, message) in zip(read, checks):
+            if not ok:
+                raise ValueError(message)
+        txt_lens = [L] * B if lens is None else read[len(checks) + 1:]
+        if 0 in txt_lens:
+            raise ValueError("every sample needs at least one valid text token (a row of the mask is all zero)")
+        if not read[len(checks)]:
+            if not torch.isfinite(sigma).all():
                 raise ValueError("timestep must be finite floating-point sigmas (the pipeline passes t / 1000)")
             raise ValueError(f"timestep must be sigmas in [0, 1] (the pipeline passes t / 1000), got values from "
                              f"{float(sigma.min())} to {float(sigma.max())}")

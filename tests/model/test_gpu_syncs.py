@@ -61,3 +61,28 @@ def test_strict_block_backward_has_no_host_sync(block_args) -> None:
         step()
         run_without_host_sync(step)
     assert img.grad is not None and torch.isfinite(img.grad.float()).all()
+
+
+def test_input_checks_synchronise_once(block_args) -> None:
+    """``validate_inputs`` reads every data check (finite inputs, a 0/1 prefix mask, sigmas in range) and the
+    prompt lengths back in one transfer: one host synchronisation per forward on the good path."""
+    import warnings
+
+    from tests.helpers import make_inputs
+
+    model, _ = block_args
+    inputs = make_inputs(2, (8, 8), [9, 4], txt_dim=model.config.joint_attention_dim, dtype=torch.bfloat16)
+    cuda = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    args = (cuda["hidden_states"], cuda["encoder_hidden_states"], cuda["encoder_hidden_states_mask"], cuda["timestep"],
+            cuda["img_shapes"])
+    model.validate_inputs(*args)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            got = model.validate_inputs(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert got.txt_lens == [9, 4]
+    assert sum("synchroniz" in str(w.message) for w in caught) == 1
