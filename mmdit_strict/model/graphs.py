@@ -21,7 +21,7 @@ import torch
 
 from ..kernels.keepalive import retaining
 from ..kernels.trace import OperatorTrace, active_trace, capture_trace
-from .module_index import module_index
+from .module_index import adapter_layers
 
 if TYPE_CHECKING:
     from .mmdit import ModelInputs
@@ -75,7 +75,7 @@ def adapter_state(model: torch.nn.Module) -> tuple:
     The adapter layers come from the kept walk of the model (:mod:`.module_index`); their state is read now."""
     return tuple((bool(getattr(m, "disable_adapters", False)), tuple(m.active_adapters),
                   tuple(sorted((k, float(v)) for k, v in m.scaling.items())))
-                 for m in module_index(model).adapted)
+                 for m in adapter_layers(model))
 
 
 class GraphCache:

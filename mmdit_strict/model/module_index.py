@@ -41,13 +41,17 @@ _module.register_module_buffer_registration_hook(_registered)
 
 @dataclass(frozen=True)
 class ModuleIndex:
-    """One walk of a module tree, in ``nn.Module.modules()`` / ``parameters()`` order (pre-order, each object once)."""
+    """One walk of a module tree, in ``nn.Module.modules()`` / ``parameters()`` order (pre-order, each object once).
 
-    modules: tuple[nn.Module, ...]
+    The root itself is not held (the index lives in a map keyed weakly by the root, so holding it would keep
+    every model alive): ``below`` starts with the root's first child."""
+
+    below: tuple[nn.Module, ...]
     parameters: tuple[nn.Parameter, ...]
-    adapted: tuple[nn.Module, ...]  # PEFT-style adapter layers: an ``active_adapters`` and a ``scaling``
+    adapted_below: tuple[nn.Module, ...]  # PEFT-style adapter layers: an ``active_adapters`` and a ``scaling``
+    root_adapted: bool
     registrations: int
-    tables: tuple[dict, ...]  # every kept module's children and parameters dicts
+    tables: tuple[dict, ...]  # the root's and every kept module's children and parameters dicts
     sizes: int
 
     def current(self) -> bool:
@@ -55,27 +59,31 @@ class ModuleIndex:
         return self.registrations == _registrations and self.sizes == sum(map(len, self.tables))
 
 
+def _adapted(m: nn.Module) -> bool:
+    return getattr(m, "active_adapters", None) is not None and hasattr(m, "scaling")
+
+
 def _walk(root: nn.Module) -> ModuleIndex:
-    seen: set[int] = set()
-    modules: list[nn.Module] = []
-    stack = [root]
+    seen: set[int] = {id(root)}
+    below: list[nn.Module] = []
+    stack = [c for c in reversed(root._modules.values()) if c is not None]
     while stack:
         m = stack.pop()
         if id(m) in seen:
             continue
         seen.add(id(m))
-        modules.append(m)
+        below.append(m)
         stack.extend(c for c in reversed(m._modules.values()) if c is not None)
     params: list[nn.Parameter] = []
     seen_p: set[int] = set()
-    for m in modules:
+    for m in [root, *below]:
         for p in m._parameters.values():
             if p is not None and id(p) not in seen_p:
                 seen_p.add(id(p))
                 params.append(p)
-    adapted = tuple(m for m in modules if getattr(m, "active_adapters", None) is not None and hasattr(m, "scaling"))
-    tables = tuple(t for m in modules for t in (m._modules, m._parameters))
-    return ModuleIndex(tuple(modules), tuple(params), adapted, _registrations, tables, sum(map(len, tables)))
+    tables = tuple(t for m in [root, *below] for t in (m._modules, m._parameters))
+    return ModuleIndex(tuple(below), tuple(params), tuple(m for m in below if _adapted(m)), _adapted(root),
+                       _registrations, tables, sum(map(len, tables)))
 
 
 _INDEX: weakref.WeakKeyDictionary[nn.Module, ModuleIndex] = weakref.WeakKeyDictionary()
@@ -87,6 +95,12 @@ def module_index(root: nn.Module) -> ModuleIndex:
     if index is None or not index.current():
         index = _INDEX[root] = _walk(root)
     return index
+
+
+def adapter_layers(root: nn.Module) -> tuple[nn.Module, ...]:
+    """The PEFT-style adapter layers of ``root``'s tree (modules with ``active_adapters`` and ``scaling``), in order."""
+    index = module_index(root)
+    return ((root,) if index.root_adapted else ()) + index.adapted_below
 
 
 def trainable_parameters(root: nn.Module) -> list[torch.Tensor]:

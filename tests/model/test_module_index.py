@@ -4,6 +4,8 @@ walked again after any change PyTorch or PEFT makes, and never kept across a for
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ from torch import nn
 
 from mmdit_strict import MMDiT
 from mmdit_strict.model.graphs import adapter_state
-from mmdit_strict.model.module_index import module_index, trainable_parameters
+from mmdit_strict.model.module_index import adapter_layers, module_index, trainable_parameters
 from tests.helpers import make_inputs
 
 
@@ -32,9 +34,9 @@ def test_the_walk_is_pytorchs_order_and_kept_while_nothing_changes(tiny_ckpt) ->
     shared = nn.Linear(2, 2)
     model.extra_a, model.extra_b = shared, shared  # one module twice: listed once, as modules() does
     index = module_index(model)
-    assert _same(index.modules, list(model.modules()))
+    assert _same((model, *index.below), list(model.modules()))
     assert _same(index.parameters, list(model.parameters()))
-    assert _same(index.adapted, [m for m in model.modules() if hasattr(m, "lora_A")])
+    assert _same(adapter_layers(model), [m for m in model.modules() if hasattr(m, "lora_A")])
     assert module_index(model) is index
     model.requires_grad_(False)
     model.transformer_blocks[0].attn.to_q.lora_A["default"].weight.requires_grad_(True)  # read fresh on every call
@@ -69,8 +71,26 @@ def test_every_change_of_the_tree_is_walked_again(tiny_ckpt, change: str) -> Non
         model = copy.deepcopy(model)
     after = module_index(model)
     assert after is not before
-    assert _same(after.modules, list(model.modules()))
+    assert _same((model, *after.below), list(model.modules()))
     assert _same(after.parameters, list(model.parameters()))
     assert adapter_state(model) == tuple(
         (bool(m.disable_adapters), tuple(m.active_adapters), tuple(sorted((k, float(v)) for k, v in m.scaling.items())))
         for m in model.modules() if hasattr(m, "lora_A"))
+
+
+def test_the_index_keeps_no_model_alive(tiny_ckpt) -> None:
+    model = _lora_model(tiny_ckpt)
+    module_index(model)
+    adapter_state(model)
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None
+
+
+def test_an_adapter_layer_as_the_root_is_listed() -> None:
+    layer = nn.Sequential(nn.Linear(4, 4))
+    inject_adapter_in_model(PeftLoraConfig(r=2, target_modules=["0"]), layer)
+    lora = layer[0]
+    assert adapter_layers(lora) == (lora,)
+    assert adapter_layers(layer) == (lora,)
