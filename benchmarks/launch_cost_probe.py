@@ -75,7 +75,7 @@ def main(out_dir: str) -> dict[str, float]:
         b_arg = TensorDescriptor(w, [n, k], [k, 1], [plan.bn, plan.bk])
         if plan.tma_store:
             o_arg = TensorDescriptor(y, [m, n], [n, 1], [cfg.BLOCK_M, plan.bn // plan.split])
-    args = (a_arg, b_arg, o_arg, (k, 1, k, n), (y, 0, y, 0, 0, 0, 1.0), (bias, y, 0, y, y), m, n, k)
+    args = (a_arg, b_arg, o_arg, (k, 1, k, n), (y, 0, y, 0, 0, 0, 1.0), (bias, y, 0, y, y), m, n, k, None)
     row("Triton kernel[grid](...), prebuilt args", lambda: K._gemm_fwd_kernel[plan.grid](*args, **plan.kw))
     bk = bound(K._gemm_fwd_kernel)
     row("bound kernel[grid](...), prebuilt args", lambda: bk[plan.grid](*args, **plan.kw))

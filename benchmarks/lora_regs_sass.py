@@ -36,9 +36,10 @@ SMS = 132  # H200
 
 
 def _case(torch, C, K, TensorDescriptor, k: int, n: int, epilogue: int, dx: bool, lora: bool, epi_split: int | None,
-          stream: str = "image"):
+          stream: str = "image", gate: bool = False):
     """(args, kwargs) of the main kernel's launch for layer (k → n): its forward, or its dX (dZ (M, n) @ W → (M, k)),
-    in ``stream`` (the text stream's launches run over the prompt's rows)."""
+    in ``stream`` (the text stream's launches run over the prompt's rows). ``gate``: the forward with the gated
+    residual in its epilogue (``epilogue`` is then ``Act.GATE_RESIDUAL``; two samples, the gate a row-strided chunk)."""
     dt = torch.bfloat16
     m = ROWS if stream == "image" else TEXT_ROWS
     if dx:
@@ -56,7 +57,7 @@ def _case(torch, C, K, TensorDescriptor, k: int, n: int, epilogue: int, dx: bool
     if epi_split:
         cfg = cfg.replace(epi_split=epi_split)
     bn, bk = min(cfg.BLOCK_N, nn), min(cfg.BLOCK_K, kk)
-    store_pre = bool(epilogue) and not dx
+    store_pre = bool(epilogue) and not dx and not gate
     tma_store = cfg.tma and cfg.tma_store
     out = torch.empty(m, nn, dtype=dt)
     pre = torch.empty(m, nn, dtype=dt) if store_pre else out
@@ -82,12 +83,18 @@ def _case(torch, C, K, TensorDescriptor, k: int, n: int, epilogue: int, dx: bool
     bias = torch.empty(nn, dtype=dt)
     has_bias = not dx
     epi = (bias if has_bias else out, out, 0, out, pre)
+    gate_args = None
+    if gate:
+        residual = torch.empty(m, nn, dtype=dt)
+        chunk = torch.empty(2, 6 * nn, dtype=dt)[:, 2 * nn:3 * nn]
+        epi = (bias, residual, nn, out, out)
+        gate_args = (chunk, chunk.stride(0), torch.empty(m, dtype=torch.int32))
     spec = K.FwdSpec(PROLOGUE=0, EPILOGUE=0 if dx else epilogue, HAS_BIAS=has_bias, HAS_LORA=lora, STORE_PRE=store_pre,
                      EVEN_K=kk % bk == 0, DOT_PRECISION="ieee", BLOCK_M=cfg.BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
                      BLOCK_R=RANK if lora else 16, GROUP_M=cfg.GROUP_M, USE_TMA=cfg.tma, W_NK=cfg.tma and nk, TMA_STORE=tma_store,
                      EPI_SPLIT=split, NUM_PROGRAMS=SMS if cfg.persistent else 0)
     kw = {"CFG": spec, "num_warps": cfg.num_warps, "enable_fp_fusion": False, "num_stages": cfg.num_stages}
-    return (a_arg, b_arg, o_arg, strides, lora_args, epi, m, nn, kk), kw, cfg
+    return (a_arg, b_arg, o_arg, strides, lora_args, epi, m, nn, kk, gate_args), kw, cfg
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="only these layers (in x out); default all three")
     p.add_argument("--lora-only", action="store_true", help="only the launches with the LoRA term")
     p.add_argument("--digest", action="store_true", help="add a column with the SHA-256 of each build's SASS instructions")
+    p.add_argument("--gate", action="store_true",
+                   help="build the forwards with the gated residual in the epilogue instead (layers with no activation)")
     args = p.parse_args(argv)
     triton_dir = use_wheel(args.triton)
     import torch
@@ -120,10 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     layers = [(k, n, e) for k, n, e in ((3072, 3072, Act.NONE), (3072, 12288, Act.GELU_TANH), (12288, 3072, Act.NONE))
               if args.layer is None or f"{k}x{n}" in args.layer]
     dxs = [p == "dX" for p in args.passes]
+    if args.gate:  # the gated residual follows the products without an activation, forward only
+        layers = [(k, n, Act.GATE_RESIDUAL) for k, n, e in layers if e == Act.NONE]
+        dxs = [False]
     terms = (True,) if args.lora_only else (False, True)
     for stream, (k, n, epilogue), split, dx, lora in itertools.product(args.stream, layers, args.epi_split or (None,), dxs,
                                                                        terms):
-        a, kw, cfg = _case(torch, C, K, TensorDescriptor, k, n, int(epilogue), dx, lora, split, stream)
+        a, kw, cfg = _case(torch, C, K, TensorDescriptor, k, n, int(epilogue), dx, lora, split, stream, args.gate)
         b = compiler.build(K._gemm_fwd_kernel, a, kw)
         listing = instructions(b.sass)
         ops = count_ops([o for _, o, _ in listing], ("LDL", "STL"))
@@ -131,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.digest:
             digest = " " + hashlib.sha256("\n".join(f"{a:x} {o}{r}" for a, o, r in listing).encode()).hexdigest()[:16] + " |"
         tile = f"{cfg.BLOCK_M} × {cfg.BLOCK_N} × {cfg.BLOCK_K}, {cfg.num_warps}, {cfg.num_stages}"
-        print(f"| {stream}: {k} → {n}{' GELU' if epilogue else ''} | {'dX' if dx else 'forward'} | {tile} | "
+        label = {Act.GELU_TANH: " GELU", Act.GATE_RESIDUAL: " + gated residual"}.get(epilogue, "")
+        print(f"| {stream}: {k} → {n}{label} | {'dX' if dx else 'forward'} | {tile} | "
               f"{kw['CFG'].EPI_SPLIT} | {'yes' if lora else 'no'} | {b.regs} | {b.stack} | {ops['LDL']} | {ops['STL']} |"
               + digest,
               flush=True)

@@ -266,14 +266,27 @@ def block_forward(
     if columns is not None:
         ot, oi = columns.gather(ot), columns.gather(oi)
 
-    img = _op("adaln_gate_residual", wi + ".attn", img, img, proj("attn_out_bias_gemm", wi, oi, a.to_out[0], iseq), imod[2], seqlens=iseq)
-    txt = _op("adaln_gate_residual", wt + ".attn", txt, txt, proj("attn_out_bias_gemm", wt, ot, a.to_add_out, tseq, "text"), tmod[2], seqlens=tseq)
+    def gated(op: str, where: str, part: str, x: torch.Tensor, h: torch.Tensor, module: nn.Module, gate: torch.Tensor,
+              seq: tuple[int, ...], stream: str) -> torch.Tensor:
+        """``adaln_gate_residual(x, op(h), gate)``; through the product's fused epilogue where the backend offers one
+        (no gradient and no column shards: the fused kernel never writes the product's own output)."""
+        if columns is None and not torch.is_grad_enabled():
+            fused = _fusion(op, "adaln_gate_residual", h)
+            if fused is not None:
+                w, b, lora = linear_params(module)
+                _note_gemm(op, where, h.shape[0], w, b)
+                with gemm_stream(stream):
+                    return fused(h, w, b, x, gate, seqlens=seq, lora=lora)
+        return _op("adaln_gate_residual", f"{where}.{part}", x, x, proj(op, where, h, module, seq, stream), gate,
+                   seqlens=seq)
+
+    img = gated("attn_out_bias_gemm", wi, "attn", img, oi, a.to_out[0], imod[2], iseq, "image")
+    txt = gated("attn_out_bias_gemm", wt, "attn", txt, ot, a.to_add_out, tmod[2], tseq, "text")
 
     def mlp(where: str, x: torch.Tensor, mods: list, ff: nn.Module, seq: tuple[int, ...], stream: str) -> torch.Tensor:
         h = _op("adaln_modulation", where + ".mlp", x, x, mods[3], mods[4], seqlens=seq, eps=eps)
         u = proj("mlp_up_gemm_gelu", where, h, ff.net[0].proj, seq, stream, epilogue="gelu_tanh")
-        y = proj("mlp_down_gemm", where, u, ff.net[2], seq, stream)
-        return _op("adaln_gate_residual", where + ".mlp", x, x, y, mods[5], seqlens=seq)
+        return gated("mlp_down_gemm", where, "mlp", x, u, ff.net[2], mods[5], seq, stream)
 
     img = mlp(wi, img, imod, block.img_mlp, iseq, "image")
     txt = mlp(wt, txt, tmod, block.txt_mlp, tseq, "text")

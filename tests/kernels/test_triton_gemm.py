@@ -358,6 +358,52 @@ def test_shared_prologue_pass_runs_once_and_keeps_bytes(monkeypatch):
         assert_bytes_equal(a, c, "shared SiLU pass vs one per product")
 
 
+def check_gate_residual_fusion(target, m_seq, n, k, lora, dtype_rows=None) -> None:
+    """``gemm_gate_residual`` gives the bytes of the unfused pair ``adaln_gate_residual(r, gemm(x, W, b, lora), gate)``
+    with the gate a row-strided chunk of a (B, 6N) modulation product, as the strict block passes it."""
+    from mmdit_strict.kernels.triton import norms as N
+
+    gen = torch.Generator().manual_seed(23)
+    m = sum(m_seq)
+
+    def rnd(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen)).to(target.device, target.dtype)
+
+    x, res = rnd(m, k), rnd(m, n)
+    w, b = rnd(n, k, scale=k ** -0.5), rnd(n)
+    lo = (rnd(5, k, scale=k ** -0.5), rnd(n, 5), 0.5) if lora else None
+    gate = rnd(len(m_seq), 6 * n, scale=0.5).chunk(6, dim=-1)[2]
+    with torch.no_grad():
+        fused = G.gemm_gate_residual(x, w, b, res, gate, seqlens=m_seq, lora=lo)
+        pair = N.adaln_gate_residual(res, G.gemm(x, w, b, seqlens=m_seq, lora=lo), gate, seqlens=m_seq)
+    assert_bytes_equal(fused, pair, f"fused gate residual vs the pair ({target.label}, rows {m_seq}, N {n}, lora {lora})")
+
+
+@interp
+@pytest.mark.parametrize("lora", [False, True])
+def test_gate_residual_fusion_equals_the_pair_interpreter(lora):
+    from tests.harness import CPU_FP32
+
+    check_gate_residual_fusion(CPU_FP32, (10, 0, 27), N, K, lora)
+    check_gate_residual_fusion(CPU_FP32, (1,), 16, 32, lora)
+
+
+@interp
+def test_gate_residual_fusion_refuses_bad_calls():
+    w, b, _ = _params(False)
+    x = _x(M)
+    res, gate = torch.zeros(M, N), torch.zeros(len(SEQLENS), N)
+    with pytest.raises(ValueError, match="forward only"):
+        G.gemm_gate_residual(x.requires_grad_(True), w, b, res, gate, seqlens=SEQLENS)
+    x = _x(M)
+    with pytest.raises(ValueError, match="gate of shape"):
+        G.gemm_gate_residual(x, w, b, res, gate[:2], seqlens=SEQLENS)
+    with pytest.raises(ValueError, match="unit column stride"):
+        G.gemm_gate_residual(x, w, b, res, torch.zeros(N, len(SEQLENS)).t(), seqlens=SEQLENS)
+    with pytest.raises(ValueError, match="residual"):
+        G.gemm_gate_residual(x, w, b, res[:, :-1], gate, seqlens=SEQLENS)
+
+
 def test_activation_codes_agree_between_host_and_kernels():
     """The host's ``Act`` codes and the kernels' ``tl.constexpr`` mirrors are the same numbers."""
     from mmdit_strict.kernels.triton.gemm import codes
@@ -651,3 +697,17 @@ def test_gpu_bf16_weight_grad_fold_of_fp32_partials(layer):
     x = randn(sum(lens), k, gen=gen, target=target)
     g = randn(sum(lens), n, gen=gen, target=target)
     _check_dw_db_fold(g, x, lens, pro, (0, 2, len(lens) - 1, len(lens)), left_fold, assert_bytes_equal, f"{name} bf16")
+
+
+@on_gpu_targets
+@pytest.mark.parametrize("k", [3072, 12288], ids=["attn_out", "mlp_down"])
+def test_gpu_gate_residual_fusion_equals_the_pair(target, k):
+    """At Qwen-Image's widths, both streams' tiles, with and without the LoRA term (BF16: the product rounded
+    once before the gated residual, as the unfused pair stores it)."""
+    from mmdit_strict.kernels.streams import gemm_stream
+
+    skip_unless_compiled(target)
+    for stream, seq in (("image", (4096, 1, 0, 77)), ("text", (128, 77, 0, 1))):
+        with gemm_stream(stream):
+            for lora in (False, True):
+                check_gate_residual_fusion(target, seq, 3072, k, lora)

@@ -112,3 +112,33 @@ def test_no_memo_outside_a_shared_block() -> None:
         prologue_pass(x, "silu", compute)
         prologue_pass(x, "silu", compute)
     assert len(calls) == 3 and memo.reuses == 1
+
+
+@pytest.mark.gpu
+def test_gpu_gated_residual_epilogue_keeps_the_forward_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the GEMM engine's gated-residual epilogue offered to the model (``GATE_RESIDUAL_FUSION``, off by default),
+    a no-grad strict forward at Qwen-Image's widths, LoRA attached, takes it for every attention-output and MLP-down
+    product and gives the unfused forward's bytes; uncaptured, so each forward runs its own launches."""
+    from mmdit_strict.config.schema import LoraConfig
+    from mmdit_strict.kernels.execution import Runtime
+    from mmdit_strict.kernels.registry import resolve
+    from mmdit_strict.kernels.triton import gemm as G
+    from mmdit_strict.trajectories.setup import attach_lora
+    from tests.helpers import strict_qwen_image_cuda
+
+    arch, model = strict_qwen_image_cuda(num_layers=2)
+    attach_lora(model, LoraConfig(rank=16, alpha=16.0, init="random", seed=2))
+    model.enable_cuda_graphs(False)
+    inputs = make_inputs(2, (32, 32), [77, 20], txt_dim=arch.joint_attention_dim, dtype=torch.bfloat16, sigma=[0.3, 0.8])
+    inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    with torch.no_grad():
+        unfused = model(**inputs).sample
+        calls: list[int] = []
+        fused_fn = G.gemm_gate_residual
+        for op in ("attn_out_bias_gemm", "mlp_down_gemm"):
+            impl, _ = resolve(op, torch.device("cuda"), torch.bfloat16, Runtime.STRICT)
+            monkeypatch.setitem(impl.fusions, "adaln_gate_residual",
+                                lambda *a, **k: calls.append(1) or fused_fn(*a, **k))
+        fused = model(**inputs).sample
+    assert len(calls) == 4 * arch.num_layers
+    assert_bytes_equal(fused, unfused, "strict forward with the gated-residual epilogue vs unfused")

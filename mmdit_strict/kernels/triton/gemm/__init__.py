@@ -48,12 +48,13 @@ Modules, in the order a call goes through them:
   ``gemm_bwd``, ``gemm_dw``, ``gemm_db``, ``act_fwd``, ``act_bwd``;
 * :mod:`.weights` — the weight-owned ``Wᵀ`` copy of the ``"kn"`` layout;
 * :mod:`.cuda_context` — the primary-context workaround for descriptor encoding on autograd threads;
-* :mod:`.autograd` — ``GemmFunction``, the public ``gemm`` and its registry entries.
+* :mod:`.autograd` — ``GemmFunction``, the public ``gemm``, the forward-only ``gemm_gate_residual`` (the product
+  fused with the gated residual after it) and the registry entries.
 """
 
 from __future__ import annotations
 
-from .autograd import GEMM_OPS, GemmFunction, gemm
+from .autograd import GEMM_OPS, GemmFunction, gemm, gemm_gate_residual
 from .codes import EPILOGUES, PROLOGUES, Act
 from .launch import (
     DTYPES,
@@ -85,6 +86,7 @@ __all__ = [
     "drop_prepacked",
     "gemm",
     "gemm_bwd",
+    "gemm_gate_residual",
     "gemm_db",
     "gemm_dw",
     "gemm_fwd",

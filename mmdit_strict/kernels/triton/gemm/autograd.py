@@ -20,7 +20,7 @@ from ...streams import current_gemm_stream
 from ...registry import KernelImpl, register
 from .. import configs as _configs
 from . import codes, cuda_context, fpmath, kernels, launch, weights
-from .launch import _DOT_PRECISION, DTYPES, check_inputs, gemm_bwd, gemm_fwd
+from .launch import _DOT_PRECISION, DTYPES, _check_tensor, check_inputs, gemm_bwd, gemm_fwd, gemm_gate_residual_fwd
 
 
 class GemmFunction(torch.autograd.Function):
@@ -76,9 +76,40 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return gemm_fwd(x, weight, bias, prologue=prologue, epilogue=epilogue, lora=lora)[0]
 
 
+def gemm_gate_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+                       gate: torch.Tensor, *, seqlens: tuple[int, ...], lora=None) -> torch.Tensor:
+    """Fused ``adaln_gate_residual(residual, gemm(x, weight, bias, lora), gate)``: ``residual + gate[s] · y`` per
+    row of sample ``s``, the product ``y`` rounded once to the execution dtype and never stored; the unfused
+    pair's bytes. residual: (M, N) contiguous, x's dtype and device; gate: (B, N) with B = len(seqlens), unit
+    column stride (row stride free: a chunk of the modulation product). Forward only: ValueError if a
+    gradient is needed (the backward of the gate needs ``y``; run the pair unfused)."""
+    check_inputs(x, weight, bias, seqlens, "none", "none", lora)
+    m, n = x.shape[0], weight.shape[0]
+    _check_tensor("residual", residual, (m, n), x.dtype, x.device)
+    if not isinstance(gate, torch.Tensor) or tuple(gate.shape) != (len(seqlens), n):
+        raise ValueError(f"expected gate of shape ({len(seqlens)}, {n}) (one row per sample), "
+                         f"got {getattr(gate, 'shape', type(gate).__name__)}")
+    if gate.dtype != x.dtype or gate.device != x.device:
+        raise ValueError(f"expected gate of dtype {x.dtype} on {x.device}, got {gate.dtype} on {gate.device}")
+    if len(seqlens) and (gate.stride(1) != 1 or gate.stride(0) < n):
+        raise ValueError(f"expected gate with unit column stride, got strides {tuple(gate.stride())}")
+    tensors = [t for t in (x, weight, bias, residual, gate, *(lora[:2] if lora is not None else ())) if t is not None]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise ValueError("gemm_gate_residual is forward only: with gradients, run the GEMM and adaln_gate_residual "
+                         "unfused (the gate's gradient needs the product's output)")
+    return gemm_gate_residual_fwd(x, weight, bias, residual, gate, seqlens, lora=lora)
+
+
 # ----------------------------------------------------------------------------------------------
 # Registry
 # ----------------------------------------------------------------------------------------------
+
+#: Offer ``gemm_gate_residual`` to the strict model as the fusion of the attention-output and MLP-down products
+#: with the gated residual that follows them (forwards without autograd). Off until the GPU has compared its
+#: BF16 bytes with the unfused pair and timed it (``tests/kernels/test_triton_gemm.py``); the interpreter
+#: checks FP32 on every CI run.
+GATE_RESIDUAL_FUSION = False
+_GATED_OPS = ("attn_out_bias_gemm", "mlp_down_gemm")
 
 GEMM_OPS = ("latent_proj_gemm", "qkv_bias_gemm", "attn_out_bias_gemm", "mlp_up_gemm_gelu",
             "mlp_down_gemm", "adaln_mod_projection")
@@ -101,4 +132,5 @@ for _op in GEMM_OPS:
         config={"table": "mmdit_strict.kernels.triton.configs", "keyed_by": "(N, K, dtype, stream)",
                 "configs_sha256": _CONFIGS_SHA256, "dot_precision": _DOT_PRECISION, "fp_fusion": False},
         reduction_order=_REDUCTION_ORDER, accumulator="fp32",
+        fusions={"adaln_gate_residual": gemm_gate_residual} if GATE_RESIDUAL_FUSION and _op in _GATED_OPS else {},
     ))

@@ -24,12 +24,14 @@ class Act(enum.IntEnum):
     GELU_TANH = 1  # z / (1 + exp(−2c·(z + a z³))), c = √(2/π), a = 0.044715
     SILU = 2  # z / (1 + exp(−z))
     TIMES_SILU_GRAD = 3  # epilogue only: acc · silu'(aux), the backward of a SiLU prologue (dX)
+    GATE_RESIDUAL = 4  # epilogue only: aux + gate[sample of the row] · y, y = acc rounded once to the output dtype
 
 
 ACT_NONE = tl.constexpr(int(Act.NONE))
 ACT_GELU_TANH = tl.constexpr(int(Act.GELU_TANH))
 ACT_SILU = tl.constexpr(int(Act.SILU))
 ACT_TIMES_SILU_GRAD = tl.constexpr(int(Act.TIMES_SILU_GRAD))
+ACT_GATE_RESIDUAL = tl.constexpr(int(Act.GATE_RESIDUAL))
 
 # The names the call contract (docs/operators.md) accepts, and the codes they run as.
 PROLOGUES: Mapping[str, Act] = MappingProxyType({"none": Act.NONE, "silu": Act.SILU})

@@ -13,7 +13,9 @@ helpers below take the groups as they are instead of re-listing their fields:
   weight operand ``b`` read as ``(K, N)`` and the output;
 * ``lora = (u_ptr, stride_um, l_ptr, stride_lr, stride_ln, R, scale)``: the LoRA intermediate
   ``u (M, R)``, ``B`` read as ``(R, N)`` and the scale (dummies when ``HAS_LORA`` is off);
-* ``epi = (bias_ptr, aux_ptr, stride_auxm, out_ptr, pre_ptr)``: what the epilogue reads and writes.
+* ``epi = (bias_ptr, aux_ptr, stride_auxm, out_ptr, pre_ptr)``: what the epilogue reads and writes;
+* ``gate = (gate_ptr, stride_gate, sample_ptr)`` with the ``GATE_RESIDUAL`` epilogue (the per-sample gate
+  ``(B, N)`` and each row's sample index, int32), else None (no parameter, no code).
 
 Activation codes are the names of :mod:`.codes`; the FP32 math is :mod:`.fpmath`.
 """
@@ -25,7 +27,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from .codes import ACT_GELU_TANH, ACT_SILU, ACT_TIMES_SILU_GRAD
+from .codes import ACT_GATE_RESIDUAL, ACT_GELU_TANH, ACT_SILU, ACT_TIMES_SILU_GRAD
 from .fpmath import _act_f32, _act_grad_f32
 
 
@@ -119,7 +121,7 @@ def _fwd_tile_acc(a_ptr, b_ptr, strides, epi, pid_m, pid_n, M, N, K, CFG: tl.con
 
 
 @triton.jit
-def _fwd_store_part(acc, m0, n0, M, N, lora, epi, out_desc, stride_om, CFG: tl.constexpr, PART_N: tl.constexpr):
+def _fwd_store_part(acc, m0, n0, M, N, lora, epi, gate, out_desc, stride_om, CFG: tl.constexpr, PART_N: tl.constexpr):
     """Epilogue of one (BLOCK_M, PART_N) column part of a tile at (m0, n0): [+ lora_scale · u @ l over the part's
     columns, its own FP32 accumulator over R in BLOCK_R steps], [pre store], activation, one cast, store. Each
     element's LoRA chain runs over R alone, so how a tile is cut into parts moves no arithmetic."""
@@ -155,6 +157,13 @@ def _fwd_store_part(acc, m0, n0, M, N, lora, epi, out_desc, stride_om, CFG: tl.c
     elif CFG.EPILOGUE == ACT_TIMES_SILU_GRAD:
         xa = tl.load(aux_ptr + rows[:, None] * stride_auxm + offs_n[None, :], mask=out_mask, other=0.0)
         acc = acc * _act_grad_f32(xa.to(tl.float32), ACT_SILU)
+    elif CFG.EPILOGUE == ACT_GATE_RESIDUAL:  # the gated residual's own operations on the product's rounded output
+        gate_ptr, stride_gate, sample_ptr = gate
+        y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        sample = tl.load(sample_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+        g = tl.load(gate_ptr + sample[:, None] * stride_gate + offs_n[None, :], mask=out_mask, other=0.0)
+        xa = tl.load(aux_ptr + rows[:, None] * stride_auxm + offs_n[None, :], mask=out_mask, other=0.0)
+        acc = xa.to(tl.float32) + g.to(tl.float32) * y
     if CFG.TMA_STORE:
         out_desc.store([m0, n0], acc.to(out_ptr.dtype.element_ty))
     else:
@@ -168,32 +177,32 @@ def _halves(x, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
-def _fwd_tile_store(acc, pid_m, pid_n, M, N, lora, epi, out_desc, stride_om, CFG: tl.constexpr):
+def _fwd_tile_store(acc, pid_m, pid_n, M, N, lora, epi, gate, out_desc, stride_om, CFG: tl.constexpr):
     """Epilogue of a whole tile in EPI_SPLIT column parts (1, 2 or 4): fewer live registers per part."""
     BLOCK_M: tl.constexpr = CFG.BLOCK_M
     BLOCK_N: tl.constexpr = CFG.BLOCK_N
     m0 = pid_m * BLOCK_M
     n0 = pid_n * BLOCK_N
     if CFG.EPI_SPLIT == 1:
-        _fwd_store_part(acc, m0, n0, M, N, lora, epi, out_desc, stride_om, CFG, BLOCK_N)
+        _fwd_store_part(acc, m0, n0, M, N, lora, epi, gate, out_desc, stride_om, CFG, BLOCK_N)
     elif CFG.EPI_SPLIT == 2:
         HALF: tl.constexpr = BLOCK_N // 2
         h0, h1 = _halves(acc, BLOCK_M, BLOCK_N)
-        _fwd_store_part(h0, m0, n0, M, N, lora, epi, out_desc, stride_om, CFG, HALF)
-        _fwd_store_part(h1, m0, n0 + HALF, M, N, lora, epi, out_desc, stride_om, CFG, HALF)
+        _fwd_store_part(h0, m0, n0, M, N, lora, epi, gate, out_desc, stride_om, CFG, HALF)
+        _fwd_store_part(h1, m0, n0 + HALF, M, N, lora, epi, gate, out_desc, stride_om, CFG, HALF)
     else:
         PART: tl.constexpr = BLOCK_N // 4
         h0, h1 = _halves(acc, BLOCK_M, BLOCK_N)
         q0, q1 = _halves(h0, BLOCK_M, BLOCK_N // 2)
         q2, q3 = _halves(h1, BLOCK_M, BLOCK_N // 2)
-        _fwd_store_part(q0, m0, n0, M, N, lora, epi, out_desc, stride_om, CFG, PART)
-        _fwd_store_part(q1, m0, n0 + PART, M, N, lora, epi, out_desc, stride_om, CFG, PART)
-        _fwd_store_part(q2, m0, n0 + 2 * PART, M, N, lora, epi, out_desc, stride_om, CFG, PART)
-        _fwd_store_part(q3, m0, n0 + 3 * PART, M, N, lora, epi, out_desc, stride_om, CFG, PART)
+        _fwd_store_part(q0, m0, n0, M, N, lora, epi, gate, out_desc, stride_om, CFG, PART)
+        _fwd_store_part(q1, m0, n0 + PART, M, N, lora, epi, gate, out_desc, stride_om, CFG, PART)
+        _fwd_store_part(q2, m0, n0 + 2 * PART, M, N, lora, epi, gate, out_desc, stride_om, CFG, PART)
+        _fwd_store_part(q3, m0, n0 + 3 * PART, M, N, lora, epi, gate, out_desc, stride_om, CFG, PART)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gemm_fwd_kernel(a_ptr, b_ptr, out_desc, strides, lora, epi, M, N, K, CFG: tl.constexpr):
+def _gemm_fwd_kernel(a_ptr, b_ptr, out_desc, strides, lora, epi, M, N, K, gate, CFG: tl.constexpr):
     """out(M, N) = epi(p(a)(M, K) @ b(K, N) + bias + lora_scale · u(M, R) @ l(R, N)).
 
     Reduction: acc = 0; for k0 = 0, BLOCK_K, 2·BLOCK_K, … < K: acc = dot(p(a)[:, k0:k0+BK], b[k0:k0+BK], acc)
@@ -205,7 +214,9 @@ def _gemm_fwd_kernel(a_ptr, b_ptr, out_desc, strides, lora, epi, M, N, K, CFG: t
     acc = acc + lora_scale · lacc; [pre = acc, stored with one cast]; out = epi(acc) stored with one cast.
     PROLOGUE ACT_SILU: p = silu, in FP32 on the loaded a tile, rounded once to a's dtype before the dot.
     EPILOGUE: ACT_NONE, ACT_GELU_TANH, ACT_SILU, or ACT_TIMES_SILU_GRAD (multiply by silu'(aux), the
-    prologue's backward). Masked rows/columns load 0 and are never stored; the grouped tile order
+    prologue's backward), or ACT_GATE_RESIDUAL (out = aux + gate[s]·y with y the accumulator rounded once
+    to the output dtype and s the row's sample: the gated residual's arithmetic on the product's own bytes,
+    no y stored). Masked rows/columns load 0 and are never stored; the grouped tile order
     moves no arithmetic. M is not specialized (``do_not_specialize``): one compiled kernel serves every M.
     USE_TMA (Hopper, ``configs`` per shape class): ``a_ptr``/``b_ptr`` are host tensor descriptors
     and the tiles arrive by the bulk tensor copy engine (out-of-range elements read as 0, exactly
@@ -230,11 +241,11 @@ def _gemm_fwd_kernel(a_ptr, b_ptr, out_desc, strides, lora, epi, M, N, K, CFG: t
             acc = _fwd_tile_acc(a_ptr, b_ptr, strides, epi, pid_m, pid_n, M, N, K, CFG)
             tile_c += CFG.NUM_PROGRAMS
             pid_m_c, pid_n_c = _grouped_tile(tile_c, num_pid_m, num_pid_n, CFG.GROUP_M)
-            _fwd_tile_store(acc, pid_m_c, pid_n_c, M, N, lora, epi, out_desc, stride_om, CFG)
+            _fwd_tile_store(acc, pid_m_c, pid_n_c, M, N, lora, epi, gate, out_desc, stride_om, CFG)
     else:
         pid_m, pid_n = _grouped_tile(pid, num_pid_m, num_pid_n, CFG.GROUP_M)
         acc = _fwd_tile_acc(a_ptr, b_ptr, strides, epi, pid_m, pid_n, M, N, K, CFG)
-        _fwd_tile_store(acc, pid_m, pid_n, M, N, lora, epi, out_desc, stride_om, CFG)
+        _fwd_tile_store(acc, pid_m, pid_n, M, N, lora, epi, gate, out_desc, stride_om, CFG)
 
 
 @triton.jit(do_not_specialize=["S"])

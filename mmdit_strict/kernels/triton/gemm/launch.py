@@ -253,12 +253,15 @@ def _aligned(t: torch.Tensor | None) -> bool | None:
 def _main(a: torch.Tensor, b: Operand, n_out: int, cfg: _configs.FwdConfig, *, prologue: int = Act.NONE,
           epilogue: int = Act.NONE, bias: torch.Tensor | None = None, lora: Lora | None = None,
           aux: torch.Tensor | None = None, store_pre: bool = False, out_dtype: torch.dtype | None = None,
-          on_launch: Callable[[object], None] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+          on_launch: Callable[[object], None] | None = None,
+          gate: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the main kernel: ``out (M, n_out) = epi(p(a) (M, K) @ b (K, n_out) + …)`` with ``cfg``.
 
     Returns ``(out, pre)`` (``pre`` only with ``store_pre``). ``out_dtype``: the dtype ``out`` is
     stored in (default ``a``'s; the kernel's one cast goes to it, so FP32 keeps the accumulator
     unrounded). ``on_launch`` receives the compiled kernel handle (benchmarks read its registers and spills).
+    ``gate``: ``(gate (B, n_out), row samples (M,) int32)`` of the ``GATE_RESIDUAL`` epilogue (``aux`` is then
+    the residual); None passes no argument, so every other launch compiles as if the epilogue did not exist.
 
     The launch's plan (tiles, grid, specialization) is derived once per key — every shape, stride, dtype, flag
     and operand alignment the launch depends on — and the kernel is launched bound to that key
@@ -276,7 +279,8 @@ def _main(a: torch.Tensor, b: Operand, n_out: int, cfg: _configs.FwdConfig, *, p
            None if lora is None else (lora.u.shape[1], lora.u.stride(0), lora.l_strides, lora.u.dtype, lora.l.dtype),
            None if aux is None else (aux.dtype, aux.stride(0)), None if bias is None else bias.dtype,
            _aligned(a), _aligned(bt), _aligned(out), _aligned(pre), _aligned(bias), _aligned(aux),
-           None if lora is None else (_aligned(lora.u), _aligned(lora.l)))
+           None if lora is None else (_aligned(lora.u), _aligned(lora.l)),
+           None if gate is None else (gate[0].dtype, gate[0].stride(0), _aligned(gate[0]), _aligned(gate[1])))
     plan = _PLANS.get(key) or _plan(key, a, b, n_out, cfg, prologue, epilogue, bias is not None, lora, store_pre, out)
     a_arg, b_arg, out_desc = a, bt, out
     if plan.use_tma:
@@ -298,7 +302,8 @@ def _main(a: torch.Tensor, b: Operand, n_out: int, cfg: _configs.FwdConfig, *, p
     epi = (bias if bias is not None else out, aux if aux is not None else out, aux.stride(0) if aux is not None else 0,
            out, pre if pre is not None else out)
     kernel = bound(_k._gemm_fwd_kernel)
-    args = (a_arg, b_arg, out_desc, strides, lora_args, epi, m, n_out, k)
+    gate_args = None if gate is None else (gate[0], gate[0].stride(0), gate[1])
+    args = (a_arg, b_arg, out_desc, strides, lora_args, epi, m, n_out, k, gate_args)
     compiled = kernel[plan.grid](*args, **plan.kw) if interpreting() else kernel.launch_keyed(key, plan.grid, args, plan.kw)
     if on_launch is not None:
         on_launch(compiled)
@@ -474,6 +479,51 @@ def act_fwd(x: torch.Tensor, act: str) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
+def _weight_and_lora(x: torch.Tensor, weight: torch.Tensor, lora: tuple | None, cfg: _configs.FwdConfig, stream: str,
+                     pro: int) -> tuple[Operand, Lora | None]:
+    """The main product's weight operand (as ``cfg.weight_layout`` reads it) and its LoRA term, whose
+    ``u = p(x) Aᵀ`` this launches (A (r, K) read as (K, r) through strides, the configuration of its own shape)."""
+    k, n = x.shape[1], weight.shape[0]
+    b = Operand(prepacked_weight(weight), (n, 1)) if cfg.weight_layout == "kn" else Operand(weight, (1, k), nk=True)
+    if lora is None:
+        return b, None
+    la, lb, scale = lora
+    r = la.shape[0]
+    u, _ = _main(x, Operand(la, (1, k)), r, _configs.fwd_config(r, k, x.dtype, stream=stream), prologue=pro)
+    return b, Lora(u, lb, (1, r), scale)  # B (N, r) read as (r, N)
+
+
+_SAMPLES: dict[tuple, torch.Tensor] = {}
+
+
+def _row_samples(seqlens: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Each packed row's sample index (int32, (M,)), cached per (seqlens, device)."""
+    key = (seqlens, str(device))
+    t = _SAMPLES.get(key)
+    if t is None:
+        t = torch.tensor([s for s, rows in enumerate(seqlens) for _ in range(rows)], dtype=torch.int32, device=device)
+        if len(_SAMPLES) > 4096:
+            _SAMPLES.clear()
+        _SAMPLES[key] = t
+    return retain(t)
+
+
+def gemm_gate_residual_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+                           gate: torch.Tensor, seqlens: tuple[int, ...], lora: tuple | None = None,
+                           config: _configs.FwdConfig | None = None) -> torch.Tensor:
+    """``residual + gate[s] · y`` per row of sample ``s``, ``y = x Wᵀ + b [+ scale·(x Aᵀ) Bᵀ]`` rounded once to the
+    execution dtype first: the bytes of the gated residual applied to :func:`gemm_fwd`'s output, with ``y``
+    never written to memory (one launch and two passes over ``(M, N)`` fewer). Forward only: a backward
+    needs ``y``. Checked by the caller (:func:`~.autograd.gemm_gate_residual`)."""
+    k, n = x.shape[1], weight.shape[0]
+    stream = current_gemm_stream()
+    cfg = config or _configs.fwd_config(configured_columns(n), k, x.dtype, stream=stream)
+    b, lo = _weight_and_lora(x, weight, lora, cfg, stream, Act.NONE)
+    out, _ = _main(x, b, n, cfg, epilogue=Act.GATE_RESIDUAL, bias=bias, lora=lo, aux=residual,
+                   gate=(gate, _row_samples(seqlens, x.device)))
+    return out
+
+
 def gemm_fwd(x, weight, bias=None, *, prologue="none", epilogue="none", lora=None, store_pre=False,
              return_h=False, config: _configs.FwdConfig | None = None,
              on_launch: Callable[[object], None] | None = None, out_dtype: torch.dtype | None = None):
@@ -510,18 +560,8 @@ def gemm_fwd(x, weight, bias=None, *, prologue="none", epilogue="none", lora=Non
     if pro and cfg.prologue == "pass":
         h = prologue_pass(x, prologue, act_fwd)  # once per forward for a tensor many products read (SiLU(temb))
         x, pro = h, Act.NONE
-    if cfg.weight_layout == "kn":
-        b = Operand(prepacked_weight(weight), (n, 1))
-    else:
-        b = Operand(weight, (1, k), nk=True)
-    u = None
-    lo = None
-    if lora is not None:
-        la, lb, scale = lora
-        r = la.shape[0]
-        # u = p(x) Aᵀ: A (r, K) read as (K, r) through strides, the configuration of its own shape
-        u, _ = _main(x, Operand(la, (1, k)), r, _configs.fwd_config(r, k, x.dtype, stream=stream), prologue=pro)
-        lo = Lora(u, lb, (1, r), scale)  # B (N, r) read as (r, N)
+    b, lo = _weight_and_lora(x, weight, lora, cfg, stream, pro)
+    u = None if lo is None else lo.u
     store = store_pre and epilogue != "none"
     y, pre = _main(x, b, n, cfg, prologue=pro, epilogue=EPILOGUES[epilogue], bias=bias, lora=lo,
                    store_pre=store, out_dtype=out_dtype, on_launch=on_launch)
