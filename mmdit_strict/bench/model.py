@@ -13,7 +13,10 @@ copy of the 20 B weights serves both), and times, in the same run:
 
 Our ``_graph`` engines replay CUDA graphs: the forward alone without autograd (``model/graphs.py``),
 forward and backward with it (``model/train_graphs.py``). ``--diffusers-compile`` adds diffusers with
-each transformer block compiled (``torch.compile``; its compile time stays out of the times).
+each transformer block compiled (``torch.compile``; its compile time stays out of the times);
+``--gated-epilogue`` adds, to the forward cases, ours captured with the GEMM engine's gated-residual epilogue
+(``ours_strict_graph_gated``: the attention-output and MLP-down products fused with their gated residual, off
+by default in the model until measured).
 
 Per case and engine: median and spread of CUDA-event times, peak memory, MFU against the measured
 790 TFLOP/s BF16 matrix rate, host syncs per forward (``torch.cuda.set_sync_debug_mode``) and CUDA
@@ -162,6 +165,7 @@ def run(args: argparse.Namespace, on_case: Callable[[dict[str, Any]], None] | No
     from ..model.train_graphs import TrainGraphCache
 
     graph_cache, train_cache = GraphCache(), TrainGraphCache()
+    gated_cache = GraphCache()  # the gated-residual epilogue's graphs: the other path must not replay these
     compiled: dict[int, torch.nn.Module] = {}  # diffusers block index → its compiled wrapper (same parameters)
     cases = {
         "fwd_b1": ([args.txt], False),
@@ -193,6 +197,19 @@ def run(args: argparse.Namespace, on_case: Callable[[dict[str, Any]], None] | No
 
         engine_calls = {"diffusers_eager": diffusers_call, **{f"ours_{r}": ours_call(r) for r in args.runtimes}}
         engine_calls.update({f"ours_{r}_graph": ours_call(r, True) for r in args.runtimes if r in ("strict", "auto")})
+        if args.gated_epilogue and not train and "strict" in args.runtimes:
+            from ..kernels.triton.gemm import autograd as gemm_autograd
+
+            def gated_call() -> torch.Tensor:
+                ours.set_runtime("strict")
+                ours.graph_cache, ours.train_graphs = gated_cache, None
+                gemm_autograd.offer_gate_residual_fusion(True)
+                try:
+                    return ours(**inp, return_dict=False)[0]
+                finally:
+                    gemm_autograd.offer_gate_residual_fusion(gemm_autograd.GATE_RESIDUAL_FUSION)
+
+            engine_calls["ours_strict_graph_gated"] = gated_call
         if args.diffusers_compile:
             def compiled_call() -> torch.Tensor:
                 with _compiled_blocks(theirs, compiled):
@@ -373,6 +390,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--kernel-table", type=int, default=0, metavar="N",
                    help="record each engine's N most expensive kernels of one call (profiler)")
     p.add_argument("--cases", nargs="+", default=None, help="run only these cases (default: all)")
+    p.add_argument("--gated-epilogue", action="store_true",
+                   help="forward cases: also time ours captured with the GEMM's gated-residual epilogue "
+                        "(ours_strict_graph_gated; kernels/triton/gemm GATE_RESIDUAL_FUSION, off by default)")
     p.add_argument("--diffusers-compile", action="store_true",
                    help="also time diffusers with each transformer block compiled (torch.compile; minutes of compile)")
     p.add_argument("--replot", default=None, metavar="REPORT.json",

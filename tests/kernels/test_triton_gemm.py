@@ -404,6 +404,24 @@ def test_gate_residual_fusion_refuses_bad_calls():
         G.gemm_gate_residual(x, w, b, res[:, :-1], gate, seqlens=SEQLENS)
 
 
+@interp
+def test_gate_residual_fusion_is_offered_only_when_asked():
+    """Off by default (GATE_RESIDUAL_FUSION); offer_gate_residual_fusion adds it to the triton entries of the two
+    products followed by a gated residual, and only to those, and withdraws it."""
+    from mmdit_strict.kernels.registry import implementations
+
+    def offered() -> set[str]:
+        return {i.op for i in implementations() if i.backend == "triton" and "adaln_gate_residual" in i.fusions}
+
+    assert G.autograd.GATE_RESIDUAL_FUSION is False and offered() == set()
+    G.offer_gate_residual_fusion(True)
+    try:
+        assert offered() == {"attn_out_bias_gemm", "mlp_down_gemm"}
+    finally:
+        G.offer_gate_residual_fusion(False)
+    assert offered() == set()
+
+
 def test_activation_codes_agree_between_host_and_kernels():
     """The host's ``Act`` codes and the kernels' ``tl.constexpr`` mirrors are the same numbers."""
     from mmdit_strict.kernels.triton.gemm import codes

@@ -54,7 +54,7 @@ Modules, in the order a call goes through them:
 
 from __future__ import annotations
 
-from .autograd import GEMM_OPS, GemmFunction, gemm, gemm_gate_residual
+from .autograd import GEMM_OPS, GemmFunction, gemm, gemm_gate_residual, offer_gate_residual_fusion
 from .codes import EPILOGUES, PROLOGUES, Act
 from .launch import (
     DTYPES,
@@ -87,6 +87,7 @@ __all__ = [
     "gemm",
     "gemm_bwd",
     "gemm_gate_residual",
+    "offer_gate_residual_fusion",
     "gemm_db",
     "gemm_dw",
     "gemm_fwd",

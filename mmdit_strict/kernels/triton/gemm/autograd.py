@@ -110,6 +110,18 @@ def gemm_gate_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 #: checks FP32 on every CI run.
 GATE_RESIDUAL_FUSION = False
 _GATED_OPS = ("attn_out_bias_gemm", "mlp_down_gemm")
+_IMPLS: dict[str, KernelImpl] = {}
+
+
+def offer_gate_residual_fusion(enabled: bool = True) -> None:
+    """Offer (or withdraw) :func:`gemm_gate_residual` as the strict model's fusion of the attention-output and
+    MLP-down products with their gated residual. A captured forward keeps what it captured: give a model new
+    graphs (``enable_cuda_graphs()``) after a change, to time the other path."""
+    for op in _GATED_OPS:
+        if enabled:
+            _IMPLS[op].fusions["adaln_gate_residual"] = gemm_gate_residual
+        else:
+            _IMPLS[op].fusions.pop("adaln_gate_residual", None)
 
 GEMM_OPS = ("latent_proj_gemm", "qkv_bias_gemm", "attn_out_bias_gemm", "mlp_up_gemm_gelu",
             "mlp_down_gemm", "adaln_mod_projection")
@@ -125,12 +137,13 @@ _SOURCE = (codes, fpmath, kernels, launch, weights, cuda_context, sys.modules[__
 _CONFIGS_SHA256 = hashlib.sha256(inspect.getsource(_configs).encode()).hexdigest()[:16]
 
 for _op in GEMM_OPS:
-    register(KernelImpl(
+    _IMPLS[_op] = KernelImpl(
         op=_op, backend="triton", device="cuda", dtypes=frozenset(DTYPES), fn=gemm, strict=True, split_k=False,
         kernel_name="_gemm_fwd_kernel/_gemm_dw_kernel/_gemm_db_kernel/_act_fwd_kernel/_act_bwd_kernel",
         source=_SOURCE,
         config={"table": "mmdit_strict.kernels.triton.configs", "keyed_by": "(N, K, dtype, stream)",
                 "configs_sha256": _CONFIGS_SHA256, "dot_precision": _DOT_PRECISION, "fp_fusion": False},
         reduction_order=_REDUCTION_ORDER, accumulator="fp32",
-        fusions={"adaln_gate_residual": gemm_gate_residual} if GATE_RESIDUAL_FUSION and _op in _GATED_OPS else {},
-    ))
+    )
+    register(_IMPLS[_op])
+offer_gate_residual_fusion(GATE_RESIDUAL_FUSION)
