@@ -13,7 +13,8 @@ done again when either
   ``delete_adapter``).
 
 Writing into a module's ``_modules`` / ``_parameters`` dict directly, replacing an entry, or giving a module a
-new such dict without first removing an entry from the old one goes unseen; PyTorch and PEFT do neither. What the kept objects hold (``requires_grad``, the adapters' active set and
+new such dict without first removing an entry from the old one goes unseen (PyTorch's containers remove first;
+nothing here writes those dicts). What the kept objects hold (``requires_grad``, the adapters' active set and
 scalings) is read fresh on every call. A copy of a model (``copy.deepcopy``) is another root: its own walk.
 """
 
