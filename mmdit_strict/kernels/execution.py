@@ -28,6 +28,7 @@ import torch
 
 if TYPE_CHECKING:
     from .grad_sink import SampleGradSink
+    from .kept_outputs import KeptOutputs
     from .prologues import PrologueMemo
     from .trace import OperatorTrace
 
@@ -102,8 +103,10 @@ class ExecutionContext:
         overlay: the semantic perturbation applied to this side's operators (``mmdit_strict.overlay``), or None.
         parallel: the model-parallel layout this rank's forwards run under (``mmdit_strict.parallel``), or None.
         prologues: the GEMM prologue results kept for reuse within one forward (:mod:`.prologues`), or None.
+        kept_outputs: during a checkpointed training forward, operator outputs kept for the recompute of the
+            same call (:mod:`.kept_outputs`), or None.
 
-    Collectors (capture, gemm_calls, grad_sink, trace, keepalive, prologues) are shared by reference: a copy
+    Collectors (capture, gemm_calls, grad_sink, trace, keepalive, prologues, kept_outputs) are shared by reference: a copy
     made with :meth:`replace` records into the same objects. Contexts compare by identity.
     """
 
@@ -121,6 +124,7 @@ class ExecutionContext:
     overlay: Any = None
     parallel: Any = None
     prologues: PrologueMemo | None = None
+    kept_outputs: KeptOutputs | None = None
     # copies made by switched(), one per (field, value): the strict model switches streams around every product
     _switched: dict[tuple[str, Hashable], ExecutionContext] = field(default_factory=dict, init=False, repr=False)
 

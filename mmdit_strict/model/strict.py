@@ -17,6 +17,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from ..kernels.execution import bind, current, current_runtime, in_context
+from ..kernels.kept_outputs import KeptOutputs
 from ..kernels.prologues import shared_prologues
 from ..kernels.registry import dispatch, resolve
 from ..kernels.trace import record
@@ -260,7 +261,10 @@ def block_forward(
     kt = qk(wt + ".k", ht, a.add_k_proj, a.norm_added_k, txt_cos, txt_sin, tseq, "text")
     vt = heads_of(qkv("qkv_bias_gemm", wt + ".v", ht, a.add_v_proj, tseq, "text"))
     if attend is None:
-        ot, oi = _op("joint_attention_fused", f"block{i}.joint", qi, qt, kt, vt, qi, ki, vi, txt_seqlens=tseq, img_seqlens=iseq)
+        kept = current().kept_outputs  # checkpointed: the forward's attention outputs serve its recompute
+        with kept.at(f"block{i}.joint") if kept is not None else contextlib.nullcontext():
+            ot, oi = _op("joint_attention_fused", f"block{i}.joint", qi, qt, kt, vt, qi, ki, vi, txt_seqlens=tseq,
+                         img_seqlens=iseq)
     else:
         ot, oi = attend(i, qt, kt, vt, qi, ki, vi)
     if columns is not None:
@@ -381,8 +385,17 @@ def _strict_forward(model: "MMDiT", inputs: "ModelInputs", block_capture: dict[s
     txt, tseq = text_rows(model, inputs)
 
     heads, head_dim = cfg.num_attention_heads, cfg.attention_head_dim
+    checkpointing = model.gradient_checkpointing and torch.is_grad_enabled()
+    with bind(current().replace(kept_outputs=KeptOutputs())) if checkpointing else contextlib.nullcontext():
+        img, txt = _blocks(model, img, txt, temb, rope, iseq, tseq, heads, head_dim, eps, checkpointing, block_capture)
+    return unpack_images(project_out(model, img, temb, iseq), inputs.img_lens, Ti)
+
+
+def _blocks(model: "MMDiT", img: torch.Tensor, txt: torch.Tensor, temb: torch.Tensor, rope: tuple[torch.Tensor, ...],
+            iseq: tuple[int, ...], tseq: tuple[int, ...], heads: int, head_dim: int, eps: float, checkpointing: bool,
+            block_capture: dict[str, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
     for i, block in enumerate(model.transformer_blocks):
-        if model.gradient_checkpointing and torch.is_grad_enabled():
+        if checkpointing:
             # the block's first operators, made just before the checkpoint: the autograd graph and its order are
             # unchanged, and the recompute skips these weight-streaming products (they read only temb)
             mod = block_modulation(i, block, temb)
@@ -393,4 +406,4 @@ def _strict_forward(model: "MMDiT", inputs: "ModelInputs", block_capture: dict[s
         if block_capture is not None:
             block_capture[f"block{i}.img"] = img.detach()
             block_capture[f"block{i}.txt"] = txt.detach()
-    return unpack_images(project_out(model, img, temb, iseq), inputs.img_lens, Ti)
+    return img, txt

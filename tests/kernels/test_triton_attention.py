@@ -10,6 +10,7 @@ tests/kernels/test_triton_attention.py``). Tolerances: ``tolerances.yaml`` ``att
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -542,3 +543,40 @@ def test_committed_gpu_report_renders() -> None:
     for heading in ("## Speed", "## Accuracy", "## Raw-byte invariance", "## Candidate"):
         assert heading in md
     assert "f02d17b" in md
+
+
+@interp
+def test_checkpoint_recompute_takes_the_kept_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside a gradient checkpoint with a ``KeptOutputs`` in the context and a slot named (as the strict block does),
+    the forward kernel runs once for the forward and its recompute, and every input gradient keeps the bytes of the
+    recompute that runs it again."""
+    from mmdit_strict.kernels.execution import bind, current
+    from mmdit_strict.kernels.kept_outputs import KeptOutputs
+    from mmdit_strict.model.strict import checkpointed
+
+    batch = [_sample(5, 20, 40), _sample(0, 33, 41), _sample(17, 9, 42)]
+    packed, tseq, iseq = bench.pack([b[0] for b in batch])
+    g_txt = torch.cat([b[1][0] for b in batch])
+    g_img = torch.cat([b[1][1] for b in batch])
+    runs = []
+    real = A.attention_fwd
+    monkeypatch.setattr(A, "attention_fwd", lambda *a, **k: runs.append(1) or real(*a, **k))
+
+    def block(scale: torch.Tensor, *qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        kept = current().kept_outputs
+        scaled = [t * scale for t in qkv]  # something the recompute rebuilds before the attention
+        with kept.at("block0.joint") if kept is not None else contextlib.nullcontext():
+            return A.joint_attention_fused(*scaled, txt_seqlens=tseq, img_seqlens=iseq)
+
+    def step(keep: bool) -> tuple[int, list[torch.Tensor]]:
+        runs.clear()
+        leaves = [torch.tensor(1.25, requires_grad=True)] + [t.detach().clone().requires_grad_(True) for t in packed]
+        with bind(current().replace(kept_outputs=KeptOutputs())) if keep else contextlib.nullcontext():
+            o_txt, o_img = checkpointed(block, *leaves, preserve_rng=False)
+        grads = torch.autograd.grad((o_txt, o_img), leaves, (g_txt, g_img))
+        return len(runs), [o_txt.detach(), o_img.detach(), *grads]
+
+    (n_kept, kept), (n_again, again) = step(True), step(False)
+    assert (n_kept, n_again) == (1, 2)
+    for i, (a, b) in enumerate(zip(kept, again)):
+        assert_bytes_equal(a, b, f"output / gradient {i}: kept outputs vs recomputed")

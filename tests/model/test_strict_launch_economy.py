@@ -145,3 +145,33 @@ def test_gpu_gated_residual_epilogue_keeps_the_forward_bytes(monkeypatch: pytest
             G.offer_gate_residual_fusion(G.autograd.GATE_RESIDUAL_FUSION)
     assert len(calls) == 4 * arch.num_layers
     assert_bytes_equal(fused, unfused, "strict forward with the gated-residual epilogue vs unfused")
+
+
+@pytest.mark.gpu
+def test_gpu_checkpointed_step_runs_each_attention_forward_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checkpointed LoRA forward + backward at Qwen-Image's widths (2 blocks, uncaptured): the attention forward kernel
+    runs once per block (its recompute takes the kept outputs) and the output and LoRA gradients keep the bytes of the
+    step without checkpointing."""
+    from mmdit_strict.config.schema import LoraConfig
+    from mmdit_strict.kernels.triton import attention as A
+    from mmdit_strict.trajectories.setup import attach_lora
+    from tests.helpers import strict_qwen_image_cuda
+
+    arch, model = strict_qwen_image_cuda(num_layers=2)
+    attach_lora(model, LoraConfig(rank=16, alpha=16.0, init="random", seed=2))
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+    model.enable_cuda_graphs(False)
+    inputs = make_inputs(2, (32, 32), [77, 20], txt_dim=arch.joint_attention_dim, dtype=torch.bfloat16, sigma=[0.3, 0.8])
+    inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    runs: list[int] = []
+    real = A.attention_fwd
+    monkeypatch.setattr(A, "attention_fwd", lambda *a, **k: runs.append(1) or real(*a, **k))
+    steps = {}
+    for checkpointing in (True, False):
+        model.enable_gradient_checkpointing(checkpointing)
+        runs.clear()
+        steps[checkpointing] = _step(model, inputs)
+        assert len(runs) == arch.num_layers, f"checkpointing={checkpointing}: {len(runs)} attention forwards"
+    for i, (a, c) in enumerate(zip(steps[True], steps[False])):
+        assert_bytes_equal(a, c, f"output / gradient {i}: checkpointed vs not")

@@ -65,6 +65,7 @@ import torch
 import triton
 
 from ..checks import check_operand
+from ..execution import current
 from ..keepalive import retain
 from ..registry import KernelImpl, register
 from . import attention_bwd_kernels, attention_fwd_kernels, attention_ws
@@ -387,7 +388,12 @@ class JointAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_txt, k_txt, v_txt, q_img, k_img, v_img, tseq, iseq, cfg):
-        o_txt, o_img, lse = attention_fwd(q_txt, k_txt, v_txt, q_img, k_img, v_img, tseq, iseq, cfg)
+        def compute():
+            return attention_fwd(q_txt, k_txt, v_txt, q_img, k_img, v_img, tseq, iseq, cfg)
+
+        # a checkpointed forward keeps its outputs for the recompute of this call (kernels/kept_outputs.py)
+        kept = current().kept_outputs
+        o_txt, o_img, lse = compute() if kept is None else kept.run(compute)
         ctx.save_for_backward(q_txt, k_txt, v_txt, q_img, k_img, v_img, o_txt, o_img, lse)
         ctx.meta = (tseq, iseq, cfg)
         return o_txt.view(o_txt.shape[0], -1), o_img.view(o_img.shape[0], -1)
