@@ -175,3 +175,34 @@ def test_gpu_checkpointed_step_runs_each_attention_forward_once(monkeypatch: pyt
         assert len(runs) == arch.num_layers, f"checkpointing={checkpointing}: {len(runs)} attention forwards"
     for i, (a, c) in enumerate(zip(steps[True], steps[False])):
         assert_bytes_equal(a, c, f"output / gradient {i}: checkpointed vs not")
+
+
+def test_checkpointed_forward_names_each_attention_slot_for_its_recompute(tiny_ckpt, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The strict forward binds one ``KeptOutputs`` per checkpointed training forward and names each block's attention
+    call in the forward and again in that block's recompute (the same store: the recompute runs in the forward's
+    context); without checkpointing, or without autograd, none is bound."""
+    from mmdit_strict.kernels.execution import current
+    from mmdit_strict.kernels.kept_outputs import KeptOutputs
+
+    seen: list[tuple[int, str]] = []
+    real_at = KeptOutputs.at
+
+    def at(self: KeptOutputs, slot: str):
+        seen.append((id(self), slot))
+        return real_at(self, slot)
+
+    monkeypatch.setattr(KeptOutputs, "at", at)
+    model = MMDiT.from_pretrained(tiny_ckpt[0], runtime="strict")
+    blocks = len(model.transformer_blocks)
+    inputs = make_inputs(2, (4, 4), [5, 3])
+    model.enable_gradient_checkpointing(True)
+    _step(model, inputs)
+    slots = [f"block{i}.joint" for i in range(blocks)]
+    assert [s for _, s in seen] == slots + slots[::-1]
+    assert len({store for store, _ in seen}) == 1
+    seen.clear()
+    with torch.no_grad():
+        model(**inputs)
+    model.enable_gradient_checkpointing(False)
+    _step(model, inputs)
+    assert seen == [] and current().kept_outputs is None
