@@ -99,6 +99,7 @@ class MMDiT(DiffusersCompatMixin, nn.Module):
         self.norm_out = AdaNormOut(config)
         self.proj_out = nn.Linear(d, config.patch_size**2 * config.out_channels)
         self.gradient_checkpointing = False
+        self.keep_attention_outputs = True  # checkpointed strict steps: attention outputs kept for the recompute
         self.audit_records: list[dict[str, Any]] = []  # runtime=audit: one drift record per forward
         self.last_block_capture: dict[str, torch.Tensor] | None = None  # runtime=audit: strict block outputs
         self.graph_cache = None  # set by enable_cuda_graphs(): captured strict forwards per batch layout
@@ -387,7 +388,8 @@ class MMDiT(DiffusersCompatMixin, nn.Module):
         params = trainable_parameters(self)
         if not params:
             return None
-        key = (GraphCache.key(inputs, runtime), adapter_state(self), self.gradient_checkpointing)
+        key = (GraphCache.key(inputs, runtime), adapter_state(self), self.gradient_checkpointing,
+               self.keep_attention_outputs)
         return self.train_graphs.run(inputs, runtime, params, lambda i: strict_forward(self, i), key)
 
     @torch.no_grad()

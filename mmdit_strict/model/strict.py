@@ -386,7 +386,8 @@ def _strict_forward(model: "MMDiT", inputs: "ModelInputs", block_capture: dict[s
 
     heads, head_dim = cfg.num_attention_heads, cfg.attention_head_dim
     checkpointing = model.gradient_checkpointing and torch.is_grad_enabled()
-    with bind(current().replace(kept_outputs=KeptOutputs())) if checkpointing else contextlib.nullcontext():
+    keep = checkpointing and model.keep_attention_outputs
+    with bind(current().replace(kept_outputs=KeptOutputs())) if keep else contextlib.nullcontext():
         img, txt = _blocks(model, img, txt, temb, rope, iseq, tseq, heads, head_dim, eps, checkpointing, block_capture)
     return unpack_images(project_out(model, img, temb, iseq), inputs.img_lens, Ti)
 

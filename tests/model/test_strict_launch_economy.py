@@ -203,6 +203,8 @@ def test_checkpointed_forward_names_each_attention_slot_for_its_recompute(tiny_c
     seen.clear()
     with torch.no_grad():
         model(**inputs)
+    model.enable_gradient_checkpointing(True, keep_attention_outputs=False)  # the least memory: recomputed
+    _step(model, inputs)
     model.enable_gradient_checkpointing(False)
     _step(model, inputs)
     assert seen == [] and current().kept_outputs is None
