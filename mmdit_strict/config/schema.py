@@ -122,6 +122,9 @@ class RecomputeConfig:
     shuffle_seed: int = 1
     cfg_layout: str = "sequential"
     grad_checkpointing: bool = True
+    # checkpointed strict steps keep each block's attention outputs for its recompute (same bytes, one attention
+    # forward a block fewer, ~26 MB a block at 1024², B = 1 held until the backward); false: the least memory
+    keep_attention_outputs: bool = True
     autograd: bool = True  # autograd on, and backward of -sum(logp) per micro-batch (LoRA grads)
     pad_to: Optional[int] = None
     # Deliberate mismatch to validate the localizer: "<operator key>@<step>", e.g. "block1.img.mlp_down_gemm@2"

@@ -46,6 +46,7 @@ class TrainConfig:
     cfg: bool = True  # CFG in training (same scale as the rollout); False trains the conditional branch alone
     cfg_layout: str = "sequential"  # batched | sequential
     grad_checkpointing: bool = True
+    keep_attention_outputs: bool = True  # as recompute.keep_attention_outputs (checkpointed steps: memory for speed)
     # LoRA gradients are folded per (pair, branch) in sorted key order either way (same bytes):
     # streamed adds each partial as soon as every smaller key is in (memory: an accumulator per tensor plus
     # out-of-order partials); stored keeps one FP32 partial per tensor and key until the update

@@ -90,7 +90,7 @@ EVAL_ID_BASE = 1 << 40
 #: the schema must match the checkpoint's.
 RESUME_FREE = ("resume", "progress", "wandb", "output_dir", "_choices_", "train.num_epochs", "train.eval_freq",
                "train.save_freq", "train.export", "train.recompute_old_logp", "train.cpu_threads", "train.grad_sink",
-               "distributed")
+               "train.keep_attention_outputs", "distributed")
 
 UpdateHook = Callable[[int, int, int], None]
 
@@ -206,7 +206,8 @@ class Trainer:
         if not self.rollout_layout.trivial:  # refused before any work without torchrun or on a world it does not fit
             build_model_parallel(self.rollout_layout)
         self.model = build_side_model(self.mcfg, self.lcfg, self.rollout_rt)
-        self.model.enable_gradient_checkpointing(self.tcfg.grad_checkpointing)
+        self.model.enable_gradient_checkpointing(self.tcfg.grad_checkpointing,
+                                                 keep_attention_outputs=self.tcfg.keep_attention_outputs)
         self.device = self.model.device
         self.prompts = make_prompts(cfg.prompts, self.model.config, self.mcfg.device, self.mcfg.dtype)
         self.prompt_texts = prompt_texts(cfg.prompts, len(self.prompts.embeds))

@@ -188,7 +188,8 @@ def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | 
     t0 = time.perf_counter()
     runtime = side_runtime(cfg, "recompute")
     model = build_side_model(cfg.model, cfg.lora, runtime)
-    model.enable_gradient_checkpointing(bool(cfg.recompute.grad_checkpointing))
+    model.enable_gradient_checkpointing(bool(cfg.recompute.grad_checkpointing),
+                                        keep_attention_outputs=bool(cfg.recompute.keep_attention_outputs))
     hashes = model_hashes(model)
     distributed.agree("recompute model", hashes)  # torchrun: every rank built the same model
     for key, val in hashes.items():
@@ -263,6 +264,7 @@ def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | 
     side = {"micro_batch": int(cfg.recompute.micro_batch), "shuffle": bool(cfg.recompute.shuffle),
             "order": [ids[i] for mb in mbs for i in mb], "cfg_layout": cfg.recompute.cfg_layout, "pad_to": cfg.recompute.pad_to,
             "autograd": bool(cfg.recompute.autograd), "grad_checkpointing": bool(cfg.recompute.grad_checkpointing),
+            "keep_attention_outputs": bool(cfg.recompute.keep_attention_outputs),
             "inject_fault": cfg.recompute.inject_fault, **perturb_fields(cfg.recompute.perturb, overlay),
             **({"parallel": layout.describe()} if not layout.trivial else {}),
             "time_split": {k: round(v, 4) for k, v in split.items()}, "resumed_after_step": start or None,

@@ -73,3 +73,13 @@ def test_the_byte_count_sees_drift_that_a_ratio_of_one_hides() -> None:
     assert logp_bytes_differ(logp, old).tolist() == [True, False, False]
     with pytest.raises(ValueError, match="FP32"):
         logp_bytes_differ(logp.double(), old.double())
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_the_config_chooses_whether_checkpoints_keep_attention_outputs(tmp_path, keep: bool) -> None:
+    """``train.keep_attention_outputs`` reaches the policy model (checkpointed strict steps keep the attention
+    outputs for their recompute, or recompute them for the least memory)."""
+    cfg = compose_train([f"output_dir={tmp_path}", *SMALL, "train.grad_checkpointing=true",
+                         f"train.keep_attention_outputs={str(keep).lower()}"])
+    tr = Trainer(cfg, progress=False)
+    assert tr.model.gradient_checkpointing is True and tr.model.keep_attention_outputs is keep
