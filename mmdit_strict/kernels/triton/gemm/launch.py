@@ -497,7 +497,9 @@ _SAMPLES: dict[tuple, torch.Tensor] = {}
 
 
 def _row_samples(seqlens: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """Each packed row's sample index (int32, (M,)), cached per (seqlens, device)."""
+    """Each packed row's sample index (int32, (M,)), cached per (seqlens, device). ``cpu.primitives.row_sample_index``
+    holds the same map in int64; the kernel's epilogue takes int32 (the int64 table costs its image tile 24 more
+    spilled bytes a thread with the LoRA term, sm_90 offline)."""
     key = (seqlens, str(device))
     t = _SAMPLES.get(key)
     if t is None:
