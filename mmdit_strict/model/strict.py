@@ -388,23 +388,16 @@ def _strict_forward(model: "MMDiT", inputs: "ModelInputs", block_capture: dict[s
     checkpointing = model.gradient_checkpointing and torch.is_grad_enabled()
     keep = checkpointing and model.keep_attention_outputs
     with bind(current().replace(kept_outputs=KeptOutputs())) if keep else contextlib.nullcontext():
-        img, txt = _blocks(model, img, txt, temb, rope, iseq, tseq, heads, head_dim, eps, checkpointing, block_capture)
+        for i, block in enumerate(model.transformer_blocks):
+            if checkpointing:
+                # the block's first operators, made just before the checkpoint: the autograd graph and its order
+                # are unchanged, and the recompute skips these weight-streaming products (they read only temb)
+                mod = block_modulation(i, block, temb)
+                img, txt = checkpointed(block_forward, i, block, img, txt, temb, rope, iseq, tseq, heads, head_dim, eps,
+                                        None, None, mod, preserve_rng=False)
+            else:
+                img, txt = block_forward(i, block, img, txt, temb, rope, iseq, tseq, heads, head_dim, eps)
+            if block_capture is not None:
+                block_capture[f"block{i}.img"] = img.detach()
+                block_capture[f"block{i}.txt"] = txt.detach()
     return unpack_images(project_out(model, img, temb, iseq), inputs.img_lens, Ti)
-
-
-def _blocks(model: "MMDiT", img: torch.Tensor, txt: torch.Tensor, temb: torch.Tensor, rope: tuple[torch.Tensor, ...],
-            iseq: tuple[int, ...], tseq: tuple[int, ...], heads: int, head_dim: int, eps: float, checkpointing: bool,
-            block_capture: dict[str, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    for i, block in enumerate(model.transformer_blocks):
-        if checkpointing:
-            # the block's first operators, made just before the checkpoint: the autograd graph and its order are
-            # unchanged, and the recompute skips these weight-streaming products (they read only temb)
-            mod = block_modulation(i, block, temb)
-            img, txt = checkpointed(block_forward, i, block, img, txt, temb, rope, iseq, tseq, heads, head_dim, eps,
-                                    None, None, mod, preserve_rng=False)
-        else:
-            img, txt = block_forward(i, block, img, txt, temb, rope, iseq, tseq, heads, head_dim, eps)
-        if block_capture is not None:
-            block_capture[f"block{i}.img"] = img.detach()
-            block_capture[f"block{i}.txt"] = txt.detach()
-    return img, txt

@@ -71,8 +71,8 @@ class _Instance:
 
 def add_into_grads(params: list[torch.Tensor], grads: tuple[torch.Tensor | None, ...]) -> None:
     """``p.grad += g`` for each pair, ``p.grad = copy of g`` where ``p.grad`` is None (a None ``g`` is skipped):
-    what autograd's accumulation does, in a few multi-tensor launches instead of two per parameter (a
-    Flow-GRPO LoRA has 1,440 tensors). Each element is one add (or copy) as before, so the bytes are those
+    what autograd's accumulation does, in a few multi-tensor launches instead of one per parameter (the
+    default LoRA on 60 blocks has 1,200 tensors). Each element is one add (or copy) as before, so the bytes are those
     of ``p.grad.add_(g)`` / ``g.clone()``."""
     into: list[torch.Tensor] = []
     added: list[torch.Tensor] = []
