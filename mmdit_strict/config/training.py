@@ -52,8 +52,10 @@ class TrainConfig:
     # out-of-order partials); stored keeps one FP32 partial per tensor and key until the update
     grad_sink: str = "streamed"
     # True: each update's pairs (the shuffled set) are cut into micro-batches in gradient-key order, so the
-    # streamed fold buffers at most one micro-batch's keys; same update sets, same gradient bytes
-    sort_update_pairs: bool = False
+    # streamed fold buffers at most one micro-batch's keys and a micro-batch mostly holds one prompt's samples
+    # (few batch layouts, so the captured training steps are reused); same update sets, same gradient bytes.
+    # False: micro-batches keep the shuffled composition, as Flow-GRPO cuts them
+    sort_update_pairs: bool = True
     runtime: Optional[str] = None  # None → runtime.mode; "off" shows how far the production path drifts
     recompute_old_logp: bool = False  # debug: recompute the old logp before training and require equal bytes
     clip_range: float = 1.0e-4

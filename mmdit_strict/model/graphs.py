@@ -68,6 +68,17 @@ def graph_stats(model: torch.nn.Module) -> dict[str, dict[str, int]] | None:
     return stats
 
 
+def release_forward_graphs(model: torch.nn.Module) -> int:
+    """Drop ``model``'s captured no-grad forwards and with them their memory pools (the training steps' graphs
+    stay); returns how many were held. The next forward of a layout captures it again."""
+    cache = getattr(model, "graph_cache", None)
+    if cache is None:
+        return 0
+    held = len(cache)
+    cache.clear()
+    return held
+
+
 def adapter_state(model: torch.nn.Module) -> tuple:
     """What the strict forward's Python reads of the LoRA adapters: per adapted layer, whether adapters are
     disabled, which are active and their scalings. A graph captured in one state must not replay in another

@@ -8,7 +8,7 @@ Per epoch ``e``:
 3. **train** (``train.runtime``), ``num_inner_epochs`` times: the (sample, train step) pairs, shuffled
    with a key of (seed, epoch, inner epoch), are cut into optimizer updates of
    ``micro_batch × gradient_accumulation_steps`` pairs, each update into micro-batches of
-   ``micro_batch`` pairs (in gradient-key order first with ``train.sort_update_pairs``). The **old
+   ``micro_batch`` pairs (in gradient-key order first with ``train.sort_update_pairs``, the default). The **old
    logp is the rollout's recorded logp**: with strict rollout == strict training the first update's
    ratios are exactly 1.0. LoRA gradients are folded through the grad sink in global
    (sample, step, branch) order, so they are the same bytes for every micro-batch split; a backend
@@ -63,7 +63,7 @@ from ..kernels.grad_sink import (
     pending_bound,
 )
 from ..kernels.runtime import Runtime
-from ..model.graphs import graph_stats
+from ..model.graphs import graph_stats, release_forward_graphs
 from ..parallel import ModelLayout, model_parallel
 from ..parallel import build as build_model_parallel
 from ..sampling import sigma_table
@@ -90,7 +90,7 @@ EVAL_ID_BASE = 1 << 40
 #: the schema must match the checkpoint's.
 RESUME_FREE = ("resume", "progress", "wandb", "output_dir", "_choices_", "train.num_epochs", "train.eval_freq",
                "train.save_freq", "train.export", "train.recompute_old_logp", "train.cpu_threads", "train.grad_sink",
-               "train.keep_attention_outputs", "distributed")
+               "train.keep_attention_outputs", "train.sort_update_pairs", "distributed")
 
 UpdateHook = Callable[[int, int, int], None]
 
@@ -327,6 +327,14 @@ class Trainer:
                         f"{float(got[bad[0]])!r} != rollout logp {float(want[bad[0]])!r} ({len(bad)} of {len(chunk)} pairs differ "
                         f"in this micro-batch; training runtime {self.train_rt.value}, rollout runtime {self.rollout_rt.value})")
 
+    def _update_chunks(self, pairs: list[tuple[int, int]], epoch: int, inner: int) -> list[list[tuple[int, int]]]:
+        """The pairs of inner epoch ``inner`` (shuffled with a key of seed, epoch and inner epoch) cut into updates."""
+        order = list(pairs)
+        if self.tcfg.shuffle:
+            random.Random(f"pairs|{self.seed}|{epoch}|{inner}").shuffle(order)
+        per_update = self.tcfg.micro_batch * self.tcfg.gradient_accumulation_steps
+        return [order[u0:u0 + per_update] for u0 in range(0, len(order), per_update)]
+
     def _update_batches(self, samples: EpochSamples, chunk: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
         """One update's pairs cut into micro-batches (by gradient key first with ``train.sort_update_pairs``)."""
         mb = self.tcfg.micro_batch
@@ -370,11 +378,7 @@ class Trainer:
         bar = tqdm(total=n_updates, desc=f"epoch {epoch} train [{self.train_rt.value}]", disable=not self.progress, leave=False)
         u_all = 0
         for inner in range(t.num_inner_epochs):
-            order = list(pairs)
-            if t.shuffle:
-                random.Random(f"pairs|{self.seed}|{epoch}|{inner}").shuffle(order)
-            for u, u0 in enumerate(range(0, len(order), per_update)):
-                chunk = order[u0:u0 + per_update]
+            for u, chunk in enumerate(self._update_chunks(pairs, epoch, inner)):
                 weight = 1.0 / len(chunk)
                 canon.append(self._canonical_order(samples, chunk, scale))
                 batches, first = self._rank_share(samples, chunk, scale)
@@ -603,6 +607,10 @@ class Trainer:
         t1 = time.perf_counter()
         scored = self._score(epoch, samples)
         total, parts = scored["total"], scored["parts"]
+        # The rollout's captured forwards are keyed by this epoch's prompt lengths, which later epochs rarely
+        # draw again; their pools would sit beside the training steps' graphs and the grad sink's buffers
+        # for the rest of the run (the evaluation's forwards are captured again at its next turn)
+        release_forward_graphs(self.model)
         t2 = time.perf_counter()
         train = self._train(epoch, samples, scored["adv"])
         t3 = time.perf_counter()

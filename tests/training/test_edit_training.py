@@ -42,7 +42,7 @@ def _grids(tr: Trainer, samples, pairs) -> set[tuple[int, int]]:
 
 
 def test_edit_first_update_is_on_policy_with_mixed_conditioning_sizes(tmp_path: Path) -> None:
-    tr = _trainer(tmp_path, "lora.init=random", "train.recompute_old_logp=true")
+    tr = _trainer(tmp_path, "lora.init=random", "train.recompute_old_logp=true", "train.sort_update_pairs=false")
     assert tr.prompts.images is not None and [im.grid for im in tr.prompts.images] == [(4, 4), (2, 6), (6, 3)]
     for epoch in range(2):
         row = tr.train_epoch(epoch)
@@ -58,7 +58,8 @@ def test_plus_conditioning_and_per_prompt_negatives_stay_on_policy(tmp_path: Pat
     """Several input images per prompt (Plus: counts 2 and 1 mixed in the micro-batches) and one negative per
     prompt (an edit checkpoint's negatives, encoded with each prompt's images): the first update's logp is
     still the rollout's bytes."""
-    tr = _trainer(tmp_path, "lora.init=random", "train.recompute_old_logp=true", "prompts.edit.images_per_prompt=[2,1]")
+    tr = _trainer(tmp_path, "lora.init=random", "train.recompute_old_logp=true", "prompts.edit.images_per_prompt=[2,1]",
+                  "train.sort_update_pairs=false")
     assert [len(im.grids) for im in tr.prompts.images] == [2, 1, 2]
     g = torch.Generator().manual_seed(3)
     tr.prompts.negatives = [torch.randn(2 + i, tr.prompts.negative.shape[1], generator=g).to(tr.prompts.negative)
@@ -71,7 +72,7 @@ def test_plus_conditioning_and_per_prompt_negatives_stay_on_policy(tmp_path: Pat
 def test_edit_policy_logp_bytes_pair_by_pair_and_the_conditioning_reaches_the_forward(tmp_path: Path) -> None:
     """Micro-batches mixing conditioning sizes reproduce the rollout's logp bytes; the same pairs evaluated
     with other conditioning latents (same grids, same prompts) do not."""
-    tr = _trainer(tmp_path, "lora.init=random")
+    tr = _trainer(tmp_path, "lora.init=random", "train.sort_update_pairs=false")  # shuffled cut: sizes mix
     samples = rollout_epoch(tr.model, tr.rollout_rt, tr.prompts, tr.sigmas, tr.grid, tr.scfg, tr.seed, 0)
     pairs = tr._pairs(samples)
     random.Random(f"pairs|{tr.seed}|0|0").shuffle(pairs)  # the first update's order, as the loop shuffles it

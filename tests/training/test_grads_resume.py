@@ -55,7 +55,8 @@ def test_streamed_sink_gives_the_stored_bytes_with_a_bounded_buffer(tmp_path) ->
     """train.grad_sink=streamed (shuffled or key-sorted micro-batches) and =stored: the same gradient bytes;
     the streamed fold buffers no more than its bound, one micro-batch's keys minus one when sorted."""
     runs = {}
-    for name, extra in (("stored", ["train.grad_sink=stored"]), ("streamed", ["train.grad_sink=streamed"]),
+    for name, extra in (("stored", ["train.grad_sink=stored", "train.sort_update_pairs=false"]),
+                        ("streamed", ["train.grad_sink=streamed", "train.sort_update_pairs=false"]),
                         ("sorted", ["train.grad_sink=streamed", "train.sort_update_pairs=true"])):
         cfg = compose_train([f"output_dir={tmp_path / name}", *SMALL, "lora.init=random", "train.micro_batch=2",
                        "train.gradient_accumulation_steps=3", *extra])
