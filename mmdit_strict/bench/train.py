@@ -141,7 +141,8 @@ def _train_phase(engine: Engine, up: Update, samples: EpochSamples) -> tuple[Sam
     mb = up.tcfg.micro_batch
     batches = [pairs[i:i + mb] for i in range(0, len(pairs), mb)]
     keys = [grad_keys(samples, b, scale) for b in batches]
-    sink = SampleGradSink([k for ks in keys for k in ks]) if engine.grad_sink else None
+    # as train does under the strict runtime: the backward leaves autograd's sums out, the fold replaces them
+    sink = SampleGradSink([k for ks in keys for k in ks], autograd_sums=False) if engine.grad_sink else None
     differ, exact = [], []
     with collect_sample_grads(sink) if sink is not None else contextlib.nullcontext(), side(engine.model, engine.runtime):
         for part, ks in zip(batches, keys):
@@ -164,9 +165,9 @@ def _optimizer_phase(params: list[torch.nn.Parameter], opt: torch.optim.Optimize
     """(The sink's fold into ``.grad``,) gradient clipping, one AdamW step, gradients dropped."""
     if sink is not None:
         for p in params:
-            if p.grad is None:  # no path to the loss (the last block's text stream)
-                continue
             folded = sink.fold(p)
+            if folded is None and p.grad is None:  # no path to the loss (the last block's text stream)
+                continue
             if folded is None:
                 raise RuntimeError(f"the strict backward deposited no per-sample partial for a LoRA tensor of shape "
                                    f"{tuple(p.shape)}: its gradient would be autograd's sum, not the sink's fold")

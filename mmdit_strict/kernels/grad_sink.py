@@ -84,9 +84,15 @@ class SampleGradSink:
             (distinct, mutually comparable), for the streamed fold. A deposit under another key raises.
         first_index: streamed fold only: the leaf index of the smallest key (keys are leaves
             ``first_index .. first_index + len(keys) - 1`` of a larger tree); :meth:`fold` needs 0.
+        autograd_sums: False: a backward that hands this sink a parameter's per-sample partials skips
+            autograd's sum of them (the strict GEMM's summed weight-gradient product), so that parameter's
+            ``.grad`` is not written; the caller takes :meth:`fold` instead. Same partials, same fold; the
+            summed product's time and memory are saved.
     """
 
-    def __init__(self, keys: Sequence[Hashable] | None = None, first_index: int = 0) -> None:
+    def __init__(self, keys: Sequence[Hashable] | None = None, first_index: int = 0, *,
+                 autograd_sums: bool = True) -> None:
+        self.autograd_sums = autograd_sums
         self._params: dict[int, torch.Tensor] = {}
         self._parts: dict[int, dict[Hashable, torch.Tensor]] = {}
         self._universe: set[Hashable] = set()
@@ -281,7 +287,8 @@ class DepositLog:
     sink keeps them (``transfer=False``), so the sink's fold is the one an uncaptured backward gets.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, autograd_sums: bool = True) -> None:
+        self.autograd_sums = autograd_sums  # as the real sink's (SampleGradSink): read by the captured backward
         self.entries: list[tuple[torch.Tensor, tuple[int, ...], list[torch.Tensor]]] = []
 
     def add(self, param: torch.Tensor, keys: Sequence[Hashable], partials: Sequence[torch.Tensor], *,

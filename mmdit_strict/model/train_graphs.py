@@ -129,7 +129,8 @@ class _Replay(torch.autograd.Function):
 
 
 class TrainGraphCache:
-    """Captured training steps keyed by batch layout, trainable parameters and grad-sink use.
+    """Captured training steps keyed by batch layout, trainable parameters and grad-sink use (with or without
+    autograd's sums of the deposited gradients: ``SampleGradSink(autograd_sums=...)``).
 
     ``max_instances`` bounds the captured instances (pairs of graphs and their pools) over every key;
     the least recently used idle one goes first, and a call that finds every instance of its key busy
@@ -166,14 +167,15 @@ class TrainGraphCache:
         with_sink = sink is not None and keys is not None
         if with_sink and len(keys) != batch:
             raise ValueError(f"sample_keys declares {len(keys)} samples but this forward has {batch}")
-        key = (layout_key, with_sink, tuple(id(p) for p in params))
+        sums = sink.autograd_sums if with_sink else True  # False: the captured backward leaves the sums out
+        key = (layout_key, with_sink, sums, tuple(id(p) for p in params))
         pool = self._entries.get(key)
         inst = next((i for i in pool if not i.busy()), None) if pool else None
         if inst is None:
             if not self._make_room():
                 self.uncaptured += 1
                 return None
-            inst = self._capture(inputs, params, forward, with_sink)
+            inst = self._capture(inputs, params, forward, with_sink, sums)
             self._entries.setdefault(key, []).append(inst)
             self.captures += 1
         self._entries.move_to_end(key)
@@ -202,9 +204,9 @@ class TrainGraphCache:
 
     @staticmethod
     def _capture(inputs: "ModelInputs", params: list[torch.Tensor], forward: Callable[["ModelInputs"], torch.Tensor],
-                 with_sink: bool) -> _Instance:
+                 with_sink: bool, sums: bool = True) -> _Instance:
         static = static_inputs(inputs)
-        log = DepositLog() if with_sink else None
+        log = DepositLog(autograd_sums=sums) if with_sink else None
         positions = tuple(range(inputs.hidden_states.shape[0])) if with_sink else None
         bound = current().replace(grad_sink=log, sample_keys=positions)
         with using(bound):

@@ -386,7 +386,10 @@ class Trainer:
                 run = execution_order(keys)
                 flat = [k for ks in keys for k in ks]
                 streamed = t.grad_sink == "streamed"
-                sink = SampleGradSink(flat, first_index=first) if streamed else SampleGradSink()
+                # strict (fails closed: every LoRA product deposits): the backward skips autograd's sums, the fold replaces them
+                sums = self.train_rt is not Runtime.STRICT
+                sink = (SampleGradSink(flat, first_index=first, autograd_sums=sums) if streamed
+                        else SampleGradSink(autograd_sums=sums))
                 sink_bound = max(sink_bound, pending_bound([keys[j] for j in run]) if streamed else len(flat))
                 with collect_sample_grads(sink), side(self.model, self.train_rt):
                     for j in run:
@@ -455,7 +458,8 @@ class Trainer:
         }
 
     def _fold_grads(self, sink: SampleGradSink, keys: list, first: int, label: str) -> str:
-        """Replace autograd's gradient sums by the grad sink's tree folds (across every rank under torchrun)."""
+        """Set each LoRA tensor's gradient to the grad sink's tree fold (across every rank under torchrun), in place of
+        autograd's sum (which the strict backward skipped: ``SampleGradSink(autograd_sums=False)``)."""
         if self.session is not None:
             nodes = {n: range_nodes(sink, p, keys, first) for n, p in self.named}
             bare = [n for n, p in self.named if p.grad is not None and all(nd.value is None for nd in nodes[n])]
@@ -469,10 +473,13 @@ class Trainer:
             return "sink"
         folded = {}
         for n, p in self.named:
-            if p.grad is None:
-                continue
             f = sink.fold(p)
+            if f is None and p.grad is None:
+                continue  # no path to the loss (the last block's text stream)
             if f is None:
+                if not sink.autograd_sums:
+                    raise RuntimeError(f"train: {n} got autograd's gradient but no per-sample partials from the "
+                                       f"{self.train_rt.value} backward, and the other tensors' sums were skipped")
                 if self.train_rt is not Runtime.OFF and not self._warned_fold:
                     logger.warning("train: %s got no per-sample gradient partials from the %s backward; LoRA gradients are "
                                    "autograd's sums, which depend on the micro-batch split (grad_fold=autograd)", n, self.train_rt.value)

@@ -162,3 +162,45 @@ def test_gpu_lora_grads_through_the_sink_do_not_depend_on_the_split(dtype: torch
     # odd sample lengths (non-multiples of every BLOCK_M); the attn_out+lora layer of test_triton_gemm.py
     # (3072 → 3072, bias, rank 16), so a whole `-m gpu` run reuses most of its compiled kernels
     _check(target, (3072, 3072), 16, (7, 1, 33, 100, 16, 129, 2, 57), LAYOUTS, epilogue="none")
+
+
+@interp
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+def test_a_sink_without_autograd_sums_gets_the_same_partials_and_no_grad(backend: str, monkeypatch) -> None:
+    """``SampleGradSink(autograd_sums=False)``: the strict GEMM backward (Triton under the interpreter, and the CPU
+    backend) deposits the same per-sample partials, so the same fold bytes, returns no summed LoRA gradient
+    (``.grad`` stays None) and, on Triton, launches no summed weight-gradient product; dX still flows (2 layers)."""
+    from mmdit_strict.kernels.cpu import gemm as C
+    from mmdit_strict.kernels.triton.gemm import launch as L
+
+    gemm = G.gemm if backend == "triton" else C.gemm
+    t = Target("cpu", torch.float32)
+    net = _Net((21, 19, 13), 3, t)
+    lens = (16, 32)  # whole 16-row tiles: the interpreter's forward is row-invariant by whole tiles only
+    xs, gys = _data(lens, 21, 13, t)
+    keys = sorted(xs)
+    summed = []
+    real_dw = L.gemm_dw
+    monkeypatch.setattr(L, "gemm_dw", lambda *a, **k: summed.append(1) or real_dw(*a, **k))
+
+    def run(sums: bool) -> dict[str, torch.Tensor]:
+        sink = SampleGradSink(keys, autograd_sums=sums)
+        with collect_sample_grads(sink), sample_keys(keys):
+            x = torch.cat([xs[k] for k in keys])
+            for w, b, a, bl, scale, pro, epi in net.layers:
+                x = gemm(x, w, b, seqlens=tuple(lens[s] for s, _ in keys), prologue=pro, epilogue=epi, lora=(a, bl, scale))
+        (x * torch.cat([gys[k] for k in keys])).sum().backward()
+        assert all((p.grad is not None) == sums for p in net.params.values()), sums
+        sink.done(keys)
+        for p in net.params.values():
+            p.grad = None
+        return {name: sink.fold(p) for name, p in net.params.items()}
+
+    with_sums = run(True)
+    launched = len(summed)
+    without = run(False)
+    for name, f in with_sums.items():
+        assert f is not None and float(f.abs().max()) > 0
+        assert_bytes_equal(without[name], f, f"{backend} LoRA {name}: fold without autograd sums vs with")
+    if backend == "triton":
+        assert launched == 4 and len(summed) == launched  # A and B of both layers, summed only when asked

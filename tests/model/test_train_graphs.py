@@ -308,7 +308,7 @@ class _StandInGraph:
         self.fn()
 
 
-def _stand_in_capture(inputs, params, forward, with_sink):
+def _stand_in_capture(inputs, params, forward, with_sink, sums=True):
     from mmdit_strict.model import train_graphs as tg
 
     static = static_inputs(inputs)
@@ -316,9 +316,10 @@ def _stand_in_capture(inputs, params, forward, with_sink):
     held: dict[str, torch.Tensor] = {}
     out = forward(static).detach().clone()
     grad_out = torch.empty_like(out)
-    grads = tuple(torch.empty_like(p) for p in params)
+    # a sink that takes no autograd sums: the strict backward returns None for the deposited parameters
+    grads = tuple(torch.empty_like(p) if sums or not with_sink else None for p in params)
     parts = [[torch.empty_like(p) for _ in range(batch)] for p in params]
-    log = DepositLog() if with_sink else None
+    log = DepositLog(autograd_sums=sums) if with_sink else None
     if log is not None:
         for p, ps in zip(params, parts):
             log.add(p, tuple(range(batch)), ps)
@@ -332,7 +333,8 @@ def _stand_in_capture(inputs, params, forward, with_sink):
         y = held.pop("y")
         with torch.enable_grad():  # a backward runs without grad mode; the per-sample slices need it
             for dst, g in zip(grads, torch.autograd.grad(y, params, grad_out, retain_graph=True)):
-                dst.copy_(g)
+                if dst is not None:
+                    dst.copy_(g)
             for b in range(batch):  # each sample's own partial
                 for dst, g in zip(parts, torch.autograd.grad(y[b], params, grad_out[b], retain_graph=True)):
                     dst[b].copy_(g)
@@ -380,6 +382,26 @@ def test_replay_node_gives_the_output_grad_and_the_sinks_partials(stand_in) -> N
     again.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backpropagated twice"):
         again.sum().backward()
+
+
+def test_a_sink_without_autograd_sums_gets_its_own_capture_and_leaves_grad_unwritten(stand_in) -> None:
+    """A step captured for a sink that takes no autograd sums is not replayed for one that does (and back):
+    its backward writes no ``.grad`` and hands the sink the same partials, so the fold has the same bytes."""
+    w, inputs, forward = _toy()
+    cache = stand_in(max_instances=4)
+    keys = [("b", 0), ("a", 1)]
+    folds = {}
+    for sums in (True, False, True, False):
+        sink = SampleGradSink(keys, autograd_sums=sums)
+        with collect_sample_grads(sink), sample_keys(keys):
+            out = cache.run(inputs, "strict", [w], forward, ("layout",))
+        (out * 3).sum().backward()
+        assert (w.grad is not None) == sums
+        sink.done(keys)
+        folds[sums] = sink.fold(w)
+        w.grad = None
+    assert cache.captures == 2 and cache.replays == 4
+    assert torch.equal(folds[True], folds[False])
 
 
 def test_instances_are_leased_until_backward_or_drop_then_reused_or_evicted(stand_in) -> None:

@@ -93,6 +93,36 @@ def uninterrupted(tmp_path_factory):
     return out, run_training(compose_train([f"output_dir={out}", *COMMON]), progress=False)
 
 
+def test_strict_training_skips_autograd_sums_with_the_same_bytes(tmp_path, monkeypatch) -> None:
+    """Under the strict runtime the trainer's sink takes no autograd sums (the backward leaves ``.grad`` unwritten and
+    the fold sets it): the same folded gradients and LoRA bytes as a sink that also lets autograd sum them."""
+    from mmdit_strict.kernels.grad_sink import SampleGradSink
+    from mmdit_strict.training import loop
+
+    runs = {}
+    for name in ("default", "with_sums"):
+        if name == "with_sums":
+            monkeypatch.setattr(loop, "SampleGradSink", lambda *a, **k: SampleGradSink(*a, **{**k, "autograd_sums": True}))
+        cfg = compose_train([f"output_dir={tmp_path / name}", *SMALL, "lora.init=random", "train.micro_batch=2",
+                             "train.gradient_accumulation_steps=3"])
+        tr = _Recording(cfg, progress=False)
+        tr.grads, made = [], []
+        real_add = SampleGradSink.add
+        monkeypatch.setattr(SampleGradSink, "add", lambda self, *a, **k: made.append(self.autograd_sums) or real_add(self, *a, **k))
+        row = tr.train_epoch(0)
+        monkeypatch.setattr(SampleGradSink, "add", real_add)
+        assert row["grad_fold"] == "sink" and row["optimizer_updates"] == 2 and made
+        assert set(made) == {name == "with_sums"}
+        runs[name] = (tr.grads, {n: p.detach().clone() for n, p in tr.named})
+    (ga_all, la), (gb_all, lb) = runs["default"], runs["with_sums"]
+    for u, (ga, gb) in enumerate(zip(ga_all, gb_all, strict=True)):
+        assert sorted(ga) == sorted(gb) and ga
+        for n in ga:
+            assert_bytes_equal(ga[n], gb[n], f"update {u} grad {n}")
+    for n in la:
+        assert_bytes_equal(la[n], lb[n], f"LoRA {n} after the epoch")
+
+
 # (epoch, update) where the run dies: before the first checkpoint, mid-epoch, on an epoch's first update
 # (3 updates per epoch: 12 pairs, 4 per update)
 @pytest.mark.slow

@@ -29,10 +29,12 @@ EPILOGUES = ("none", "gelu_tanh", "silu")
 LoRA = tuple  # (A (r, K), B (N, r), scale)
 
 
-def _per_sample_outer(dz: torch.Tensor, x: torch.Tensor, seqlens: tuple[int, ...], sink=None, param=None, keys=None) -> torch.Tensor:
+def _per_sample_outer(dz: torch.Tensor, x: torch.Tensor, seqlens: tuple[int, ...], sink=None, param=None,
+                      keys=None) -> torch.Tensor | None:
     """``sum_s dz_sᵀ x_s`` folded in sample order; each product on fresh contiguous operands.
 
-    With a gradient sink, each sample's partial is also handed to it under the sample's key.
+    With a gradient sink, each sample's partial is also handed to it under the sample's key, and the sum is
+    None where the sink takes no autograd sums (``SampleGradSink(autograd_sums=False)``).
     """
     parts = []
     start = 0
@@ -44,6 +46,8 @@ def _per_sample_outer(dz: torch.Tensor, x: torch.Tensor, seqlens: tuple[int, ...
         start += n
     if sink is not None and param is not None and keys is not None:
         sink.add(param, keys, parts)
+        if not sink.autograd_sums:
+            return None
     acc = parts[0] if parts else dz.new_zeros(dz.shape[1], x.shape[1])
     for part in parts[1:]:
         acc = acc + part
@@ -138,7 +142,7 @@ class StrictGemmFunction(torch.autograd.Function):
             per_sample = segment_tree_sum(dz, seqlens)
             if sink is not None:
                 sink.add(p_b, keys, list(per_sample))
-            db = fold(per_sample)
+            db = fold(per_sample) if sink is None or sink.autograd_sums else None
         return dx, dW, db, dA, dB, None, None, None, None
 
 

@@ -48,15 +48,18 @@ class GemmFunction(torch.autograd.Function):
         lora = (lora_a, lora_b, lora_scale) if lora_a is not None else None
         ni = ctx.needs_input_grad
         deposit = None
+        sums = True
         if ctx.sink is not None:  # a grad sink was active at the forward: hand it each sample's partials
             sink, keys, params = ctx.sink
+            sums = sink.autograd_sums
 
             def deposit(i: int, partials: list[torch.Tensor]) -> None:
                 sink.add(params[i], keys, partials, transfer=True)  # fresh FP32 tensors made for the sink
 
         dx, dw, db, da, dlb = gemm_bwd(
             dy.contiguous(), x, weight, seqlens=seqlens, prologue=prologue, epilogue=epilogue, pre=pre,
-            lora=lora, u=u, needs=(ni[0], ni[1], ni[2], ni[3], ni[4]), h=h, deposit=deposit, stream=stream)
+            lora=lora, u=u, needs=(ni[0], ni[1], ni[2], ni[3], ni[4]), h=h, deposit=deposit, sums=sums,
+            stream=stream)
         return dx, dw, db, da, dlb, None, None, None, None
 
 

@@ -572,7 +572,8 @@ def gemm_fwd(x, weight, bias=None, *, prologue="none", epilogue="none", lora=Non
 
 def gemm_bwd(dy, x, weight, *, seqlens, prologue="none", epilogue="none", pre=None, lora=None, u=None,
              needs=(True, True, True, True, True), h=None, dx_config: _configs.FwdConfig | None = None,
-             deposit: Callable[[int, list[torch.Tensor]], None] | None = None, stream: str = "image"):
+             deposit: Callable[[int, list[torch.Tensor]], None] | None = None, sums: bool = True,
+             stream: str = "image"):
     """Backward of :func:`gemm_fwd`. dy: (M, N). Returns (dx, dW, db, dA, dB); None where not needed.
 
     ``h``: ``p(x)`` from the forward's prologue pass, if it ran; dW/dA then read it instead of
@@ -582,7 +583,8 @@ def gemm_bwd(dy, x, weight, *, seqlens, prologue="none", epilogue="none", pre=No
     ``configs.fwd_config(K, N, dtype, stream)``).
     ``deposit``: called as ``deposit(i, partials)`` for each parameter gradient computed (i = 1 W,
     2 b, 3 A, 4 B) with that gradient's per-sample FP32 partials (:func:`gemm_dw_samples`,
-    :func:`gemm_db_samples`), for the grad sink; the returned gradients are unchanged."""
+    :func:`gemm_db_samples`), for the grad sink; the returned gradients are unchanged, except that with
+    ``sums=False`` a gradient whose partials were deposited is not summed (returned as None)."""
     need_x, need_w, need_b, need_a, need_lb = needs
     k = x.shape[1]
     n = weight.shape[0]
@@ -598,21 +600,22 @@ def gemm_bwd(dy, x, weight, *, seqlens, prologue="none", epilogue="none", pre=No
         cfg = dx_config or _configs.fwd_config(k, n, dz.dtype, stream)
         dx, _ = _main(dz, Operand(weight, (k, 1)), k, cfg, epilogue=epi, aux=aux, lora=lo)  # dX = dZ W (+ s·v A) [· silu'(x)]
     xw, pw = (h, "none") if h is not None else (x, prologue)
+    summed = deposit is None or sums
     if need_w:
-        dw = gemm_dw(dz, xw, seqlens, prologue=pw)
+        dw = gemm_dw(dz, xw, seqlens, prologue=pw) if summed else None
         if deposit is not None:
             deposit(1, gemm_dw_samples(dz, xw, seqlens, prologue=pw))
     if need_b:
-        db = gemm_db(dz, seqlens)
+        db = gemm_db(dz, seqlens) if summed else None
         if deposit is not None:
             deposit(2, gemm_db_samples(dz, seqlens))
     if lora is not None:
         if need_a:
-            da = gemm_dw(v, xw, seqlens, prologue=pw, scale=lora[2])
+            da = gemm_dw(v, xw, seqlens, prologue=pw, scale=lora[2]) if summed else None
             if deposit is not None:
                 deposit(3, gemm_dw_samples(v, xw, seqlens, prologue=pw, scale=lora[2]))
         if need_lb:
-            dlb = gemm_dw(dz, u, seqlens, scale=lora[2])
+            dlb = gemm_dw(dz, u, seqlens, scale=lora[2]) if summed else None
             if deposit is not None:
                 deposit(4, gemm_dw_samples(dz, u, seqlens, scale=lora[2]))
     return dx, dw, db, da, dlb
