@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -114,6 +114,10 @@ class SampleGradSink:
             raise ValueError(f"SampleGradSink keys must be distinct; {dup!r} appears more than once")
         self._rank = {k: i for i, k in enumerate(order)}
         self._order = order
+
+    def partial_buffers(self, param: torch.Tensor, keys: Sequence[Hashable]) -> list[torch.Tensor] | None:
+        """Where a backward should write ``param``'s partials for ``keys``: None, fresh tensors (handed over)."""
+        return None
 
     @property
     def streamed(self) -> bool:
@@ -282,14 +286,33 @@ class DepositLog:
 
     A captured backward (``model/train_graphs.py``) runs its Python once, at capture, under sample keys
     that are batch positions ``0 .. B-1``; the log keeps each deposit's parameter, positions and
-    partials (the graph's own buffers, rewritten by every replay) in arrival order. After each replay,
+    partials (buffers the graph rewrites at every replay) in arrival order. After each replay,
     :meth:`replay` gives a real sink the same deposits under that call's sample keys, copied where the
     sink keeps them (``transfer=False``), so the sink's fold is the one an uncaptured backward gets.
+
+    ``buffers(param, position, occurrence)``: the tensor the backward writes ``param``'s partial of batch
+    position ``position`` into (``occurrence``: how many partials of that pair came before it in this
+    backward), or None for a fresh one. Buffers shared by several captured backwards hold one replay's
+    partials at a time, which :meth:`replay` hands on before the next replay writes them.
     """
 
-    def __init__(self, autograd_sums: bool = True) -> None:
+    def __init__(self, autograd_sums: bool = True,
+                 buffers: Callable[[torch.Tensor, int, int], torch.Tensor | None] | None = None) -> None:
         self.autograd_sums = autograd_sums  # as the real sink's (SampleGradSink): read by the captured backward
+        self.buffers = buffers
+        self._uses: dict[tuple[int, int], int] = {}
         self.entries: list[tuple[torch.Tensor, tuple[int, ...], list[torch.Tensor]]] = []
+
+    def partial_buffers(self, param: torch.Tensor, keys: Sequence[int]) -> list[torch.Tensor] | None:
+        """The buffers ``buffers`` gives for ``param`` at batch positions ``keys`` (None unless it gives them all)."""
+        if self.buffers is None:
+            return None
+        found: list[torch.Tensor | None] = []
+        for pos in keys:
+            n = self._uses.get((id(param), pos), 0)
+            self._uses[id(param), pos] = n + 1
+            found.append(self.buffers(param, pos, n))
+        return None if any(b is None for b in found) else [b for b in found if b is not None]
 
     def add(self, param: torch.Tensor, keys: Sequence[Hashable], partials: Sequence[torch.Tensor], *,
             transfer: bool = False) -> None:
@@ -302,6 +325,7 @@ class DepositLog:
 
     def clear(self) -> None:
         self.entries.clear()
+        self._uses.clear()
 
     def replay(self, sink: SampleGradSink, keys: Sequence[Hashable]) -> None:
         """Deposit every recorded partial into ``sink`` under ``keys[position]``, in the recorded order."""

@@ -11,7 +11,9 @@ graphs sharing one memory pool, and a training forward replays them through one 
 * backward: copy the output gradient into the static buffer, replay the backward graph, return the
   parameters' gradients (added into ``.grad`` as autograd accumulates the uncaptured ones),
   and hand the grad sink in force at the forward the per-sample partials the replay wrote
-  (:class:`~mmdit_strict.kernels.grad_sink.DepositLog`, under that call's sample keys).
+  (:class:`~mmdit_strict.kernels.grad_sink.DepositLog`, under that call's sample keys). The partials
+  are written into buffers every captured step of the cache shares (:class:`PartialArena`), not into
+  each step's own pool.
 
 The kernels and their arguments are those of the uncaptured step, so the bytes are too (tested on the
 GPU: ``tests/model/test_train_graphs.py``, ``tests/training/test_gpu_training.py``). A graph's activations live in its pool until its
@@ -47,6 +49,53 @@ if TYPE_CHECKING:
     from .mmdit import ModelInputs
 
 
+class PartialArena:
+    """The FP32 buffers every captured backward of one cache writes its per-sample gradient partials into.
+
+    A captured backward's partials are one FP32 copy of every trained tensor per sample (about 1.7 GB at
+    Qwen-Image size with Flow-GRPO's rank-64 LoRA). They are read once, when the replay hands them to the grad
+    sink, so the captured steps need not each hold their own: buffers are reserved per (parameter, batch
+    position, occurrence) from the warm-up's deposits and shared. A backward replay waits until the sink's reads
+    of the previous replay's partials have run on their stream before it writes the buffers again.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._read: torch.cuda.Event | None = None
+        self._cuda = False
+
+    def __len__(self) -> int:
+        return len(self._bufs)
+
+    def reserve(self, entries: list[tuple[torch.Tensor, tuple[int, ...], list[torch.Tensor]]]) -> None:
+        """Buffers for the deposits of a :class:`DepositLog` (``entries``, in arrival order) that have none yet."""
+        uses: dict[tuple[int, int], int] = {}
+        for param, positions, partials in entries:
+            for pos, part in zip(positions, partials, strict=True):
+                n = uses.get((id(param), pos), 0)
+                uses[id(param), pos] = n + 1
+                have = self._bufs.get((id(param), pos, n))
+                if have is None or have.shape != part.shape or have.dtype != part.dtype or have.device != part.device:
+                    self._bufs[id(param), pos, n] = torch.empty(part.shape, dtype=part.dtype, device=part.device)
+                self._cuda = self._cuda or part.is_cuda
+
+    def buffer(self, param: torch.Tensor, position: int, occurrence: int) -> torch.Tensor | None:
+        """The buffer for this deposit (:class:`DepositLog`'s ``buffers``), or None if none was reserved."""
+        buf = self._bufs.get((id(param), position, occurrence))
+        return buf if buf is not None and buf.shape == param.shape else None
+
+    def before_write(self) -> None:
+        """Order a backward replay after the reads of the last partials handed to a sink."""
+        if self._read is not None:
+            torch.cuda.current_stream().wait_event(self._read)
+
+    def after_read(self) -> None:
+        """Mark the point on the current stream where the sink's reads of the partials are queued."""
+        if self._cuda:
+            self._read = torch.cuda.Event()
+            self._read.record()
+
+
 class _Lease:
     """Held by an autograd node between a replayed forward and its backward: while it lives, the instance's
     activations belong to that node."""
@@ -63,6 +112,7 @@ class _Instance:
     deposits: DepositLog | None
     trace: OperatorTrace  # operators of one forward + backward (checkpoint recomputes included)
     tables: list[Any]  # cached device tables the graphs read
+    arena: PartialArena | None = None  # where the backward writes the partials (shared with the cache's other steps)
     lease: Any = field(default=None)  # weakref to the _Lease of the node using the activations, or None
 
     def busy(self) -> bool:
@@ -119,11 +169,15 @@ class _Replay(torch.autograd.Function):
                                "disable training graphs (model.enable_cuda_graphs(training=False)) for that")
         inst = ctx.inst
         inst.grad_out.copy_(grad_out)
+        if inst.arena is not None:
+            inst.arena.before_write()
         inst.backward.replay()
         with torch.no_grad():
             add_into_grads(ctx.params, inst.grads)
         if ctx.sink is not None:
             inst.deposits.replay(ctx.sink, ctx.keys)
+        if inst.arena is not None:
+            inst.arena.after_read()
         ctx.lease = None
         return None, None, None, None, None
 
@@ -145,9 +199,11 @@ class TrainGraphCache:
         self.replays = 0
         self.uncaptured = 0
         self._anchors: dict[torch.device, torch.Tensor] = {}  # the replay node's one differentiable input
+        self._arena = PartialArena()
 
     def clear(self) -> None:
         self._entries.clear()
+        self._arena = PartialArena()  # an instance still leased keeps the buffers it writes through its log
 
     def _anchor(self, device: torch.device) -> torch.Tensor:
         if device not in self._anchors:
@@ -175,7 +231,7 @@ class TrainGraphCache:
             if not self._make_room():
                 self.uncaptured += 1
                 return None
-            inst = self._capture(inputs, params, forward, with_sink, sums)
+            inst = self._capture(inputs, params, forward, with_sink, sums, self._arena)
             self._entries.setdefault(key, []).append(inst)
             self.captures += 1
         self._entries.move_to_end(key)
@@ -204,7 +260,7 @@ class TrainGraphCache:
 
     @staticmethod
     def _capture(inputs: "ModelInputs", params: list[torch.Tensor], forward: Callable[["ModelInputs"], torch.Tensor],
-                 with_sink: bool, sums: bool = True) -> _Instance:
+                 with_sink: bool, sums: bool = True, arena: PartialArena | None = None) -> _Instance:
         static = static_inputs(inputs)
         log = DepositLog(autograd_sums=sums) if with_sink else None
         positions = tuple(range(inputs.hidden_states.shape[0])) if with_sink else None
@@ -218,6 +274,9 @@ class TrainGraphCache:
                 del out
             torch.cuda.current_stream().wait_stream(stream)
             if log is not None:
+                if arena is not None:  # the partials go to the shared buffers, not into this step's pool
+                    arena.reserve(log.entries)
+                    log.buffers = arena.buffer
                 log.clear()
             fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             with retaining(every_thread=True) as tables, capture_trace() as trace:
@@ -226,4 +285,5 @@ class TrainGraphCache:
                 grad_out = torch.empty_like(out)
                 with torch.cuda.graph(bwd, pool=fwd.pool()):
                     grads = torch.autograd.grad(out, params, grad_out, allow_unused=True)
-        return _Instance(fwd, bwd, static, out.detach(), grad_out, tuple(grads), log, trace, tables)
+        return _Instance(fwd, bwd, static, out.detach(), grad_out, tuple(grads), log, trace, tables,
+                         arena if log is not None and log.buffers is not None else None)

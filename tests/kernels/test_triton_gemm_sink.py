@@ -204,3 +204,51 @@ def test_a_sink_without_autograd_sums_gets_the_same_partials_and_no_grad(backend
         assert_bytes_equal(without[name], f, f"{backend} LoRA {name}: fold without autograd sums vs with")
     if backend == "triton":
         assert launched == 4 and len(summed) == launched  # A and B of both layers, summed only when asked
+
+
+@interp
+def test_partials_go_into_the_buffers_a_deposit_log_gives() -> None:
+    """The Triton GEMM backward writes each sample's partial into the buffers its sink gives (a captured step's
+    shared arena, ``model/train_graphs.py``): the same bytes as fresh ones, one buffer per (parameter, position,
+    occurrence) — a layer applied twice gets two — and a second log on the same arena gets the same buffers."""
+    from mmdit_strict.kernels.execution import bind, current
+    from mmdit_strict.kernels.grad_sink import DepositLog
+    from mmdit_strict.model.train_graphs import PartialArena
+
+    t = Target("cpu", torch.float32)
+    net = _Net((16, 16), 3, t)
+    w, b, a, bl, scale, pro, epi = net.layers[0]
+    x0 = randn(48, 16, gen=generator(35))
+    gy = randn(48, 16, gen=generator(36))
+
+    def backward(log: DepositLog) -> None:
+        with bind(current().replace(grad_sink=log, sample_keys=(0, 1))):
+            y = x0
+            for _ in range(2):  # the same LoRA layer twice: two partials per (parameter, sample)
+                y = G.gemm(y, w, b, seqlens=(16, 32), prologue=pro, epilogue=epi, lora=(a, bl, scale))
+        (y * gy).sum().backward()
+        for p in net.params.values():
+            p.grad = None
+
+    fresh = DepositLog()
+    backward(fresh)
+    arena = PartialArena()
+    arena.reserve(fresh.entries)
+    assert len(arena) == 2 * 2 * 2  # A and B × 2 positions × 2 occurrences
+    logs = [DepositLog(buffers=arena.buffer) for _ in range(2)]
+    for log in logs:
+        backward(log)
+        assert len(log.entries) == len(fresh.entries) == 4
+        for (pa, pos_a, got), (pb, pos_b, want) in zip(log.entries, fresh.entries, strict=True):
+            assert pa is pb and pos_a == pos_b
+            for g_, w_ in zip(got, want, strict=True):
+                assert_bytes_equal(g_, w_, "partial written into the arena vs a fresh one")
+    ptrs = [[t_.data_ptr() for _, _, parts in log.entries for t_ in parts] for log in logs]
+    assert ptrs[0] == ptrs[1] and len(set(ptrs[0])) == 8
+    assert not set(ptrs[0]) & {t_.data_ptr() for _, _, parts in fresh.entries for t_ in parts}
+    from mmdit_strict.kernels.triton.gemm import launch as L
+
+    with pytest.raises(ValueError, match="out must be 2 contiguous FP32"):
+        L.gemm_dw_samples(gy, x0, (16, 32), out=[torch.empty(16, 16)])
+    with pytest.raises(ValueError, match="out must be 2 contiguous FP32"):
+        L.gemm_db_samples(gy, (16, 32), out=[torch.empty(16), torch.empty(16, dtype=torch.float64)])

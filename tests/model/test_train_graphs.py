@@ -182,10 +182,11 @@ def _cuda_inputs(arch: Any, txt_lens: list[int], seed: int, grid: tuple[int, int
                 else v.to("cuda") if isinstance(v, torch.Tensor) else v) for k, v in inp.items()}
 
 
-def _step(model, inputs: list[dict[str, Any]], keys: list[list[Any]]) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _step(model, inputs: list[dict[str, Any]], keys: list[list[Any]],
+          sums: bool = True) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Forwards of ``inputs`` (each under its keys), one backward of their summed loss: outputs, folds, ``.grad``."""
     flat = [k for ks in keys for k in ks]
-    sink = SampleGradSink(flat)
+    sink = SampleGradSink(flat, autograd_sums=sums)
     outs = []
     with collect_sample_grads(sink):
         for inp, ks in zip(inputs, keys):
@@ -228,6 +229,30 @@ def test_captured_training_step_equals_the_uncaptured_one(checkpointing: bool) -
     for n, (a, b) in enumerate(zip(eager, graphed)):
         _same(a, b, f"call {n}")
     _same(eager[0], again, "replay after other layouts")
+
+
+@pytest.mark.gpu
+def test_captured_steps_without_autograd_sums_fold_the_same_bytes_from_shared_buffers() -> None:
+    """The trainer's sink (no autograd sums): captured == uncaptured folds, no ``.grad`` written, and the captured
+    steps of two layouts and of the sequential CFG pair write their partials into one arena."""
+    arch, model = _cuda_case()
+    cond, neg = _cuda_inputs(arch, [40], seed=4), _cuda_inputs(arch, [12], seed=5)
+    other = _cuda_inputs(arch, [77, 20], seed=1)
+    calls = [([cond, neg], [[((0, 1), 0)], [((0, 1), 1)]]), ([other], [[(5, 1), (2, 0)]]),
+             ([neg, cond], [[((3, 1), 1)], [((3, 1), 0)]])]
+    eager = [_step(model, i, k, sums=False) for i, k in calls]
+    assert all(not e[2] for e in eager), "a sink without autograd sums left .grad written"
+    model.enable_cuda_graphs()
+    graphed = [_step(model, i, k, sums=False) for i, k in calls]
+    assert model.train_graphs.captures == 3 and model.train_graphs.replays == 5, vars(model.train_graphs)
+    for n, (a, b) in enumerate(zip(eager, graphed)):
+        _same(a, b, f"call {n}")
+    insts = [i for pool in model.train_graphs._entries.values() for i in pool]
+    arena = model.train_graphs._arena
+    assert len(insts) == 3 and all(i.arena is arena for i in insts) and len(arena) > 0
+    one_a, one_b, two = ({t.data_ptr() for _, _, parts in i.deposits.entries for t in parts}
+                         for i in sorted(insts, key=lambda i: i.inputs.hidden_states.shape[0]))
+    assert one_a == one_b and one_a < two and len(two) == 2 * len(one_a)  # position 1 is the B = 2 step's own
 
 
 @pytest.mark.gpu
@@ -308,7 +333,7 @@ class _StandInGraph:
         self.fn()
 
 
-def _stand_in_capture(inputs, params, forward, with_sink, sums=True):
+def _stand_in_capture(inputs, params, forward, with_sink, sums=True, arena=None):
     from mmdit_strict.model import train_graphs as tg
 
     static = static_inputs(inputs)
@@ -320,6 +345,13 @@ def _stand_in_capture(inputs, params, forward, with_sink, sums=True):
     grads = tuple(torch.empty_like(p) if sums or not with_sink else None for p in params)
     parts = [[torch.empty_like(p) for _ in range(batch)] for p in params]
     log = DepositLog(autograd_sums=sums) if with_sink else None
+    if log is not None and arena is not None:  # as the real capture: buffers reserved from the warm-up's deposits
+        for p, ps in zip(params, parts):
+            log.add(p, tuple(range(batch)), ps)
+        arena.reserve(log.entries)
+        log.clear()
+        log.buffers = arena.buffer
+        parts = [log.partial_buffers(p, range(batch)) for p in params]
     if log is not None:
         for p, ps in zip(params, parts):
             log.add(p, tuple(range(batch)), ps)
@@ -339,7 +371,8 @@ def _stand_in_capture(inputs, params, forward, with_sink, sums=True):
                 for dst, g in zip(parts, torch.autograd.grad(y[b], params, grad_out[b], retain_graph=True)):
                     dst[b].copy_(g)
 
-    return tg._Instance(_StandInGraph(fwd), _StandInGraph(bwd), static, out, grad_out, grads, log, OperatorTrace(), [])
+    return tg._Instance(_StandInGraph(fwd), _StandInGraph(bwd), static, out, grad_out, grads, log, OperatorTrace(), [],
+                        arena if log is not None and log.buffers is not None else None)
 
 
 def _toy(batch: int = 2, seed: int = 0):
@@ -402,6 +435,48 @@ def test_a_sink_without_autograd_sums_gets_its_own_capture_and_leaves_grad_unwri
         w.grad = None
     assert cache.captures == 2 and cache.replays == 4
     assert torch.equal(folds[True], folds[False])
+
+
+def test_captured_steps_share_the_partials_buffers_and_the_sink_gets_each_replays(stand_in) -> None:
+    """Two layouts' captured steps write their per-sample partials into the same buffers (one cache's arena); the
+    sequential-CFG pattern (forward A, forward B, then B's and A's backwards) still folds each replay's own
+    partials, because each replay hands them to the sink before the next one writes them."""
+    w, inputs_a, forward = _toy(seed=0)
+    _, inputs_b, _ = _toy(seed=1)
+    keys_a, keys_b = [("a", 0), ("a", 1)], [("b", 0), ("b", 1)]
+
+    def folds(cache):
+        sink = SampleGradSink(keys_a + keys_b)
+        with collect_sample_grads(sink):
+            with sample_keys(keys_a):
+                ya = cache.run(inputs_a, "strict", [w], forward, ("one",))
+            with sample_keys(keys_b):
+                yb = cache.run(inputs_b, "strict", [w], forward, ("two",))
+        return sink, ya, yb
+
+    want = fold_want = None
+    cache = stand_in(max_instances=4)
+    for rep in range(3):
+        sink, ya, yb = folds(cache)
+        ((ya * 3).sum() + (yb * 5).sum()).backward()
+        sink.done(keys_a + keys_b)
+        got = sink.fold(w)
+        w.grad = None
+        if want is None:
+            per = {}
+            for inputs, ks, c in ((inputs_a, keys_a, 3), (inputs_b, keys_b, 5)):
+                for b, k in enumerate(ks):
+                    per[k] = torch.autograd.grad((forward(inputs)[b] * c).sum(), w)[0]
+            from mmdit_strict.kernels import fold_tree
+
+            want = fold_tree.fold(per[k] for k in sorted(per))
+            fold_want = got
+        assert torch.equal(got, want), f"repeat {rep}"
+        assert torch.equal(got, fold_want)
+    insts = [i for pool in cache._entries.values() for i in pool]
+    assert len(insts) == 2 and insts[0].arena is insts[1].arena is cache._arena
+    ptrs = [[t.data_ptr() for _, _, parts in i.deposits.entries for t in parts] for i in insts]
+    assert ptrs[0] == ptrs[1] and len(set(ptrs[0])) == 2  # one buffer per batch position, shared by both steps
 
 
 def test_instances_are_leased_until_backward_or_drop_then_reused_or_evicted(stand_in) -> None:

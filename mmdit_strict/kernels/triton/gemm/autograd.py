@@ -47,19 +47,22 @@ class GemmFunction(torch.autograd.Function):
         seqlens, prologue, epilogue, lora_scale, stream = ctx.meta
         lora = (lora_a, lora_b, lora_scale) if lora_a is not None else None
         ni = ctx.needs_input_grad
-        deposit = None
+        deposit = deposit_out = None
         sums = True
         if ctx.sink is not None:  # a grad sink was active at the forward: hand it each sample's partials
             sink, keys, params = ctx.sink
             sums = sink.autograd_sums
 
             def deposit(i: int, partials: list[torch.Tensor]) -> None:
-                sink.add(params[i], keys, partials, transfer=True)  # fresh FP32 tensors made for the sink
+                sink.add(params[i], keys, partials, transfer=True)  # FP32 tensors made for (or given by) the sink
+
+            def deposit_out(i: int) -> list[torch.Tensor] | None:
+                return sink.partial_buffers(params[i], keys)
 
         dx, dw, db, da, dlb = gemm_bwd(
             dy.contiguous(), x, weight, seqlens=seqlens, prologue=prologue, epilogue=epilogue, pre=pre,
             lora=lora, u=u, needs=(ni[0], ni[1], ni[2], ni[3], ni[4]), h=h, deposit=deposit, sums=sums,
-            stream=stream)
+            deposit_out=deposit_out, stream=stream)
         return dx, dw, db, da, dlb, None, None, None, None
 
 

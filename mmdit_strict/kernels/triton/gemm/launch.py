@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -401,9 +401,24 @@ def _sample_spans(seqlens: tuple[int, ...], device: torch.device) -> torch.Tenso
     return retain(t)
 
 
+def _partial_outputs(out: Sequence[torch.Tensor] | None, shape: tuple[int, ...], count: int,
+                     device: torch.device) -> list[torch.Tensor]:
+    """``count`` FP32 buffers of ``shape``: fresh, or the caller's ``out`` after checking them."""
+    if out is None:
+        return [torch.empty(shape, dtype=torch.float32, device=device) for _ in range(count)]
+    out = list(out)
+    bad = [t for t in out if tuple(t.shape) != shape or t.dtype != torch.float32 or t.device != device
+           or not t.is_contiguous()]
+    if len(out) != count or bad:
+        raise ValueError(f"out must be {count} contiguous FP32 tensors of shape {shape} on {device}; got "
+                         f"{[(tuple(t.shape), t.dtype, str(t.device)) for t in out]}")
+    return out
+
+
 def gemm_dw_samples(g: torch.Tensor, x: torch.Tensor, seqlens: tuple[int, ...], *, prologue: str = "none",
-                    scale: float = 1.0) -> list[torch.Tensor]:
-    """Each sample's own weight-gradient partial ``scale · g[s]ᵀ p(x[s])``: S tensors (N, K) FP32.
+                    scale: float = 1.0, out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Each sample's own weight-gradient partial ``scale · g[s]ᵀ p(x[s])``: S tensors (N, K) FP32, written into
+    ``out`` (S contiguous FP32 (N, K) tensors) when given.
 
     One ``_gemm_dw_kernel`` launch per sample over that sample's rows of the whole ``g`` / ``x`` (its
     row span passed as data, so one compiled kernel serves every sample and batch layout), with the
@@ -420,37 +435,34 @@ def gemm_dw_samples(g: torch.Tensor, x: torch.Tensor, seqlens: tuple[int, ...], 
     cfg = _configs.dw_config(n, k, g.dtype)
     bn = min(cfg.BLOCK_N, _pow2_at_least(n))
     bk = min(cfg.BLOCK_K, _pow2_at_least(k))
+    parts = _partial_outputs(out, (n, k), len(seqlens), g.device)
     spans = _sample_spans(tuple(seqlens), g.device)
     grid = (cdiv(n, bn) * cdiv(k, bk),)
     spec = _k.DwSpec(PROLOGUE=int(PROLOGUES[prologue]), HAS_INIT=False, DOT_PRECISION=_DOT_PRECISION,
                      BLOCK_N=bn, BLOCK_K=bk, BLOCK_M=cfg.BLOCK_M, GROUP_N=cfg.GROUP_N)
-    parts = []
-    for s in range(len(seqlens)):
-        out = torch.empty((n, k), dtype=torch.float32, device=g.device)
+    for s, part in enumerate(parts):
         bound(_k._gemm_dw_kernel)[grid](
-            g, x, spans[s], g, out, n, k, 1, g.stride(0), x.stride(0), float(scale), CFG=spec,
+            g, x, spans[s], g, part, n, k, 1, g.stride(0), x.stride(0), float(scale), CFG=spec,
             **_launch_opts(cfg.num_warps, cfg.num_stages),
         )
-        parts.append(out)
     return parts
 
 
-def gemm_db_samples(g: torch.Tensor, seqlens: tuple[int, ...]) -> list[torch.Tensor]:
+def gemm_db_samples(g: torch.Tensor, seqlens: tuple[int, ...], *,
+                    out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Each sample's own bias-gradient partial ``Σ_rows g[s]``: S tensors (N,) FP32, the terms
-    :func:`gemm_db` folds (one launch per sample, as :func:`gemm_dw_samples`)."""
+    :func:`gemm_db` folds (one launch per sample, as :func:`gemm_dw_samples`; into ``out`` when given)."""
     m, n = g.shape
     if sum(seqlens) != m or not g.is_contiguous():
         raise ValueError(f"gemm_db_samples expects a contiguous g (M, N) with sum(seqlens) == M; got {tuple(g.shape)}, {sum(seqlens)}")
+    parts = _partial_outputs(out, (n,), len(seqlens), g.device)
     spans = _sample_spans(tuple(seqlens), g.device)
     cfg = _configs.DB
-    parts = []
-    for s in range(len(seqlens)):
-        out = torch.empty((n,), dtype=torch.float32, device=g.device)
+    for s, part in enumerate(parts):
         bound(_k._gemm_db_kernel)[(cdiv(n, cfg.BLOCK_N),)](
-            g, spans[s], g, out, n, 1, g.stride(0), HAS_INIT=False, BLOCK_N=cfg.BLOCK_N, BLOCK_M=cfg.BLOCK_M,
+            g, spans[s], g, part, n, 1, g.stride(0), HAS_INIT=False, BLOCK_N=cfg.BLOCK_N, BLOCK_M=cfg.BLOCK_M,
             **_launch_opts(cfg.num_warps, cfg.num_stages),
         )
-        parts.append(out)
     return parts
 
 
@@ -573,7 +585,7 @@ def gemm_fwd(x, weight, bias=None, *, prologue="none", epilogue="none", lora=Non
 def gemm_bwd(dy, x, weight, *, seqlens, prologue="none", epilogue="none", pre=None, lora=None, u=None,
              needs=(True, True, True, True, True), h=None, dx_config: _configs.FwdConfig | None = None,
              deposit: Callable[[int, list[torch.Tensor]], None] | None = None, sums: bool = True,
-             stream: str = "image"):
+             deposit_out: Callable[[int], list[torch.Tensor] | None] | None = None, stream: str = "image"):
     """Backward of :func:`gemm_fwd`. dy: (M, N). Returns (dx, dW, db, dA, dB); None where not needed.
 
     ``h``: ``p(x)`` from the forward's prologue pass, if it ran; dW/dA then read it instead of
@@ -584,7 +596,9 @@ def gemm_bwd(dy, x, weight, *, seqlens, prologue="none", epilogue="none", pre=No
     ``deposit``: called as ``deposit(i, partials)`` for each parameter gradient computed (i = 1 W,
     2 b, 3 A, 4 B) with that gradient's per-sample FP32 partials (:func:`gemm_dw_samples`,
     :func:`gemm_db_samples`), for the grad sink; the returned gradients are unchanged, except that with
-    ``sums=False`` a gradient whose partials were deposited is not summed (returned as None)."""
+    ``sums=False`` a gradient whose partials were deposited is not summed (returned as None).
+    ``deposit_out``: ``deposit_out(i)`` gives the buffers parameter ``i``'s partials are written into, or None
+    for fresh ones (a captured backward writes into buffers shared by every captured step)."""
     need_x, need_w, need_b, need_a, need_lb = needs
     k = x.shape[1]
     n = weight.shape[0]
@@ -601,21 +615,25 @@ def gemm_bwd(dy, x, weight, *, seqlens, prologue="none", epilogue="none", pre=No
         dx, _ = _main(dz, Operand(weight, (k, 1)), k, cfg, epilogue=epi, aux=aux, lora=lo)  # dX = dZ W (+ s·v A) [· silu'(x)]
     xw, pw = (h, "none") if h is not None else (x, prologue)
     summed = deposit is None or sums
+
+    def into(i: int) -> list[torch.Tensor] | None:
+        return deposit_out(i) if deposit_out is not None else None
+
     if need_w:
         dw = gemm_dw(dz, xw, seqlens, prologue=pw) if summed else None
         if deposit is not None:
-            deposit(1, gemm_dw_samples(dz, xw, seqlens, prologue=pw))
+            deposit(1, gemm_dw_samples(dz, xw, seqlens, prologue=pw, out=into(1)))
     if need_b:
         db = gemm_db(dz, seqlens) if summed else None
         if deposit is not None:
-            deposit(2, gemm_db_samples(dz, seqlens))
+            deposit(2, gemm_db_samples(dz, seqlens, out=into(2)))
     if lora is not None:
         if need_a:
             da = gemm_dw(v, xw, seqlens, prologue=pw, scale=lora[2]) if summed else None
             if deposit is not None:
-                deposit(3, gemm_dw_samples(v, xw, seqlens, prologue=pw, scale=lora[2]))
+                deposit(3, gemm_dw_samples(v, xw, seqlens, prologue=pw, scale=lora[2], out=into(3)))
         if need_lb:
             dlb = gemm_dw(dz, u, seqlens, scale=lora[2]) if summed else None
             if deposit is not None:
-                deposit(4, gemm_dw_samples(dz, u, seqlens, scale=lora[2]))
+                deposit(4, gemm_dw_samples(dz, u, seqlens, scale=lora[2], out=into(4)))
     return dx, dw, db, da, dlb
