@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -24,7 +24,7 @@ from torch import nn
 from ..config.arch import ArchConfig
 from ..kernels.execution import Runtime, current, using
 from .diffusers_compat import DiffusersCompatMixin, check_attention_kwargs
-from .graphs import GraphCache, adapter_state
+from .graphs import GraphCache, adapter_state, warmup_blocks
 from .module_index import trainable_parameters
 from .layers import AdaNormOut, DoubleStreamBlock, RMSNorm, TimeTextEmbed, is_plain_linear, linear_op, module_op, production_op
 from .rope import normalize_img_shapes, rope_tables
@@ -372,7 +372,8 @@ class MMDiT(DiffusersCompatMixin, nn.Module):
                 if capturable and torch.is_grad_enabled():
                     out = self._train_graphed(inputs, runtime)
                 elif capturable and self.graph_cache is not None:
-                    out = self.graph_cache.run(inputs, runtime, lambda i: strict_forward(self, i), adapter_state(self))
+                    out = self.graph_cache.run(inputs, runtime, lambda i: strict_forward(self, i), adapter_state(self),
+                                               self._graph_warmup())
                 if out is None:
                     out = strict_forward(self, inputs, block_capture=blocks)
             if audit:
@@ -390,7 +391,12 @@ class MMDiT(DiffusersCompatMixin, nn.Module):
             return None
         key = (GraphCache.key(inputs, runtime), adapter_state(self), self.gradient_checkpointing,
                self.keep_attention_outputs)
-        return self.train_graphs.run(inputs, runtime, params, lambda i: strict_forward(self, i), key)
+        return self.train_graphs.run(inputs, runtime, params, lambda i: strict_forward(self, i), key, self._graph_warmup())
+
+    def _graph_warmup(self) -> Callable[[ModelInputs], torch.Tensor] | None:
+        """The forward a capture warms up with: the first and last blocks (``graphs.SHORT_WARMUP``), or None (all)."""
+        blocks = warmup_blocks(len(self.transformer_blocks))
+        return None if blocks is None else (lambda i: strict_forward(self, i, blocks=blocks))
 
     @torch.no_grad()
     def _audit(self, inputs: ModelInputs, out: torch.Tensor, blocks: dict[str, torch.Tensor] | None) -> dict[str, Any]:

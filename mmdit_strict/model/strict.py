@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 import torch.utils.checkpoint
@@ -360,19 +360,24 @@ def project_out(model: "MMDiT", img: torch.Tensor, temb: torch.Tensor, iseq: tup
     return _gemm("latent_proj_gemm", "proj_out", h, model.proj_out, iseq)
 
 
-def strict_forward(model: "MMDiT", inputs: "ModelInputs", block_capture: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+def strict_forward(model: "MMDiT", inputs: "ModelInputs", block_capture: dict[str, torch.Tensor] | None = None,
+                   blocks: Sequence[int] | None = None) -> torch.Tensor:
     """Strict forward. Returns ``(B, T_img, out)`` in the model dtype (image padding rows, if any, zero).
 
+    ``blocks``: run only these transformer blocks, in this order (a capture's warm-up: :mod:`.graphs`); None: all.
     Under a model-parallel layout with sequence or column shards (the execution context's ``parallel``),
     the layout runs it (``mmdit_strict.parallel``): the same bytes, each rank computing its rows / columns."""
     with shared_prologues():  # SiLU(temb) once for the forward's 2·blocks + 1 modulation products
         parallel = current().parallel
         if parallel is not None and (parallel.sp > 1 or parallel.tp > 1):
+            if blocks is not None:
+                raise ValueError("strict_forward: a block subset is not supported under a model-parallel layout")
             return parallel.forward(model, inputs, block_capture)
-        return _strict_forward(model, inputs, block_capture)
+        return _strict_forward(model, inputs, block_capture, blocks)
 
 
-def _strict_forward(model: "MMDiT", inputs: "ModelInputs", block_capture: dict[str, torch.Tensor] | None) -> torch.Tensor:
+def _strict_forward(model: "MMDiT", inputs: "ModelInputs", block_capture: dict[str, torch.Tensor] | None,
+                    blocks: Sequence[int] | None = None) -> torch.Tensor:
     cfg = model.config
     x = inputs.hidden_states
     B, Ti, _ = x.shape
@@ -388,7 +393,8 @@ def _strict_forward(model: "MMDiT", inputs: "ModelInputs", block_capture: dict[s
     checkpointing = model.gradient_checkpointing and torch.is_grad_enabled()
     keep = checkpointing and model.keep_attention_outputs
     with bind(current().replace(kept_outputs=KeptOutputs())) if keep else contextlib.nullcontext():
-        for i, block in enumerate(model.transformer_blocks):
+        for i in range(len(model.transformer_blocks)) if blocks is None else blocks:
+            block = model.transformer_blocks[i]
             if checkpointing:
                 # the block's first operators, made just before the checkpoint: the autograd graph and its order
                 # are unchanged, and the recompute skips these weight-streaming products (they read only temb)

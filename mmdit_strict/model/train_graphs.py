@@ -79,6 +79,15 @@ class PartialArena:
                     self._bufs[id(param), pos, n] = torch.empty(part.shape, dtype=part.dtype, device=part.device)
                 self._cuda = self._cuda or part.is_cuda
 
+    def reserve_params(self, params: list[torch.Tensor], batch: int) -> None:
+        """A buffer for one partial of each of ``params`` at each batch position ``0 .. batch-1`` (FP32, its shape)."""
+        for p in params:
+            for pos in range(batch):
+                have = self._bufs.get((id(p), pos, 0))
+                if have is None or have.shape != p.shape or have.device != p.device:
+                    self._bufs[id(p), pos, 0] = torch.empty(p.shape, dtype=torch.float32, device=p.device)
+                self._cuda = self._cuda or p.is_cuda
+
     def buffer(self, param: torch.Tensor, position: int, occurrence: int) -> torch.Tensor | None:
         """The buffer for this deposit (:class:`DepositLog`'s ``buffers``), or None if none was reserved."""
         buf = self._bufs.get((id(param), position, occurrence))
@@ -214,9 +223,10 @@ class TrainGraphCache:
         return sum(len(v) for v in self._entries.values())
 
     def run(self, inputs: "ModelInputs", runtime: object, params: list[torch.Tensor],
-            forward: Callable[["ModelInputs"], torch.Tensor], layout_key: tuple) -> torch.Tensor | None:
+            forward: Callable[["ModelInputs"], torch.Tensor], layout_key: tuple,
+            warmup: Callable[["ModelInputs"], torch.Tensor] | None = None) -> torch.Tensor | None:
         """``forward(inputs)`` with autograd through captured graphs, or None where none can serve this call
-        (the caller then runs it uncaptured)."""
+        (the caller then runs it uncaptured). A capture is warmed up with ``warmup`` (default ``forward``)."""
         ctx = current()
         sink, keys = ctx.grad_sink, ctx.sample_keys
         batch = inputs.hidden_states.shape[0]
@@ -231,7 +241,7 @@ class TrainGraphCache:
             if not self._make_room():
                 self.uncaptured += 1
                 return None
-            inst = self._capture(inputs, params, forward, with_sink, sums, self._arena)
+            inst = self._capture(inputs, params, forward, with_sink, sums, self._arena, warmup)
             self._entries.setdefault(key, []).append(inst)
             self.captures += 1
         self._entries.move_to_end(key)
@@ -260,7 +270,8 @@ class TrainGraphCache:
 
     @staticmethod
     def _capture(inputs: "ModelInputs", params: list[torch.Tensor], forward: Callable[["ModelInputs"], torch.Tensor],
-                 with_sink: bool, sums: bool = True, arena: PartialArena | None = None) -> _Instance:
+                 with_sink: bool, sums: bool = True, arena: PartialArena | None = None,
+                 warmup: Callable[["ModelInputs"], torch.Tensor] | None = None) -> _Instance:
         static = static_inputs(inputs)
         log = DepositLog(autograd_sums=sums) if with_sink else None
         positions = tuple(range(inputs.hidden_states.shape[0])) if with_sink else None
@@ -269,12 +280,15 @@ class TrainGraphCache:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream), capture_trace():  # warm-up: compiles kernels, fills every per-layout cache
-                out = forward(static)
+                out = (warmup or forward)(static)
                 torch.autograd.grad(out, params, torch.zeros_like(out), allow_unused=True)
                 del out
             torch.cuda.current_stream().wait_stream(stream)
             if log is not None:
                 if arena is not None:  # the partials go to the shared buffers, not into this step's pool
+                    # every trained tensor at every position (a short warm-up deposits for two blocks only),
+                    # plus what the warm-up's deposits show beyond that (a layer used twice)
+                    arena.reserve_params(params, inputs.hidden_states.shape[0])
                     arena.reserve(log.entries)
                     log.buffers = arena.buffer
                 log.clear()

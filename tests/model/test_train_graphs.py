@@ -256,6 +256,32 @@ def test_captured_steps_without_autograd_sums_fold_the_same_bytes_from_shared_bu
 
 
 @pytest.mark.gpu
+def test_a_short_warmup_captures_the_same_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``graphs.SHORT_WARMUP``: captures warmed up on the first and last of 4 blocks replay the uncaptured bytes
+    (training steps with the trainer's sink, in the sequential-CFG pattern and a second layout, and no-grad
+    forwards), so the two blocks compiled every kernel and filled every table the other two use."""
+    from mmdit_strict.model import graphs
+
+    monkeypatch.setattr(graphs, "SHORT_WARMUP", True)
+    arch, model = _cuda_case(num_layers=4)
+    assert model._graph_warmup() is not None
+    cond, neg = _cuda_inputs(arch, [40], seed=4), _cuda_inputs(arch, [12], seed=5)
+    other = _cuda_inputs(arch, [77, 20], seed=1, grid=(8, 24))
+    calls = [([cond, neg], [[((0, 1), 0)], [((0, 1), 1)]]), ([other], [[(5, 1), (2, 0)]])]
+    eager = [_step(model, i, k, sums=False) for i, k in calls]
+    with torch.no_grad():
+        plain = model(**other).sample
+    model.enable_cuda_graphs()
+    graphed = [_step(model, i, k, sums=False) for i, k in calls]
+    assert model.train_graphs.captures == 3, vars(model.train_graphs)
+    for n, (a, b) in enumerate(zip(eager, graphed)):
+        _same(a, b, f"short warm-up, call {n}")
+    with torch.no_grad():
+        assert_bytes_equal(model(**other).sample, plain, "short warm-up, no-grad forward")
+    assert model.graph_cache.captures == 1
+
+
+@pytest.mark.gpu
 def test_strict_kernels_read_no_memory_they_did_not_write(monkeypatch: pytest.MonkeyPatch) -> None:
     """Strict blocks skip PyTorch's NaN fill of ``torch.empty``: safe only if no kernel reads an element it
     did not write. With the fill on (NaN in every fresh buffer) the step gives the same bytes as without."""
@@ -333,7 +359,7 @@ class _StandInGraph:
         self.fn()
 
 
-def _stand_in_capture(inputs, params, forward, with_sink, sums=True, arena=None):
+def _stand_in_capture(inputs, params, forward, with_sink, sums=True, arena=None, warmup=None):
     from mmdit_strict.model import train_graphs as tg
 
     static = static_inputs(inputs)
@@ -477,6 +503,41 @@ def test_captured_steps_share_the_partials_buffers_and_the_sink_gets_each_replay
     assert len(insts) == 2 and insts[0].arena is insts[1].arena is cache._arena
     ptrs = [[t.data_ptr() for _, _, parts in i.deposits.entries for t in parts] for i in insts]
     assert ptrs[0] == ptrs[1] and len(set(ptrs[0])) == 2  # one buffer per batch position, shared by both steps
+
+
+def test_short_warmup_runs_the_first_and_last_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The warm-up forward under ``graphs.SHORT_WARMUP`` runs blocks 0 and n-1 only (off: None, every block); the
+    arena reserves one FP32 buffer per trained tensor and position, shared across captures."""
+    from mmdit_strict.model import graphs
+    from mmdit_strict.model.strict import strict_forward
+    from mmdit_strict.model.train_graphs import PartialArena
+
+    arch = dataclasses.replace(preset("tiny"), num_layers=4)
+    model = _lora_model(arch)
+    assert graphs.warmup_blocks(4) is None and model._graph_warmup() is None
+    monkeypatch.setattr(graphs, "SHORT_WARMUP", True)
+    assert graphs.warmup_blocks(4) == (0, 3) and graphs.warmup_blocks(2) is None
+    inputs = model.validate_inputs(**{k: v for k, v in make_inputs(2, (4, 4), [5, 3], txt_dim=arch.joint_attention_dim,
+                                                                   seed=1).items() if k != "guidance"})
+    seen: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        strict_forward(model, inputs, block_capture=seen, blocks=(0, 3))
+    assert sorted(seen) == ["block0.img", "block0.txt", "block3.img", "block3.txt"]
+    warm = model._graph_warmup()
+    assert warm is not None
+    with torch.no_grad():
+        short, full = warm(inputs), strict_forward(model, inputs)
+    assert short.shape == full.shape and not torch.equal(short, full)  # two blocks of four: other values
+    params = [p for _, p in _trainable(model)]
+    arena = PartialArena()
+    arena.reserve_params(params, 2)
+    assert len(arena) == 2 * len(params)
+    assert all(arena.buffer(p, pos, 0).shape == p.shape and arena.buffer(p, pos, 0).dtype == torch.float32
+               for p in params for pos in (0, 1))
+    assert arena.buffer(params[0], 2, 0) is None and arena.buffer(params[0], 0, 1) is None
+    before = arena.buffer(params[0], 0, 0)
+    arena.reserve_params(params, 1)
+    assert arena.buffer(params[0], 0, 0) is before  # reserved once, then shared
 
 
 def test_instances_are_leased_until_backward_or_drop_then_reused_or_evicted(stand_in) -> None:
