@@ -5,7 +5,8 @@
 #   1. `bench.model` on the 60-block Qwen-Image at 1024²: the B = 1 forward, the LoRA r = 64 forward + backward with
 #      checkpointing at B = 1 and at B = 2 with CFG; ours uncaptured and captured against diffusers eager and
 #      diffusers with each block under torch.compile (its compiles run in the warm-up, not timed); the forward also
-#      with the GEMM's gated-residual epilogue (ours_strict_graph_gated, off in the model by default);
+#      with the GEMM's gated-residual epilogue (ours_strict_graph_gated, off in the model by default), the training
+#      step also with the grad sink as train runs it (ours_strict_graph_sink);
 #   2. `bench.step_profile` on 2 blocks: the captured step's kernel time by (kernel, launch grid);
 #   3. `bench.host_profile` on 8 blocks: the uncaptured forward's and step's host time by stack layer and function.
 # diffusers is not in the GPU image: carry its wheels in .whl/. Run from the repository root on the GPU machine:
@@ -21,7 +22,8 @@ parts=" ${STEP_PARTS:-model profile host} "
   evidence_header
   echo "parts:$parts"
   [[ $parts == *" model "* ]] && evidence_run python3 -m mmdit_strict.bench.model --out "$ev" --layers 60 --reps 3 \
-    --warmup 1 --runtimes strict --cases fwd_b1 fwd_bwd_lora fwd_bwd_lora_b2_cfg --diffusers-compile --gated-epilogue
+    --warmup 1 --runtimes strict --cases fwd_b1 fwd_bwd_lora fwd_bwd_lora_b2_cfg --diffusers-compile --gated-epilogue \
+    --grad-sink
   [[ $parts == *" profile "* ]] && evidence_run python3 -m mmdit_strict.bench.step_profile --out "$ev" --layers 2
   [[ $parts == *" host "* ]] && evidence_run python3 -m mmdit_strict.bench.host_profile --out "$ev" --layers 8
   true

@@ -16,7 +16,9 @@ forward and backward with it (``model/train_graphs.py``). ``--diffusers-compile`
 each transformer block compiled (``torch.compile``; its compile time stays out of the times);
 ``--gated-epilogue`` adds, to the forward cases, ours captured with the GEMM engine's gated-residual epilogue
 (``ours_strict_graph_gated``: the attention-output and MLP-down products fused with their gated residual, off
-by default in the model until measured).
+by default in the model until measured); ``--grad-sink`` adds, to the training cases, ours captured with a
+streamed grad sink as ``train`` runs its micro-batches (``ours_strict_graph_sink``: per-sample LoRA partials
+without autograd's sums, the fold into ``.grad`` timed with the step).
 
 Per case and engine: median and spread of CUDA-event times, peak memory, MFU against the measured
 790 TFLOP/s BF16 matrix rate, host syncs per forward (``torch.cuda.set_sync_debug_mode``) and CUDA
@@ -41,7 +43,9 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from ..config.arch import ArchConfig, preset
+from ..kernels.grad_sink import SampleGradSink, collect_sample_grads, sample_keys
 from ..kernels.runtime import Runtime
+from ..model.module_index import trainable_parameters
 from ..model.inputs import random_inputs
 from ..environment import environment_line, gpu_environment
 from .output import replot, write_report
@@ -216,8 +220,30 @@ def run(args: argparse.Namespace, on_case: Callable[[dict[str, Any]], None] | No
                     return diffusers_call()
 
             engine_calls["diffusers_compiled"] = compiled_call
+        if args.grad_sink and train and "strict" in args.runtimes:
+            def sink_call() -> torch.Tensor:  # returns the output; the step below folds after the backward
+                ours.set_runtime("strict")
+                ours.graph_cache, ours.train_graphs = graph_cache, train_cache
+                return ours(**inp, return_dict=False)[0]
+
+            engine_calls["ours_strict_graph_sink"] = sink_call
         for name, call in engine_calls.items():
-            if train:
+            if train and name == "ours_strict_graph_sink":
+                def sink_step(call: Callable[[], torch.Tensor] = call, n: int = len(txt_lens)) -> None:
+                    # as `train` runs a micro-batch: per-sample partials into a streamed sink that takes no autograd
+                    # sums (the captured steps share their partial buffers), then the fold into .grad
+                    keys = list(range(n))
+                    sink = SampleGradSink(keys, autograd_sums=False)
+                    with collect_sample_grads(sink), sample_keys(keys):
+                        out = call()
+                    out.float().square().mean().backward()
+                    sink.done(keys)
+                    for p in trainable_parameters(ours):
+                        folded = sink.fold(p)
+                        if folded is not None:
+                            p.grad = folded.to(p.dtype)
+                engines[name] = sink_step
+            elif train:
                 def step(call: Callable[[], torch.Tensor] = call) -> None:
                     out = call()
                     out.float().square().mean().backward()
@@ -393,6 +419,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--gated-epilogue", action="store_true",
                    help="forward cases: also time ours captured with the GEMM's gated-residual epilogue "
                         "(ours_strict_graph_gated; kernels/triton/gemm GATE_RESIDUAL_FUSION, off by default)")
+    p.add_argument("--grad-sink", action="store_true",
+                   help="also time ours captured with the grad sink as train runs it (ours_strict_graph_sink)")
     p.add_argument("--diffusers-compile", action="store_true",
                    help="also time diffusers with each transformer block compiled (torch.compile; minutes of compile)")
     p.add_argument("--replot", default=None, metavar="REPORT.json",
