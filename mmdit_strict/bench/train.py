@@ -180,9 +180,10 @@ def _optimizer_phase(params: list[torch.nn.Parameter], opt: torch.optim.Optimize
 def _measure(fn: Callable[[], Any], device: torch.device, profile: bool) -> tuple[Any, dict[str, Any]]:
     """``fn()`` and its wall seconds and memory (CUDA: synchronised; ``profile``: its :class:`GpuProfile` too)."""
     cuda = device.type == "cuda"
-    row: dict[str, Any] = {"start_gib": None, "peak_gib": None}
+    row: dict[str, Any] = {"start_gib": None, "peak_gib": None, "peak_reserved_gib": None}
     if cuda:
         torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # the reserved peak then counts what this phase holds, not an earlier engine's cache
         torch.cuda.reset_peak_memory_stats(device)
         row["start_gib"] = torch.cuda.memory_allocated(device) / 2**30
     t0 = time.perf_counter()
@@ -190,6 +191,8 @@ def _measure(fn: Callable[[], Any], device: torch.device, profile: bool) -> tupl
     if cuda:
         torch.cuda.synchronize(device)
         row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        # what the process holds: a CUDA graph's pool keeps the blocks its capture freed, which "allocated" omits
+        row["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
     row["wall_s"] = time.perf_counter() - t0
     if prof is not None:
         row.update(launches=prof.device_events, host_launches=prof.host_launches or None, gpu_s=prof.device_s)
@@ -226,6 +229,7 @@ def run_engine(engine: Engine, up: Update, device: torch.device, warmup: int, ba
                        gpu_busy=prof[name]["gpu_s"] / row["wall_s"], profiled_wall_s=prof[name]["wall_s"])
     total = {"wall_s": sum(r["wall_s"] for r in phases.values()),
              "peak_gib": None if device.type != "cuda" else max(r["peak_gib"] for r in phases.values()),
+             "peak_reserved_gib": None if device.type != "cuda" else max(r["peak_reserved_gib"] for r in phases.values()),
              "launches": None if prof is None else sum(r["launches"] for r in phases.values()),
              "gpu_busy": None if prof is None else sum(p["gpu_s"] for p in prof.values()) / sum(r["wall_s"] for r in phases.values())}
     return {"engine": engine.what, "runtime": engine.runtime.value, "phases": phases, "total": total,
@@ -244,7 +248,7 @@ def ratios(engines: dict[str, Any], ours: str = "ours", theirs: str = "diffusers
     for phase in [*PHASES, "total"]:
         ra, rb = (a["total"], b["total"]) if phase == "total" else (a["phases"][phase], b["phases"][phase])
         out[phase] = {k: (ra[k] / rb[k] if ra.get(k) is not None and rb.get(k) else None)
-                      for k in ("wall_s", "peak_gib", "launches", "gpu_busy")}
+                      for k in ("wall_s", "peak_gib", "peak_reserved_gib", "launches", "gpu_busy")}
     return out
 
 
@@ -303,16 +307,22 @@ def render(report: dict[str, Any]) -> str:
             rows.append(md.row(name, "error", e["error"][:160], "", "", "", ""))
             continue
         for phase, r in [*e["phases"].items(), ("total", e["total"])]:
-            rows.append(md.row(name, phase, _fmt(r["wall_s"]), _fmt(r["peak_gib"], ".1f"), _fmt(r.get("launches"), "d"),
+            rows.append(md.row(name, phase, _fmt(r["wall_s"]), _fmt(r["peak_gib"], ".1f"),
+                               _fmt(r.get("peak_reserved_gib"), ".1f"), _fmt(r.get("launches"), "d"),
                                _fmt(r.get("host_launches"), "d"), _fmt(r.get("gpu_busy"), ".2f")))
-    lines += md.section("Per phase", ["engine", "phase", "wall s", "peak GiB", "GPU launches", "host launches", "GPU busy / wall"],
+    lines += md.section("Per phase", ["engine", "phase", "wall s", "peak GiB", "peak reserved GiB", "GPU launches",
+                                      "host launches", "GPU busy / wall"],
                         rows, notes=["GPU launches: kernels, copies and fills the profiler saw on the GPU (a CUDA-graph "
                                      "replay counts each kernel); host launches: launch calls the host made (a replay counts "
                                      "once); GPU busy: the profiled update's GPU time over the timed update's wall. "
-                                     "The optimizer phase of ours includes the gradient sink's fold."])
-    ratio_rows = [md.row(phase, *(_fmt(r[k], ".2f") for k in ("wall_s", "peak_gib", "launches", "gpu_busy")))
+                                     "The optimizer phase of ours includes the gradient sink's fold. Peak GiB: tensors "
+                                     "allocated; peak reserved: the allocator's memory, which also holds what CUDA-graph "
+                                     "pools keep between replays."])
+    ratio_rows = [md.row(phase, *(_fmt(r.get(k), ".2f") for k in ("wall_s", "peak_gib", "peak_reserved_gib", "launches",
+                                                                  "gpu_busy")))
                   for phase, r in report["ratios"].items()]
-    lines += md.section("Ours / theirs", ["phase", "wall", "peak memory", "GPU launches", "GPU busy"], ratio_rows)
+    lines += md.section("Ours / theirs", ["phase", "wall", "peak memory", "peak reserved", "GPU launches", "GPU busy"],
+                        ratio_rows)
     checks = [md.row(name, e["first_update_logp_bytes_differ"], e["pairs"], "yes" if e["first_update_ratio_exact_one"] else "no")
               for name, e in report["engines"].items() if "error" not in e]
     lines += md.section("On-policy check (first update)", ["engine", "pairs whose logp bytes differ from the rollout's",

@@ -73,7 +73,7 @@ from . import checkpoint as ckpt
 from .advantages import StatTracker
 from .export import export_lora
 from .loss import grpo_loss, logp_bytes_differ
-from .metrics import MetricLogger, peak_memory_mb, plot_rewards, read_metrics
+from .metrics import MetricLogger, peak_memory_mb, peak_reserved_memory_mb, plot_rewards, read_metrics
 from .optim import LoraEMA, build_optimizer
 from .policy import adapters_disabled, cfg_branches, evaluate_pairs, grad_keys, pair_key
 from .rewards import ImageSource, RewardSet
@@ -634,6 +634,9 @@ class Trainer:
         row.update({"time_rollout_s": t1 - t0, "time_reward_s": t2 - t1, "time_train_s": t3 - t2 - t_opt,
                     "time_optimizer_s": t_opt, "peak_memory_mb": peak_memory_mb(self.device),
                     "sde_window_starts": samples.window_starts, "prompt_ids": sorted(set(samples.prompt_ids))})
+        reserved = peak_reserved_memory_mb(self.device)  # CUDA: also what the graphs' pools keep
+        if reserved is not None:
+            row["peak_memory_reserved_mb"] = reserved
         graphs = graph_stats(self.model)  # CUDA graphs so far (rollout forwards, training steps), where on
         if graphs is not None:
             row.update({f"cuda_graphs/{kind}_{k}": v for kind, s in graphs.items() for k, v in s.items()})

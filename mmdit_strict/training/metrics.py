@@ -28,6 +28,11 @@ logger = logging.getLogger(__name__)
 METRICS = "metrics.jsonl"
 
 
+def peak_reserved_memory_mb(device: torch.device) -> float | None:
+    """Peak CUDA memory the allocator reserved on ``device`` (MiB; a CUDA graph's pool counts whole), None elsewhere."""
+    return torch.cuda.max_memory_reserved(device) / 2**20 if device.type == "cuda" else None
+
+
 def peak_memory_mb(device: torch.device) -> float:
     """Peak allocated CUDA memory on ``device``, or the process's peak resident set size on the CPU (MiB)."""
     if device.type == "cuda":

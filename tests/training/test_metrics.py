@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from mmdit_strict.training.metrics import METRICS, MetricLogger, read_metrics
+from mmdit_strict.training.metrics import METRICS, MetricLogger, peak_memory_mb, peak_reserved_memory_mb, read_metrics
 
 ROWS = [{"epoch": e, "reward_mean": 0.5 + e} for e in range(3)]
 
@@ -63,3 +63,10 @@ def test_wandb_failure_when_closing_is_returned_not_raised(tmp_path, monkeypatch
     assert mlog.finish({"reward_mean_last": 1.0}) == "ConnectionError: wandb: the server cannot be reached"
     assert mlog.finish() is None  # closed once
     assert read_metrics(tmp_path) == [{"epoch": 0, "reward_mean": 1.0}]
+
+
+def test_peak_memory_on_the_cpu_is_the_resident_set_and_no_reserved_peak() -> None:
+    import torch
+
+    assert peak_memory_mb(torch.device("cpu")) > 10  # this process's resident set, MiB
+    assert peak_reserved_memory_mb(torch.device("cpu")) is None  # a CUDA allocator figure only
