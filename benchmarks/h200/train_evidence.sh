@@ -6,6 +6,10 @@
 #   untimed warm-up update (Triton compiles, CUDA-graph captures, cuBLAS heuristics), the timed update and the
 #   profiled update: 3 × (20 CFG forwards of 2 samples + 4 training forwards / backwards of 2 samples). A larger
 #   group or window multiplies the train phase and would not fit the call.
+# TRAIN_SHAPE=epoch instead times one epoch of `experiment=grpo_qwen_image` (512², grid 32×32, 2 prompts of up to 64
+#   tokens × G = 8, S = 10, W = 2: 32 pairs in micro-batches of 2); every update draws fresh prompt lengths, so the timed
+#   one captures its own batch layouts as an epoch of `train` does, after a warm-up update that compiled the kernels
+#   (estimated at 6–8 minutes for both engines; not yet timed).
 # diffusers is not in the GPU image: carry its wheels (and any missing dependency) in .whl/; they are installed
 # into /tmp/site without network. Run from the repository root on the GPU machine:
 #   MMDIT_COMMIT=<hash> bash benchmarks/h200/train_evidence.sh OUT_DIR     (OUT_DIR: $OUT on the device machine)
@@ -17,8 +21,13 @@ evidence_wheels
 python3 -c 'import diffusers, peft' || { echo "diffusers or peft is not importable: carry the wheels in .whl/" >&2; exit 2; }
 {
   evidence_header
-  time python3 -m mmdit_strict.bench.train --out "$ev" --device cuda --arch qwen-image --layers 60 --grid 64 64 --txt 128 \
-    --group 2 --steps 10 --window 2 --micro-batch 2 --lora-rank 64 --warmup 1
+  if [[ ${TRAIN_SHAPE:-update} == epoch ]]; then
+    time python3 -m mmdit_strict.bench.train --out "$ev" --device cuda --arch qwen-image --layers 60 --grid 32 32 \
+      --txt 64 --prompts 2 --fresh-prompts --group 8 --steps 10 --window 2 --micro-batch 2 --lora-rank 64 --warmup 1
+  else
+    time python3 -m mmdit_strict.bench.train --out "$ev" --device cuda --arch qwen-image --layers 60 --grid 64 64 --txt 128 \
+      --group 2 --steps 10 --window 2 --micro-batch 2 --lora-rank 64 --warmup 1
+  fi
 } 2>&1 | tee "$ev/log.txt"
 cp "$ev/train_bench.json" "$ev/train_bench.md" "$out/" 2>/dev/null || echo "no report was written (see the log)" >&2
 evidence_pack

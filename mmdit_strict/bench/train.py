@@ -1,7 +1,7 @@
 """One Flow-GRPO update timed phase by phase: our strict engine vs diffusers + PEFT, same weights, same run.
 
-    python -m mmdit_strict.bench.train --out DIR [--layers N] [--grid H W] [--txt L] [--group G] [--steps S]
-        [--window W] [--micro-batch B] [--lora-rank R] [--device cuda|cpu] [--arch qwen-image|tiny]
+    python -m mmdit_strict.bench.train --out DIR [--layers N] [--grid H W] [--txt L] [--prompts P] [--fresh-prompts]
+        [--group G] [--steps S] [--window W] [--micro-batch B] [--lora-rank R] [--device cuda|cpu] [--arch qwen-image|tiny]
 
 Both engines start from one set of base weights: ours built by ``build_model``, theirs diffusers'
 ``QwenImageTransformer2DModel`` holding the same parameter storage (``diffusers_twin``). Each gets a PEFT
@@ -9,10 +9,12 @@ LoRA on :data:`~mmdit_strict.bench.model.LORA_TARGETS` with the same initial val
 non-zero), gradient checkpointing, and its own AdamW (``build_optimizer``, the trainer's defaults). One
 update, for each engine through the same training functions, is three phases:
 
-* ``rollout``: a group of ``G`` samples of one prompt, ``S`` steps with true CFG (conditional and negative
+* ``rollout``: a group of ``G`` samples of each of ``P`` prompts (default 1; several prompts get lengths drawn in
+  ``[L/2, L]``, so the training forwards meet several batch layouts, as an epoch of ``train`` does), ``S`` steps with
+  true CFG (conditional and negative
   prompt), the Flow-GRPO SDE on a keyed window of ``W`` steps and Euler elsewhere, no autograd
   (``training.rollout.rollout_epoch``: keyed latents and noise, ``sde_step`` and its logp, ``cfg_combine``);
-* ``train``: the ``W × G`` (sample, step) pairs in gradient-key order, ``B`` pairs per micro-batch: forward
+* ``train``: the ``W × P × G`` (sample, step) pairs in gradient-key order, ``B`` pairs per micro-batch: forward
   with autograd and CFG (``evaluate_pairs``), ``grpo_loss`` against the rollout's logp with advantages
   standardised from the fixed rewards ``0, 1, …, G-1``, backward. Ours runs in the strict runtime with its
   gradient sink collecting per-(pair, branch) partials; theirs runs plain autograd;
@@ -23,7 +25,8 @@ Ours runs in ``strict`` with CUDA graphs for the rollout's no-grad forwards (on 
 default sequential: two forwards per step, as ``QwenImagePipeline``). On the CPU the model is FP32 (the CPU
 strict backend's dtype), on CUDA BF16.
 
-Per engine: ``--warmup`` untimed updates (compiles, graph captures, allocator), one timed update (wall seconds
+Per engine: ``--warmup`` untimed updates (compiles, graph captures, allocator; with ``--fresh-prompts`` each update
+draws its own prompt lengths, so the timed update captures its layouts as an epoch of ``train`` does), one timed update (wall seconds
 of each phase with the GPU synchronised, peak and starting memory), then on CUDA one more update under the
 profiler (GPU activities and host launches per phase; ``gpu_busy`` is that update's GPU time over the timed
 update's wall). ``first_update_ratio_exact_one`` checks the first update's recomputed logp against its
@@ -102,6 +105,8 @@ def check_args(args: argparse.Namespace) -> None:
                          f"sampling steps, got {args.window}")
     if args.group < 2:
         raise ValueError(f"--group must be >= 2: GRPO advantages compare the samples of a group, got {args.group}")
+    if args.prompts < 1:
+        raise ValueError(f"--prompts must be >= 1, got {args.prompts}")
     if (args.layers is not None and args.layers < 1) or args.txt < 1 or args.lora_rank < 1 or min(args.grid) < 1:
         raise ValueError("--layers, --txt, --lora-rank and --grid must be positive")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -209,15 +214,16 @@ def one_update(engine: Engine, up: Update, opt: torch.optim.Optimizer, params: l
     return {"phases": {"rollout": roll, "train": train, "optimizer": step}, "checks": checks}
 
 
-def run_engine(engine: Engine, up: Update, device: torch.device, warmup: int, bar: tqdm) -> dict[str, Any]:
-    """``warmup`` untimed updates, the timed one, and on CUDA the profiled one; the engine's report row."""
+def run_engine(engine: Engine, ups: Sequence[Update], device: torch.device, warmup: int, bar: tqdm) -> dict[str, Any]:
+    """``warmup`` untimed updates, the timed one, and on CUDA the profiled one (update ``k`` runs ``ups[k]``, the last
+    one where there are fewer); the engine's report row."""
     named = sorted(((n, p) for n, p in engine.model.named_parameters() if p.requires_grad), key=lambda t: t[0])
     params = [p for _, p in named]
-    opt, _ = build_optimizer(params, up.tcfg)
+    opt, _ = build_optimizer(params, ups[0].tcfg)
     runs = []
-    for kind in ["warmup"] * warmup + ["timed"] + (["profiled"] if device.type == "cuda" else []):
+    for k, kind in enumerate(["warmup"] * warmup + ["timed"] + (["profiled"] if device.type == "cuda" else [])):
         bar.set_postfix_str(f"{engine.name} {kind}")
-        runs.append(one_update(engine, up, opt, params, device, profile=kind == "profiled"))
+        runs.append(one_update(engine, ups[min(k, len(ups) - 1)], opt, params, device, profile=kind == "profiled"))
         bar.update(1)
     timed, first = runs[warmup], runs[0]["checks"]
     phases = timed["phases"]
@@ -262,25 +268,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dtype = DTYPES[dtype_name]
     grid = (int(args.grid[0]), int(args.grid[1]))
     engines = build_engines(arch, args.device, dtype, args.lora_rank)
-    prompts = make_prompts(PromptsConfig(num_prompts=1, min_tokens=args.txt, max_tokens=args.txt,
-                                         negative_tokens=max(1, args.txt // 2)), arch, args.device, dtype_name)
+    shortest = args.txt if args.prompts == 1 and not args.fresh_prompts else max(1, args.txt // 2)
+
+    def draw(seed: int) -> Prompts:
+        return make_prompts(PromptsConfig(num_prompts=args.prompts, min_tokens=shortest, max_tokens=args.txt,
+                                          negative_tokens=max(1, args.txt // 2), seed=seed), arch, args.device, dtype_name)
+
+    prompts = draw(0)
     scfg = SampleConfig(num_steps=args.steps, noise_level=ETA, guidance_scale=CFG_SCALE, num_image_per_prompt=args.group,
-                        prompts_per_epoch=1, batch_size=args.group, cfg_layout=args.cfg_layout,
+                        prompts_per_epoch=args.prompts, batch_size=args.group, cfg_layout=args.cfg_layout,
                         sde_window_size=args.window, runtime=None)
     tcfg = TrainConfig(micro_batch=args.micro_batch, cfg_layout=args.cfg_layout)
-    adv, _ = StatTracker().advantages(torch.arange(args.group, dtype=torch.float64), [0] * args.group)
+    # fixed rewards 0 .. G-1 in every group; the samples run group by group
+    groups = [g for g in range(args.prompts) for _ in range(args.group)]
+    adv, _ = StatTracker().advantages(torch.arange(args.group, dtype=torch.float64).repeat(args.prompts), groups)
     up = Update(prompts, sigma_table(args.steps, grid[0] * grid[1]), grid, scfg, tcfg, adv.to(device=device, dtype=torch.float32))
+    # --fresh-prompts: every update draws its own prompts (other lengths: new batch layouts to capture, as each epoch of
+    # train meets), so the warm-up compiles kernels without capturing what the timed update runs
+    ups = [up] if not args.fresh_prompts else [dataclasses.replace(up, prompts=draw(k)) for k in range(args.warmup + 2)]
     results: dict[str, Any] = {}
     errors = []
     per_engine = args.warmup + 1 + (device.type == "cuda")
     with tqdm(total=len(engines) * per_engine, desc="bench train", unit="update") as bar:
         for engine in engines:
             try:
-                results[engine.name] = run_engine(engine, up, device, args.warmup, bar)
+                results[engine.name] = run_engine(engine, ups, device, args.warmup, bar)
             except Exception as exc:  # an engine that cannot run here: record why and go on
                 results[engine.name] = {"engine": engine.what, "error": f"{type(exc).__name__}: {exc}"[:400]}
                 errors.append(f"{engine.name}: {results[engine.name]['error']}")
     config = {"arch": args.arch, "layers": arch.num_layers, "grid": list(grid), "txt": args.txt, "negative_txt": max(1, args.txt // 2),
+              "prompts": args.prompts, "prompt_tokens": [[int(e.shape[0]) for e in u.prompts.embeds] for u in ups],
+              "fresh_prompts": bool(args.fresh_prompts),
               "group": args.group, "steps": args.steps, "window": args.window, "micro_batch": args.micro_batch,
               "lora_rank": args.lora_rank, "lora_targets": list(LORA_TARGETS), "device": args.device, "dtype": str(dtype),
               "cfg_scale": CFG_SCALE, "eta": ETA, "cfg_layout": args.cfg_layout, "warmup": args.warmup,
@@ -297,8 +315,10 @@ def render(report: dict[str, Any]) -> str:
     c, env = report["config"], report["environment"]
     lines = [f"# One Flow-GRPO update: ours vs diffusers + PEFT ({c['arch']}, {c['layers']} blocks, grid {c['grid']})", "",
              environment_line(env), "",
-             f"Group G = {c['group']}, S = {c['steps']} steps with CFG {c['cfg_scale']} ({c['cfg_layout']}), SDE window "
-             f"W = {c['window']}, {c['group'] * c['window']} pairs in micro-batches of {c['micro_batch']}; LoRA rank "
+             f"{c.get('prompts', 1)} prompt(s) of {c.get('prompt_tokens', [[c['txt']]])} tokens (per update"
+             f"{', drawn afresh for each' if c.get('fresh_prompts') else ''}), group G = {c['group']}, "
+             f"S = {c['steps']} steps with CFG {c['cfg_scale']} ({c['cfg_layout']}), SDE window W = {c['window']}, "
+             f"{c.get('prompts', 1) * c['group'] * c['window']} pairs in micro-batches of {c['micro_batch']}; LoRA rank "
              f"{c['lora_rank']} on {len(c['lora_targets'])} targets, gradient checkpointing, {c['dtype']}, "
              f"{c['warmup']} untimed warm-up update(s). Same base weights (one storage), same LoRA init.", ""]
     rows = []
@@ -338,7 +358,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=None, help="transformer blocks (default: the architecture's, 60 for Qwen-Image)")
     p.add_argument("--grid", type=int, nargs=2, default=None, help="latent grid in tokens (default 64 64 = 1024², tiny 4 4)")
     p.add_argument("--txt", type=int, default=None, help="prompt tokens (default 128, tiny 8); the negative prompt has half")
-    p.add_argument("--group", type=int, default=2, help="samples of the prompt (the GRPO group)")
+    p.add_argument("--prompts", type=int, default=1,
+                   help="prompts per update, each with its own group (several: lengths drawn in [L/2, L])")
+    p.add_argument("--fresh-prompts", action="store_true",
+                   help="each update draws its own prompts (new batch layouts, captured in the timed update as in an epoch)")
+    p.add_argument("--group", type=int, default=2, help="samples of each prompt (the GRPO group)")
     p.add_argument("--steps", type=int, default=10, help="sampling steps of the rollout")
     p.add_argument("--window", type=int, default=2, help="SDE window: the steps trained on")
     p.add_argument("--micro-batch", type=int, default=2, help="(sample, step) pairs per training forward")

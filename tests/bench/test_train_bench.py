@@ -46,11 +46,31 @@ def test_bench_train_writes_every_phase_of_both_engines(tmp_path: Path) -> None:
     assert "| ours | 0 | 4 | yes |" in md and "## Errors" not in md
 
 
+def test_bench_train_with_two_prompts_runs_both_groups_on_policy(tmp_path: Path) -> None:
+    """``--prompts 2``: two groups of prompts of different lengths (the layouts an epoch of ``train`` meets), every
+    pair of both groups trained, our first update still exactly on-policy."""
+    out = tmp_path / "out"
+    assert train_bench.main(["--out", str(out), "--device", "cpu", "--steps", "2", "--window", "1", "--prompts", "2",
+                             "--warmup", "1", "--txt", "9", "--fresh-prompts"]) == 0
+    report = json.loads((out / "train_bench.json").read_text())
+    c = report["config"]
+    assert c["prompts"] == 2 and c["fresh_prompts"] is True and len(c["prompt_tokens"]) == 3  # warm-up, timed, spare
+    assert all(len(ts) == 2 and all(4 <= n <= 9 for n in ts) for ts in c["prompt_tokens"])
+    assert len(set(c["prompt_tokens"][0])) == 2  # prompts.seed 0 draws two lengths: two layouts
+    assert c["prompt_tokens"][0] != c["prompt_tokens"][1]  # the timed update meets other layouts than the warm-up's
+    assert report["errors"] == []
+    for e in report["engines"].values():
+        assert (e["pairs"], e["micro_batches"]) == (4, 2)  # 2 prompts × 2 samples × 1 window step
+    assert report["engines"]["ours"]["first_update_ratio_exact_one"] is True
+    assert "2 prompt(s) of" in (out / "train_bench.md").read_text()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--micro-batch", "0"], "--micro-batch must be >= 1 pair, got 0"),
     (["--steps", "3", "--window", "5"], "--window must be between 1 and --steps (3)"),
     (["--window", "0"], "--window must be between 1 and --steps (10)"),
     (["--group", "1"], "--group must be >= 2"),
+    (["--prompts", "0"], "--prompts must be >= 1"),
 ])
 def test_bad_sizes_are_refused_before_any_work(tmp_path: Path, capsys, argv: list[str], message: str) -> None:
     with pytest.raises(SystemExit) as exc:
