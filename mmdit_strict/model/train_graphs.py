@@ -55,8 +55,8 @@ class PartialArena:
     A captured backward's partials are one FP32 copy of every trained tensor per sample (about 1.7 GB at
     Qwen-Image size with Flow-GRPO's rank-64 LoRA). They are read once, when the replay hands them to the grad
     sink, so the captured steps need not each hold their own: buffers are reserved per (parameter, batch
-    position, occurrence) from the warm-up's deposits and shared. A backward replay waits until the sink's reads
-    of the previous replay's partials have run on their stream before it writes the buffers again.
+    position, occurrence) after a capture's warm-up and shared. Before a backward replay writes them, its stream
+    waits for an event recorded after the sink's reads of the previous replay's partials.
     """
 
     def __init__(self) -> None:
