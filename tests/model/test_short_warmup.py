@@ -1,0 +1,97 @@
+"""A capture warmed up on the first and last blocks only (``graphs.SHORT_WARMUP``) must find every per-layout table
+and launch plan the whole step needs already built: during a CUDA-graph capture a table copied from the host cannot
+be captured and a new kernel specialization would compile mid-capture.
+
+Checked on the CPU by running the strict model's Triton kernels under the interpreter (the Triton implementations
+registered for the CPU for the test): after a training warm-up of blocks 0 and n-1 (forward with checkpointing,
+backward into a capture's deposit log), the full step of the same layout adds nothing to any table cache or
+launch-plan cache and launches no kernel the warm-up did not; a forward of another layout adds entries (the check can
+see a miss). Kernel specializations (compiles) exist on the GPU only: ``tests/model/test_train_graphs.py``'s
+``test_a_short_warmup_captures_the_same_steps`` captures after a short warm-up there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from mmdit_strict.config.arch import preset
+from mmdit_strict.config.schema import LoraConfig
+from mmdit_strict.kernels import registry
+from mmdit_strict.kernels.cpu import primitives
+from mmdit_strict.kernels.execution import bind, current
+from mmdit_strict.kernels.grad_sink import DepositLog
+from mmdit_strict.kernels.runtime import Runtime
+from mmdit_strict.kernels.triton import attention, bound, segments
+from mmdit_strict.kernels.triton.gemm import launch
+from mmdit_strict.model import graphs, rope
+from mmdit_strict.model.init import build_model
+from mmdit_strict.model.strict import strict_forward
+from mmdit_strict.trajectories.setup import attach_lora
+from tests.helpers import make_inputs
+from tests.kernels.triton_rows import interp
+
+
+def _triton_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Resolve every operator that has a Triton implementation to it on the CPU (FP32, under the interpreter)."""
+    registry._ensure_loaded()
+    monkeypatch.setattr(registry, "_RESOLVED", {})
+    monkeypatch.setattr(registry, "_DISPATCH", {})
+    moved = 0
+    for (op, dev, dname), impls in list(registry._REGISTRY.items()):
+        tri = [i for i in impls if i.backend == "triton"]
+        if dev == "cuda" and dname == "fp32" and tri:
+            others = [i for i in registry._REGISTRY.get((op, "cpu", dname), []) if not i.strict]  # production stays
+            monkeypatch.setitem(registry._REGISTRY, (op, "cpu", dname), tri + others)
+            moved += 1
+    assert moved >= 10
+
+
+def _built() -> dict[str, int]:
+    """How much every per-layout cache has built so far (entries, or misses for the LRU caches)."""
+    return {
+        "gemm row offsets": len(launch._STARTS), "gemm plans": len(launch._PLANS),
+        "gemm sample spans": len(launch._SAMPLE_SPANS), "gemm row samples": len(launch._SAMPLES),
+        "kernels launched": len(bound._BOUND),  # (specializations of each are the GPU test's to check)
+        "attention tiles": len(attention._TABLES), "row chunks": len(segments.TABLES._entries),
+        "rope image angles": rope._image_angles.cache_info().misses, "rope text angles": rope._text_angles.cache_info().misses,
+        "rope packed": rope._packed_tables.cache_info().misses,
+        "row sample index": primitives._row_sample_index.cache_info().misses,
+    }
+
+
+@interp
+@pytest.mark.slow  # ~35 s on 2 cores: every launch of a 3-block LoRA step, forward and backward, through the interpreter
+def test_a_two_block_warmup_builds_what_the_whole_step_uses(monkeypatch: pytest.MonkeyPatch) -> None:
+    _triton_on_the_cpu(monkeypatch)
+    monkeypatch.setattr(graphs, "SHORT_WARMUP", True)
+    arch = dataclasses.replace(preset("tiny"), num_layers=3)
+    model = build_model(arch, seed=0, runtime="strict", dtype=torch.float32, device="cpu")
+    attach_lora(model, LoraConfig(rank=4, alpha=8.0, init="random", seed=3))
+    model.requires_grad_(False)
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+    model.enable_gradient_checkpointing(True)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step(txt_lens: list[int], blocks) -> None:
+        raw = make_inputs(2, (4, 4), txt_lens, txt_dim=arch.joint_attention_dim, seed=1)
+        raw.pop("guidance", None)
+        inputs = model.validate_inputs(**raw)
+        # as the model's forward and a capture's warm-up bind them
+        with bind(current().replace(runtime=Runtime.STRICT, grad_sink=DepositLog(), sample_keys=(0, 1))):
+            out = strict_forward(model, inputs, blocks=blocks)
+            torch.autograd.grad(out, params, torch.ones_like(out), allow_unused=True)
+
+    warm = model._graph_warmup()
+    assert warm is not None and graphs.warmup_blocks(3) == (0, 2)
+    step([11, 6], (0, 2))  # prompt lengths no other test uses: this layout's tables are built here
+    built = _built()
+    step([11, 6], None)
+    assert _built() == built, "the whole step built what the two-block warm-up did not"
+    assert {k[0]: v[0].backend for k, v in registry._DISPATCH.items()}["qkv_bias_gemm"] == "triton"
+    step([10, 6], (0,))
+    grew = [k for k, v in _built().items() if v > built[k]]
+    assert {"gemm row offsets", "attention tiles", "rope packed"} <= set(grew), grew  # another layout: the check sees misses
