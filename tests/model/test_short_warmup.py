@@ -32,21 +32,7 @@ from mmdit_strict.model.strict import strict_forward
 from mmdit_strict.trajectories.setup import attach_lora
 from tests.helpers import make_inputs
 from tests.kernels.triton_rows import interp
-
-
-def _triton_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Resolve every operator that has a Triton implementation to it on the CPU (FP32, under the interpreter)."""
-    registry._ensure_loaded()
-    monkeypatch.setattr(registry, "_RESOLVED", {})
-    monkeypatch.setattr(registry, "_DISPATCH", {})
-    moved = 0
-    for (op, dev, dname), impls in list(registry._REGISTRY.items()):
-        tri = [i for i in impls if i.backend == "triton"]
-        if dev == "cuda" and dname == "fp32" and tri:
-            others = [i for i in registry._REGISTRY.get((op, "cpu", dname), []) if not i.strict]  # production stays
-            monkeypatch.setitem(registry._REGISTRY, (op, "cpu", dname), tri + others)
-            moved += 1
-    assert moved >= 10
+from tests.model.triton_cpu import triton_on_the_cpu
 
 
 def _built() -> dict[str, int]:
@@ -65,7 +51,7 @@ def _built() -> dict[str, int]:
 @interp
 @pytest.mark.slow  # ~35 s on 2 cores: every launch of a 3-block LoRA step, forward and backward, through the interpreter
 def test_a_two_block_warmup_builds_what_the_whole_step_uses(monkeypatch: pytest.MonkeyPatch) -> None:
-    _triton_on_the_cpu(monkeypatch)
+    triton_on_the_cpu(monkeypatch)
     monkeypatch.setattr(graphs, "SHORT_WARMUP", True)
     arch = dataclasses.replace(preset("tiny"), num_layers=3)
     model = build_model(arch, seed=0, runtime="strict", dtype=torch.float32, device="cpu")
@@ -95,3 +81,59 @@ def test_a_two_block_warmup_builds_what_the_whole_step_uses(monkeypatch: pytest.
     step([10, 6], (0,))
     grew = [k for k, v in _built().items() if v > built[k]]
     assert {"gemm row offsets", "attention tiles", "rope packed"} <= set(grew), grew  # another layout: the check sees misses
+
+
+@interp
+def test_a_captured_steps_deposits_land_in_the_arena_with_the_sinks_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 1-block LoRA step through the Triton kernels (interpreter) into what a captured step binds — a deposit log
+    without autograd sums whose buffers are a :class:`PartialArena` reserved for every trained tensor — folds to the
+    bytes of the same step straight into a sink that lets autograd sum too; every partial lands in the arena and no
+    ``.grad`` is written."""
+    from mmdit_strict.kernels.grad_sink import SampleGradSink
+    from mmdit_strict.model.train_graphs import PartialArena
+
+    triton_on_the_cpu(monkeypatch)
+    arch = dataclasses.replace(preset("tiny"), num_layers=1)
+    model = build_model(arch, seed=0, runtime="strict", dtype=torch.float32, device="cpu")
+    attach_lora(model, LoraConfig(rank=4, alpha=8.0, init="random", seed=3))
+    model.requires_grad_(False)
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+    model.enable_gradient_checkpointing(True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    raw = make_inputs(2, (4, 4), [9, 4], txt_dim=arch.joint_attention_dim, seed=2)
+    raw.pop("guidance", None)
+    inputs = model.validate_inputs(**raw)
+    keys = [("s", 1), ("s", 0)]
+
+    def step(sink, sample_keys) -> None:
+        with bind(current().replace(runtime=Runtime.STRICT, grad_sink=sink, sample_keys=sample_keys)):
+            out = strict_forward(model, inputs)
+        (out * out).sum().backward()
+
+    plain = SampleGradSink(keys)
+    step(plain, tuple(keys))
+    trained = {id(p) for p in params if p.grad is not None}  # the last block's text stream has no path to the output
+    assert 0 < len(trained) < len(params)
+    plain.done(keys)
+    want = {id(p): plain.fold(p) for p in params}
+    for p in params:
+        p.grad = None
+    arena = PartialArena()
+    arena.reserve_params(params, 2)
+    log = DepositLog(autograd_sums=False, buffers=arena.buffer)
+    step(log, (0, 1))
+    assert all(p.grad is None for p in params), "a deposit log without sums had autograd write .grad"
+    in_arena = {arena.buffer(p, pos, 0).data_ptr() for p in params for pos in (0, 1)}
+    landed = [t.data_ptr() for _, _, parts in log.entries for t in parts]
+    assert landed and set(landed) <= in_arena and len(landed) == len(set(landed))
+    sink = SampleGradSink(keys, autograd_sums=False)
+    log.replay(sink, keys)
+    sink.done(keys)
+    assert len(landed) == 2 * len(trained)  # one partial per trained tensor and sample
+    for i, p in enumerate(params):
+        got = sink.fold(p)
+        if want[id(p)] is None:
+            assert got is None and id(p) not in trained
+            continue
+        assert torch.equal(got, want[id(p)]), f"LoRA tensor {i} ({tuple(p.shape)})"
