@@ -30,8 +30,9 @@ if TYPE_CHECKING:
 # Warm a capture up on the first and last transformer blocks only (plus the embeddings and the output), not all of
 # them. The warm-up exists to compile every kernel and fill every per-layout table before the capture, where neither
 # may happen; the blocks are alike (same shapes, kernels, tables and launch plans), so two of them do that at a
-# fraction of a whole step's host time. Off until the GPU tests (tests/model/test_train_graphs.py) have run with it.
-SHORT_WARMUP = False
+# fraction of a whole step's host time (tests/model/test_short_warmup.py on the CPU; on the H200,
+# tests/model/test_train_graphs.py::test_a_short_warmup_captures_the_same_steps). False: warm up on every block.
+SHORT_WARMUP = True
 
 
 def warmup_blocks(num_blocks: int) -> tuple[int, ...] | None:

@@ -85,4 +85,5 @@ def test_input_checks_synchronise_once(block_args) -> None:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert got.txt_lens == [9, 4]
-    assert sum("synchroniz" in str(w.message) for w in caught) == 1
+    where = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    assert len(where) == 1, where

@@ -514,6 +514,7 @@ def test_short_warmup_runs_the_first_and_last_blocks(monkeypatch: pytest.MonkeyP
 
     arch = dataclasses.replace(preset("tiny"), num_layers=4)
     model = _lora_model(arch)
+    monkeypatch.setattr(graphs, "SHORT_WARMUP", False)
     assert graphs.warmup_blocks(4) is None and model._graph_warmup() is None
     monkeypatch.setattr(graphs, "SHORT_WARMUP", True)
     assert graphs.warmup_blocks(4) == (0, 3) and graphs.warmup_blocks(2) is None
