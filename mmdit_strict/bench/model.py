@@ -101,7 +101,8 @@ def _count_syncs(fn: Callable[[], Any]) -> int:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    return sum("synchroniz" in str(w.message) for w in caught)
+    # "called a synchronizing CUDA operation"; not the notice that the debug mode is a prototype (once per process)
+    return sum("called a synchronizing" in str(w.message) for w in caught)
 
 
 def _kernel_profile(fn: Callable[[], Any], top: int = 0) -> tuple[int, float, list[dict[str, Any]], dict[str, Any]]:
