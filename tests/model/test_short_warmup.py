@@ -12,13 +12,9 @@ see a miss). Kernel specializations (compiles) exist on the GPU only: ``tests/mo
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
-from mmdit_strict.config.arch import preset
-from mmdit_strict.config.schema import LoraConfig
 from mmdit_strict.kernels import registry
 from mmdit_strict.kernels.cpu import primitives
 from mmdit_strict.kernels.execution import bind, current
@@ -27,12 +23,10 @@ from mmdit_strict.kernels.runtime import Runtime
 from mmdit_strict.kernels.triton import attention, bound, segments
 from mmdit_strict.kernels.triton.gemm import launch
 from mmdit_strict.model import graphs, rope
-from mmdit_strict.model.init import build_model
 from mmdit_strict.model.strict import strict_forward
-from mmdit_strict.trajectories.setup import attach_lora
 from tests.helpers import make_inputs
 from tests.kernels.triton_rows import interp
-from tests.model.triton_cpu import triton_on_the_cpu
+from tests.model.triton_cpu import tiny_lora_model, triton_on_the_cpu
 
 
 def _built() -> dict[str, int]:
@@ -53,14 +47,7 @@ def _built() -> dict[str, int]:
 def test_a_two_block_warmup_builds_what_the_whole_step_uses(monkeypatch: pytest.MonkeyPatch) -> None:
     triton_on_the_cpu(monkeypatch)
     monkeypatch.setattr(graphs, "SHORT_WARMUP", True)
-    arch = dataclasses.replace(preset("tiny"), num_layers=3)
-    model = build_model(arch, seed=0, runtime="strict", dtype=torch.float32, device="cpu")
-    attach_lora(model, LoraConfig(rank=4, alpha=8.0, init="random", seed=3))
-    model.requires_grad_(False)
-    for name, p in model.named_parameters():
-        p.requires_grad_("lora_" in name)
-    model.enable_gradient_checkpointing(True)
-    params = [p for p in model.parameters() if p.requires_grad]
+    arch, model, params = tiny_lora_model(3)
 
     def step(txt_lens: list[int], blocks) -> None:
         raw = make_inputs(2, (4, 4), txt_lens, txt_dim=arch.joint_attention_dim, seed=1)
@@ -93,14 +80,7 @@ def test_a_captured_steps_deposits_land_in_the_arena_with_the_sinks_bytes(monkey
     from mmdit_strict.model.train_graphs import PartialArena
 
     triton_on_the_cpu(monkeypatch)
-    arch = dataclasses.replace(preset("tiny"), num_layers=1)
-    model = build_model(arch, seed=0, runtime="strict", dtype=torch.float32, device="cpu")
-    attach_lora(model, LoraConfig(rank=4, alpha=8.0, init="random", seed=3))
-    model.requires_grad_(False)
-    for name, p in model.named_parameters():
-        p.requires_grad_("lora_" in name)
-    model.enable_gradient_checkpointing(True)
-    params = [p for p in model.parameters() if p.requires_grad]
+    arch, model, params = tiny_lora_model(1)
     raw = make_inputs(2, (4, 4), [9, 4], txt_dim=arch.joint_attention_dim, seed=2)
     raw.pop("guidance", None)
     inputs = model.validate_inputs(**raw)

@@ -153,7 +153,6 @@ def test_gpu_checkpointed_step_runs_each_attention_forward_once(monkeypatch: pyt
     runs once per block (its recompute takes the kept outputs) and the output and LoRA gradients keep the bytes of the
     step without checkpointing."""
     from mmdit_strict.config.schema import LoraConfig
-    from mmdit_strict.kernels.triton import attention as A
     from mmdit_strict.trajectories.setup import attach_lora
     from tests.helpers import strict_qwen_image_cuda
 
@@ -164,6 +163,15 @@ def test_gpu_checkpointed_step_runs_each_attention_forward_once(monkeypatch: pyt
     model.enable_cuda_graphs(False)
     inputs = make_inputs(2, (32, 32), [77, 20], txt_dim=arch.joint_attention_dim, dtype=torch.bfloat16, sigma=[0.3, 0.8])
     inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    check_one_attention_forward_per_block(model, inputs, arch.num_layers, monkeypatch)
+
+
+def check_one_attention_forward_per_block(model: MMDiT, inputs: dict[str, Any], blocks: int,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpointed step runs the Triton attention forward once per block (the recompute takes the kept outputs), as
+    a plain step does, and its output and gradients are the plain step's bytes."""
+    from mmdit_strict.kernels.triton import attention as A
+
     runs: list[int] = []
     real = A.attention_fwd
     monkeypatch.setattr(A, "attention_fwd", lambda *a, **k: runs.append(1) or real(*a, **k))
@@ -172,7 +180,8 @@ def test_gpu_checkpointed_step_runs_each_attention_forward_once(monkeypatch: pyt
         model.enable_gradient_checkpointing(checkpointing)
         runs.clear()
         steps[checkpointing] = _step(model, inputs)
-        assert len(runs) == arch.num_layers, f"checkpointing={checkpointing}: {len(runs)} attention forwards"
+        assert len(runs) == blocks, f"checkpointing={checkpointing}: {len(runs)} attention forwards"
+    assert len(steps[True]) == len(steps[False]) > 2
     for i, (a, c) in enumerate(zip(steps[True], steps[False])):
         assert_bytes_equal(a, c, f"output / gradient {i}: checkpointed vs not")
 

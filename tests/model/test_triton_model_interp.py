@@ -4,31 +4,19 @@ one, and a checkpointed LoRA step runs the attention forward once per block and 
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
-from mmdit_strict.config.arch import preset
-from mmdit_strict.config.schema import LoraConfig
-from mmdit_strict.kernels.triton import attention as A
 from mmdit_strict.kernels.triton.gemm import autograd as gemm_autograd
-from mmdit_strict.model.init import build_model
-from mmdit_strict.trajectories.setup import attach_lora
 from tests.harness import assert_bytes_equal
 from tests.helpers import make_inputs
 from tests.kernels.triton_rows import interp
-from tests.model.triton_cpu import triton_on_the_cpu
+from tests.model.test_strict_launch_economy import check_one_attention_forward_per_block
+from tests.model.triton_cpu import tiny_lora_model, triton_on_the_cpu
 
 
-def _model(num_layers: int, lora: bool):
-    arch = dataclasses.replace(preset("tiny"), num_layers=num_layers)
-    model = build_model(arch, seed=0, runtime="strict", dtype=torch.float32, device="cpu")
-    if lora:
-        attach_lora(model, LoraConfig(rank=4, alpha=8.0, init="random", seed=3))
-    model.requires_grad_(False)
-    for name, p in model.named_parameters():
-        p.requires_grad_("lora_" in name)
+def _model(num_layers: int):
+    arch, model, _ = tiny_lora_model(num_layers, checkpointing=False)
     inputs = make_inputs(2, (4, 4), [9, 4], txt_dim=arch.joint_attention_dim, seed=4, sigma=[0.3, 0.8])
     inputs.pop("guidance", None)
     return arch, model, inputs
@@ -37,7 +25,7 @@ def _model(num_layers: int, lora: bool):
 @interp
 def test_the_gated_residual_epilogue_gives_the_unfused_forward(monkeypatch: pytest.MonkeyPatch) -> None:
     triton_on_the_cpu(monkeypatch)
-    _, model, inputs = _model(1, lora=True)
+    _, model, inputs = _model(1)
     with torch.no_grad():
         plain = model(**inputs).sample
         fused_calls: list[int] = []
@@ -55,20 +43,5 @@ def test_the_gated_residual_epilogue_gives_the_unfused_forward(monkeypatch: pyte
 @interp
 def test_a_checkpointed_lora_step_runs_each_attention_forward_once(monkeypatch: pytest.MonkeyPatch) -> None:
     triton_on_the_cpu(monkeypatch)
-    arch, model, inputs = _model(1, lora=True)
-    params = [p for p in model.parameters() if p.requires_grad]
-    runs: list[int] = []
-    real = A.attention_fwd
-    monkeypatch.setattr(A, "attention_fwd", lambda *a, **k: runs.append(1) or real(*a, **k))
-    steps = {}
-    for checkpointing in (True, False):
-        model.enable_gradient_checkpointing(checkpointing)
-        runs.clear()
-        x = inputs["hidden_states"].clone().requires_grad_(True)
-        out = model(**{**inputs, "hidden_states": x}).sample
-        grads = torch.autograd.grad(out.square().sum(), [x] + params, allow_unused=True)
-        steps[checkpointing] = [out.detach(), *(g for g in grads if g is not None)]
-        assert len(runs) == arch.num_layers, f"checkpointing={checkpointing}: {len(runs)} attention forwards"
-    assert len(steps[True]) == len(steps[False]) > 2
-    for i, (a, c) in enumerate(zip(steps[True], steps[False])):
-        assert_bytes_equal(a, c, f"output / gradient {i}: checkpointed vs not")
+    arch, model, inputs = _model(1)
+    check_one_attention_forward_per_block(model, inputs, arch.num_layers, monkeypatch)
