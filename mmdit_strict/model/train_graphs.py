@@ -67,6 +67,13 @@ class PartialArena:
     def __len__(self) -> int:
         return len(self._bufs)
 
+    def _ensure(self, key: tuple[int, int, int], shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
+        """A buffer of this shape, dtype and device under ``key`` (kept if it has them, else a new one)."""
+        have = self._bufs.get(key)
+        if have is None or have.shape != shape or have.dtype != dtype or have.device != device:
+            self._bufs[key] = torch.empty(shape, dtype=dtype, device=device)
+        self._cuda = self._cuda or device.type == "cuda"
+
     def reserve(self, entries: list[tuple[torch.Tensor, tuple[int, ...], list[torch.Tensor]]]) -> None:
         """Buffers for the deposits of a :class:`DepositLog` (``entries``, in arrival order) that have none yet."""
         uses: dict[tuple[int, int], int] = {}
@@ -74,19 +81,13 @@ class PartialArena:
             for pos, part in zip(positions, partials, strict=True):
                 n = uses.get((id(param), pos), 0)
                 uses[id(param), pos] = n + 1
-                have = self._bufs.get((id(param), pos, n))
-                if have is None or have.shape != part.shape or have.dtype != part.dtype or have.device != part.device:
-                    self._bufs[id(param), pos, n] = torch.empty(part.shape, dtype=part.dtype, device=part.device)
-                self._cuda = self._cuda or part.is_cuda
+                self._ensure((id(param), pos, n), part.shape, part.dtype, part.device)
 
     def reserve_params(self, params: list[torch.Tensor], batch: int) -> None:
         """A buffer for one partial of each of ``params`` at each batch position ``0 .. batch-1`` (FP32, its shape)."""
         for p in params:
             for pos in range(batch):
-                have = self._bufs.get((id(p), pos, 0))
-                if have is None or have.shape != p.shape or have.device != p.device:
-                    self._bufs[id(p), pos, 0] = torch.empty(p.shape, dtype=torch.float32, device=p.device)
-                self._cuda = self._cuda or p.is_cuda
+                self._ensure((id(p), pos, 0), p.shape, torch.float32, p.device)
 
     def buffer(self, param: torch.Tensor, position: int, occurrence: int) -> torch.Tensor | None:
         """The buffer for this deposit (:class:`DepositLog`'s ``buffers``), or None if none was reserved."""
