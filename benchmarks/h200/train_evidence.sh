@@ -12,7 +12,9 @@
 #   (estimated at 6–8 minutes for both engines; not yet timed).
 # diffusers is not in the GPU image: carry its wheels (and any missing dependency) in .whl/; they are installed
 # into /tmp/site without network. Run from the repository root on the GPU machine:
-#   MMDIT_COMMIT=<hash> bash benchmarks/h200/train_evidence.sh OUT_DIR     (OUT_DIR: $OUT on the device machine)
+#   MMDIT_COMMIT=<hash> [TRAIN_EXTRA="--no-profile ..."] bash benchmarks/h200/train_evidence.sh OUT_DIR
+# (OUT_DIR: $OUT on the device machine; TRAIN_EXTRA: more bench.train options, e.g. --no-profile to skip the
+# profiled updates, which took 4x the timed one for the peer at 7345138, or --engines / --graph-pools)
 # OUT_DIR/train_bench.json and OUT_DIR/train_bench.md are the report; OUT_DIR/train_evidence.tgz holds them with the log.
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/evidence_common.sh"
@@ -23,10 +25,11 @@ python3 -c 'import diffusers, peft' || { echo "diffusers or peft is not importab
   evidence_header
   if [[ ${TRAIN_SHAPE:-update} == epoch ]]; then
     time python3 -m mmdit_strict.bench.train --out "$ev" --device cuda --arch qwen-image --layers 60 --grid 32 32 \
-      --txt 64 --prompts 2 --fresh-prompts --group 8 --steps 10 --window 2 --micro-batch 2 --lora-rank 64 --warmup 1
+      --txt 64 --prompts 2 --fresh-prompts --group 8 --steps 10 --window 2 --micro-batch 2 --lora-rank 64 --warmup 1 \
+      ${TRAIN_EXTRA:-}
   else
     time python3 -m mmdit_strict.bench.train --out "$ev" --device cuda --arch qwen-image --layers 60 --grid 64 64 --txt 128 \
-      --group 2 --steps 10 --window 2 --micro-batch 2 --lora-rank 64 --warmup 1
+      --group 2 --steps 10 --window 2 --micro-batch 2 --lora-rank 64 --warmup 1 ${TRAIN_EXTRA:-}
   fi
 } 2>&1 | tee "$ev/log.txt"
 cp "$ev/train_bench.json" "$ev/train_bench.md" "$out/" 2>/dev/null || echo "no report was written (see the log)" >&2

@@ -53,6 +53,7 @@ from ..dtypes import BY_CONFIG_NAME as DTYPES
 from ..environment import environment_line, run_environment
 from ..kernels.grad_sink import SampleGradSink, collect_sample_grads
 from ..kernels.runtime import Runtime
+from ..model.graphs import release_forward_graphs
 from ..sampling import sigma_table
 from ..training.advantages import StatTracker
 from ..training.loss import grpo_loss, logp_bytes_differ
@@ -115,8 +116,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--arch qwen-image on the CPU builds the 20B model: pass --arch tiny, or --layers N for a slice")
 
 
-def build_engines(arch: ArchConfig, device: str, dtype: torch.dtype, rank: int) -> list[Engine]:
-    """Theirs (diffusers + PEFT, first: it runs before ours holds CUDA-graph memory) and ours, on one weight storage."""
+def build_engines(arch: ArchConfig, device: str, dtype: torch.dtype, rank: int, shared_pools: bool = True) -> list[Engine]:
+    """Theirs (diffusers + PEFT, first: it runs before ours holds CUDA-graph memory) and ours, on one weight storage
+    (``shared_pools`` False: ours gives each captured graph its own memory pool, to measure what sharing saves)."""
     from ..model.diffusers_compat import diffusers_twin
     from ..model.init import build_model
 
@@ -133,6 +135,7 @@ def build_engines(arch: ArchConfig, device: str, dtype: torch.dtype, rank: int) 
     theirs.train()
     if device == "cuda":
         ours.enable_cuda_graphs()
+        ours.graph_cache.share_pool = ours.train_graphs.share_pools = shared_pools
     return [Engine("diffusers_peft", theirs, Runtime.OFF, False, "diffusers QwenImageTransformer2DModel + PEFT, eager, autograd"),
             Engine("ours", ours, Runtime.STRICT, True, "MMDiT strict" + (" + CUDA graphs (rollout)" if device == "cuda" else "")
                    + ", grad sink")]
@@ -209,25 +212,45 @@ def one_update(engine: Engine, up: Update, opt: torch.optim.Optimizer, params: l
     """Rollout, train and optimizer phases of one update; per phase its measurements, plus the train phase's checks."""
     samples, roll = _measure(lambda: rollout_epoch(engine.model, engine.runtime, up.prompts, up.sigmas, up.grid, up.scfg,
                                                    SEED, 0), device, profile)
+    release_forward_graphs(engine.model)  # as train does after its rollout (ours: the rollout's captured forwards)
     (sink, checks), train = _measure(lambda: _train_phase(engine, up, samples), device, profile)
+    held = memory_held(engine.model, sink, params)
     _, step = _measure(lambda: _optimizer_phase(params, opt, sink, up.tcfg.max_grad_norm), device, profile)
-    return {"phases": {"rollout": roll, "train": train, "optimizer": step}, "checks": checks}
+    return {"phases": {"rollout": roll, "train": train, "optimizer": step}, "checks": checks, "held": held}
 
 
-def run_engine(engine: Engine, ups: Sequence[Update], device: torch.device, warmup: int, bar: tqdm) -> dict[str, Any]:
-    """``warmup`` untimed updates, the timed one, and on CUDA the profiled one (update ``k`` runs ``ups[k]``, the last
-    one where there are fewer); the engine's report row."""
+def memory_held(model: torch.nn.Module, sink: SampleGradSink | None, params: list[torch.nn.Parameter]) -> dict[str, Any]:
+    """What ours holds at the end of the train phase beside the weights (GiB): the grad sink's buffered partials at
+    their fullest and its open fold nodes (each an FP32 copy of the LoRA), the captured training steps' memory pools
+    and shared partial buffers. Empty for an engine without a sink."""
+    if sink is None:
+        return {}
+    stats = sink.stats
+    lora_fp32 = sum(p.numel() for p in params) * 4 / 2**30
+    graphs = getattr(model, "train_graphs", None)
+    return {"lora_fp32_gib": lora_fp32, "sink_peak_pending_gib": stats.peak_pending_bytes / 2**30,
+            "sink_peak_nodes_per_param": stats.peak_nodes_per_param,
+            "train_graph_instances": None if graphs is None else len(graphs),
+            "train_graph_pools": None if graphs is None else graphs.pools(),
+            "partial_arena_gib": None if graphs is None else graphs.arena_bytes() / 2**30}
+
+
+def run_engine(engine: Engine, ups: Sequence[Update], device: torch.device, warmup: int, bar: tqdm,
+               profile: bool = True) -> dict[str, Any]:
+    """``warmup`` untimed updates, the timed one, and on CUDA with ``profile`` the profiled one (update ``k`` runs
+    ``ups[k]``, the last one where there are fewer); the engine's report row."""
     named = sorted(((n, p) for n, p in engine.model.named_parameters() if p.requires_grad), key=lambda t: t[0])
     params = [p for _, p in named]
     opt, _ = build_optimizer(params, ups[0].tcfg)
     runs = []
-    for k, kind in enumerate(["warmup"] * warmup + ["timed"] + (["profiled"] if device.type == "cuda" else [])):
+    profiled = profile and device.type == "cuda"
+    for k, kind in enumerate(["warmup"] * warmup + ["timed"] + (["profiled"] if profiled else [])):
         bar.set_postfix_str(f"{engine.name} {kind}")
         runs.append(one_update(engine, ups[min(k, len(ups) - 1)], opt, params, device, profile=kind == "profiled"))
         bar.update(1)
     timed, first = runs[warmup], runs[0]["checks"]
     phases = timed["phases"]
-    prof = runs[-1]["phases"] if device.type == "cuda" else None
+    prof = runs[-1]["phases"] if profiled else None
     for name, row in phases.items():
         row.update(launches=None, host_launches=None, gpu_busy=None)
         if prof is not None:
@@ -239,7 +262,7 @@ def run_engine(engine: Engine, ups: Sequence[Update], device: torch.device, warm
              "launches": None if prof is None else sum(r["launches"] for r in phases.values()),
              "gpu_busy": None if prof is None else sum(p["gpu_s"] for p in prof.values()) / sum(r["wall_s"] for r in phases.values())}
     return {"engine": engine.what, "runtime": engine.runtime.value, "phases": phases, "total": total,
-            "lora_tensors": len(params), **timed["checks"],
+            "lora_tensors": len(params), "held_after_train": timed["held"], **timed["checks"],
             "first_update_logp_bytes_differ": first["logp_bytes_differ"],
             "first_update_ratio_exact_one": first["logp_bytes_differ"] == 0 and first["ratio_exact_one_frac"] == 1.0,
             "checks_every_update": [r["checks"] for r in runs]}
@@ -267,7 +290,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dtype_name = "bfloat16" if device.type == "cuda" else "float32"  # the CPU strict backend computes in FP32
     dtype = DTYPES[dtype_name]
     grid = (int(args.grid[0]), int(args.grid[1]))
-    engines = build_engines(arch, args.device, dtype, args.lora_rank)
+    engines = [e for e in build_engines(arch, args.device, dtype, args.lora_rank, args.graph_pools == "shared")
+               if e.name in args.engines]
     shortest = args.txt if args.prompts == 1 and not args.fresh_prompts else max(1, args.txt // 2)
 
     def draw(seed: int) -> Prompts:
@@ -288,11 +312,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ups = [up] if not args.fresh_prompts else [dataclasses.replace(up, prompts=draw(k)) for k in range(args.warmup + 2)]
     results: dict[str, Any] = {}
     errors = []
-    per_engine = args.warmup + 1 + (device.type == "cuda")
+    per_engine = args.warmup + 1 + (device.type == "cuda" and args.profile)
     with tqdm(total=len(engines) * per_engine, desc="bench train", unit="update") as bar:
         for engine in engines:
             try:
-                results[engine.name] = run_engine(engine, ups, device, args.warmup, bar)
+                results[engine.name] = run_engine(engine, ups, device, args.warmup, bar, args.profile)
             except Exception as exc:  # an engine that cannot run here: record why and go on
                 results[engine.name] = {"engine": engine.what, "error": f"{type(exc).__name__}: {exc}"[:400]}
                 errors.append(f"{engine.name}: {results[engine.name]['error']}")
@@ -301,7 +325,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "fresh_prompts": bool(args.fresh_prompts),
               "group": args.group, "steps": args.steps, "window": args.window, "micro_batch": args.micro_batch,
               "lora_rank": args.lora_rank, "lora_targets": list(LORA_TARGETS), "device": args.device, "dtype": str(dtype),
-              "cfg_scale": CFG_SCALE, "eta": ETA, "cfg_layout": args.cfg_layout, "warmup": args.warmup,
+              "cfg_scale": CFG_SCALE, "eta": ETA, "cfg_layout": args.cfg_layout, "warmup": args.warmup, "profile": args.profile,
+              "graph_pools": args.graph_pools,
               "grad_checkpointing": True, "clip_range": tcfg.clip_range, "learning_rate": tcfg.learning_rate}
     return {"config": config, "engines": results, "ratios": ratios(results), "errors": errors}
 
@@ -341,8 +366,19 @@ def render(report: dict[str, Any]) -> str:
     ratio_rows = [md.row(phase, *(_fmt(r.get(k), ".2f") for k in ("wall_s", "peak_gib", "peak_reserved_gib", "launches",
                                                                   "gpu_busy")))
                   for phase, r in report["ratios"].items()]
-    lines += md.section("Ours / theirs", ["phase", "wall", "peak memory", "peak reserved", "GPU launches", "GPU busy"],
-                        ratio_rows)
+    if ratio_rows:  # both engines ran
+        lines += md.section("Ours / theirs", ["phase", "wall", "peak memory", "peak reserved", "GPU launches", "GPU busy"],
+                            ratio_rows)
+    held = [md.row(name, *(_fmt(h.get(k), ".2f") for k in ("lora_fp32_gib", "sink_peak_pending_gib")),
+                   h.get("sink_peak_nodes_per_param"), h.get("train_graph_instances"), h.get("train_graph_pools"),
+                   _fmt(h.get("partial_arena_gib"), ".2f"))
+            for name, e in report["engines"].items() if (h := e.get("held_after_train"))]
+    if held:
+        lines += md.section("What the grad sink and the captured steps held (timed update)",
+                            ["engine", "LoRA, FP32 GiB", "sink partials at fullest GiB", "open fold nodes per tensor",
+                             "captured steps", "their memory pools", "shared partial buffers GiB"], held,
+                            notes=["Each open fold node is one more FP32 copy of the LoRA; the pools hold the captured "
+                                   "steps' activations and temporaries (instances never live together share one)."])
     checks = [md.row(name, e["first_update_logp_bytes_differ"], e["pairs"], "yes" if e["first_update_ratio_exact_one"] else "no")
               for name, e in report["engines"].items() if "error" not in e]
     lines += md.section("On-policy check (first update)", ["engine", "pairs whose logp bytes differ from the rollout's",
@@ -370,6 +406,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cfg-layout", choices=["sequential", "batched"], default="sequential",
                    help="CFG of both engines in both phases (sequential: two forwards, as QwenImagePipeline)")
     p.add_argument("--warmup", type=int, default=1, help="untimed updates per engine before the timed one")
+    p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
+                   help="CUDA: a profiled update per engine after the timed one, for launches and GPU busy (--no-profile "
+                        "skips it: those columns stay empty; the profiled peer update takes about 4x its timed one)")
+    p.add_argument("--engines", nargs="+", choices=["diffusers_peft", "ours"], default=["diffusers_peft", "ours"],
+                   help="engines to run (default both; the ratios need both)")
+    p.add_argument("--graph-pools", choices=["shared", "per-instance"], default="shared",
+                   help="ours on CUDA: captured graphs share memory pools as the model does by default, or each has its own")
     return p
 
 

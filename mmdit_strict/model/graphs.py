@@ -89,6 +89,8 @@ def release_forward_graphs(model: torch.nn.Module) -> int:
         return 0
     held = len(cache)
     cache.clear()
+    if held and torch.cuda.is_available():
+        torch.cuda.empty_cache()  # a released pool's blocks stay reserved (and unusable by others) until then
     return held
 
 
@@ -105,21 +107,27 @@ def adapter_state(model: torch.nn.Module) -> tuple:
 class GraphCache:
     """Captured forwards keyed by batch layout (least recently used beyond ``max_graphs`` are dropped).
 
-    Each graph holds its own static input/output buffers and memory pool; ``clear()`` releases them.
+    Each graph holds its own static input/output buffers; all of a cache's graphs share one memory pool
+    (``share_pool``, the default), which is safe because a replay's output is copied out before the call returns:
+    nothing a graph writes into the pool is read after another graph replays, so the pool only needs room for
+    the largest graph's temporaries, not for the sum of them. ``clear()`` releases the graphs and the pool.
     The runtime mode, parameters' identity and LoRA adapters must not change between capture and
     replay: the key includes the runtime and dtype, and :meth:`clear` must be called after changing
     weights' storage (``load_state_dict(assign=True)``, adding or removing an adapter). In-place weight
     updates (an optimizer step) are seen by the replay, as the graph reads the parameters' storage.
     """
 
-    def __init__(self, max_graphs: int = 8) -> None:
+    def __init__(self, max_graphs: int = 8, share_pool: bool = True) -> None:
         self.max_graphs = max_graphs
+        self.share_pool = share_pool
         self._graphs: OrderedDict[tuple, _Captured] = OrderedDict()
+        self._pool: tuple | None = None  # the shared pool's handle, from the first capture
         self.captures = 0
         self.replays = 0
 
     def clear(self) -> None:
         self._graphs.clear()
+        self._pool = None  # with no graph left the allocator frees the pool; a new capture makes a new one
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -145,13 +153,18 @@ class GraphCache:
                 (warmup or forward)(static)  # warm-up: compiles kernels and fills every per-layout cache
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with retaining() as tables, capture_trace() as trace, torch.cuda.graph(graph):
+            pool = self._pool if self.share_pool else None
+            with retaining() as tables, capture_trace() as trace, torch.cuda.graph(graph, pool=pool):
                 out = forward(static)
+            if self.share_pool and self._pool is None:
+                self._pool = graph.pool()
             cap = _Captured(graph, static, out, trace, tables)
             self._graphs[key] = cap
             self.captures += 1
             while len(self._graphs) > self.max_graphs:
                 self._graphs.popitem(last=False)
+            if not self._graphs:  # max_graphs 0: the pool goes with its only graph
+                self._pool = None
         else:
             self._graphs.move_to_end(key)
         load_inputs(cap.inputs, inputs)

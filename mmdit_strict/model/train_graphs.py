@@ -19,7 +19,11 @@ The kernels and their arguments are those of the uncaptured step, so the bytes a
 GPU: ``tests/model/test_train_graphs.py``, ``tests/training/test_gpu_training.py``). A graph's activations live in its pool until its
 backward has run, so a layout whose forward runs again before the first one's backward (the two
 forwards of the sequential CFG layout) gets a second captured instance; one that is never
-backpropagated frees its instance when autograd drops the node.
+backpropagated frees its instance when autograd drops the node. Instances are never live together
+unless their forwards run back to back like that, so they share pools by group: an instance is captured
+into the pool of a group with no instance between its forward and its backward, and replays only while
+its group has none. The sequential CFG layout's two forwards then take two groups and every other step
+reuses their pools, instead of one pool per instance.
 
 The parameters' gradients reach ``.grad`` (and the sink), not ``torch.autograd.grad(loss, params)``, which
 needs ``enable_cuda_graphs(training=False)``; hooks on the parameters' gradient accumulation do not run.
@@ -66,6 +70,9 @@ class PartialArena:
 
     def __len__(self) -> int:
         return len(self._bufs)
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._bufs.values())
 
     def _ensure(self, key: tuple[int, int, int], shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
         """A buffer of this shape, dtype and device under ``key`` (kept if it has them, else a new one)."""
@@ -123,6 +130,7 @@ class _Instance:
     trace: OperatorTrace  # operators of one forward + backward (checkpoint recomputes included)
     tables: list[Any]  # cached device tables the graphs read
     arena: PartialArena | None = None  # where the backward writes the partials (shared with the cache's other steps)
+    group: int = 0  # instances of one group share a memory pool; at most one of them is busy at a time
     lease: Any = field(default=None)  # weakref to the _Lease of the node using the activations, or None
 
     def busy(self) -> bool:
@@ -192,19 +200,33 @@ class _Replay(torch.autograd.Function):
         return None, None, None, None, None
 
 
+def pick_group(busy: set[int], made: int, share: bool) -> int:
+    """The pool group a new instance is captured into: the lowest of the ``made`` groups with no busy instance,
+    else a new one (``share`` False: always a new one, i.e. a pool per instance)."""
+    if share:
+        free = next((g for g in range(made) if g not in busy), None)
+        if free is not None:
+            return free
+    return made
+
+
 class TrainGraphCache:
     """Captured training steps keyed by batch layout, trainable parameters and grad-sink use (with or without
     autograd's sums of the deposited gradients: ``SampleGradSink(autograd_sums=...)``).
 
-    ``max_instances`` bounds the captured instances (pairs of graphs and their pools) over every key;
-    the least recently used idle one goes first, and a call that finds every instance of its key busy
-    and no room runs uncaptured. :meth:`clear` releases them all (needed after swapping parameters'
-    storage, e.g. ``load_state_dict(assign=True)``).
+    ``max_instances`` bounds the captured instances (pairs of graphs) over every key; the least recently
+    used idle one goes first, and a call that finds no instance of its key it may replay and no room runs
+    uncaptured. ``share_pools``: instances share memory pools by group (module docstring); False gives each
+    its own pool. :meth:`clear` releases them all (needed after swapping parameters' storage, e.g.
+    ``load_state_dict(assign=True)``).
     """
 
-    def __init__(self, max_instances: int = 4) -> None:
+    def __init__(self, max_instances: int = 4, share_pools: bool = True) -> None:
         self.max_instances = max_instances
+        self.share_pools = share_pools
         self._entries: OrderedDict[tuple, list[_Instance]] = OrderedDict()
+        self._pools: dict[int, tuple] = {}  # group -> its memory pool's handle
+        self._groups = 0  # groups made (the next unshared group's number)
         self.captures = 0
         self.replays = 0
         self.uncaptured = 0
@@ -213,6 +235,7 @@ class TrainGraphCache:
 
     def clear(self) -> None:
         self._entries.clear()
+        self._pools.clear()
         self._arena = PartialArena()  # an instance still leased keeps the buffers it writes through its log
 
     def _anchor(self, device: torch.device) -> torch.Tensor:
@@ -236,13 +259,18 @@ class TrainGraphCache:
             raise ValueError(f"sample_keys declares {len(keys)} samples but this forward has {batch}")
         sums = sink.autograd_sums if with_sink else True  # False: the captured backward leaves the sums out
         key = (layout_key, with_sink, sums, tuple(id(p) for p in params))
-        pool = self._entries.get(key)
-        inst = next((i for i in pool if not i.busy()), None) if pool else None
+        held = self._entries.get(key)
+        busy = self.busy_groups()
+        inst = next((i for i in held if i.group not in busy), None) if held else None
         if inst is None:
             if not self._make_room():
                 self.uncaptured += 1
                 return None
-            inst = self._capture(inputs, params, forward, with_sink, sums, self._arena, warmup)
+            group = pick_group(busy, self._groups, self.share_pools)
+            self._groups = max(self._groups, group + 1)
+            inst = self._capture(inputs, params, forward, with_sink, sums, self._arena, warmup, self._pools.get(group))
+            inst.group = group
+            self._pools.setdefault(group, inst.forward.pool())
             self._entries.setdefault(key, []).append(inst)
             self.captures += 1
         self._entries.move_to_end(key)
@@ -255,15 +283,30 @@ class TrainGraphCache:
             outer.merge(inst.trace)
         return out
 
+    def busy_groups(self) -> set[int]:
+        """The groups with an instance between its forward and its backward replay."""
+        return {i.group for held in self._entries.values() for i in held if i.busy()}
+
+    def pools(self) -> int:
+        """Memory pools the captured instances hold."""
+        return len({i.group for held in self._entries.values() for i in held})
+
+    def arena_bytes(self) -> int:
+        """Bytes of the shared per-sample partial buffers."""
+        return self._arena.nbytes()
+
     def _make_room(self) -> bool:
         """Drop idle instances, least recently used first, until one more fits; False if every one is busy."""
         while len(self) >= self.max_instances:
-            for key, pool in self._entries.items():
-                idle = next((i for i in pool if not i.busy()), None)
+            for key, held in self._entries.items():
+                idle = next((i for i in held if not i.busy()), None)
                 if idle is not None:
-                    pool.remove(idle)
-                    if not pool:
+                    held.remove(idle)
+                    if not held:
                         del self._entries[key]
+                    if all(i.group != idle.group for h in self._entries.values() for i in h):
+                        # its pool goes with its last graphs; a capture into a dropped pool's handle would fail
+                        self._pools.pop(idle.group, None)
                     break
             else:
                 return False
@@ -272,7 +315,7 @@ class TrainGraphCache:
     @staticmethod
     def _capture(inputs: "ModelInputs", params: list[torch.Tensor], forward: Callable[["ModelInputs"], torch.Tensor],
                  with_sink: bool, sums: bool = True, arena: PartialArena | None = None,
-                 warmup: Callable[["ModelInputs"], torch.Tensor] | None = None) -> _Instance:
+                 warmup: Callable[["ModelInputs"], torch.Tensor] | None = None, pool: tuple | None = None) -> _Instance:
         static = static_inputs(inputs)
         log = DepositLog(autograd_sums=sums) if with_sink else None
         positions = tuple(range(inputs.hidden_states.shape[0])) if with_sink else None
@@ -295,7 +338,7 @@ class TrainGraphCache:
                 log.clear()
             fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             with retaining(every_thread=True) as tables, capture_trace() as trace:
-                with torch.cuda.graph(fwd):
+                with torch.cuda.graph(fwd, pool=pool):
                     out = forward(static)
                 grad_out = torch.empty_like(out)
                 with torch.cuda.graph(bwd, pool=fwd.pool()):

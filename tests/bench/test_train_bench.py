@@ -33,6 +33,10 @@ def test_bench_train_writes_every_phase_of_both_engines(tmp_path: Path) -> None:
     assert all(u["logp_bytes_differ"] == 0 and u["ratio_exact_one_frac"] == 1.0 for u in ours["checks_every_update"])
     assert len(ours["checks_every_update"]) == 2  # the warm-up update and the timed one
     assert ours["runtime"] == "strict" and theirs["runtime"] == "off"
+    held = ours["held_after_train"]  # what the sink held; on the CPU no captured steps
+    assert held["lora_fp32_gib"] > 0 and held["sink_peak_nodes_per_param"] >= 1 and held["sink_peak_pending_gib"] > 0
+    assert held["train_graph_pools"] is None and theirs["held_after_train"] == {}
+    assert "| ours | " in (out / "train_bench.md").read_text().split("What the grad sink")[1]
     for phase in [*train_bench.PHASES, "total"]:
         want = ours["phases"][phase]["wall_s"] if phase != "total" else ours["total"]["wall_s"]
         base = theirs["phases"][phase]["wall_s"] if phase != "total" else theirs["total"]["wall_s"]

@@ -55,6 +55,8 @@ def test_graph_replay_equals_eager_strict_forward_bytes() -> None:
             again = model(**layouts[0]).sample
     assert model.graph_cache.captures == 2  # two layouts; the second input of layout 1 replays its graph
     assert model.graph_cache.replays == 4
+    # one memory pool for both layouts' graphs, and layout 0 replayed after layout 1 (not in capture order) above
+    assert len({c.graph.pool() for c in model.graph_cache._graphs.values()}) == 1
     for a, b in zip(eager, graphed):
         assert torch.equal(a, b)
     assert torch.equal(eager[0], again)

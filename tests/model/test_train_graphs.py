@@ -226,6 +226,7 @@ def test_captured_training_step_equals_the_uncaptured_one(checkpointing: bool) -
     graphed = [_step(model, i, k) for i, k in calls]
     again = _step(model, *calls[0])
     assert model.train_graphs.captures == 2 and model.train_graphs.replays == 4, vars(model.train_graphs)
+    assert model.train_graphs.pools() == 1  # the two layouts' steps were never live together: one pool
     for n, (a, b) in enumerate(zip(eager, graphed)):
         _same(a, b, f"call {n}")
     _same(eager[0], again, "replay after other layouts")
@@ -308,6 +309,7 @@ def test_two_forwards_of_one_layout_before_the_backward_use_two_captures() -> No
     model.enable_cuda_graphs()
     graphed = _step(model, [cond, neg], keys)
     assert model.train_graphs.captures == 2, "the second forward reused the first one's activations"
+    assert model.train_graphs.pools() == 2, "the second forward was captured into the busy first one's pool"
     _same(eager, graphed, "sequential CFG")
     graphed_again = _step(model, [neg, cond], [keys[1], keys[0]])
     assert model.train_graphs.captures == 2 and model.train_graphs.replays == 4
@@ -348,23 +350,33 @@ def test_graphed_forward_with_adapters_disabled_equals_the_uncaptured_one() -> N
 # ------------------------------------------------------------------------- bookkeeping with a stand-in graph
 
 
+class _StandInPool(dict):
+    """A memory pool's stand-in: the activations a forward leaves for its backward live here, so two instances
+    of one pool both between forward and backward overwrite each other's, as they would in a shared CUDA pool."""
+
+    __hash__ = object.__hash__  # a handle: compared by identity
+
+
 class _StandInGraph:
     """What a captured graph does to its static buffers, done by Python (no CUDA here): ``replay`` reruns
     ``fn``, which rewrites the instance's static output / gradient / partial buffers in place."""
 
-    def __init__(self, fn) -> None:
-        self.fn = fn
+    def __init__(self, fn, pool: _StandInPool) -> None:
+        self.fn, self._pool = fn, pool
 
     def replay(self) -> None:
         self.fn()
 
+    def pool(self) -> _StandInPool:
+        return self._pool
 
-def _stand_in_capture(inputs, params, forward, with_sink, sums=True, arena=None, warmup=None):
+
+def _stand_in_capture(inputs, params, forward, with_sink, sums=True, arena=None, warmup=None, pool=None):
     from mmdit_strict.model import train_graphs as tg
 
     static = static_inputs(inputs)
     batch = inputs.hidden_states.shape[0]
-    held: dict[str, torch.Tensor] = {}
+    held = pool if pool is not None else _StandInPool()
     out = forward(static).detach().clone()
     grad_out = torch.empty_like(out)
     # a sink that takes no autograd sums: the strict backward returns None for the deposited parameters
@@ -397,7 +409,7 @@ def _stand_in_capture(inputs, params, forward, with_sink, sums=True, arena=None,
                 for dst, g in zip(parts, torch.autograd.grad(y[b], params, grad_out[b], retain_graph=True)):
                     dst[b].copy_(g)
 
-    return tg._Instance(_StandInGraph(fwd), _StandInGraph(bwd), static, out, grad_out, grads, log, OperatorTrace(), [],
+    return tg._Instance(_StandInGraph(fwd, held), _StandInGraph(bwd, held), static, out, grad_out, grads, log, OperatorTrace(), [],
                         arena if log is not None and log.buffers is not None else None)
 
 
@@ -503,6 +515,58 @@ def test_captured_steps_share_the_partials_buffers_and_the_sink_gets_each_replay
     assert len(insts) == 2 and insts[0].arena is insts[1].arena is cache._arena
     ptrs = [[t.data_ptr() for _, _, parts in i.deposits.entries for t in parts] for i in insts]
     assert ptrs[0] == ptrs[1] and len(set(ptrs[0])) == 2  # one buffer per batch position, shared by both steps
+
+
+def test_pick_group_takes_the_lowest_group_with_nothing_busy() -> None:
+    from mmdit_strict.model.train_graphs import pick_group
+
+    assert pick_group(set(), 0, True) == 0  # the first instance makes group 0
+    assert pick_group({0}, 1, True) == 1  # group 0 waits for a backward: a new group
+    assert pick_group({1}, 2, True) == 0 and pick_group({0, 1}, 2, True) == 2
+    assert pick_group(set(), 3, False) == 3  # unshared: a group (pool) per instance
+
+
+def test_instances_never_live_together_share_a_pool(stand_in) -> None:
+    """Layouts trained one after another are captured into one pool; the sequential-CFG pattern's second
+    forward, captured while the first waits for its backward, gets a second; ``share_pools=False`` gives each
+    instance its own. The stand-in's pool holds the activations between forward and backward, so a wrong
+    sharing would show as wrong gradients."""
+    w, inputs, forward = _toy(seed=0)
+    _, other, _ = _toy(seed=1)
+    want = {}
+    for name, inp, c in (("a", inputs, 3), ("b", other, 5)):
+        (forward(inp) * c).sum().backward()
+        want[name], w.grad = w.grad.clone(), None
+    for share in (True, False):
+        cache = stand_in(max_instances=8, share_pools=share)
+        for layout in ("one", "two", "three"):  # forward, backward, next: never two live at once
+            (cache.run(inputs, "strict", [w], forward, (layout,)) * 3).sum().backward()
+            assert torch.equal(w.grad, want["a"]), layout
+            w.grad = None
+        assert cache.captures == 3 and cache.pools() == (1 if share else 3)
+        a = cache.run(inputs, "strict", [w], forward, ("one",))  # replayed: its group is free
+        b = cache.run(other, "strict", [w], forward, ("four",))  # captured while "one" waits for its backward
+        assert cache.busy_groups() == ({0, 1} if share else {0, 3})
+        ((a * 3).sum() + (b * 5).sum()).backward()
+        assert torch.equal(w.grad, want["a"] + want["b"])
+        w.grad = None
+        assert cache.captures == 4 and cache.pools() == (2 if share else 4) and not cache.busy_groups()
+        # two and three, both live: shared, they are in one group and three needs a second instance
+        a, b = cache.run(inputs, "strict", [w], forward, ("two",)), cache.run(other, "strict", [w], forward, ("three",))
+        ((a * 3).sum() + (b * 5).sum()).backward()
+        assert cache.captures == (5 if share else 4) and cache.pools() == (2 if share else 4)
+        assert torch.equal(w.grad, want["a"] + want["b"])
+        w.grad = None
+
+
+def test_an_evicted_groups_pool_is_not_captured_into_again(stand_in) -> None:
+    w, inputs, forward = _toy()
+    cache = stand_in(max_instances=1)
+    cache.run(inputs, "strict", [w], forward, ("one",)).sum().backward()
+    first = next(iter(cache._entries.values()))[0].forward.pool()
+    cache.run(inputs, "strict", [w], forward, ("two",)).sum().backward()  # evicts "one", the last of group 0
+    second = next(iter(cache._entries.values()))[0]
+    assert second.group == 0 and second.forward.pool() is not first and cache.pools() == 1
 
 
 def test_short_warmup_runs_the_first_and_last_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
