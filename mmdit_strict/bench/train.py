@@ -370,7 +370,8 @@ def render(report: dict[str, Any]) -> str:
         lines += md.section("Ours / theirs", ["phase", "wall", "peak memory", "peak reserved", "GPU launches", "GPU busy"],
                             ratio_rows)
     held = [md.row(name, *(_fmt(h.get(k), ".2f") for k in ("lora_fp32_gib", "sink_peak_pending_gib")),
-                   h.get("sink_peak_nodes_per_param"), h.get("train_graph_instances"), h.get("train_graph_pools"),
+                   *(_fmt(h.get(k), "d") for k in ("sink_peak_nodes_per_param", "train_graph_instances",
+                                                    "train_graph_pools")),
                    _fmt(h.get("partial_arena_gib"), ".2f"))
             for name, e in report["engines"].items() if (h := e.get("held_after_train"))]
     if held:
