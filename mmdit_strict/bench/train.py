@@ -51,6 +51,7 @@ from ..config.schema import LoraConfig, PromptsConfig
 from ..config.training import SampleConfig, TrainConfig
 from ..dtypes import BY_CONFIG_NAME as DTYPES
 from ..environment import environment_line, run_environment
+from ..kernels.fold_park import HostPark
 from ..kernels.grad_sink import SampleGradSink, collect_sample_grads
 from ..kernels.runtime import Runtime
 from ..model.graphs import release_forward_graphs
@@ -81,6 +82,7 @@ class Engine:
     runtime: Runtime
     grad_sink: bool  # fold per-(pair, branch) partials through the strict gradient sink
     what: str
+    park_fold_nodes: bool = False  # the sink's waiting fold nodes in host memory (train.park_fold_nodes)
 
 
 @dataclass
@@ -150,7 +152,8 @@ def _train_phase(engine: Engine, up: Update, samples: EpochSamples) -> tuple[Sam
     batches = [pairs[i:i + mb] for i in range(0, len(pairs), mb)]
     keys = [grad_keys(samples, b, scale) for b in batches]
     # as train does under the strict runtime: the backward leaves autograd's sums out, the fold replaces them
-    sink = SampleGradSink([k for ks in keys for k in ks], autograd_sums=False) if engine.grad_sink else None
+    park = HostPark(lookahead=2 * max(map(len, keys))) if engine.park_fold_nodes else None  # as train does
+    sink = SampleGradSink([k for ks in keys for k in ks], autograd_sums=False, park=park) if engine.grad_sink else None
     differ, exact = [], []
     with collect_sample_grads(sink) if sink is not None else contextlib.nullcontext(), side(engine.model, engine.runtime):
         for part, ks in zip(batches, keys):
@@ -228,7 +231,10 @@ def memory_held(model: torch.nn.Module, sink: SampleGradSink | None, params: lis
     stats = sink.stats
     lora_fp32 = sum(p.numel() for p in params) * 4 / 2**30
     graphs = getattr(model, "train_graphs", None)
+    park = sink.park
     return {"lora_fp32_gib": lora_fp32, "sink_peak_pending_gib": stats.peak_pending_bytes / 2**30,
+            "parked_peak_host_gib": None if park is None else park.stats.peak_host_bytes / 2**30,
+            "parked_nodes": None if park is None else park.stats.parks,
             "sink_peak_nodes_per_param": stats.peak_nodes_per_param,
             "train_graph_instances": None if graphs is None else len(graphs),
             "train_graph_pools": None if graphs is None else graphs.pools(),
@@ -292,6 +298,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     grid = (int(args.grid[0]), int(args.grid[1]))
     engines = [e for e in build_engines(arch, args.device, dtype, args.lora_rank, args.graph_pools == "shared")
                if e.name in args.engines]
+    for e in engines:
+        e.park_fold_nodes = e.grad_sink and args.park_fold_nodes
     shortest = args.txt if args.prompts == 1 and not args.fresh_prompts else max(1, args.txt // 2)
 
     def draw(seed: int) -> Prompts:
@@ -326,7 +334,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "group": args.group, "steps": args.steps, "window": args.window, "micro_batch": args.micro_batch,
               "lora_rank": args.lora_rank, "lora_targets": list(LORA_TARGETS), "device": args.device, "dtype": str(dtype),
               "cfg_scale": CFG_SCALE, "eta": ETA, "cfg_layout": args.cfg_layout, "warmup": args.warmup, "profile": args.profile,
-              "graph_pools": args.graph_pools,
+              "graph_pools": args.graph_pools, "park_fold_nodes": args.park_fold_nodes,
               "grad_checkpointing": True, "clip_range": tcfg.clip_range, "learning_rate": tcfg.learning_rate}
     return {"config": config, "engines": results, "ratios": ratios(results), "errors": errors}
 
@@ -372,14 +380,16 @@ def render(report: dict[str, Any]) -> str:
     held = [md.row(name, *(_fmt(h.get(k), ".2f") for k in ("lora_fp32_gib", "sink_peak_pending_gib")),
                    *(_fmt(h.get(k), "d") for k in ("sink_peak_nodes_per_param", "train_graph_instances",
                                                     "train_graph_pools")),
-                   _fmt(h.get("partial_arena_gib"), ".2f"))
+                   _fmt(h.get("partial_arena_gib"), ".2f"), _fmt(h.get("parked_peak_host_gib"), ".2f"))
             for name, e in report["engines"].items() if (h := e.get("held_after_train"))]
     if held:
         lines += md.section("What the grad sink and the captured steps held (timed update)",
                             ["engine", "LoRA, FP32 GiB", "sink partials at fullest GiB", "open fold nodes per tensor",
-                             "captured steps", "their memory pools", "shared partial buffers GiB"], held,
-                            notes=["Each open fold node is one more FP32 copy of the LoRA; the pools hold the captured "
-                                   "steps' activations and temporaries (instances never live together share one)."])
+                             "captured steps", "their memory pools", "shared partial buffers GiB",
+                             "parked on the host at most GiB"], held,
+                            notes=["Each open fold node is one more FP32 copy of the LoRA (on the device unless parked on "
+                                   "the host: --park-fold-nodes); the pools hold the captured steps' activations and "
+                                   "temporaries (instances never live together share one)."])
     checks = [md.row(name, e["first_update_logp_bytes_differ"], e["pairs"], "yes" if e["first_update_ratio_exact_one"] else "no")
               for name, e in report["engines"].items() if "error" not in e]
     lines += md.section("On-policy check (first update)", ["engine", "pairs whose logp bytes differ from the rollout's",
@@ -412,6 +422,8 @@ def parser() -> argparse.ArgumentParser:
                         "skips it: those columns stay empty; the profiled peer update takes about 4x its timed one)")
     p.add_argument("--engines", nargs="+", choices=["diffusers_peft", "ours"], default=["diffusers_peft", "ours"],
                    help="engines to run (default both; the ratios need both)")
+    p.add_argument("--park-fold-nodes", action="store_true",
+                   help="ours: the grad sink's waiting fold nodes in pinned host memory (train.park_fold_nodes=true)")
     p.add_argument("--graph-pools", choices=["shared", "per-instance"], default="shared",
                    help="ours on CUDA: captured graphs share memory pools as the model does by default, or each has its own")
     return p

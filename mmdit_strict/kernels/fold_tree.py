@@ -21,9 +21,12 @@ soon as both halves of their parent are complete, like a binary counter: it hold
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
+
+if TYPE_CHECKING:
+    from .fold_park import HostPark
 
 
 @dataclass
@@ -60,15 +63,19 @@ class PairwiseFold:
             allocate each sum. Same bytes either way.
         copy_held: a node the fold does not own is copied when it must wait on the stack for its
             sibling (a caller's tensor is only read at once, never kept); else it is held as it is.
+        park: where a node covered by a newer one waits (:class:`~.fold_park.HostPark`: host memory,
+            brought back before its join); None keeps every node where it is. Same bytes either way.
     """
 
-    def __init__(self, first: int = 0, inplace: bool = True, copy_held: bool = True) -> None:
+    def __init__(self, first: int = 0, inplace: bool = True, copy_held: bool = True,
+                 park: "HostPark | None" = None) -> None:
         if first < 0:
             raise ValueError(f"first leaf index must be >= 0, got {first}")
         self.first = first
         self.next = first
         self.inplace = inplace
         self.copy_held = copy_held
+        self.park = park
         self.nodes: list[Node] = []
 
     def leaf(self, value: torch.Tensor | None, owned: bool = True) -> None:
@@ -87,10 +94,24 @@ class PairwiseFold:
             if top.level != node.level or top.stop != node.start or (top.start >> top.level) & 1:
                 break
             self.nodes.pop()
-            node = _join(top.level + 1, top, node, self.inplace)
+            node = _join(top.level + 1, self._back(top), node, self.inplace)
         if self.copy_held and node.value is not None and not node.owned:
             node = Node(node.level, node.start, node.value.clone(), True)
+        if self.park is not None and self.nodes:  # the top is covered: it waits for a whole sibling subtree
+            self.nodes[-1] = self.park.park(self.nodes[-1])
         self.nodes.append(node)
+        if self.park is not None:
+            for n in self.nodes[:-1]:  # node (l, s) joins when the leaves reach s + 2^(l+1)
+                if self.next + self.park.lookahead >= n.start + (2 << n.level):
+                    self.park.prefetch(n)
+
+    def _back(self, node: Node) -> Node:
+        return node if self.park is None else self.park.fetch(node)
+
+    def held(self) -> list[Node]:
+        """The open nodes, every one on its device (parked ones brought back)."""
+        self.nodes = [self._back(n) for n in self.nodes]
+        return list(self.nodes)
 
     def extend(self, nodes: Iterable[Node]) -> None:
         """:meth:`push` each of ``nodes`` (another fold's nodes, the range right after this one)."""
@@ -103,6 +124,7 @@ class PairwiseFold:
             raise ValueError(f"the root needs every leaf from 0; this fold starts at {self.first}")
         if not self.nodes:
             return None
+        self.held()
         acc = self.nodes[-1]
         for n in reversed(self.nodes[:-1]):
             acc = _join(n.level, n, acc, self.inplace)

@@ -42,6 +42,7 @@ import torch
 from .execution import bind, current
 from . import fold_tree
 from .fold_tree import Node, PairwiseFold
+from .fold_park import HostPark
 
 
 @dataclass
@@ -88,11 +89,16 @@ class SampleGradSink:
             autograd's sum of them (the strict GEMM's summed weight-gradient product), so that parameter's
             ``.grad`` is not written; the caller takes :meth:`fold` instead. Same partials, same fold; the
             summed product's time and memory are saved.
+        park: streamed fold only: where its waiting tree nodes go (:class:`~.fold_park.HostPark`: pinned host
+            memory, brought back before they are joined; same bytes). None keeps them on the device.
     """
 
     def __init__(self, keys: Sequence[Hashable] | None = None, first_index: int = 0, *,
-                 autograd_sums: bool = True) -> None:
+                 autograd_sums: bool = True, park: HostPark | None = None) -> None:
+        if park is not None and keys is None:
+            raise ValueError("park= moves the streamed fold's waiting nodes: it needs the streamed fold (keys=...)")
         self.autograd_sums = autograd_sums
+        self.park = park
         self._params: dict[int, torch.Tensor] = {}
         self._parts: dict[int, dict[Hashable, torch.Tensor]] = {}
         self._universe: set[Hashable] = set()
@@ -160,7 +166,7 @@ class SampleGradSink:
             raise ValueError("gradient partial for a parameter whose streamed fold was already taken")
         st = self._streams.get(id(param))
         if st is None:
-            st = self._streams[id(param)] = _Stream(PairwiseFold(self._first))
+            st = self._streams[id(param)] = _Stream(PairwiseFold(self._first, park=self.park))
         fresh: dict[int, tuple[torch.Tensor, bool]] = {}  # position → (partial, owned by the sink)
         for k, p in zip(keys, partials):
             r = self._rank.get(k)
@@ -232,7 +238,7 @@ class SampleGradSink:
         if id(param) in self._finished:
             raise ValueError("nodes() was already taken for this parameter")
         self._finish(st, id(param))
-        return list(st.tree.nodes)
+        return st.tree.held()
 
     def partials(self, param: torch.Tensor) -> dict[Hashable, torch.Tensor]:
         """Stored fold only: ``param``'s partial per sample key, as held (not copies); empty if it got none.

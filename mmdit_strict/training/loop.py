@@ -56,6 +56,7 @@ from ..config.schema import DistributedConfig, LoraConfig, ModelConfig, PromptsC
 from ..distributed import layout
 from ..distributed.fold import merge_update, range_nodes
 from ..config.training import SampleConfig, TrainConfig
+from ..kernels.fold_park import HostPark
 from ..kernels.grad_sink import (
     SampleGradSink,
     collect_sample_grads,
@@ -90,7 +91,7 @@ EVAL_ID_BASE = 1 << 40
 #: the schema must match the checkpoint's.
 RESUME_FREE = ("resume", "progress", "wandb", "output_dir", "_choices_", "train.num_epochs", "train.eval_freq",
                "train.save_freq", "train.export", "train.recompute_old_logp", "train.cpu_threads", "train.grad_sink",
-               "train.keep_attention_outputs", "train.sort_update_pairs", "distributed")
+               "train.keep_attention_outputs", "train.sort_update_pairs", "train.park_fold_nodes", "distributed")
 
 UpdateHook = Callable[[int, int, int], None]
 
@@ -373,7 +374,7 @@ class Trainer:
         stats: dict[tuple[int, tuple[int, int]], torch.Tensor] = {}  # (update, pair) → its diagnostics (host)
         t_opt = t_comm = 0.0
         bytes_moved = 0
-        sink_mb, sink_peak, sink_bound, sink_nodes = 0.0, 0, 0, 0
+        sink_mb, sink_peak, sink_bound, sink_nodes, parked_mb = 0.0, 0, 0, 0, 0.0
         n_updates = t.num_inner_epochs * math.ceil(len(pairs) / per_update)
         bar = tqdm(total=n_updates, desc=f"epoch {epoch} train [{self.train_rt.value}]", disable=not self.progress, leave=False)
         u_all = 0
@@ -388,7 +389,9 @@ class Trainer:
                 streamed = t.grad_sink == "streamed"
                 # strict (fails closed: every LoRA product deposits): the backward skips autograd's sums, the fold replaces them
                 sums = self.train_rt is not Runtime.STRICT
-                sink = (SampleGradSink(flat, first_index=first, autograd_sums=sums) if streamed
+                # a parked node's copy back starts two micro-batches' keys before its join
+                park = HostPark(lookahead=2 * max(map(len, keys))) if streamed and t.park_fold_nodes else None
+                sink = (SampleGradSink(flat, first_index=first, autograd_sums=sums, park=park) if streamed
                         else SampleGradSink(autograd_sums=sums))
                 sink_bound = max(sink_bound, pending_bound([keys[j] for j in run]) if streamed else len(flat))
                 with collect_sample_grads(sink), side(self.model, self.train_rt):
@@ -418,6 +421,8 @@ class Trainer:
                 sink_mb = max(sink_mb, st.peak_pending_bytes / 2**20)
                 sink_peak = max(sink_peak, st.peak_pending_per_param)
                 sink_nodes = max(sink_nodes, st.peak_nodes_per_param)
+                if park is not None:
+                    parked_mb = max(parked_mb, park.stats.peak_host_bytes / 2**20)
                 del sink
                 norms.append(self._step())
                 if traffic0 is not None and before is not None:
@@ -453,7 +458,7 @@ class Trainer:
             "lr": float(self.scheduler.get_last_lr()[0]), "grad_fold": "+".join(sorted(folds)),
             "grad_sink": t.grad_sink, "grad_sink_peak_buffer_mb": sink_mb,
             "grad_sink_peak_per_param": sink_peak, "grad_sink_bound_per_param": sink_bound,
-            "grad_sink_peak_tree_nodes": sink_nodes, "_time_optimizer": t_opt, "_time_comm": t_comm,
+            "grad_sink_peak_tree_nodes": sink_nodes, "grad_sink_parked_peak_mb": parked_mb, "_time_optimizer": t_opt, "_time_comm": t_comm,
             "_bytes_moved": bytes_moved,
         }
 

@@ -52,12 +52,14 @@ def test_lora_grads_identical_for_micro_batches_1_2_4(tmp_path, checkpointing: b
 
 
 def test_streamed_sink_gives_the_stored_bytes_with_a_bounded_buffer(tmp_path) -> None:
-    """train.grad_sink=streamed (shuffled or key-sorted micro-batches) and =stored: the same gradient bytes;
+    """train.grad_sink=streamed (shuffled or key-sorted micro-batches, tree nodes parked or not) and =stored: the
+    same gradient bytes;
     the streamed fold buffers no more than its bound, one micro-batch's keys minus one when sorted."""
     runs = {}
     for name, extra in (("stored", ["train.grad_sink=stored", "train.sort_update_pairs=false"]),
                         ("streamed", ["train.grad_sink=streamed", "train.sort_update_pairs=false"]),
-                        ("sorted", ["train.grad_sink=streamed", "train.sort_update_pairs=true"])):
+                        ("sorted", ["train.grad_sink=streamed", "train.sort_update_pairs=true"]),
+                        ("parked", ["train.grad_sink=streamed", "train.park_fold_nodes=true"])):
         cfg = compose_train([f"output_dir={tmp_path / name}", *SMALL, "lora.init=random", "train.micro_batch=2",
                        "train.gradient_accumulation_steps=3", *extra])
         tr = _Recording(cfg, progress=False)
@@ -72,7 +74,9 @@ def test_streamed_sink_gives_the_stored_bytes_with_a_bounded_buffer(tmp_path) ->
     assert ordered["grad_sink_bound_per_param"] == 2 * 2 - 1  # one micro-batch (2 pairs × 2 branches) minus one
     assert ordered["grad_sink_peak_per_param"] <= 3
     assert ordered["grad_sink_peak_buffer_mb"] < streamed["grad_sink_peak_buffer_mb"] < stored["grad_sink_peak_buffer_mb"]
-    for name in ("streamed", "sorted"):
+    # train.park_fold_nodes: the waiting tree nodes went to the host and back, the bytes did not change
+    assert runs["parked"][1]["grad_sink_parked_peak_mb"] > 0 and ordered["grad_sink_parked_peak_mb"] == 0
+    for name in ("streamed", "sorted", "parked"):
         for u, (ga, gb) in enumerate(zip(runs["stored"][0], runs[name][0])):
             assert sorted(ga) == sorted(gb)
             for p in ga:

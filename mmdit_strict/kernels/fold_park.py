@@ -1,0 +1,123 @@
+"""Host parking of the fold nodes that wait: the streamed gradient fold's memory off the GPU, the same bytes.
+
+A streamed fold (:class:`~.fold_tree.PairwiseFold`) holds up to ``⌈log2 K⌉ + 1`` open nodes per trained tensor;
+with Flow-GRPO's rank-64 LoRA on Qwen-Image each node of every tensor together is an FP32 copy of the whole
+adapter (1.6 GiB), so an update over 64 keys can hold 5 or 6 of them. Only the top of the stack is written
+while leaves arrive: a node covered by a newer one waits until the newer subtree has grown to its size. While
+it waits it is *parked*: copied to pinned host memory on a side stream, its GPU block freed. Before its
+sibling subtree completes it is copied back (prefetched ``lookahead`` leaves early, so the copy overlaps the
+next micro-batch's compute); a node needed before its prefetch ends is waited for on the stream that joins it.
+
+A copy moves bytes unchanged, so a parked fold's result equals the unparked one's bit for bit. On the CPU
+"parking" is a copy into another tensor: the bookkeeping runs and is tested, nothing is saved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .fold_tree import Node
+
+
+@dataclass
+class ParkedNode(Node):
+    """A node whose ``value`` is a host copy; ``back`` is its device copy once prefetched."""
+
+    device: torch.device | None = None
+    parked: Any = None  # CUDA event: the host copy is complete
+    back: torch.Tensor | None = None
+    back_ready: Any = None  # CUDA event: ``back`` is complete
+
+
+@dataclass
+class ParkStats:
+    """What a park moved: nodes parked and brought back, bytes on the host at once at the most."""
+
+    parks: int = 0
+    fetches: int = 0
+    prefetched: int = 0  # fetches whose copy was issued before the node was needed
+    peak_host_bytes: int = 0
+
+
+class HostPark:
+    """Parks waiting fold nodes in (pinned) host memory and brings them back; see the module docstring.
+
+    Args:
+        lookahead: leaves before a parked node's join at which its copy back is issued (at least the keys one
+            micro-batch deposits, so the copy runs during the next micro-batch).
+        min_bytes: nodes smaller than this stay where they are (the copy costs more than it frees).
+    """
+
+    def __init__(self, lookahead: int = 8, min_bytes: int = 0) -> None:
+        if lookahead < 0:
+            raise ValueError(f"lookahead must be >= 0 leaves, got {lookahead}")
+        self.lookahead = lookahead
+        self.min_bytes = min_bytes
+        self.stats = ParkStats()
+        self._host_bytes = 0
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def _side(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+    def park(self, node: Node) -> Node:
+        """``node`` with its value moved to the host (as it is if empty, already parked or too small)."""
+        v = node.value
+        if v is None or isinstance(node, ParkedNode) or v.numel() * v.element_size() < self.min_bytes:
+            return node
+        if v.is_cuda:
+            side = self._side(v.device)
+            host = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+            side.wait_stream(torch.cuda.current_stream(v.device))
+            with torch.cuda.stream(side):
+                host.copy_(v, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(side)
+            v.record_stream(side)  # its block is reused only after the copy has read it
+        else:
+            host, done = v.clone(), None
+        self.stats.parks += 1
+        self._host_bytes += host.numel() * host.element_size()
+        self.stats.peak_host_bytes = max(self.stats.peak_host_bytes, self._host_bytes)
+        return ParkedNode(node.level, node.start, host, True, v.device, done)
+
+    def prefetch(self, node: Node) -> None:
+        """Start copying a parked node back to its device (nothing for any other node, or if already started)."""
+        if not isinstance(node, ParkedNode) or node.back is not None:
+            return
+        host = node.value
+        assert host is not None and node.device is not None
+        if node.device.type == "cuda":
+            side = self._side(node.device)
+            with torch.cuda.stream(side):
+                side.wait_event(node.parked)
+                node.back = torch.empty(host.shape, dtype=host.dtype, device=node.device)
+                node.back.copy_(host, non_blocking=True)
+                node.back_ready = torch.cuda.Event()
+                node.back_ready.record(side)
+        else:
+            node.back = host.clone()
+        self.stats.prefetched += 1
+
+    def fetch(self, node: Node) -> Node:
+        """``node`` on its device again, owned by the fold (any other node as it is)."""
+        if not isinstance(node, ParkedNode):
+            return node
+        early = node.back is not None
+        self.prefetch(node)
+        if not early:
+            self.stats.prefetched -= 1  # issued just now: not a prefetch
+        back = node.back
+        assert back is not None and node.value is not None
+        if back.is_cuda:
+            stream = torch.cuda.current_stream(back.device)
+            stream.wait_event(node.back_ready)
+            back.record_stream(stream)  # made on the side stream, used and freed on this one
+        self.stats.fetches += 1
+        self._host_bytes -= node.value.numel() * node.value.element_size()
+        return Node(node.level, node.start, back, True)

@@ -1,0 +1,108 @@
+"""Parking the streamed fold's waiting nodes in host memory (``kernels/fold_park.py``): the fold's bytes do not
+change, every node but the one being written waits parked, and copies back are issued ahead of the join."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmdit_strict.kernels.fold_park import HostPark, ParkedNode
+from mmdit_strict.kernels.fold_tree import PairwiseFold
+from mmdit_strict.kernels.grad_sink import SampleGradSink
+from tests.harness import assert_bytes_equal
+from tests.kernels.test_fold_tree import _leaves, tree_reference
+from tests.kernels.test_grad_sink import SHAPES, _batches, _keys, _partials, _run
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 13, 33, 64])
+def test_a_parked_fold_gives_the_trees_bytes(n: int) -> None:
+    leaves = _leaves(n, seed=n, empty=(2, 7))
+    park = HostPark(lookahead=0)
+    f = PairwiseFold(park=park)
+    for i, v in enumerate(leaves):
+        f.leaf(v, owned=False)
+        # with no lookahead only the node being written is on the device; every covered one waits parked
+        assert all(isinstance(x, ParkedNode) for x in f.nodes[:-1] if x.value is not None), i
+    assert_bytes_equal(f.result(), tree_reference(leaves), f"{n} leaves")
+    s = park.stats
+    assert s.parks == s.fetches and park._host_bytes == 0  # every parked node came back
+    assert (s.parks > 0) == (n >= 3) and s.prefetched == 0  # no lookahead: each copy back issued at its join
+    assert all(v is None or not torch.equal(v, torch.zeros_like(v)) for v in leaves)  # the callers' leaves untouched
+
+
+def test_lookahead_issues_every_copy_back_before_the_join() -> None:
+    leaves = _leaves(40, seed=3)
+    early, late = HostPark(lookahead=64), HostPark(lookahead=0)
+    for park in (early, late):
+        f = PairwiseFold(park=park)
+        for v in leaves:
+            f.leaf(v, owned=False)
+        assert_bytes_equal(f.result(), tree_reference(leaves), "40 leaves")
+    assert early.stats.parks == late.stats.parks > 0
+    assert early.stats.prefetched == early.stats.fetches and late.stats.prefetched == 0
+    # a node (level l, start s) is prefetched once the leaves reach s + 2^(l+1) - lookahead, not before
+    park = HostPark(lookahead=2)
+    f = PairwiseFold(park=park)
+    for v in leaves[:4]:
+        f.leaf(v, owned=False)  # [0, 4) complete
+    f.leaf(leaves[4], owned=False)  # covers [0, 4): parked; it joins at leaf 8
+    assert isinstance(f.nodes[0], ParkedNode) and f.nodes[0].back is None
+    before = park.stats.prefetched  # [0, 2) was parked under leaf 2 and prefetched at leaf 3 (3 >= 4 - 2)
+    f.leaf(leaves[5], owned=False)  # next = 6 >= 8 - 2: its copy back starts
+    assert f.nodes[0].back is not None and park.stats.prefetched == before + 1 == 2
+
+
+@pytest.mark.parametrize("per_batch, seed", [(1, 0), (2, 1), (3, 2)])
+def test_a_parking_sink_folds_the_same_bytes(per_batch: int, seed: int) -> None:
+    keys = _keys(12)
+    params = [torch.zeros(s) for s in SHAPES]
+    parts = _partials(keys, SHAPES, seed)
+    batches = _batches(keys, per_batch, seed)
+    plain = _run(SampleGradSink(keys), params, parts, batches, range(len(batches)))
+    park = HostPark(lookahead=per_batch * 2)
+    parked = _run(SampleGradSink(keys, park=park), params, parts, batches, range(len(batches)))
+    for i, (a, b) in enumerate(zip(parked, plain)):
+        assert_bytes_equal(a, b, f"param {i}")
+    assert park.stats.parks > 0 and park._host_bytes == 0
+    # a key range (as a rank folds it): its nodes come back from the host for the exchange
+    ranged = SampleGradSink(sorted(keys)[:7], first_index=5, park=HostPark(lookahead=0))
+    other = SampleGradSink(sorted(keys)[:7], first_index=5)
+    for s in (ranged, other):
+        for k in sorted(keys)[:7]:
+            s.add(params[0], [k], [parts[0, k]])
+    got, want = ranged.nodes(params[0]), other.nodes(params[0])
+    assert [(n.level, n.start) for n in got] == [(n.level, n.start) for n in want]
+    assert not any(isinstance(n, ParkedNode) for n in got)
+    for a, b in zip(got, want):
+        assert_bytes_equal(a.value, b.value, f"node {a.level}, {a.start}")
+
+
+def test_park_needs_the_streamed_fold_and_a_sane_lookahead() -> None:
+    with pytest.raises(ValueError, match="streamed fold"):
+        SampleGradSink(park=HostPark())
+    with pytest.raises(ValueError, match="lookahead"):
+        HostPark(lookahead=-1)
+
+
+@pytest.mark.gpu
+def test_gpu_parked_fold_same_bytes_less_device_memory() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    leaves = [torch.randn(1 << 20, device="cuda", generator=g) * 2.0 ** (i % 9 - 4) for i in range(31)]
+    torch.cuda.synchronize()
+    peaks, results = {}, {}
+    for name, park in (("plain", None), ("parked", HostPark(lookahead=4))):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        peak = 0
+        f = PairwiseFold(park=park)
+        for v in leaves:
+            f.leaf(v, owned=False)
+            peak = max(peak, torch.cuda.memory_allocated() - base)
+        results[name] = f.result()
+        torch.cuda.synchronize()
+        peaks[name] = peak
+    assert_bytes_equal(results["parked"], results["plain"], "31 leaves of 4 MiB")
+    # 31 leaves: 5 open nodes at the end unparked; parked, the written node and the prefetched ones
+    assert peaks["parked"] < peaks["plain"], peaks
