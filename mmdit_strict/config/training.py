@@ -57,7 +57,7 @@ class TrainConfig:
     # False: micro-batches keep the shuffled composition, as Flow-GRPO cuts them
     sort_update_pairs: bool = True
     # True (streamed sink, CUDA): the fold's tree nodes that wait for a sibling subtree (up to log2 of the update's
-    # keys, each an FP32 copy of the LoRA) sit in pinned host memory, copied back ahead of their join on a side
+    # keys, each an FP32 copy of the LoRA) sit in pinned host memory, copied back a micro-batch ahead of their join on a side
     # stream; same bytes, less device memory, PCIe traffic of about half a LoRA per key
     park_fold_nodes: bool = False
     runtime: Optional[str] = None  # None → runtime.mode; "off" shows how far the production path drifts

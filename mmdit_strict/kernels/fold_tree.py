@@ -97,13 +97,19 @@ class PairwiseFold:
             node = _join(top.level + 1, self._back(top), node, self.inplace)
         if self.copy_held and node.value is not None and not node.owned:
             node = Node(node.level, node.start, node.value.clone(), True)
-        if self.park is not None and self.nodes:  # the top is covered: it waits for a whole sibling subtree
+        if self.park is not None and self.nodes and not self._due(self.nodes[-1]):
+            # the top is covered: it waits for a whole sibling subtree (unless that is within the lookahead)
             self.nodes[-1] = self.park.park(self.nodes[-1])
         self.nodes.append(node)
         if self.park is not None:
-            for n in self.nodes[:-1]:  # node (l, s) joins when the leaves reach s + 2^(l+1)
-                if self.next + self.park.lookahead >= n.start + (2 << n.level):
+            for n in self.nodes[:-1]:
+                if self._due(n):
                     self.park.prefetch(n)
+
+    def _due(self, node: Node) -> bool:
+        """Whether ``node`` joins within the park's lookahead: node (l, s) joins when the leaves reach s + 2^(l+1)."""
+        assert self.park is not None
+        return self.next + self.park.lookahead >= node.start + (2 << node.level)
 
     def _back(self, node: Node) -> Node:
         return node if self.park is None else self.park.fetch(node)

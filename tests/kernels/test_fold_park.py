@@ -38,18 +38,24 @@ def test_lookahead_issues_every_copy_back_before_the_join() -> None:
         for v in leaves:
             f.leaf(v, owned=False)
         assert_bytes_equal(f.result(), tree_reference(leaves), "40 leaves")
-    assert early.stats.parks == late.stats.parks > 0
-    assert early.stats.prefetched == early.stats.fetches and late.stats.prefetched == 0
+    assert late.stats.parks > 0 and late.stats.prefetched == 0
+    assert early.stats.parks == 0  # every node would join within the lookahead: none is sent away only to come back
+    mid = HostPark(lookahead=4)
+    f = PairwiseFold(park=mid)
+    for v in leaves[:32]:  # a power of two: every node joins while leaves arrive, none waits for result()
+        f.leaf(v, owned=False)
+    assert_bytes_equal(f.result(), tree_reference(leaves[:32]), "32 leaves, lookahead 4")
+    assert 0 < mid.stats.parks < late.stats.parks and mid.stats.prefetched == mid.stats.fetches
     # a node (level l, start s) is prefetched once the leaves reach s + 2^(l+1) - lookahead, not before
     park = HostPark(lookahead=2)
     f = PairwiseFold(park=park)
     for v in leaves[:4]:
-        f.leaf(v, owned=False)  # [0, 4) complete
-    f.leaf(leaves[4], owned=False)  # covers [0, 4): parked; it joins at leaf 8
-    assert isinstance(f.nodes[0], ParkedNode) and f.nodes[0].back is None
-    before = park.stats.prefetched  # [0, 2) was parked under leaf 2 and prefetched at leaf 3 (3 >= 4 - 2)
+        f.leaf(v, owned=False)  # [0, 4) complete; [0, 2) was not parked under leaf 2 (it joins at 4 <= 3 + 2)
+    assert park.stats.parks == 0
+    f.leaf(leaves[4], owned=False)  # covers [0, 4): it joins at leaf 8 > 5 + 2, parked
+    assert isinstance(f.nodes[0], ParkedNode) and f.nodes[0].back is None and park.stats.parks == 1
     f.leaf(leaves[5], owned=False)  # next = 6 >= 8 - 2: its copy back starts
-    assert f.nodes[0].back is not None and park.stats.prefetched == before + 1 == 2
+    assert f.nodes[0].back is not None and park.stats.prefetched == 1
 
 
 @pytest.mark.parametrize("per_batch, seed", [(1, 0), (2, 1), (3, 2)])
