@@ -4,9 +4,11 @@ A streamed fold (:class:`~.fold_tree.PairwiseFold`) holds up to ``⌈log2 K⌉ +
 with Flow-GRPO's rank-64 LoRA on Qwen-Image each node of every tensor together is an FP32 copy of the whole
 adapter (1.6 GiB), so an update over 64 keys can hold 5 or 6 of them. Only the top of the stack is written
 while leaves arrive: a node covered by a newer one waits until the newer subtree has grown to its size. While
-it waits it is *parked*: copied to pinned host memory on a side stream, its GPU block freed. Before its
-sibling subtree completes it is copied back (prefetched ``lookahead`` leaves early, so the copy overlaps the
-next micro-batch's compute); a node needed before its prefetch ends is waited for on the stream that joins it.
+it waits it is *parked*: copied to pinned host memory on a side stream, its GPU block freed (a node that joins
+within ``lookahead`` leaves stays). The parked node joined first is copied back ``lookahead`` leaves early, so
+the copy overlaps the next micro-batch's compute; the ones below it, which join right after it in the same
+cascade, come back at their join (the joining stream waits for the copy). Bringing them all back early would
+put every tensor's nodes on the device together before an update's last joins: the peak parking removes.
 
 A copy moves bytes unchanged, so a parked fold's result equals the unparked one's bit for bit. On the CPU
 "parking" is a copy into another tensor: the bookkeeping runs and is tested, nothing is saved.
@@ -85,6 +87,16 @@ class HostPark:
         self._host_bytes += host.numel() * host.element_size()
         self.stats.peak_host_bytes = max(self.stats.peak_host_bytes, self._host_bytes)
         return ParkedNode(node.level, node.start, host, True, v.device, done)
+
+    @staticmethod
+    def parked(node: Node) -> bool:
+        """Whether ``node`` waits on the host (its copy back not started yet)."""
+        return isinstance(node, ParkedNode) and node.back is None
+
+    @staticmethod
+    def returning(node: Node) -> bool:
+        """Whether ``node`` is a parked node whose copy back has started."""
+        return isinstance(node, ParkedNode) and node.back is not None
 
     def prefetch(self, node: Node) -> None:
         """Start copying a parked node back to its device (nothing for any other node, or if already started)."""

@@ -102,9 +102,12 @@ class PairwiseFold:
             self.nodes[-1] = self.park.park(self.nodes[-1])
         self.nodes.append(node)
         if self.park is not None:
-            for n in self.nodes[:-1]:
-                if self._due(n):
-                    self.park.prefetch(n)
+            # only the parked node joined first comes back ahead of time; the ones below it are fetched when their
+            # join comes, else every tensor's parked nodes would be back for the last joins of an update at once
+            waiting = self.nodes[:-1]
+            first = next((n for n in reversed(waiting) if self.park.parked(n)), None)
+            if first is not None and self._due(first) and not any(self.park.returning(n) for n in waiting):
+                self.park.prefetch(first)
 
     def _due(self, node: Node) -> bool:
         """Whether ``node`` joins within the park's lookahead: node (l, s) joins when the leaves reach s + 2^(l+1)."""

@@ -45,7 +45,18 @@ def test_lookahead_issues_every_copy_back_before_the_join() -> None:
     for v in leaves[:32]:  # a power of two: every node joins while leaves arrive, none waits for result()
         f.leaf(v, owned=False)
     assert_bytes_equal(f.result(), tree_reference(leaves[:32]), "32 leaves, lookahead 4")
-    assert 0 < mid.stats.parks < late.stats.parks and mid.stats.prefetched == mid.stats.fetches
+    assert 0 < mid.stats.parks < late.stats.parks and 0 < mid.stats.prefetched < mid.stats.fetches
+    # the last joins of 64 leaves: [0, 32), [32, 48) and [48, 56) wait parked; one at a time comes back early
+    park = HostPark(lookahead=4)
+    f = PairwiseFold(park=park)
+    more = _leaves(64, seed=5)
+    for v in more[:63]:
+        f.leaf(v, owned=False)
+        assert sum(park.returning(n) for n in f.nodes) <= 1
+    assert [(n.level, park.parked(n), park.returning(n)) for n in f.nodes[:3]] == [(5, True, False), (4, True, False),
+                                                                                 (3, False, True)]
+    f.leaf(more[63], owned=False)
+    assert_bytes_equal(f.result(), tree_reference(more), "64 leaves")
     # a node (level l, start s) is prefetched once the leaves reach s + 2^(l+1) - lookahead, not before
     park = HostPark(lookahead=2)
     f = PairwiseFold(park=park)
@@ -95,7 +106,7 @@ def test_gpu_parked_fold_same_bytes_less_device_memory() -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     g = torch.Generator(device="cuda").manual_seed(0)
-    leaves = [torch.randn(1 << 20, device="cuda", generator=g) * 2.0 ** (i % 9 - 4) for i in range(31)]
+    leaves = [torch.randn(1 << 20, device="cuda", generator=g) * 2.0 ** (i % 9 - 4) for i in range(63)]
     torch.cuda.synchronize()
     peaks, results = {}, {}
     for name, park in (("plain", None), ("parked", HostPark(lookahead=4))):
@@ -109,6 +120,7 @@ def test_gpu_parked_fold_same_bytes_less_device_memory() -> None:
         results[name] = f.result()
         torch.cuda.synchronize()
         peaks[name] = peak
-    assert_bytes_equal(results["parked"], results["plain"], "31 leaves of 4 MiB")
-    # 31 leaves: 5 open nodes at the end unparked; parked, the written node and the prefetched ones
-    assert peaks["parked"] < peaks["plain"], peaks
+    assert_bytes_equal(results["parked"], results["plain"], "63 leaves of 4 MiB")
+    # 63 leaves: 6 open nodes at the end unparked; parked, levels 0-2, the one prefetched for the next join and
+    # what a finished copy out has not given back yet (the allocator frees a block once its stream event is seen)
+    assert peaks["parked"] <= peaks["plain"] - (1 << 22), peaks
