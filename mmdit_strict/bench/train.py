@@ -54,7 +54,7 @@ from ..environment import environment_line, run_environment
 from ..kernels.fold_park import HostPark
 from ..kernels.grad_sink import SampleGradSink, collect_sample_grads
 from ..kernels.runtime import Runtime
-from ..model.graphs import release_forward_graphs
+from ..model.graphs import graph_stats, release_forward_graphs
 from ..sampling import sigma_table
 from ..training.advantages import StatTracker
 from ..training.loss import grpo_loss, logp_bytes_differ
@@ -236,6 +236,7 @@ def memory_held(model: torch.nn.Module, sink: SampleGradSink | None, params: lis
             "parked_peak_host_gib": None if park is None else park.stats.peak_host_bytes / 2**30,
             "parked_nodes": None if park is None else park.stats.parks,
             "sink_peak_nodes_per_param": stats.peak_nodes_per_param,
+            "cuda_graphs_so_far": graph_stats(model),  # captures / replays since the engine was built, warm-up included
             "train_graph_instances": None if graphs is None else len(graphs),
             "train_graph_pools": None if graphs is None else graphs.pools(),
             "partial_arena_gib": None if graphs is None else graphs.arena_bytes() / 2**30}
@@ -380,13 +381,14 @@ def render(report: dict[str, Any]) -> str:
     held = [md.row(name, *(_fmt(h.get(k), ".2f") for k in ("lora_fp32_gib", "sink_peak_pending_gib")),
                    *(_fmt(h.get(k), "d") for k in ("sink_peak_nodes_per_param", "train_graph_instances",
                                                     "train_graph_pools")),
-                   _fmt(h.get("partial_arena_gib"), ".2f"), _fmt(h.get("parked_peak_host_gib"), ".2f"))
+                   _fmt(h.get("partial_arena_gib"), ".2f"), _fmt(h.get("parked_peak_host_gib"), ".2f"),
+                   _captures((h.get("cuda_graphs_so_far") or {}).get("training")))
             for name, e in report["engines"].items() if (h := e.get("held_after_train"))]
     if held:
         lines += md.section("What the grad sink and the captured steps held (timed update)",
                             ["engine", "LoRA, FP32 GiB", "sink partials at fullest GiB", "open fold nodes per tensor",
                              "captured steps", "their memory pools", "shared partial buffers GiB",
-                             "parked on the host at most GiB"], held,
+                             "parked on the host at most GiB", "training captures / replays / uncaptured so far"], held,
                             notes=["Each open fold node is one more FP32 copy of the LoRA (on the device unless parked on "
                                    "the host: --park-fold-nodes); the pools hold the captured steps' activations and "
                                    "temporaries (instances never live together share one)."])
@@ -395,6 +397,10 @@ def render(report: dict[str, Any]) -> str:
     lines += md.section("On-policy check (first update)", ["engine", "pairs whose logp bytes differ from the rollout's",
                                                            "pairs", "every ratio exactly 1"], checks)
     return "\n".join(lines + md.errors_and_wall_time(report)) + "\n"
+
+
+def _captures(stats: dict[str, int] | None) -> str:
+    return "—" if not stats else f"{stats['captures']} / {stats['replays']} / {stats['uncaptured']}"
 
 
 def parser() -> argparse.ArgumentParser:
