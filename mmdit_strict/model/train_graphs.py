@@ -305,7 +305,8 @@ class TrainGraphCache:
                     if not held:
                         del self._entries[key]
                     if all(i.group != idle.group for h in self._entries.values() for i in h):
-                        # its pool goes with its last graphs; a capture into a dropped pool's handle would fail
+                        # its pool goes with its last graphs: the group's next capture makes a new one, not reuse a
+                        # handle the allocator is releasing
                         self._pools.pop(idle.group, None)
                     break
             else:
