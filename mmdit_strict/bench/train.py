@@ -138,9 +138,21 @@ def build_engines(arch: ArchConfig, device: str, dtype: torch.dtype, rank: int, 
     if device == "cuda":
         ours.enable_cuda_graphs()
         ours.graph_cache.share_pool = ours.train_graphs.share_pools = shared_pools
+    what = "MMDiT strict" + (" + CUDA graphs" if device == "cuda" else "") + ", grad sink"
     return [Engine("diffusers_peft", theirs, Runtime.OFF, False, "diffusers QwenImageTransformer2DModel + PEFT, eager, autograd"),
-            Engine("ours", ours, Runtime.STRICT, True, "MMDiT strict" + (" + CUDA graphs (rollout)" if device == "cuda" else "")
-                   + ", grad sink")]
+            Engine("ours", ours, Runtime.STRICT, True, what),
+            # the same model again with the fold's waiting nodes parked on the host: both ways in one process
+            Engine("ours_parked", ours, Runtime.STRICT, True, what + ", fold nodes parked on the host", park_fold_nodes=True)]
+
+
+def _fresh_graphs(model: torch.nn.Module) -> None:
+    """Drop ``model``'s captured graphs (keeping how they share pools), so an engine that runs it after another does
+    not replay the other's captures: each engine's timed update pays its own, as one run of ``train`` would."""
+    fwd, train = getattr(model, "graph_cache", None), getattr(model, "train_graphs", None)
+    if fwd is None or train is None:
+        return
+    model.enable_cuda_graphs()
+    model.graph_cache.share_pool, model.train_graphs.share_pools = fwd.share_pool, train.share_pools
 
 
 def _train_phase(engine: Engine, up: Update, samples: EpochSamples) -> tuple[SampleGradSink | None, dict[str, Any]]:
@@ -246,6 +258,7 @@ def run_engine(engine: Engine, ups: Sequence[Update], device: torch.device, warm
                profile: bool = True) -> dict[str, Any]:
     """``warmup`` untimed updates, the timed one, and on CUDA with ``profile`` the profiled one (update ``k`` runs
     ``ups[k]``, the last one where there are fewer); the engine's report row."""
+    _fresh_graphs(engine.model)
     named = sorted(((n, p) for n, p in engine.model.named_parameters() if p.requires_grad), key=lambda t: t[0])
     params = [p for _, p in named]
     opt, _ = build_optimizer(params, ups[0].tcfg)
@@ -300,7 +313,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     engines = [e for e in build_engines(arch, args.device, dtype, args.lora_rank, args.graph_pools == "shared")
                if e.name in args.engines]
     for e in engines:
-        e.park_fold_nodes = e.grad_sink and args.park_fold_nodes
+        e.park_fold_nodes = e.park_fold_nodes or (e.name == "ours" and args.park_fold_nodes)
     shortest = args.txt if args.prompts == 1 and not args.fresh_prompts else max(1, args.txt // 2)
 
     def draw(seed: int) -> Prompts:
@@ -337,7 +350,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "cfg_scale": CFG_SCALE, "eta": ETA, "cfg_layout": args.cfg_layout, "warmup": args.warmup, "profile": args.profile,
               "graph_pools": args.graph_pools, "park_fold_nodes": args.park_fold_nodes,
               "grad_checkpointing": True, "clip_range": tcfg.clip_range, "learning_rate": tcfg.learning_rate}
-    return {"config": config, "engines": results, "ratios": ratios(results), "errors": errors}
+    report = {"config": config, "engines": results, "ratios": ratios(results), "errors": errors}
+    if "ours_parked" in results:
+        report["ratios_parked"] = ratios(results, ours="ours_parked")
+    return report
 
 
 def _fmt(x: float | None, spec: str = ".3f") -> str:
@@ -372,12 +388,12 @@ def render(report: dict[str, Any]) -> str:
                                      "The optimizer phase of ours includes the gradient sink's fold. Peak GiB: tensors "
                                      "allocated; peak reserved: the allocator's memory, which also holds what CUDA-graph "
                                      "pools keep between replays."])
-    ratio_rows = [md.row(phase, *(_fmt(r.get(k), ".2f") for k in ("wall_s", "peak_gib", "peak_reserved_gib", "launches",
-                                                                  "gpu_busy")))
-                  for phase, r in report["ratios"].items()]
-    if ratio_rows:  # both engines ran
-        lines += md.section("Ours / theirs", ["phase", "wall", "peak memory", "peak reserved", "GPU launches", "GPU busy"],
-                            ratio_rows)
+    for key, title in (("ratios", "Ours / theirs"), ("ratios_parked", "Ours with parked fold nodes / theirs")):
+        rows = [md.row(phase, *(_fmt(r.get(k), ".2f") for k in ("wall_s", "peak_gib", "peak_reserved_gib", "launches",
+                                                               "gpu_busy")))
+                for phase, r in report.get(key, {}).items()]
+        if rows:  # both sides ran
+            lines += md.section(title, ["phase", "wall", "peak memory", "peak reserved", "GPU launches", "GPU busy"], rows)
     held = [md.row(name, *(_fmt(h.get(k), ".2f") for k in ("lora_fp32_gib", "sink_peak_pending_gib")),
                    *(_fmt(h.get(k), "d") for k in ("sink_peak_nodes_per_param", "train_graph_instances",
                                                     "train_graph_pools")),
@@ -426,8 +442,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                    help="CUDA: a profiled update per engine after the timed one, for launches and GPU busy (--no-profile "
                         "skips it: those columns stay empty; the profiled peer update takes about 4x its timed one)")
-    p.add_argument("--engines", nargs="+", choices=["diffusers_peft", "ours"], default=["diffusers_peft", "ours"],
-                   help="engines to run (default both; the ratios need both)")
+    p.add_argument("--engines", nargs="+", choices=["diffusers_peft", "ours", "ours_parked"],
+                   default=["diffusers_peft", "ours"],
+                   help="engines to run, in this order: the peer, ours, and ours again with train.park_fold_nodes=true "
+                        "(default the first two; the ratios need the peer)")
     p.add_argument("--park-fold-nodes", action="store_true",
                    help="ours: the grad sink's waiting fold nodes in pinned host memory (train.park_fold_nodes=true)")
     p.add_argument("--graph-pools", choices=["shared", "per-instance"], default="shared",

@@ -91,3 +91,19 @@ def test_cli_passes_the_device_and_refuses_the_load_options(tmp_path: Path, monk
     assert seen == [["--out", str(tmp_path), "--device", "cpu"], ["--out", str(tmp_path)]]
     assert cli_main(["bench", "train", "--out", str(tmp_path), "--repeats", "2"]) == 2
     assert "belong to `bench load`, not `bench train`" in capsys.readouterr().err
+
+
+def test_bench_train_times_ours_with_parked_fold_nodes_beside_ours(tmp_path: Path) -> None:
+    """``--engines ours ours_parked``: the same model twice in one process, the second with the fold's waiting nodes
+    parked on the host (16 keys, micro-batches of 4: the level-3 node waits and is parked); both stay on-policy."""
+    out = tmp_path / "out"
+    assert train_bench.main(["--out", str(out), "--device", "cpu", "--steps", "3", "--group", "4", "--warmup", "0",
+                             "--engines", "ours", "ours_parked"]) == 0
+    report = json.loads((out / "train_bench.json").read_text())
+    assert list(report["engines"]) == ["ours", "ours_parked"] and report["errors"] == []
+    ours, parked = report["engines"]["ours"], report["engines"]["ours_parked"]
+    assert ours["held_after_train"]["parked_peak_host_gib"] is None
+    assert parked["held_after_train"]["parked_peak_host_gib"] > 0 and parked["held_after_train"]["parked_nodes"] > 0
+    assert ours["first_update_ratio_exact_one"] is True and parked["first_update_ratio_exact_one"] is True
+    assert report["ratios"] == {} and report["ratios_parked"] == {}  # no peer ran: no ratios
+    assert "Ours / theirs" not in (out / "train_bench.md").read_text()
