@@ -121,13 +121,11 @@ class GraphCache:
         self.max_graphs = max_graphs
         self.share_pool = share_pool
         self._graphs: OrderedDict[tuple, _Captured] = OrderedDict()
-        self._pool: tuple | None = None  # the shared pool's handle, from the first capture
         self.captures = 0
         self.replays = 0
 
     def clear(self) -> None:
         self._graphs.clear()
-        self._pool = None  # with no graph left the allocator frees the pool; a new capture makes a new one
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -153,18 +151,15 @@ class GraphCache:
                 (warmup or forward)(static)  # warm-up: compiles kernels and fills every per-layout cache
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            pool = self._pool if self.share_pool else None
+            # the pool of a graph still held (none left: the allocator frees the pool, a capture makes a new one)
+            pool = next(iter(self._graphs.values())).graph.pool() if self.share_pool and self._graphs else None
             with retaining() as tables, capture_trace() as trace, torch.cuda.graph(graph, pool=pool):
                 out = forward(static)
-            if self.share_pool and self._pool is None:
-                self._pool = graph.pool()
             cap = _Captured(graph, static, out, trace, tables)
             self._graphs[key] = cap
             self.captures += 1
             while len(self._graphs) > self.max_graphs:
                 self._graphs.popitem(last=False)
-            if not self._graphs:  # max_graphs 0: the pool goes with its only graph
-                self._pool = None
         else:
             self._graphs.move_to_end(key)
         load_inputs(cap.inputs, inputs)

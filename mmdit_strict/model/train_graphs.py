@@ -201,8 +201,8 @@ class _Replay(torch.autograd.Function):
 
 
 def pick_group(busy: set[int], made: int, share: bool) -> int:
-    """The pool group a new instance is captured into: the lowest of the ``made`` groups with no busy instance,
-    else a new one (``share`` False: always a new one, i.e. a pool per instance)."""
+    """The pool group a new instance is captured into: the lowest of groups ``0 .. made-1`` with no busy instance,
+    else a new one, ``made`` (``share`` False: always the new one, i.e. a pool per instance)."""
     if share:
         free = next((g for g in range(made) if g not in busy), None)
         if free is not None:
@@ -225,8 +225,6 @@ class TrainGraphCache:
         self.max_instances = max_instances
         self.share_pools = share_pools
         self._entries: OrderedDict[tuple, list[_Instance]] = OrderedDict()
-        self._pools: dict[int, tuple] = {}  # group -> its memory pool's handle
-        self._groups = 0  # groups made (the next unshared group's number)
         self.captures = 0
         self.replays = 0
         self.uncaptured = 0
@@ -235,7 +233,6 @@ class TrainGraphCache:
 
     def clear(self) -> None:
         self._entries.clear()
-        self._pools.clear()
         self._arena = PartialArena()  # an instance still leased keeps the buffers it writes through its log
 
     def _anchor(self, device: torch.device) -> torch.Tensor:
@@ -266,11 +263,12 @@ class TrainGraphCache:
             if not self._make_room():
                 self.uncaptured += 1
                 return None
-            group = pick_group(busy, self._groups, self.share_pools)
-            self._groups = max(self._groups, group + 1)
-            inst = self._capture(inputs, params, forward, with_sink, sums, self._arena, warmup, self._pools.get(group))
+            group = pick_group(busy, 1 + max((i.group for i in self._instances()), default=-1), self.share_pools)
+            # the pool of an instance of the group still held (none left: the allocator frees the group's pool and
+            # the capture makes a new one)
+            pool = next((i.forward.pool() for i in self._instances() if i.group == group), None)
+            inst = self._capture(inputs, params, forward, with_sink, sums, self._arena, warmup, pool)
             inst.group = group
-            self._pools.setdefault(group, inst.forward.pool())
             self._entries.setdefault(key, []).append(inst)
             self.captures += 1
         self._entries.move_to_end(key)
@@ -283,13 +281,16 @@ class TrainGraphCache:
             outer.merge(inst.trace)
         return out
 
+    def _instances(self) -> list[_Instance]:
+        return [i for held in self._entries.values() for i in held]
+
     def busy_groups(self) -> set[int]:
         """The groups with an instance between its forward and its backward replay."""
-        return {i.group for held in self._entries.values() for i in held if i.busy()}
+        return {i.group for i in self._instances() if i.busy()}
 
     def pools(self) -> int:
         """Memory pools the captured instances hold."""
-        return len({i.group for held in self._entries.values() for i in held})
+        return len({i.group for i in self._instances()})
 
     def arena_bytes(self) -> int:
         """Bytes of the shared per-sample partial buffers."""
@@ -304,10 +305,6 @@ class TrainGraphCache:
                     held.remove(idle)
                     if not held:
                         del self._entries[key]
-                    if all(i.group != idle.group for h in self._entries.values() for i in h):
-                        # its pool goes with its last graphs: the group's next capture makes a new one, not reuse a
-                        # handle the allocator is releasing
-                        self._pools.pop(idle.group, None)
                     break
             else:
                 return False
