@@ -164,7 +164,7 @@ def _train_phase(engine: Engine, up: Update, samples: EpochSamples) -> tuple[Sam
     batches = [pairs[i:i + mb] for i in range(0, len(pairs), mb)]
     keys = [grad_keys(samples, b, scale) for b in batches]
     # as train does under the strict runtime: the backward leaves autograd's sums out, the fold replaces them
-    park = HostPark(lookahead=max(map(len, keys))) if engine.park_fold_nodes else None  # as train does
+    park = HostPark.for_micro_batches(keys) if engine.park_fold_nodes else None  # as train does
     sink = SampleGradSink([k for ks in keys for k in ks], autograd_sums=False, park=park) if engine.grad_sink else None
     differ, exact = [], []
     with collect_sample_grads(sink) if sink is not None else contextlib.nullcontext(), side(engine.model, engine.runtime):

@@ -17,7 +17,7 @@ A copy moves bytes unchanged, so a parked fold's result equals the unparked one'
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -29,7 +29,6 @@ class ParkedNode(Node):
     """A node whose ``value`` is a host copy; ``back`` is its device copy once prefetched."""
 
     device: torch.device | None = None
-    parked: Any = None  # CUDA event: the host copy is complete
     back: torch.Tensor | None = None
     back_ready: Any = None  # CUDA event: ``back`` is complete
 
@@ -50,17 +49,21 @@ class HostPark:
     Args:
         lookahead: leaves before a parked node's join at which its copy back is issued (at least the keys one
             micro-batch deposits, so the copy runs during the next micro-batch).
-        min_bytes: nodes smaller than this stay where they are (the copy costs more than it frees).
     """
 
-    def __init__(self, lookahead: int = 8, min_bytes: int = 0) -> None:
+    def __init__(self, lookahead: int = 8) -> None:
         if lookahead < 0:
             raise ValueError(f"lookahead must be >= 0 leaves, got {lookahead}")
         self.lookahead = lookahead
-        self.min_bytes = min_bytes
         self.stats = ParkStats()
         self._host_bytes = 0
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    @classmethod
+    def for_micro_batches(cls, keys: Sequence[Sequence[Any]]) -> "HostPark":
+        """The park ``train`` uses for an update of these micro-batches' keys: a node's copy back starts one
+        micro-batch's keys before its join, so it overlaps that micro-batch's compute."""
+        return cls(lookahead=max(map(len, keys)))
 
     def _side(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._streams:
@@ -68,9 +71,9 @@ class HostPark:
         return self._streams[device]
 
     def park(self, node: Node) -> Node:
-        """``node`` with its value moved to the host (as it is if empty, already parked or too small)."""
+        """``node`` with its value moved to the host (as it is if empty or already parked)."""
         v = node.value
-        if v is None or isinstance(node, ParkedNode) or v.numel() * v.element_size() < self.min_bytes:
+        if v is None or isinstance(node, ParkedNode):
             return node
         if v.is_cuda:
             side = self._side(v.device)
@@ -78,15 +81,13 @@ class HostPark:
             side.wait_stream(torch.cuda.current_stream(v.device))
             with torch.cuda.stream(side):
                 host.copy_(v, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(side)
             v.record_stream(side)  # its block is reused only after the copy has read it
         else:
-            host, done = v.clone(), None
+            host = v.clone()
         self.stats.parks += 1
         self._host_bytes += host.numel() * host.element_size()
         self.stats.peak_host_bytes = max(self.stats.peak_host_bytes, self._host_bytes)
-        return ParkedNode(node.level, node.start, host, True, v.device, done)
+        return ParkedNode(node.level, node.start, host, True, v.device)
 
     @staticmethod
     def parked(node: Node) -> bool:
@@ -100,30 +101,29 @@ class HostPark:
 
     def prefetch(self, node: Node) -> None:
         """Start copying a parked node back to its device (nothing for any other node, or if already started)."""
-        if not isinstance(node, ParkedNode) or node.back is not None:
-            return
+        if self.parked(node):
+            self._copy_back(node)  # type: ignore[arg-type]
+            self.stats.prefetched += 1
+
+    def _copy_back(self, node: ParkedNode) -> None:
         host = node.value
         assert host is not None and node.device is not None
         if node.device.type == "cuda":
             side = self._side(node.device)
-            with torch.cuda.stream(side):
-                side.wait_event(node.parked)
+            with torch.cuda.stream(side):  # after the copy out, which was queued on this stream too
                 node.back = torch.empty(host.shape, dtype=host.dtype, device=node.device)
                 node.back.copy_(host, non_blocking=True)
                 node.back_ready = torch.cuda.Event()
                 node.back_ready.record(side)
         else:
             node.back = host.clone()
-        self.stats.prefetched += 1
 
     def fetch(self, node: Node) -> Node:
         """``node`` on its device again, owned by the fold (any other node as it is)."""
         if not isinstance(node, ParkedNode):
             return node
-        early = node.back is not None
-        self.prefetch(node)
-        if not early:
-            self.stats.prefetched -= 1  # issued just now: not a prefetch
+        if node.back is None:
+            self._copy_back(node)
         back = node.back
         assert back is not None and node.value is not None
         if back.is_cuda:

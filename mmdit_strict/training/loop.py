@@ -389,8 +389,7 @@ class Trainer:
                 streamed = t.grad_sink == "streamed"
                 # strict (fails closed: every LoRA product deposits): the backward skips autograd's sums, the fold replaces them
                 sums = self.train_rt is not Runtime.STRICT
-                # a parked node's copy back starts a micro-batch's keys before its join: it overlaps that micro-batch
-                park = HostPark(lookahead=max(map(len, keys))) if streamed and t.park_fold_nodes else None
+                park = HostPark.for_micro_batches(keys) if streamed and t.park_fold_nodes else None
                 sink = (SampleGradSink(flat, first_index=first, autograd_sums=sums, park=park) if streamed
                         else SampleGradSink(autograd_sums=sums))
                 sink_bound = max(sink_bound, pending_bound([keys[j] for j in run]) if streamed else len(flat))
