@@ -90,6 +90,26 @@ class HostPark:
         return ParkedNode(node.level, node.start, host, True, v.device)
 
     @staticmethod
+    def holds(node: Node) -> bool:
+        """Whether ``node`` is one of this park's (parked, or on its way back)."""
+        return isinstance(node, ParkedNode)
+
+    def split(self, node: Node, spans: Sequence[tuple[int, int, torch.Size]]) -> list[Node]:
+        """A parked node of a flat (1-D) value as one parked node per ``(offset, numel, shape)`` span (views of its
+        host copy and, if its copy back has started, of that copy, which they wait for as the whole did). The bytes
+        no span covers stop counting as parked."""
+        assert isinstance(node, ParkedNode) and node.value is not None
+        pieces: list[Node] = []
+        kept = 0
+        for off, n, shape in spans:
+            back = None if node.back is None else node.back[off:off + n].view(shape)
+            pieces.append(ParkedNode(node.level, node.start, node.value[off:off + n].view(shape), True, node.device,
+                                     back, node.back_ready))
+            kept += n * node.value.element_size()
+        self._host_bytes -= node.value.numel() * node.value.element_size() - kept
+        return pieces
+
+    @staticmethod
     def parked(node: Node) -> bool:
         """Whether ``node`` waits on the host (its copy back not started yet)."""
         return isinstance(node, ParkedNode) and node.back is None

@@ -21,7 +21,7 @@ soon as both halves of their parent are complete, like a binary counter: it hold
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 
@@ -44,13 +44,18 @@ class Node:
 
 
 def _join(level: int, left: Node, right: Node, inplace: bool) -> Node:
-    """The parent (or, above the complete nodes, the right-to-left sum) of ``left`` and ``right``: ``left + right``."""
+    """The parent (or, above the complete nodes, the right-to-left sum) of ``left`` and ``right``: ``left + right``.
+
+    In place into whichever operand the fold owns: IEEE-754 addition is commutative, so ``right + left`` has the
+    bytes of ``left + right`` (a NaN stays a NaN; only its payload bits may come from the other operand)."""
     if left.value is None:
         return Node(level, left.start, right.value, right.owned)
     if right.value is None:
         return Node(level, left.start, left.value, left.owned)
     if inplace and left.owned:
         return Node(level, left.start, left.value.add_(right.value), True)
+    if inplace and right.owned:
+        return Node(level, left.start, right.value.add_(left.value), True)
     return Node(level, left.start, left.value + right.value, True)
 
 
@@ -78,12 +83,16 @@ class PairwiseFold:
         self.park = park
         self.nodes: list[Node] = []
 
-    def leaf(self, value: torch.Tensor | None, owned: bool = True) -> None:
+    def leaf(self, value: torch.Tensor | None, owned: bool = True, settle: bool = True) -> None:
         """Add the next leaf (None: its key deposited nothing into this tensor; ``owned=False``: never written)."""
-        self.push(Node(0, self.next, value, owned))
+        self.push(Node(0, self.next, value, owned), settle)
 
-    def push(self, node: Node) -> None:
-        """Add a complete node starting where this fold's range ends (merging with the nodes before it)."""
+    def push(self, node: Node, settle: bool = True) -> None:
+        """Add a complete node starting where this fold's range ends (merging with the nodes before it).
+
+        ``settle=False``: a node the fold does not own may stay on the stack as it is until :meth:`settle` (the
+        caller keeps it unchanged until then), so a leaf joined by the next one pushed before that is never copied.
+        """
         if node.start != self.next:
             raise ValueError(f"fold node starts at leaf {node.start}, expected {self.next}: nodes must come in order, without gaps")
         if node.start % (1 << node.level):
@@ -95,11 +104,11 @@ class PairwiseFold:
                 break
             self.nodes.pop()
             node = _join(top.level + 1, self._back(top), node, self.inplace)
-        if self.copy_held and node.value is not None and not node.owned:
-            node = Node(node.level, node.start, node.value.clone(), True)
+        if settle and self.copy_held:
+            node = self._own(node)
         if self.park is not None and self.nodes and not self._due(self.nodes[-1]):
             # the top is covered: it waits for a whole sibling subtree (unless that is within the lookahead)
-            self.nodes[-1] = self.park.park(self.nodes[-1])
+            self.nodes[-1] = self.park.park(self._own(self.nodes[-1]))
         self.nodes.append(node)
         if self.park is not None:
             # only the parked node joined first comes back ahead of time; the ones below it are fetched when their
@@ -108,6 +117,17 @@ class PairwiseFold:
             first = next((n for n in reversed(waiting) if self.park.parked(n)), None)
             if first is not None and self._due(first) and not any(self.park.returning(n) for n in waiting):
                 self.park.prefetch(first)
+
+    def settle(self) -> None:
+        """Copy every node on the stack the fold does not own (``copy_held``): after this the caller's tensors are free."""
+        if self.copy_held:
+            self.nodes = [self._own(n) for n in self.nodes]
+
+    @staticmethod
+    def _own(node: Node) -> Node:
+        if node.owned or node.value is None:
+            return node
+        return Node(node.level, node.start, node.value.clone(), True)
 
     def _due(self, node: Node) -> bool:
         """Whether ``node`` joins within the park's lookahead: node (l, s) joins when the leaves reach s + 2^(l+1)."""
@@ -121,6 +141,24 @@ class PairwiseFold:
         """The open nodes, every one on its device (parked ones brought back)."""
         self.nodes = [self._back(n) for n in self.nodes]
         return list(self.nodes)
+
+    def split(self, spans: Sequence[tuple[int, int, torch.Size]]) -> list["PairwiseFold"]:
+        """This fold of flat (1-D) values as one fold per ``(offset, numel, shape)`` span: the same nodes, each value
+        the span's view, reshaped (parked nodes through the park). The spans must not overlap; each new fold then
+        adds into its own part only, so together they go on as this one would have."""
+        parts = [PairwiseFold(self.first, self.inplace, self.copy_held, self.park) for _ in spans]
+        for f in parts:
+            f.next = self.next
+        for node in self.nodes:
+            if self.park is not None and node.value is not None and self.park.holds(node):
+                pieces = self.park.split(node, spans)
+            else:
+                pieces = [Node(node.level, node.start, None if node.value is None
+                               else node.value[off:off + n].view(shape), node.owned) for off, n, shape in spans]
+            for f, piece in zip(parts, pieces):
+                f.nodes.append(piece)
+        self.nodes = []
+        return parts
 
     def extend(self, nodes: Iterable[Node]) -> None:
         """:meth:`push` each of ``nodes`` (another fold's nodes, the range right after this one)."""

@@ -28,6 +28,12 @@ Two ways to hold the partials, one result:
   for the other ranks (:mod:`mmdit_strict.distributed.fold`).
 
 Both give the same bytes: the streamed fold builds the stored fold's tree, node by node.
+
+Many tensors, one fold: the LoRA of Qwen-Image is 1,440 tensors, and a captured backward writes all their
+partials at once into flat buffers (``model/train_graphs.py``). :meth:`SampleGradSink.add_flat` takes them as
+they are, and a streamed sink folds tensors that always arrive together as one group whose values are the flat
+buffers: one add, copy or park for all of them where a fold per tensor launches one each. The additions are
+elementwise, so each tensor's bytes are those of its own fold.
 """
 
 from __future__ import annotations
@@ -54,6 +60,34 @@ class _Stream:
     pending: dict[int, torch.Tensor] = field(default_factory=dict)  # position in the sorted keys → owned partial
     seen: set[int] = field(default_factory=set)
     result: torch.Tensor | None = None
+    width: int = 1  # tensors one value stands for (a cohort's flat values: its members)
+
+
+@dataclass(eq=False)
+class _Cohort:
+    """Tensors whose partials arrive together in flat buffers (:meth:`SampleGradSink.add_flat`), folded as one:
+    each value of ``stream`` is a 1-D FP32 tensor holding member ``j`` at ``offsets[j]``."""
+
+    params: tuple[torch.Tensor, ...]
+    offsets: tuple[int, ...]
+    size: int
+    stream: _Stream
+    finished: bool = False
+    held: list[Node] | None = None  # the open nodes once :meth:`SampleGradSink.nodes` ended the fold
+    taken: set[int] = field(default_factory=set)  # members whose nodes were handed out
+    at: dict[int, int] = field(default_factory=dict)  # member's id → its offset
+
+    def __post_init__(self) -> None:
+        self.at = {id(p): off for p, off in zip(self.params, self.offsets)}
+
+    def spans(self) -> list[tuple[int, int, torch.Size]]:
+        return [(off, p.numel(), p.shape) for p, off in zip(self.params, self.offsets)]
+
+    def view(self, value: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor | None:
+        if value is None:
+            return None
+        off = self.at[id(param)]
+        return value[off:off + param.numel()].view(param.shape)
 
 
 @dataclass(frozen=True)
@@ -68,6 +102,8 @@ class SinkStats:
         deposits: partials received.
         peak_nodes_per_param: the most open tree nodes one parameter's streamed fold held at once
             (each one FP32 copy of the tensor; 0 for the stored fold).
+        group_tensors: the most tensors folded as one group from flat deposits (:meth:`SampleGradSink.add_flat`);
+            0 where every tensor was folded alone.
     """
 
     peak_pending: int
@@ -75,6 +111,7 @@ class SinkStats:
     peak_pending_bytes: int
     deposits: int
     peak_nodes_per_param: int = 0
+    group_tensors: int = 0
 
 
 class SampleGradSink:
@@ -106,10 +143,11 @@ class SampleGradSink:
         self._rank: dict[Hashable, int] | None = None
         self._order: list[Hashable] = []
         self._streams: dict[int, _Stream] = {}
+        self._cohorts: dict[int, _Cohort] = {}  # member's id → its cohort
         self._finished: set[int] = set()
         self._first = first_index
         self._pending = self._pending_bytes = 0
-        self._peak = self._peak_one = self._peak_bytes = self._deposits = self._peak_nodes = 0
+        self._peak = self._peak_one = self._peak_bytes = self._deposits = self._peak_nodes = self._group = 0
         if keys is None:
             if first_index:
                 raise ValueError("first_index places declared keys in a larger tree: it needs the streamed fold (keys=...)")
@@ -132,7 +170,7 @@ class SampleGradSink:
 
     @property
     def stats(self) -> SinkStats:
-        return SinkStats(self._peak, self._peak_one, self._peak_bytes, self._deposits, self._peak_nodes)
+        return SinkStats(self._peak, self._peak_one, self._peak_bytes, self._deposits, self._peak_nodes, self._group)
 
     def add(self, param: torch.Tensor, keys: Sequence[Hashable], partials: Sequence[torch.Tensor], *,
             transfer: bool = False) -> None:
@@ -162,23 +200,99 @@ class SampleGradSink:
                     self._pending_bytes += p.numel() * p.element_size()
             self._note(len(slot), 0)
             return
+        cohort = self._cohorts.get(id(param))
+        if cohort is not None and not cohort.finished:
+            self._dissolve(cohort)
         if id(param) in self._finished:
             raise ValueError("gradient partial for a parameter whose streamed fold was already taken")
         st = self._streams.get(id(param))
         if st is None:
             st = self._streams[id(param)] = _Stream(PairwiseFold(self._first, park=self.park))
+        self._put(st, keys, [p.detach() for p in partials], transfer)
+
+    def add_flat(self, params: Sequence[torch.Tensor], offsets: Sequence[int], keys: Sequence[Hashable],
+                 flats: Sequence[torch.Tensor]) -> None:
+        """Take, for every ``params[j]``, sample ``keys[i]``'s partial from ``flats[i][offsets[j]:][:numel]``.
+
+        The same as ``add(params[j], keys, [that view of each flat], transfer=False)`` for each ``j``, and the same
+        bytes (the fold is elementwise). A streamed sink folds tensors that always arrive together like this as one:
+        every leaf, sum, copy and park is one operation on the flat buffers for all of them instead of one per
+        tensor. ``flats``: 1-D FP32 tensors of one size, read only during the call (the sink copies what it holds).
+        A later :meth:`add` of one of them splits the group back into one fold per tensor (views, no copy);
+        :meth:`fold` or :meth:`nodes` of one of them ends the fold of the whole group.
+        """
+        if len(keys) != len(flats):
+            raise ValueError(f"{len(keys)} sample keys for {len(flats)} flat partial buffers")
+        if len(params) != len(offsets):
+            raise ValueError(f"{len(params)} parameters for {len(offsets)} offsets")
+        late = [k for k in keys if k in self._done]
+        if late:
+            raise ValueError(f"gradient partial for sample key {late[0]!r} after the sink was told it is done")
+        cohort = self._cohort_for(params, offsets, flats)
+        if cohort is None:
+            for p, off in zip(params, offsets):
+                self.add(p, keys, [f[off:off + p.numel()].view(p.shape) for f in flats])
+            return
+        if cohort.finished:
+            raise ValueError("gradient partial for a parameter whose streamed fold was already taken")
+        self._deposits += len(keys) * len(params)
+        self._put(cohort.stream, keys, [f.detach() for f in flats], False)
+
+    def _cohort_for(self, params: Sequence[torch.Tensor], offsets: Sequence[int],
+                    flats: Sequence[torch.Tensor]) -> _Cohort | None:
+        """The cohort these flat deposits continue (or start), or None to take them tensor by tensor."""
+        if self._rank is None or not params:
+            return None
+        size = flats[0].numel() if flats else 0
+        bad = [f for f in flats if f.dim() != 1 or f.dtype != torch.float32 or f.numel() != size]
+        if bad:
+            raise ValueError(f"flat partial buffers must be 1-D FP32 tensors of one size; got "
+                             f"{[(tuple(f.shape), f.dtype) for f in flats]}")
+        ends = sorted((off, off + p.numel()) for p, off in zip(params, offsets))
+        if ends[0][0] < 0 or ends[-1][1] > size or any(a[1] > b[0] for a, b in itertools.pairwise(ends)):
+            raise ValueError(f"the parameters' spans in the flat buffers overlap or leave them (size {size})")
+        have = self._cohorts.get(id(params[0]))
+        if have is not None:
+            same = (len(have.params) == len(params) and all(a is b for a, b in zip(have.params, params))
+                    and have.offsets == tuple(offsets) and have.size == size)
+            return have if same else None
+        if any(id(p) in self._streams or id(p) in self._cohorts or id(p) in self._finished for p in params):
+            return None
+        cohort = _Cohort(tuple(params), tuple(offsets), size,
+                         _Stream(PairwiseFold(self._first, park=self.park), width=len(params)))
+        for p in params:
+            self._params[id(p)] = p
+            self._cohorts[id(p)] = cohort
+        self._group = max(self._group, len(params))
+        return cohort
+
+    def _dissolve(self, cohort: _Cohort) -> None:
+        """Split an unfinished cohort into one streamed fold per member (views of its values, no copy)."""
+        st = cohort.stream
+        spans = cohort.spans()
+        trees = st.tree.split(spans)
+        for (off, n, shape), p, tree in zip(spans, cohort.params, trees):
+            del self._cohorts[id(p)]
+            pending = {r: v[off:off + n].view(shape) for r, v in st.pending.items()}
+            self._streams[id(p)] = _Stream(tree, st.next, pending, set(st.seen))
+        for v in st.pending.values():
+            self._pending_bytes -= v.numel() * v.element_size() - sum(n for _, n, _ in spans) * v.element_size()
+
+    def _put(self, st: _Stream, keys: Sequence[Hashable], values: Sequence[torch.Tensor], transfer: bool) -> None:
+        """Streamed: place ``values[i]`` (key ``keys[i]``) in ``st``'s fold, or buffer it until its turn."""
+        assert self._rank is not None
         fresh: dict[int, tuple[torch.Tensor, bool]] = {}  # position → (partial, owned by the sink)
-        for k, p in zip(keys, partials):
+        for k, v in zip(keys, values):
             r = self._rank.get(k)
             if r is None:
                 raise ValueError(f"sample key {k!r} was not declared to this streamed SampleGradSink")
-            if r in st.seen:
+            if r in st.seen or r in fresh:
                 raise ValueError(
                     f"a second gradient partial for sample key {k!r} of one parameter: the streamed fold takes one "
                     "partial per (parameter, key); use the stored fold (SampleGradSink() without keys) when a layer "
                     "runs more than once per sample")
-            st.seen.add(r)
-            fresh[r] = (p.detach(), transfer)
+            fresh[r] = (v, transfer)
+        st.seen.update(fresh)
         self._advance(st, fresh, finish=False)
         self._note(len(st.pending), len(st.tree.nodes))
 
@@ -200,6 +314,9 @@ class SampleGradSink:
             for pid, st in self._streams.items():
                 if pid not in self._finished:
                     self._advance(st, {}, finish=False)
+            for cohort in {id(c): c for c in self._cohorts.values()}.values():
+                if not cohort.finished:
+                    self._advance(cohort.stream, {}, finish=False)
 
     def params(self) -> list[torch.Tensor]:
         return list(self._params.values())
@@ -219,6 +336,12 @@ class SampleGradSink:
         if self._first:
             raise ValueError(f"this sink's keys start at leaf {self._first}: take its nodes() and merge them with "
                              "the other ranges' (mmdit_strict.distributed.fold)")
+        cohort = self._cohorts.get(id(param))
+        if cohort is not None:
+            if not cohort.finished:
+                self._finish_cohort(cohort)
+                cohort.stream.result = cohort.stream.tree.result()
+            return cohort.view(cohort.stream.result, param)
         st = self._streams.get(id(param))
         if st is None:
             return None
@@ -232,6 +355,17 @@ class SampleGradSink:
         it got no partial. Ends this parameter's fold (a later deposit raises); the nodes are the sink's, handed over."""
         if self._rank is None:
             raise ValueError("tree nodes of a key range are kept only by the streamed fold (SampleGradSink(keys))")
+        cohort = self._cohorts.get(id(param))
+        if cohort is not None:
+            if id(param) in cohort.taken:
+                raise ValueError("nodes() was already taken for this parameter")
+            if not cohort.finished:
+                self._finish_cohort(cohort)
+                cohort.held = cohort.stream.tree.held()
+            if cohort.held is None:
+                raise ValueError("nodes() of a parameter whose fold() was taken")
+            cohort.taken.add(id(param))
+            return [Node(n.level, n.start, cohort.view(n.value, param), True) for n in cohort.held]
         st = self._streams.get(id(param))
         if st is None:
             return None
@@ -254,6 +388,11 @@ class SampleGradSink:
         self._advance(st, {}, finish=True)
         self._finished.add(pid)
 
+    def _finish_cohort(self, cohort: _Cohort) -> None:
+        self._advance(cohort.stream, {}, finish=True)
+        cohort.finished = True
+        self._finished.update(id(p) for p in cohort.params)
+
     def _advance(self, st: _Stream, fresh: dict[int, tuple[torch.Tensor, bool]], finish: bool) -> None:
         """Put every partial at the frontier into the tree (an empty leaf for a key done without a deposit
         here); buffer what is still out of order (copied unless the sink owns it)."""
@@ -261,7 +400,7 @@ class SampleGradSink:
             r = st.next
             if r in fresh:
                 part, owned = fresh.pop(r)
-                st.tree.leaf(part, owned)
+                st.tree.leaf(part, owned, settle=False)  # copied below only if it still waits when this call ends
             elif r in st.pending:
                 st.tree.leaf(self._unbuffer(st, r), True)
             elif finish or self._order[r] in self._done:
@@ -269,14 +408,15 @@ class SampleGradSink:
             else:
                 break
             st.next += 1
+        st.tree.settle()
         for r, (p, owned) in fresh.items():
             st.pending[r] = p if owned else p.clone()
-            self._pending += 1
+            self._pending += st.width
             self._pending_bytes += p.numel() * p.element_size()
 
     def _unbuffer(self, st: _Stream, r: int) -> torch.Tensor:
         p = st.pending.pop(r)
-        self._pending -= 1
+        self._pending -= st.width
         self._pending_bytes -= p.numel() * p.element_size()
         return p
 
@@ -306,8 +446,10 @@ class DepositLog:
                  buffers: Callable[[torch.Tensor, int, int], torch.Tensor | None] | None = None) -> None:
         self.autograd_sums = autograd_sums  # as the real sink's (SampleGradSink): read by the captured backward
         self.buffers = buffers
+        self.flat: FlatBuffers | None = None  # flat buffers ``buffers`` hands out views of (one per batch position)
         self._uses: dict[tuple[int, int], int] = {}
         self.entries: list[tuple[torch.Tensor, tuple[int, ...], list[torch.Tensor]]] = []
+        self._plan: _FlatPlan | None | bool = False  # False: not worked out yet
 
     def partial_buffers(self, param: torch.Tensor, keys: Sequence[int]) -> list[torch.Tensor] | None:
         """The buffers ``buffers`` gives for ``param`` at batch positions ``keys`` (None unless it gives them all)."""
@@ -328,15 +470,81 @@ class DepositLog:
         if not all(isinstance(k, int) for k in keys):
             raise ValueError("a DepositLog records batch positions: bind sample_keys=range(B) while it is the sink")
         self.entries.append((param, tuple(keys), [p.detach() for p in partials]))
+        self._plan = False
 
     def clear(self) -> None:
         self.entries.clear()
         self._uses.clear()
+        self._plan = False
 
     def replay(self, sink: SampleGradSink, keys: Sequence[Hashable]) -> None:
-        """Deposit every recorded partial into ``sink`` under ``keys[position]``, in the recorded order."""
-        for param, positions, partials in self.entries:
+        """Deposit every recorded partial into ``sink`` under ``keys[position]``: the ones written into
+        :attr:`flat` in one :meth:`SampleGradSink.add_flat` (a streamed sink), the rest in the recorded order."""
+        plan = self._flat_plan() if sink.streamed else None
+        if plan is None:
+            for param, positions, partials in self.entries:
+                sink.add(param, [keys[i] for i in positions], partials, transfer=False)
+            return
+        sink.add_flat(plan.params, plan.offsets, [keys[i] for i in range(len(plan.flats))], plan.flats)
+        for param, positions, partials in plan.rest:
             sink.add(param, [keys[i] for i in positions], partials, transfer=False)
+
+    def _flat_plan(self) -> "_FlatPlan | None":
+        """The recorded deposits that are exactly one partial per batch position for each of some of :attr:`flat`'s
+        tensors, written into their views (those tensors are the plan's; the other deposits are its ``rest``), or
+        None where there are none or a tensor also deposited elsewhere."""
+        if self._plan is False:
+            self._plan = self._make_plan()
+        assert self._plan is not False
+        return self._plan
+
+    def _make_plan(self) -> "_FlatPlan | None":
+        flat = self.flat
+        if flat is None or not self.entries:
+            return None
+        batch = 1 + max((max(pos) for _, pos, _ in self.entries if pos), default=-1)
+        if batch > len(flat.flats):
+            return None
+        where = {(f.data_ptr() + off * f.element_size(), pos): j
+                 for pos, f in enumerate(flat.flats[:batch]) for j, off in enumerate(flat.offsets)}
+        got: dict[int, list[int]] = {}
+        rest = []
+        for entry in self.entries:
+            param, positions, partials = entry
+            js = {where.get((t.data_ptr(), pos)) for t, pos in zip(partials, positions)}
+            j = js.pop() if len(js) == 1 else None
+            if j is not None and flat.params[j] is param and all(t.shape == param.shape for t in partials):
+                got.setdefault(j, []).extend(positions)
+            else:
+                rest.append(entry)
+        rest_ids = {id(param) for param, _, _ in rest}
+        members = sorted(got)
+        if not members or any(sorted(got[j]) != list(range(batch)) or id(flat.params[j]) in rest_ids for j in members):
+            return None
+        return _FlatPlan(tuple(flat.params[j] for j in members), tuple(flat.offsets[j] for j in members),
+                         tuple(flat.flats[:batch]), rest)
+
+
+@dataclass(frozen=True)
+class FlatBuffers:
+    """Per-sample partial buffers for many tensors at once: ``flats[pos]`` (1-D FP32) holds the partial of
+    ``params[j]`` for batch position ``pos`` at ``offsets[j]``, in the tensor's shape."""
+
+    params: tuple[torch.Tensor, ...]
+    offsets: tuple[int, ...]
+    flats: tuple[torch.Tensor, ...]
+
+    def view(self, j: int, pos: int) -> torch.Tensor:
+        p = self.params[j]
+        return self.flats[pos][self.offsets[j]:self.offsets[j] + p.numel()].view(p.shape)
+
+
+@dataclass(frozen=True)
+class _FlatPlan:
+    params: tuple[torch.Tensor, ...]
+    offsets: tuple[int, ...]
+    flats: tuple[torch.Tensor, ...]
+    rest: list[tuple[torch.Tensor, tuple[int, ...], list[torch.Tensor]]]
 
 
 def pending_bound(batches: Sequence[Sequence[Hashable]]) -> int:

@@ -44,13 +44,18 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from ..kernels.execution import current, using
-from ..kernels.grad_sink import DepositLog
+from ..kernels.grad_sink import DepositLog, FlatBuffers
 from ..kernels.keepalive import retaining
 from ..kernels.trace import OperatorTrace, active_trace, capture_trace
 from .graphs import load_inputs, static_inputs
 
 if TYPE_CHECKING:
     from .mmdit import ModelInputs
+
+
+#: Each tensor's partial starts at a multiple of this many elements of a flat buffer (256 bytes in FP32), so its
+#: view is as aligned as a buffer of its own for the kernels that write it.
+FLAT_ALIGN = 64
 
 
 class PartialArena:
@@ -61,10 +66,16 @@ class PartialArena:
     sink, so the captured steps need not each hold their own: buffers are reserved per (parameter, batch
     position, occurrence) after a capture's warm-up and shared. Before a backward replay writes them, its stream
     waits for an event recorded after the sink's reads of the previous replay's partials.
+
+    The trained tensors' first partials at each batch position are views of one flat buffer per position
+    (:class:`~mmdit_strict.kernels.grad_sink.FlatBuffers`, zero-filled, each view at a multiple of
+    :data:`FLAT_ALIGN`), so a streamed sink takes a replay's partials with a few operations on those buffers
+    instead of one per tensor (``SampleGradSink.add_flat``).
     """
 
     def __init__(self) -> None:
         self._bufs: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._flat: FlatBuffers | None = None
         self._read: torch.cuda.Event | None = None
         self._cuda = False
 
@@ -72,7 +83,13 @@ class PartialArena:
         return len(self._bufs)
 
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._bufs.values())
+        own = sum(b.numel() * b.element_size() for b in self._bufs.values() if not self._in_flat(b))
+        flat = sum(f.numel() * f.element_size() for f in self._flat.flats) if self._flat is not None else 0
+        return own + flat
+
+    def _in_flat(self, buf: torch.Tensor) -> bool:
+        return self._flat is not None and any(buf.untyped_storage().data_ptr() == f.untyped_storage().data_ptr()
+                                              for f in self._flat.flats)
 
     def _ensure(self, key: tuple[int, int, int], shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
         """A buffer of this shape, dtype and device under ``key`` (kept if it has them, else a new one)."""
@@ -80,6 +97,41 @@ class PartialArena:
         if have is None or have.shape != shape or have.dtype != dtype or have.device != device:
             self._bufs[key] = torch.empty(shape, dtype=dtype, device=device)
         self._cuda = self._cuda or device.type == "cuda"
+
+    def flat(self, params: list[torch.Tensor], batch: int) -> FlatBuffers | None:
+        """The flat buffers of ``params`` for batch positions ``0 .. batch-1`` (made or widened as needed; the
+        tensors' buffers at occurrence 0 become their views). None without parameters or across devices."""
+        if not params or len({p.device for p in params}) != 1:
+            return None
+        offsets, size = [], 0
+        for p in params:
+            offsets.append(size)
+            size += -(-p.numel() // FLAT_ALIGN) * FLAT_ALIGN
+        have = self._flat
+        if have is None or len(have.params) != len(params) or any(a is not b for a, b in zip(have.params, params)):
+            have = FlatBuffers(tuple(params), tuple(offsets), ())
+        if len(have.flats) < batch:
+            extra = tuple(torch.zeros(size, dtype=torch.float32, device=params[0].device)
+                          for _ in range(batch - len(have.flats)))
+            have = FlatBuffers(have.params, have.offsets, have.flats + extra)
+        self._flat = have
+        for pos in range(len(have.flats)):
+            for j, p in enumerate(params):
+                self._bufs[id(p), pos, 0] = have.view(j, pos)
+        self._cuda = self._cuda or params[0].device.type == "cuda"
+        return have
+
+    def attach(self, log: DepositLog, params: list[torch.Tensor], batch: int) -> None:
+        """Point a capture's deposit log at this arena: a buffer for every trained tensor at every position (views
+        of the flat buffers; a short warm-up deposits for two blocks only), plus one for each deposit the warm-up's
+        log shows beyond that (a layer used twice)."""
+        log.flat = self.flat(params, batch)
+        if log.flat is None:
+            for p in params:
+                for pos in range(batch):
+                    self._ensure((id(p), pos, 0), p.shape, torch.float32, p.device)
+        self.reserve(log.entries)
+        log.buffers = self.buffer
 
     def reserve(self, entries: list[tuple[torch.Tensor, tuple[int, ...], list[torch.Tensor]]]) -> None:
         """Buffers for the deposits of a :class:`DepositLog` (``entries``, in arrival order) that have none yet."""
@@ -89,12 +141,6 @@ class PartialArena:
                 n = uses.get((id(param), pos), 0)
                 uses[id(param), pos] = n + 1
                 self._ensure((id(param), pos, n), part.shape, part.dtype, part.device)
-
-    def reserve_params(self, params: list[torch.Tensor], batch: int) -> None:
-        """A buffer for one partial of each of ``params`` at each batch position ``0 .. batch-1`` (FP32, its shape)."""
-        for p in params:
-            for pos in range(batch):
-                self._ensure((id(p), pos, 0), p.shape, torch.float32, p.device)
 
     def buffer(self, param: torch.Tensor, position: int, occurrence: int) -> torch.Tensor | None:
         """The buffer for this deposit (:class:`DepositLog`'s ``buffers``), or None if none was reserved."""
@@ -328,11 +374,7 @@ class TrainGraphCache:
             torch.cuda.current_stream().wait_stream(stream)
             if log is not None:
                 if arena is not None:  # the partials go to the shared buffers, not into this step's pool
-                    # every trained tensor at every position (a short warm-up deposits for two blocks only),
-                    # plus what the warm-up's deposits show beyond that (a layer used twice)
-                    arena.reserve_params(params, inputs.hidden_states.shape[0])
-                    arena.reserve(log.entries)
-                    log.buffers = arena.buffer
+                    arena.attach(log, params, inputs.hidden_states.shape[0])
                 log.clear()
             fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             with retaining(every_thread=True) as tables, capture_trace() as trace:

@@ -374,7 +374,7 @@ class Trainer:
         stats: dict[tuple[int, tuple[int, int]], torch.Tensor] = {}  # (update, pair) → its diagnostics (host)
         t_opt = t_comm = 0.0
         bytes_moved = 0
-        sink_mb, sink_peak, sink_bound, sink_nodes, parked_mb = 0.0, 0, 0, 0, 0.0
+        sink_mb, sink_peak, sink_bound, sink_nodes, parked_mb, grouped = 0.0, 0, 0, 0, 0.0, 0
         n_updates = t.num_inner_epochs * math.ceil(len(pairs) / per_update)
         bar = tqdm(total=n_updates, desc=f"epoch {epoch} train [{self.train_rt.value}]", disable=not self.progress, leave=False)
         u_all = 0
@@ -420,6 +420,7 @@ class Trainer:
                 sink_mb = max(sink_mb, st.peak_pending_bytes / 2**20)
                 sink_peak = max(sink_peak, st.peak_pending_per_param)
                 sink_nodes = max(sink_nodes, st.peak_nodes_per_param)
+                grouped = max(grouped, st.group_tensors)
                 if park is not None:
                     parked_mb = max(parked_mb, park.stats.peak_host_bytes / 2**20)
                 del sink
@@ -457,7 +458,8 @@ class Trainer:
             "lr": float(self.scheduler.get_last_lr()[0]), "grad_fold": "+".join(sorted(folds)),
             "grad_sink": t.grad_sink, "grad_sink_peak_buffer_mb": sink_mb,
             "grad_sink_peak_per_param": sink_peak, "grad_sink_bound_per_param": sink_bound,
-            "grad_sink_peak_tree_nodes": sink_nodes, "grad_sink_parked_peak_mb": parked_mb, "_time_optimizer": t_opt, "_time_comm": t_comm,
+            "grad_sink_peak_tree_nodes": sink_nodes, "grad_sink_parked_peak_mb": parked_mb,
+            "grad_sink_group_tensors": grouped, "_time_optimizer": t_opt, "_time_comm": t_comm,
             "_bytes_moved": bytes_moved,
         }
 

@@ -36,6 +36,7 @@ def test_bench_train_writes_every_phase_of_both_engines(tmp_path: Path) -> None:
     held = ours["held_after_train"]  # what the sink held; on the CPU no captured steps
     assert held["lora_fp32_gib"] > 0 and held["sink_peak_nodes_per_param"] >= 1 and held["sink_peak_pending_gib"] > 0
     assert held["train_graph_pools"] is None and theirs["held_after_train"] == {}
+    assert held["sink_group_tensors"] == 0  # no captured steps on the CPU: every tensor folded alone
     assert "| ours | " in (out / "train_bench.md").read_text().split("What the grad sink")[1]
     for phase in [*train_bench.PHASES, "total"]:
         want = ours["phases"][phase]["wall_s"] if phase != "total" else ours["total"]["wall_s"]

@@ -103,3 +103,28 @@ def test_bad_node_sequences_are_refused() -> None:
         f.push(Node(3, 4, torch.ones(1)))
     with pytest.raises(ValueError, match="every leaf from 0"):
         f.result()
+
+
+def test_a_borrowed_leaf_joined_before_settle_is_never_copied() -> None:
+    """``settle=False`` leaves a caller's tensor on the stack as it is; joined with an owned sibling, the sum goes
+    into the sibling (``b + a`` has the bytes of ``a + b``), so nothing is allocated and the caller's tensor is
+    untouched; a borrowed node still waiting at :meth:`settle` is copied."""
+    g = torch.Generator().manual_seed(3)
+    a, b, c = (torch.randn(33, generator=g) * torch.exp2(torch.randint(-20, 20, (33,), generator=g).float())
+               for _ in range(3))
+    a_before = a.clone()
+    f = PairwiseFold()
+    f.leaf(a, owned=False, settle=False)
+    assert f.nodes[0].value is a  # not copied yet
+    mine = b.clone()
+    f.leaf(mine, owned=True, settle=False)
+    assert len(f.nodes) == 1 and f.nodes[0].value is mine and f.nodes[0].owned
+    assert_bytes_equal(mine, a_before + b, "b + a in place")
+    assert_bytes_equal(a, a_before, "the borrowed leaf")
+    c_before = c.clone()
+    f.leaf(c, owned=False, settle=False)
+    assert f.nodes[-1].value is c
+    f.settle()
+    assert f.nodes[-1].value is not c and f.nodes[-1].owned
+    c.fill_(0.0)  # the caller may reuse its tensor once the call has settled
+    assert_bytes_equal(f.result(), fold([a_before, b, c_before]), "root")

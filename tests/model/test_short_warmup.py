@@ -100,8 +100,8 @@ def test_a_captured_steps_deposits_land_in_the_arena_with_the_sinks_bytes(monkey
     for p in params:
         p.grad = None
     arena = PartialArena()
-    arena.reserve_params(params, 2)
-    log = DepositLog(autograd_sums=False, buffers=arena.buffer)
+    log = DepositLog(autograd_sums=False)
+    arena.attach(log, params, 2)
     step(log, (0, 1))
     assert all(p.grad is None for p in params), "a deposit log without sums had autograd write .grad"
     in_arena = {arena.buffer(p, pos, 0).data_ptr() for p in params for pos in (0, 1)}
@@ -111,6 +111,7 @@ def test_a_captured_steps_deposits_land_in_the_arena_with_the_sinks_bytes(monkey
     log.replay(sink, keys)
     sink.done(keys)
     assert len(landed) == 2 * len(trained)  # one partial per trained tensor and sample
+    assert sink.stats.group_tensors == len(trained)  # taken from the flat buffers as one group
     for i, p in enumerate(params):
         got = sink.fold(p)
         if want[id(p)] is None:

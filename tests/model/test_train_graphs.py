@@ -386,9 +386,8 @@ def _stand_in_capture(inputs, params, forward, with_sink, sums=True, arena=None,
     if log is not None and arena is not None:  # as the real capture: buffers reserved from the warm-up's deposits
         for p, ps in zip(params, parts):
             log.add(p, tuple(range(batch)), ps)
-        arena.reserve(log.entries)
+        arena.attach(log, params, batch)
         log.clear()
-        log.buffers = arena.buffer
         parts = [log.partial_buffers(p, range(batch)) for p in params]
     if log is not None:
         for p, ps in zip(params, parts):
@@ -574,7 +573,7 @@ def test_short_warmup_runs_the_first_and_last_blocks(monkeypatch: pytest.MonkeyP
     arena reserves one FP32 buffer per trained tensor and position, shared across captures."""
     from mmdit_strict.model import graphs
     from mmdit_strict.model.strict import strict_forward
-    from mmdit_strict.model.train_graphs import PartialArena
+    from mmdit_strict.model.train_graphs import FLAT_ALIGN, PartialArena
 
     arch = dataclasses.replace(preset("tiny"), num_layers=4)
     model = _lora_model(arch)
@@ -595,14 +594,21 @@ def test_short_warmup_runs_the_first_and_last_blocks(monkeypatch: pytest.MonkeyP
     assert short.shape == full.shape and not torch.equal(short, full)  # two blocks of four: other values
     params = [p for _, p in _trainable(model)]
     arena = PartialArena()
-    arena.reserve_params(params, 2)
-    assert len(arena) == 2 * len(params)
+    flat = arena.flat(params, 2)
+    assert flat is not None and len(arena) == 2 * len(params) and len(flat.flats) == 2
     assert all(arena.buffer(p, pos, 0).shape == p.shape and arena.buffer(p, pos, 0).dtype == torch.float32
                for p in params for pos in (0, 1))
     assert arena.buffer(params[0], 2, 0) is None and arena.buffer(params[0], 0, 1) is None
-    before = arena.buffer(params[0], 0, 0)
-    arena.reserve_params(params, 1)
-    assert arena.buffer(params[0], 0, 0) is before  # reserved once, then shared
+    # every buffer a view of its position's flat buffer, disjoint, each at a multiple of FLAT_ALIGN elements
+    for pos, f in enumerate(flat.flats):
+        starts = sorted(arena.buffer(p, pos, 0).data_ptr() - f.data_ptr() for p in params)
+        assert all(s % (4 * FLAT_ALIGN) == 0 for s in starts)
+        ends = sorted((arena.buffer(p, pos, 0).data_ptr() - f.data_ptr()) // 4 + p.numel() for p in params)
+        assert all(e <= s // 4 for e, s in zip(ends, starts[1:])) and ends[-1] <= f.numel()
+        assert torch.equal(f, torch.zeros_like(f))  # what no tensor writes stays zero
+    assert arena.nbytes() == sum(f.numel() * 4 for f in flat.flats)
+    before = arena.buffer(params[0], 0, 0).data_ptr()
+    assert arena.flat(params, 1) is not None and arena.buffer(params[0], 0, 0).data_ptr() == before  # made once, shared
 
 
 def test_instances_are_leased_until_backward_or_drop_then_reused_or_evicted(stand_in) -> None:

@@ -1,0 +1,265 @@
+"""Flat deposits into the grad sink (``SampleGradSink.add_flat``): many tensors folded as one group give each
+tensor the bytes of its own fold, mixed with per-tensor deposits, parked, handed out as a key range's nodes;
+and a deposit log hands a captured backward's flat buffers over in one call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmdit_strict.kernels.fold_park import HostPark
+from mmdit_strict.kernels.grad_sink import DepositLog, FlatBuffers, SampleGradSink
+from tests.harness import assert_bytes_equal
+from tests.kernels.test_grad_sink import _batches, _keys, _partials, _run
+
+SHAPES = [(3, 5), (7,), (2, 2, 3), (1,), (4, 6)]
+
+
+def _layout(shapes, gap: int = 3) -> tuple[list[int], int]:
+    """Offsets with ``gap`` unused elements before each tensor (what no tensor owns must not leak into any fold)."""
+    offsets, at = [], 0
+    for s in shapes:
+        at += gap
+        offsets.append(at)
+        at += int(torch.Size(s).numel())
+    return offsets, at + gap
+
+
+def _pack(parts, i_params, k, offsets, size) -> torch.Tensor:
+    flat = torch.full((size,), float("nan"))
+    flat[::2] = 3.0e38  # junk between the spans: NaN and values that overflow when added
+    for i, off in zip(i_params, offsets):
+        v = parts[i, k]
+        flat[off:off + v.numel()] = v.reshape(-1)
+    return flat
+
+
+def _run_flat(sink, params, parts, batches, order, offsets, size, branch_first: int = 1, per_tensor_at=None):
+    """As ``_run``, but each (batch, branch) hands every tensor's partials over in one ``add_flat``; at batch
+    ``per_tensor_at`` the deposits go tensor by tensor instead (a step that ran uncaptured)."""
+    idx = list(range(len(params)))
+    for n, j in enumerate(order):
+        b = batches[j]
+        for br in (branch_first, 1 - branch_first):
+            ks = [k for k in b if k[1] == br]
+            if n == per_tensor_at:
+                for i in reversed(idx):
+                    sink.add(params[i], ks, [parts[i, k] for k in ks])
+            else:
+                sink.add_flat(params, offsets, ks, [_pack(parts, idx, k, offsets, size) for k in ks])
+        sink.done(b)
+    return [sink.fold(p) for p in params]
+
+
+@pytest.mark.parametrize("per_batch,seed,per_tensor_at", [(1, 0, None), (2, 1, None), (3, 2, None), (2, 3, 2),
+                                                          (2, 4, 0)])
+@pytest.mark.parametrize("park", [False, True])
+def test_flat_deposits_fold_each_tensor_to_its_own_bytes(per_batch: int, seed: int, per_tensor_at, park: bool) -> None:
+    keys = _keys(11)
+    params = [torch.empty(s) for s in SHAPES]
+    parts = _partials(keys, SHAPES, seed=seed)
+    batches = _batches(keys, per_batch, seed)
+    order = list(range(len(batches)))[::-1] if seed % 2 else list(range(len(batches)))  # out of order: buffering
+    offsets, size = _layout(SHAPES)
+    want = _run(SampleGradSink(keys), params, parts, batches, order)
+    stored = _run(SampleGradSink(), params, parts, batches, order)
+    flat = SampleGradSink(keys, park=HostPark(lookahead=2) if park else None)
+    got = _run_flat(flat, params, parts, batches, order, offsets, size, per_tensor_at=per_tensor_at)
+    for i in range(len(params)):
+        assert_bytes_equal(got[i], want[i], f"tensor {i} (flat vs per tensor)")
+        assert_bytes_equal(got[i], stored[i], f"tensor {i} (flat vs stored)")
+        assert got[i].shape == params[i].shape
+    # a group forms from the first flat deposits, unless tensors were folded alone before them
+    assert flat.stats.group_tensors == (0 if per_tensor_at == 0 else len(params))
+    assert flat.stats.deposits == len(keys) * len(params)
+
+
+def test_the_group_counts_what_it_buffers_per_tensor() -> None:
+    """Buffered partials and open nodes count per tensor, as the per-tensor fold counts them; the group's
+    tensors wait together (the per-tensor run here takes each tensor's two branches before the next tensor's)."""
+    keys = _keys(8)
+    params = [torch.empty(s) for s in SHAPES]
+    parts = _partials(keys, SHAPES, seed=5)
+    batches = _batches(keys, 2, 5)
+    order = list(range(len(batches)))[::-1]
+    offsets, size = _layout(SHAPES)
+    one = SampleGradSink(keys)
+    _run(one, params, parts, batches, order)
+    many = SampleGradSink(keys)
+    _run_flat(many, params, parts, batches, order, offsets, size)
+    a, b = one.stats, many.stats
+    assert (b.peak_pending_per_param, b.peak_nodes_per_param) == (a.peak_pending_per_param, a.peak_nodes_per_param)
+    assert b.peak_pending == len(params) * b.peak_pending_per_param > a.peak_pending > 0 and a.group_tensors == 0
+
+
+def test_flat_buffers_are_read_during_the_call_only() -> None:
+    keys = _keys(3)
+    params = [torch.empty(s) for s in SHAPES]
+    parts = _partials(keys, SHAPES, seed=6)
+    offsets, size = _layout(SHAPES)
+    sink = SampleGradSink(keys)
+    idx = list(range(len(params)))
+    for k in sorted(keys, reverse=True):  # reverse order: everything but the last waits in the buffer
+        flat = _pack(parts, idx, k, offsets, size)
+        sink.add_flat(params, offsets, [k], [flat])
+        flat.fill_(7.0)  # a captured backward rewrites its buffers at the next replay
+    ref = SampleGradSink(keys)
+    for k in keys:
+        for i, p in enumerate(params):
+            ref.add(p, [k], [parts[i, k]])
+    for i, p in enumerate(params):
+        assert_bytes_equal(sink.fold(p), ref.fold(p), f"tensor {i}")
+
+
+@pytest.mark.parametrize("first", [0, 6])
+def test_a_groups_range_nodes_are_each_tensors_own(first: int) -> None:
+    keys = _keys(5)
+    params = [torch.empty(s) for s in SHAPES]
+    parts = _partials(keys, SHAPES, seed=7)
+    offsets, size = _layout(SHAPES)
+    per, flat = SampleGradSink(keys, first_index=first), SampleGradSink(keys, first_index=first)
+    idx = list(range(len(params)))
+    for k in keys:
+        for i, p in enumerate(params):
+            per.add(p, [k], [parts[i, k]])
+        flat.add_flat(params, offsets, [k], [_pack(parts, idx, k, offsets, size)])
+    for i, p in enumerate(params):
+        a, b = per.nodes(p), flat.nodes(p)
+        assert [(n.level, n.start) for n in a] == [(n.level, n.start) for n in b]
+        for x, y in zip(a, b):
+            assert_bytes_equal(y.value, x.value, f"tensor {i} node ({x.level}, {x.start})")
+    with pytest.raises(ValueError, match="already taken"):
+        flat.nodes(params[0])
+    with pytest.raises(ValueError, match="already taken"):
+        flat.add_flat(params, offsets, [keys[0]], [_pack(parts, idx, keys[0], offsets, size)])
+
+
+def test_add_flat_refuses_what_add_refuses_and_bad_buffers() -> None:
+    keys = _keys(2)
+    params = [torch.empty(s) for s in SHAPES]
+    parts = _partials(keys, SHAPES, seed=8)
+    offsets, size = _layout(SHAPES)
+    idx = list(range(len(params)))
+    sink = SampleGradSink(keys)
+    flat = _pack(parts, idx, keys[1], offsets, size)
+    sink.add_flat(params, offsets, [keys[1]], [flat])
+    with pytest.raises(ValueError, match="second gradient partial"):
+        sink.add_flat(params, offsets, [keys[1]], [flat])
+    with pytest.raises(ValueError, match="not declared"):
+        sink.add_flat(params, offsets, [("nope", 0)], [flat])
+    with pytest.raises(ValueError, match="1-D FP32"):
+        sink.add_flat(params, offsets, [keys[0]], [flat.double()])
+    with pytest.raises(ValueError, match="overlap"):
+        SampleGradSink(keys).add_flat(params, [0] * len(params), [keys[0]], [flat])
+    with pytest.raises(ValueError, match="overlap or leave"):
+        SampleGradSink(keys).add_flat(params, [o + size for o in offsets], [keys[0]], [flat])
+    with pytest.raises(ValueError, match="sample keys for"):
+        sink.add_flat(params, offsets, keys, [flat])
+    sink.done([keys[0]])
+    with pytest.raises(ValueError, match="told it is done"):
+        sink.add_flat(params, offsets, [keys[0]], [flat])
+
+
+def test_a_stored_sink_takes_flat_deposits_tensor_by_tensor() -> None:
+    keys = _keys(3)
+    params = [torch.empty(s) for s in SHAPES]
+    parts = _partials(keys, SHAPES, seed=9)
+    offsets, size = _layout(SHAPES)
+    idx = list(range(len(params)))
+    sink, ref = SampleGradSink(), SampleGradSink()
+    for k in keys:
+        flat = _pack(parts, idx, k, offsets, size)
+        sink.add_flat(params, offsets, [k], [flat])
+        flat.fill_(0.0)
+        for i, p in enumerate(params):
+            ref.add(p, [k], [parts[i, k]])
+    for i, p in enumerate(params):
+        assert_bytes_equal(sink.fold(p), ref.fold(p), f"tensor {i}")
+    assert sink.stats.group_tensors == 0
+
+
+def _log_with_flat(params, batch: int):
+    offsets, size = _layout([p.shape for p in params])
+    flats = tuple(torch.zeros(size) for _ in range(batch))
+    fb = FlatBuffers(tuple(params), tuple(offsets), flats)
+    log = DepositLog()
+    log.flat = fb
+    return log, fb
+
+
+def test_deposit_log_hands_its_flat_buffers_over_in_one_call() -> None:
+    """Tensors with one partial per position in their views go over as one group; a tensor with no deposit stays
+    out of it (its fold is None) and a deposit outside the buffers goes tensor by tensor; the bytes are each
+    tensor's own fold's."""
+    params = [torch.empty(s) for s in SHAPES]
+    other = torch.empty(2, 3)
+    log, fb = _log_with_flat(params, 2)
+    g = torch.Generator().manual_seed(10)
+    deposited = [0, 1, 3, 4]  # tensor 2 has no path to the loss here
+    for j in deposited:
+        views = [fb.view(j, 0), fb.view(j, 1)]
+        for v in views:
+            v.copy_(torch.randn(v.shape, generator=g))
+        log.add(params[j], (0, 1), views)
+    extra = [torch.randn(2, 3, generator=g), torch.randn(2, 3, generator=g)]
+    log.add(other, (0, 1), extra)
+    keys = [("k", 1), ("k", 0)]
+    sink = SampleGradSink(keys)
+    log.replay(sink, keys)
+    sink.done(keys)
+    assert sink.stats.group_tensors == len(deposited)
+    ref = SampleGradSink(keys)
+    for param, positions, partials in log.entries:
+        ref.add(param, [keys[i] for i in positions], partials)
+    ref.done(keys)
+    for j, p in enumerate(params):
+        if j in deposited:
+            assert_bytes_equal(sink.fold(p), ref.fold(p), f"tensor {j}")
+        else:
+            assert sink.fold(p) is None
+    assert_bytes_equal(sink.fold(other), ref.fold(other), "the tensor outside the flat buffers")
+
+
+def test_deposit_log_without_a_whole_group_deposits_tensor_by_tensor() -> None:
+    """A tensor with a partial at one position only, or a second deposit elsewhere, keeps the whole log on the
+    per-tensor path (same bytes)."""
+    params = [torch.empty(s) for s in SHAPES]
+    for case in ("one position", "twice"):
+        log, fb = _log_with_flat(params, 2)
+        for j in range(len(params)):
+            log.add(params[j], (0,) if case == "one position" and j == 1 else (0, 1),
+                    [fb.view(j, 0)] if case == "one position" and j == 1 else [fb.view(j, 0), fb.view(j, 1)])
+        if case == "twice":
+            log.add(params[3], (0,), [torch.ones(params[3].shape)])
+        sink = SampleGradSink()  # stored: a second deposit of a key is summed
+        keys = [("k", 0), ("k", 1)]
+        log.replay(SampleGradSink(keys) if case == "one position" else sink, keys)
+        assert log._flat_plan() is None, case
+
+
+@pytest.mark.parametrize("split_at,back_started", [(6, False), (7, True)])
+def test_a_group_split_while_a_node_is_parked_keeps_the_bytes(monkeypatch: pytest.MonkeyPatch, split_at: int,
+                                                             back_started: bool) -> None:
+    """Batches of one pair in key order, lookahead 2: leaves 0-7 wait parked for 8-15. A step tensor by tensor at
+    batch 6 splits the group while that node is parked; at batch 7 also while leaves 8-11 come back."""
+    keys = sorted(_keys(11))
+    params = [torch.empty(s) for s in SHAPES]
+    parts = _partials(keys, SHAPES, seed=11)
+    batches = [keys[i:i + 2] for i in range(0, len(keys), 2)]
+    order = list(range(len(batches)))
+    offsets, size = _layout(SHAPES)
+    seen = []
+    split = HostPark.split
+
+    def spy(self, node, spans):
+        seen.append((node.level, node.start, node.back is not None))
+        return split(self, node, spans)
+
+    monkeypatch.setattr(HostPark, "split", spy)
+    park = HostPark(lookahead=2)
+    got = _run_flat(SampleGradSink(keys, park=park), params, parts, batches, order, offsets, size, per_tensor_at=split_at)
+    assert seen and seen[0] == (3, 0, False) and any(started for *_, started in seen) == back_started
+    want = _run(SampleGradSink(keys), params, parts, batches, order)
+    for i in range(len(params)):
+        assert_bytes_equal(got[i], want[i], f"tensor {i}")
+    assert park.stats.parks > 1 and park.stats.fetches > len(params)  # the split node came back tensor by tensor
