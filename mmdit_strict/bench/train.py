@@ -249,6 +249,7 @@ def memory_held(model: torch.nn.Module, sink: SampleGradSink | None, params: lis
             "parked_nodes": None if park is None else park.stats.parks,
             "sink_peak_nodes_per_param": stats.peak_nodes_per_param,
             "sink_group_tensors": stats.group_tensors,  # tensors folded as one group from the captured steps' flat buffers
+            "sink_host_s": stats.host_seconds,  # host time in the sink's calls in the train phase (its fold comes later)
             "cuda_graphs_so_far": graph_stats(model),  # captures / replays since the engine was built, warm-up included
             "train_graph_instances": None if graphs is None else len(graphs),
             "train_graph_pools": None if graphs is None else graphs.pools(),
@@ -399,17 +400,20 @@ def render(report: dict[str, Any]) -> str:
                    *(_fmt(h.get(k), "d") for k in ("sink_peak_nodes_per_param", "sink_group_tensors",
                                                     "train_graph_instances", "train_graph_pools")),
                    _fmt(h.get("partial_arena_gib"), ".2f"), _fmt(h.get("parked_peak_host_gib"), ".2f"),
+                   _fmt(h.get("sink_host_s"), ".2f"),
                    _captures((h.get("cuda_graphs_so_far") or {}).get("training")))
             for name, e in report["engines"].items() if (h := e.get("held_after_train"))]
     if held:
         lines += md.section("What the grad sink and the captured steps held (timed update)",
                             ["engine", "LoRA, FP32 GiB", "sink partials at fullest GiB", "open fold nodes per tensor",
                              "tensors folded as one", "captured steps", "their memory pools", "shared partial buffers GiB",
-                             "parked on the host at most GiB", "training captures / replays / uncaptured so far"], held,
+                             "parked on the host at most GiB", "sink host s", "training captures / replays / uncaptured so far"],
+                            held,
                             notes=["Each open fold node is one more FP32 copy of the LoRA (on the device unless parked on "
                                    "the host: --park-fold-nodes); tensors folded as one: the captured steps hand the sink "
                                    "every tensor's partials in flat buffers, folded (and parked) with one operation for "
-                                   "all of them; the pools hold the captured steps' activations and "
+                                   "all of them; sink host s: the host's time in the sink's calls in the train phase "
+                                   "(launching its copies, sums and parks); the pools hold the captured steps' activations and "
                                    "temporaries (instances never live together share one)."])
     checks = [md.row(name, e["first_update_logp_bytes_differ"], e["pairs"], "yes" if e["first_update_ratio_exact_one"] else "no")
               for name, e in report["engines"].items() if "error" not in e]

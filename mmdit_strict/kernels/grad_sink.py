@@ -39,9 +39,12 @@ elementwise, so each tensor's bytes are those of its own fold.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
+import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -49,6 +52,24 @@ from .execution import bind, current
 from . import fold_tree
 from .fold_tree import Node, PairwiseFold
 from .fold_park import HostPark
+
+
+def _host_timed(method: Callable) -> Callable:
+    """Adds the host time of a public sink call (not of the calls it makes into the sink) to ``_host_s``."""
+
+    @functools.wraps(method)
+    def timed(self: "SampleGradSink", *args: Any, **kwargs: Any) -> Any:
+        if self._in_call:
+            return method(self, *args, **kwargs)
+        self._in_call = True
+        t0 = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._host_s += time.perf_counter() - t0
+            self._in_call = False
+
+    return timed
 
 
 @dataclass
@@ -104,6 +125,8 @@ class SinkStats:
             (each one FP32 copy of the tensor; 0 for the stored fold).
         group_tensors: the most tensors folded as one group from flat deposits (:meth:`SampleGradSink.add_flat`);
             0 where every tensor was folded alone.
+        host_seconds: host time spent in the sink's calls (deposits, ``done``, ``fold``, ``nodes``): on CUDA the
+            launches of its copies, sums and parks, which the GPU runs later.
     """
 
     peak_pending: int
@@ -112,6 +135,7 @@ class SinkStats:
     deposits: int
     peak_nodes_per_param: int = 0
     group_tensors: int = 0
+    host_seconds: float = 0.0
 
 
 class SampleGradSink:
@@ -148,6 +172,7 @@ class SampleGradSink:
         self._first = first_index
         self._pending = self._pending_bytes = 0
         self._peak = self._peak_one = self._peak_bytes = self._deposits = self._peak_nodes = self._group = 0
+        self._host_s, self._in_call = 0.0, False
         if keys is None:
             if first_index:
                 raise ValueError("first_index places declared keys in a larger tree: it needs the streamed fold (keys=...)")
@@ -170,8 +195,10 @@ class SampleGradSink:
 
     @property
     def stats(self) -> SinkStats:
-        return SinkStats(self._peak, self._peak_one, self._peak_bytes, self._deposits, self._peak_nodes, self._group)
+        return SinkStats(self._peak, self._peak_one, self._peak_bytes, self._deposits, self._peak_nodes, self._group,
+                         self._host_s)
 
+    @_host_timed
     def add(self, param: torch.Tensor, keys: Sequence[Hashable], partials: Sequence[torch.Tensor], *,
             transfer: bool = False) -> None:
         """Take ``partials[i]`` (the gradient of ``param`` from sample ``keys[i]`` alone) into the fold.
@@ -210,6 +237,7 @@ class SampleGradSink:
             st = self._streams[id(param)] = _Stream(PairwiseFold(self._first, park=self.park))
         self._put(st, keys, [p.detach() for p in partials], transfer)
 
+    @_host_timed
     def add_flat(self, params: Sequence[torch.Tensor], offsets: Sequence[int], keys: Sequence[Hashable],
                  flats: Sequence[torch.Tensor]) -> None:
         """Take, for every ``params[j]``, sample ``keys[i]``'s partial from ``flats[i][offsets[j]:][:numel]``.
@@ -296,6 +324,7 @@ class SampleGradSink:
         self._advance(st, fresh, finish=False)
         self._note(len(st.pending), len(st.tree.nodes))
 
+    @_host_timed
     def done(self, keys: Sequence[Hashable]) -> None:
         """Declare that ``keys`` will deposit no more partials (their micro-batch's backward has run).
 
@@ -321,6 +350,7 @@ class SampleGradSink:
     def params(self) -> list[torch.Tensor]:
         return list(self._params.values())
 
+    @_host_timed
     def fold(self, param: torch.Tensor) -> torch.Tensor | None:
         """``param``'s partials folded over the key tree (FP32), or None if it got none.
 
@@ -350,6 +380,7 @@ class SampleGradSink:
             st.result = st.tree.result()
         return st.result
 
+    @_host_timed
     def nodes(self, param: torch.Tensor) -> list[Node] | None:
         """Streamed fold: ``param``'s open tree nodes once every key is in (the range's reduced form), or None if
         it got no partial. Ends this parameter's fold (a later deposit raises); the nodes are the sink's, handed over."""

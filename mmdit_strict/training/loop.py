@@ -374,7 +374,7 @@ class Trainer:
         stats: dict[tuple[int, tuple[int, int]], torch.Tensor] = {}  # (update, pair) → its diagnostics (host)
         t_opt = t_comm = 0.0
         bytes_moved = 0
-        sink_mb, sink_peak, sink_bound, sink_nodes, parked_mb, grouped = 0.0, 0, 0, 0, 0.0, 0
+        sink_mb, sink_peak, sink_bound, sink_nodes, parked_mb, grouped, sink_s = 0.0, 0, 0, 0, 0.0, 0, 0.0
         n_updates = t.num_inner_epochs * math.ceil(len(pairs) / per_update)
         bar = tqdm(total=n_updates, desc=f"epoch {epoch} train [{self.train_rt.value}]", disable=not self.progress, leave=False)
         u_all = 0
@@ -393,6 +393,7 @@ class Trainer:
                 sink = (SampleGradSink(flat, first_index=first, autograd_sums=sums, park=park) if streamed
                         else SampleGradSink(autograd_sums=sums))
                 sink_bound = max(sink_bound, pending_bound([keys[j] for j in run]) if streamed else len(flat))
+                on_device: list[tuple[list[tuple[int, int]], torch.Tensor]] = []  # (micro-batch's pairs, their stat rows)
                 with collect_sample_grads(sink), side(self.model, self.train_rt):
                     for j in run:
                         part = batches[j]
@@ -408,10 +409,13 @@ class Trainer:
                         sink.done(keys[j])
                         d = ev.logp.detach() - old
                         differs = logp_bytes_differ(ev.logp, old)
-                        rows = torch.stack([pl.ratio.double(), pl.clipped.double(), (0.5 * d ** 2).double(),
-                                            pl.policy.double(), pl.kl.double(), d.abs().double(), differs.double()], dim=1).cpu()
-                        for i, pair in enumerate(part):
-                            stats[u_all, pair] = rows[i]
+                        # to the host once per update, not once per micro-batch (each copy waits for the GPU)
+                        on_device.append((part, torch.stack([pl.ratio.double(), pl.clipped.double(), (0.5 * d ** 2).double(),
+                                                             pl.policy.double(), pl.kl.double(), d.abs().double(),
+                                                             differs.double()], dim=1)))
+                rows = torch.cat([r for _, r in on_device]).cpu()
+                for pair, row in zip((pair for part, _ in on_device for pair in part), rows):
+                    stats[u_all, pair] = row
                 t0 = time.perf_counter()
                 traffic0 = distributed.traffic()
                 before = traffic0.snapshot() if traffic0 is not None else None
@@ -421,6 +425,7 @@ class Trainer:
                 sink_peak = max(sink_peak, st.peak_pending_per_param)
                 sink_nodes = max(sink_nodes, st.peak_nodes_per_param)
                 grouped = max(grouped, st.group_tensors)
+                sink_s += st.host_seconds
                 if park is not None:
                     parked_mb = max(parked_mb, park.stats.peak_host_bytes / 2**20)
                 del sink
@@ -459,7 +464,7 @@ class Trainer:
             "grad_sink": t.grad_sink, "grad_sink_peak_buffer_mb": sink_mb,
             "grad_sink_peak_per_param": sink_peak, "grad_sink_bound_per_param": sink_bound,
             "grad_sink_peak_tree_nodes": sink_nodes, "grad_sink_parked_peak_mb": parked_mb,
-            "grad_sink_group_tensors": grouped, "_time_optimizer": t_opt, "_time_comm": t_comm,
+            "grad_sink_group_tensors": grouped, "time_grad_sink_host_s": sink_s, "_time_optimizer": t_opt, "_time_comm": t_comm,
             "_bytes_moved": bytes_moved,
         }
 

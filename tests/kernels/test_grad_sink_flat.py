@@ -4,6 +4,8 @@ and a deposit log hands a captured backward's flat buffers over in one call."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -26,7 +28,7 @@ def _layout(shapes, gap: int = 3) -> tuple[list[int], int]:
 
 
 def _pack(parts, i_params, k, offsets, size) -> torch.Tensor:
-    flat = torch.full((size,), float("nan"))
+    flat = torch.full((size,), float("nan"), device=parts[i_params[0], k].device)
     flat[::2] = 3.0e38  # junk between the spans: NaN and values that overflow when added
     for i, off in zip(i_params, offsets):
         v = parts[i, k]
@@ -64,7 +66,10 @@ def test_flat_deposits_fold_each_tensor_to_its_own_bytes(per_batch: int, seed: i
     want = _run(SampleGradSink(keys), params, parts, batches, order)
     stored = _run(SampleGradSink(), params, parts, batches, order)
     flat = SampleGradSink(keys, park=HostPark(lookahead=2) if park else None)
+    t0 = time.perf_counter()
     got = _run_flat(flat, params, parts, batches, order, offsets, size, per_tensor_at=per_tensor_at)
+    wall = time.perf_counter() - t0
+    assert 0 < flat.stats.host_seconds <= wall  # the calls into itself (a split group's add) are not counted twice
     for i in range(len(params)):
         assert_bytes_equal(got[i], want[i], f"tensor {i} (flat vs per tensor)")
         assert_bytes_equal(got[i], stored[i], f"tensor {i} (flat vs stored)")
@@ -263,3 +268,26 @@ def test_a_group_split_while_a_node_is_parked_keeps_the_bytes(monkeypatch: pytes
     for i in range(len(params)):
         assert_bytes_equal(got[i], want[i], f"tensor {i}")
     assert park.stats.parks > 1 and park.stats.fetches > len(params)  # the split node came back tensor by tensor
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split_at", [None, 7])
+def test_gpu_flat_deposits_parked_fold_each_tensor_to_its_own_bytes(split_at) -> None:
+    """On the GPU the park's copies run on a side stream: a group parked (and split while a node comes back)
+    still gives every tensor its own fold's bytes."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    keys = sorted(_keys(11))
+    shapes = [(300, 70), (7,), (64, 3, 5), (1,), (129, 33)]
+    params = [torch.empty(s, device="cuda") for s in shapes]
+    parts = {ik: v.cuda() for ik, v in _partials(keys, shapes, seed=12).items()}
+    batches = [keys[i:i + 2] for i in range(0, len(keys), 2)]
+    order = list(range(len(batches)))
+    offsets, size = _layout(shapes, gap=64)
+    park = HostPark(lookahead=2)
+    got = _run_flat(SampleGradSink(keys, park=park), params, parts, batches, order, offsets, size, per_tensor_at=split_at)
+    want = _run(SampleGradSink(keys), params, parts, batches, order)
+    torch.cuda.synchronize()
+    for i in range(len(params)):
+        assert_bytes_equal(got[i], want[i], f"tensor {i}")
+    assert park.stats.parks > 0 and park.stats.peak_host_bytes > 0

@@ -182,9 +182,10 @@ def _cuda_inputs(arch: Any, txt_lens: list[int], seed: int, grid: tuple[int, int
                 else v.to("cuda") if isinstance(v, torch.Tensor) else v) for k, v in inp.items()}
 
 
-def _step(model, inputs: list[dict[str, Any]], keys: list[list[Any]],
-          sums: bool = True) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Forwards of ``inputs`` (each under its keys), one backward of their summed loss: outputs, folds, ``.grad``."""
+def _step(model, inputs: list[dict[str, Any]], keys: list[list[Any]], sums: bool = True,
+          groups: list[int] | None = None) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Forwards of ``inputs`` (each under its keys), one backward of their summed loss: outputs, folds, ``.grad``
+    (``groups``: gets how many tensors the sink folded as one group)."""
     flat = [k for ks in keys for k in ks]
     sink = SampleGradSink(flat, autograd_sums=sums)
     outs = []
@@ -194,6 +195,8 @@ def _step(model, inputs: list[dict[str, Any]], keys: list[list[Any]],
                 outs.append(model(**inp).sample)
     sum(_loss(o) for o in outs).backward()
     sink.done(flat)
+    if groups is not None:
+        groups.append(sink.stats.group_tensors)
     folds = {n: sink.fold(p) for n, p in _trainable(model)}
     grads = {n: p.grad.clone() for n, p in _trainable(model) if p.grad is not None}
     model.zero_grad(set_to_none=True)
@@ -221,11 +224,15 @@ def test_captured_training_step_equals_the_uncaptured_one(checkpointing: bool) -
     calls = [([_cuda_inputs(arch, [77, 20], seed=1)], [[(5, 1), (2, 0)]]),
              ([_cuda_inputs(arch, [77, 20], seed=2)], [[(1, 0), (9, 3)]]),  # same layout, other data and keys
              ([_cuda_inputs(arch, [30], seed=3, grid=(8, 24))], [[(4, 4)]])]
-    eager = [_step(model, i, k) for i, k in calls]
+    eager_groups, graphed_groups = [], []
+    eager = [_step(model, i, k, groups=eager_groups) for i, k in calls]
     model.enable_cuda_graphs()
-    graphed = [_step(model, i, k) for i, k in calls]
+    graphed = [_step(model, i, k, groups=graphed_groups) for i, k in calls]
     again = _step(model, *calls[0])
     assert model.train_graphs.captures == 2 and model.train_graphs.replays == 4, vars(model.train_graphs)
+    # the replays hand the sink their flat partial buffers: every tensor with a partial folded as one group
+    assert eager_groups == [0, 0, 0] and all(g == sum(f is not None for f in e[1].values())
+                                             for g, e in zip(graphed_groups, eager)), (eager_groups, graphed_groups)
     assert model.train_graphs.pools() == 1  # the two layouts' steps were never live together: one pool
     for n, (a, b) in enumerate(zip(eager, graphed)):
         _same(a, b, f"call {n}")
@@ -244,7 +251,9 @@ def test_captured_steps_without_autograd_sums_fold_the_same_bytes_from_shared_bu
     eager = [_step(model, i, k, sums=False) for i, k in calls]
     assert all(not e[2] for e in eager), "a sink without autograd sums left .grad written"
     model.enable_cuda_graphs()
-    graphed = [_step(model, i, k, sums=False) for i, k in calls]
+    groups: list[int] = []
+    graphed = [_step(model, i, k, sums=False, groups=groups) for i, k in calls]
+    assert all(g > 0 for g in groups), groups  # the sequential CFG pair's two replays continue one group
     assert model.train_graphs.captures == 3 and model.train_graphs.replays == 5, vars(model.train_graphs)
     for n, (a, b) in enumerate(zip(eager, graphed)):
         _same(a, b, f"call {n}")
