@@ -9,7 +9,10 @@
 # TRAIN_SHAPE=epoch instead times one epoch of `experiment=grpo_qwen_image` (512², grid 32×32, 2 prompts of up to 64
 #   tokens × G = 8, S = 10, W = 2: 32 pairs in micro-batches of 2); every update draws fresh prompt lengths, so the timed
 #   one captures its own batch layouts as an epoch of `train` does, after a warm-up update that compiled the kernels
-#   (estimated at 6–8 minutes for both engines; not yet timed).
+#   (estimated at 6–8 minutes for both engines; not yet timed). TRAIN_SHAPE=epoch1024: that epoch at 1024² (grid 64×64),
+#   the size the epoch bar names; both engines do not fit one call (about 4.5× the 512² times), so run one
+#   engine per call (TRAIN_EXTRA="--no-profile --engines ours", then "--no-profile --warmup 0 --engines diffusers_peft")
+#   on the same warm machine and join the two reports with `python -m mmdit_strict.bench.train --merge`.
 # diffusers is not in the GPU image: carry its wheels (and any missing dependency) in .whl/; they are installed
 # into /tmp/site without network. Run from the repository root on the GPU machine:
 #   MMDIT_COMMIT=<hash> [TRAIN_EXTRA="--no-profile ..."] bash benchmarks/h200/train_evidence.sh OUT_DIR
@@ -23,8 +26,9 @@ evidence_wheels
 python3 -c 'import diffusers, peft' || { echo "diffusers or peft is not importable: carry the wheels in .whl/" >&2; exit 2; }
 {
   evidence_header
-  if [[ ${TRAIN_SHAPE:-update} == epoch ]]; then
-    time python3 -m mmdit_strict.bench.train --out "$ev" --device cuda --arch qwen-image --layers 60 --grid 32 32 \
+  if [[ ${TRAIN_SHAPE:-update} == epoch || ${TRAIN_SHAPE:-update} == epoch1024 ]]; then
+    grid="32 32"; [[ $TRAIN_SHAPE == epoch1024 ]] && grid="64 64"
+    time python3 -m mmdit_strict.bench.train --out "$ev" --device cuda --arch qwen-image --layers 60 --grid $grid \
       --txt 64 --prompts 2 --fresh-prompts --group 8 --steps 10 --window 2 --micro-batch 2 --lora-rank 64 --warmup 1 \
       ${TRAIN_EXTRA:-}
   else

@@ -39,8 +39,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -358,6 +360,55 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+#: Settings that may differ between the runs :func:`merge_reports` joins (each engine keeps its own).
+PER_RUN = ("warmup", "profile")
+#: What must match in the runs' environments: one machine and one version of the code.
+SAME_ENVIRONMENT = ("gpu", "driver", "torch", "triton", "cuda", "commit", "cpu")
+
+
+def merge_reports(paths: Sequence[str | Path]) -> dict[str, Any]:
+    """One report from ``bench train`` runs of different engines on the same setup (e.g. one engine per GPU call
+    where both do not fit one): their engines side by side, the ratios recomputed. Refuses runs whose setup (all of
+    ``config`` but :data:`PER_RUN`) or environment (:data:`SAME_ENVIRONMENT`) differ, or that share an engine,
+    naming what differs. Each engine keeps its run's :data:`PER_RUN` settings; ``merged_from`` lists the runs."""
+    if len(paths) < 2:
+        raise ValueError("--merge needs at least two train_bench.json reports")
+    runs = []
+    for path in paths:
+        try:
+            runs.append((str(path), json.loads(Path(path).read_text())))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"--merge: cannot read {path}: {exc}") from exc
+    (first, base), engines, errors, merged_from = runs[0], {}, [], []
+    for path, rep in runs:
+        if not {"config", "engines", "environment"} <= set(rep):
+            raise ValueError(f"--merge: {path} is not a bench train report (no config, engines or environment)")
+        differ = sorted(k for k in set(base["config"]) | set(rep["config"])
+                        if k not in PER_RUN and base["config"].get(k) != rep["config"].get(k))
+        if differ:
+            raise ValueError(f"--merge: {path} ran another setup than {first}: {', '.join(differ)} differ")
+        env_differ = [k for k in SAME_ENVIRONMENT if base["environment"].get(k) != rep["environment"].get(k)]
+        if env_differ:
+            raise ValueError(f"--merge: {path} ran elsewhere than {first}: {', '.join(env_differ)} differ")
+        for name, e in rep["engines"].items():
+            if name in engines:
+                raise ValueError(f"--merge: engine {name} is in more than one report ({path})")
+            engines[name] = {**e, **{k: rep["config"].get(k) for k in PER_RUN}}
+        errors += rep.get("errors", [])
+        merged_from.append({"report": path, "engines": list(rep["engines"]), "date_utc": rep["environment"].get("date_utc"),
+                            "wall_s": rep.get("wall_s"), **{k: rep["config"].get(k) for k in PER_RUN}})
+    config = dict(base["config"])
+    for k in PER_RUN:
+        values = {name: e[k] for name, e in engines.items()}
+        config[k] = next(iter(values.values())) if len(set(map(str, values.values()))) == 1 else \
+            ", ".join(f"{name} {v}" for name, v in values.items())
+    report = {"config": config, "engines": engines, "ratios": ratios(engines), "errors": errors,
+              "environment": base["environment"], "merged_from": merged_from}
+    if "ours_parked" in engines:
+        report["ratios_parked"] = ratios(engines, ours="ours_parked")
+    return report
+
+
 def _fmt(x: float | None, spec: str = ".3f") -> str:
     return "—" if x is None else format(x, spec)
 
@@ -373,6 +424,10 @@ def render(report: dict[str, Any]) -> str:
              f"{c.get('prompts', 1) * c['group'] * c['window']} pairs in micro-batches of {c['micro_batch']}; LoRA rank "
              f"{c['lora_rank']} on {len(c['lora_targets'])} targets, gradient checkpointing, {c['dtype']}, "
              f"{c['warmup']} untimed warm-up update(s). Same base weights (one storage), same LoRA init.", ""]
+    if report.get("merged_from"):
+        lines += ["Merged from runs of one setup on one machine, one process each (`bench train --merge`): " +
+                  "; ".join(f"{', '.join(m['engines'])} ({m.get('date_utc') or '—'})" for m in report["merged_from"]) +
+                  ". Each process builds the same seeded random weights; the ratios compare runs, not one process.", ""]
     rows = []
     for name, e in report["engines"].items():
         if "error" in e:
@@ -457,12 +512,22 @@ def parser() -> argparse.ArgumentParser:
                    help="ours: the grad sink's waiting fold nodes in pinned host memory (train.park_fold_nodes=true)")
     p.add_argument("--graph-pools", choices=["shared", "per-instance"], default="shared",
                    help="ours on CUDA: captured graphs share memory pools as the model does by default, or each has its own")
+    p.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                   help="join train_bench.json reports of different --engines runs of one setup on one machine into one "
+                        "report in --out (ratios recomputed); runs nothing")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
+    if args.merge:
+        try:
+            report = merge_reports(args.merge)
+        except ValueError as exc:
+            p.error(str(exc))
+        print(write_report(args.out, "train_bench", report, render))
+        return 0
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.arch = args.arch or ("qwen-image" if args.device == "cuda" else "tiny")
     sizes = SIZES[args.arch]

@@ -108,3 +108,38 @@ def test_bench_train_times_ours_with_parked_fold_nodes_beside_ours(tmp_path: Pat
     assert ours["first_update_ratio_exact_one"] is True and parked["first_update_ratio_exact_one"] is True
     assert report["ratios"] == {} and report["ratios_parked"] == {}  # no peer ran: no ratios
     assert "Ours / theirs" not in (out / "train_bench.md").read_text()
+
+
+def test_runs_of_one_engine_each_merge_into_one_report(tmp_path: Path, capsys) -> None:
+    """``--merge``: two runs (one engine each, as two GPU calls where both do not fit one) give the report a run of
+    both would have, ratios from their figures; runs of another setup, machine or code, or sharing an engine, are
+    refused with what differs."""
+    common = ["--device", "cpu", "--steps", "2", "--window", "1"]
+    assert train_bench.main(["--out", str(tmp_path / "a"), *common, "--engines", "ours"]) == 0
+    assert train_bench.main(["--out", str(tmp_path / "b"), *common, "--warmup", "0", "--engines", "diffusers_peft"]) == 0
+    a, b = (tmp_path / "a" / "train_bench.json"), (tmp_path / "b" / "train_bench.json")
+    assert train_bench.main(["--out", str(tmp_path / "m"), "--merge", str(a), str(b)]) == 0
+    merged = json.loads((tmp_path / "m" / "train_bench.json").read_text())
+    ra, rb = json.loads(a.read_text()), json.loads(b.read_text())
+    assert list(merged["engines"]) == ["ours", "diffusers_peft"] and merged["errors"] == []
+    assert merged["engines"]["ours"]["warmup"] == 1 and merged["engines"]["diffusers_peft"]["warmup"] == 0
+    assert merged["config"]["warmup"] == "ours 1, diffusers_peft 0"
+    for phase in [*train_bench.PHASES, "total"]:
+        pick = (lambda r, n: r["engines"][n]["total"] if phase == "total" else r["engines"][n]["phases"][phase])
+        assert merged["ratios"][phase]["wall_s"] == pytest.approx(pick(ra, "ours")["wall_s"] / pick(rb, "diffusers_peft")["wall_s"])
+    assert [m["engines"] for m in merged["merged_from"]] == [["ours"], ["diffusers_peft"]]
+    md = (tmp_path / "m" / "train_bench.md").read_text()
+    assert "Merged from runs of one setup" in md and "Ours / theirs" in md and "| ours | total |" in md
+
+    def refused(report: dict, message: str) -> None:
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps(report))
+        with pytest.raises(SystemExit) as exc:
+            train_bench.main(["--out", str(tmp_path / "x"), "--merge", str(a), str(bad)])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+
+    refused({**rb, "config": {**rb["config"], "steps": 3}}, "ran another setup than")
+    refused({**rb, "environment": {**rb["environment"], "commit": "0000000"}}, "commit differ")
+    refused(ra, "engine ours is in more than one report")
+    refused({"engines": {}}, "is not a bench train report")
+    assert not (tmp_path / "x").exists()
