@@ -120,9 +120,11 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--arch qwen-image on the CPU builds the 20B model: pass --arch tiny, or --layers N for a slice")
 
 
-def build_engines(arch: ArchConfig, device: str, dtype: torch.dtype, rank: int, shared_pools: bool = True) -> list[Engine]:
+def build_engines(arch: ArchConfig, device: str, dtype: torch.dtype, rank: int, shared_pools: bool = True,
+                  fold_batches: bool = False) -> list[Engine]:
     """Theirs (diffusers + PEFT, first: it runs before ours holds CUDA-graph memory) and ours, on one weight storage
-    (``shared_pools`` False: ours gives each captured graph its own memory pool, to measure what sharing saves)."""
+    (``shared_pools`` False: ours gives each captured graph its own memory pool, to measure what sharing saves;
+    ``fold_batches``: ours folds a batch that is one node of the sink's tree inside its captured backward)."""
     from ..model.diffusers_compat import diffusers_twin
     from ..model.init import build_model
 
@@ -140,6 +142,7 @@ def build_engines(arch: ArchConfig, device: str, dtype: torch.dtype, rank: int, 
     if device == "cuda":
         ours.enable_cuda_graphs()
         ours.graph_cache.share_pool = ours.train_graphs.share_pools = shared_pools
+        ours.train_graphs.fold_batches = fold_batches
     what = "MMDiT strict" + (" + CUDA graphs" if device == "cuda" else "") + ", grad sink"
     return [Engine("diffusers_peft", theirs, Runtime.OFF, False, "diffusers QwenImageTransformer2DModel + PEFT, eager, autograd"),
             Engine("ours", ours, Runtime.STRICT, True, what),
@@ -155,6 +158,7 @@ def _fresh_graphs(model: torch.nn.Module) -> None:
         return
     model.enable_cuda_graphs()
     model.graph_cache.share_pool, model.train_graphs.share_pools = fwd.share_pool, train.share_pools
+    model.train_graphs.fold_batches = train.fold_batches
 
 
 def _train_phase(engine: Engine, up: Update, samples: EpochSamples) -> tuple[SampleGradSink | None, dict[str, Any]]:
@@ -314,8 +318,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dtype_name = "bfloat16" if device.type == "cuda" else "float32"  # the CPU strict backend computes in FP32
     dtype = DTYPES[dtype_name]
     grid = (int(args.grid[0]), int(args.grid[1]))
-    engines = [e for e in build_engines(arch, args.device, dtype, args.lora_rank, args.graph_pools == "shared")
-               if e.name in args.engines]
+    engines = [e for e in build_engines(arch, args.device, dtype, args.lora_rank, args.graph_pools == "shared",
+                                        args.fold_batches) if e.name in args.engines]
     for e in engines:
         e.park_fold_nodes = e.park_fold_nodes or (e.name == "ours" and args.park_fold_nodes)
     shortest = args.txt if args.prompts == 1 and not args.fresh_prompts else max(1, args.txt // 2)
@@ -352,7 +356,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "group": args.group, "steps": args.steps, "window": args.window, "micro_batch": args.micro_batch,
               "lora_rank": args.lora_rank, "lora_targets": list(LORA_TARGETS), "device": args.device, "dtype": str(dtype),
               "cfg_scale": CFG_SCALE, "eta": ETA, "cfg_layout": args.cfg_layout, "warmup": args.warmup, "profile": args.profile,
-              "graph_pools": args.graph_pools, "park_fold_nodes": args.park_fold_nodes,
+              "graph_pools": args.graph_pools, "park_fold_nodes": args.park_fold_nodes, "fold_batches": args.fold_batches,
               "grad_checkpointing": True, "clip_range": tcfg.clip_range, "learning_rate": tcfg.learning_rate}
     report = {"config": config, "engines": results, "ratios": ratios(results), "errors": errors}
     if "ours_parked" in results:
@@ -512,6 +516,9 @@ def parser() -> argparse.ArgumentParser:
                    help="ours: the grad sink's waiting fold nodes in pinned host memory (train.park_fold_nodes=true)")
     p.add_argument("--graph-pools", choices=["shared", "per-instance"], default="shared",
                    help="ours on CUDA: captured graphs share memory pools as the model does by default, or each has its own")
+    p.add_argument("--fold-batches", action="store_true",
+                   help="ours: a captured training step whose keys are one node of the grad sink's tree folds its batch in "
+                        "the graph (train.fold_captured_batches=true; with --cfg-layout batched, micro-batches of 2^k pairs)")
     p.add_argument("--merge", nargs="+", metavar="JSON", default=None,
                    help="join train_bench.json reports of different --engines runs of one setup on one machine into one "
                         "report in --out (ratios recomputed); runs nothing")

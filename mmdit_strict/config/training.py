@@ -60,6 +60,11 @@ class TrainConfig:
     # keys, each an FP32 copy of the LoRA) sit in pinned host memory, copied back a micro-batch ahead of their join on a side
     # stream; same bytes, less device memory, PCIe traffic of about half a LoRA per key
     park_fold_nodes: bool = False
+    # True (streamed sink, captured training steps on CUDA): a training forward whose sample keys are one node of the
+    # fold's tree (in the batched CFG layout, a micro-batch of 2^k keys from a multiple of 2^k) folds its batch's
+    # partials inside the captured backward: one partial buffer per LoRA tensor instead of one per tensor and sample,
+    # nothing buffered out of order; same bytes. Off until a GPU run has compared it with the uncaptured step
+    fold_captured_batches: bool = False
     runtime: Optional[str] = None  # None → runtime.mode; "off" shows how far the production path drifts
     recompute_old_logp: bool = False  # debug: recompute the old logp before training and require equal bytes
     clip_range: float = 1.0e-4

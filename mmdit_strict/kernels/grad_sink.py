@@ -78,7 +78,8 @@ class _Stream:
 
     tree: PairwiseFold
     next: int = 0
-    pending: dict[int, torch.Tensor] = field(default_factory=dict)  # position in the sorted keys → owned partial
+    # position in the sorted keys → (owned partial, or fold of the 2^level keys from there; level)
+    pending: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
     seen: set[int] = field(default_factory=set)
     result: torch.Tensor | None = None
     width: int = 1  # tensors one value stands for (a cohort's flat values: its members)
@@ -266,6 +267,42 @@ class SampleGradSink:
         self._deposits += len(keys) * len(params)
         self._put(cohort.stream, keys, [f.detach() for f in flats], False)
 
+    @_host_timed
+    def add_flat_node(self, params: Sequence[torch.Tensor], offsets: Sequence[int], keys: Sequence[Hashable],
+                      flat: torch.Tensor) -> None:
+        """Streamed: take, for every ``params[j]``, the fold of ``keys``' partials, ``flat[offsets[j]:][:numel]``:
+        ``keys`` are the leaves of one complete node of the tree (:meth:`node_order`) and the value is that node's,
+        their partials added pairwise in sorted-key order (a captured step that folds its own batch: the same bytes as
+        :meth:`add_flat` of each key's partial). ``flat`` is read only during the call. Tensors folded as one group,
+        as :meth:`add_flat`."""
+        if self._rank is None:
+            raise ValueError("a fold node of several keys is placed by the streamed fold only (SampleGradSink(keys))")
+        if len(params) != len(offsets):
+            raise ValueError(f"{len(params)} parameters for {len(offsets)} offsets")
+        late = [k for k in keys if k in self._done]
+        if late:
+            raise ValueError(f"gradient partial for sample key {late[0]!r} after the sink was told it is done")
+        self._node_of(keys)
+        cohort = self._cohort_for(params, offsets, [flat])
+        if cohort is None:
+            for p, off in zip(params, offsets):
+                c = self._cohorts.get(id(p))
+                if c is not None and not c.finished:
+                    self._dissolve(c)
+                if id(p) in self._finished:
+                    raise ValueError("gradient partial for a parameter whose streamed fold was already taken")
+                self._params[id(p)] = p
+                self._deposits += len(keys)
+                st = self._streams.get(id(p))
+                if st is None:
+                    st = self._streams[id(p)] = _Stream(PairwiseFold(self._first, park=self.park))
+                self._put_node(st, keys, flat[off:off + p.numel()].view(p.shape))
+            return
+        if cohort.finished:
+            raise ValueError("gradient partial for a parameter whose streamed fold was already taken")
+        self._deposits += len(keys) * len(params)
+        self._put_node(cohort.stream, keys, flat.detach())
+
     def _cohort_for(self, params: Sequence[torch.Tensor], offsets: Sequence[int],
                     flats: Sequence[torch.Tensor]) -> _Cohort | None:
         """The cohort these flat deposits continue (or start), or None to take them tensor by tensor."""
@@ -301,28 +338,67 @@ class SampleGradSink:
         trees = st.tree.split(spans)
         for (off, n, shape), p, tree in zip(spans, cohort.params, trees):
             del self._cohorts[id(p)]
-            pending = {r: v[off:off + n].view(shape) for r, v in st.pending.items()}
+            pending = {r: (v[off:off + n].view(shape), level) for r, (v, level) in st.pending.items()}
             self._streams[id(p)] = _Stream(tree, st.next, pending, set(st.seen))
-        for v in st.pending.values():
+        for v, _ in st.pending.values():
             self._pending_bytes -= v.numel() * v.element_size() - sum(n for _, n, _ in spans) * v.element_size()
 
     def _put(self, st: _Stream, keys: Sequence[Hashable], values: Sequence[torch.Tensor], transfer: bool) -> None:
         """Streamed: place ``values[i]`` (key ``keys[i]``) in ``st``'s fold, or buffer it until its turn."""
         assert self._rank is not None
-        fresh: dict[int, tuple[torch.Tensor, bool]] = {}  # position → (partial, owned by the sink)
+        fresh: dict[int, tuple[torch.Tensor, bool, int]] = {}  # position → (partial, owned by the sink, level 0)
         for k, v in zip(keys, values):
-            r = self._rank.get(k)
-            if r is None:
-                raise ValueError(f"sample key {k!r} was not declared to this streamed SampleGradSink")
-            if r in st.seen or r in fresh:
-                raise ValueError(
-                    f"a second gradient partial for sample key {k!r} of one parameter: the streamed fold takes one "
-                    "partial per (parameter, key); use the stored fold (SampleGradSink() without keys) when a layer "
-                    "runs more than once per sample")
-            fresh[r] = (v, transfer)
+            r = self._checked_rank(st, k, fresh)
+            fresh[r] = (v, transfer, 0)
         st.seen.update(fresh)
         self._advance(st, fresh, finish=False)
         self._note(len(st.pending), len(st.tree.nodes))
+
+    def _checked_rank(self, st: _Stream, key: Hashable, fresh: dict) -> int:
+        assert self._rank is not None
+        r = self._rank.get(key)
+        if r is None:
+            raise ValueError(f"sample key {key!r} was not declared to this streamed SampleGradSink")
+        if r in st.seen or r in fresh:
+            raise ValueError(
+                f"a second gradient partial for sample key {key!r} of one parameter: the streamed fold takes one "
+                "partial per (parameter, key); use the stored fold (SampleGradSink() without keys) when a layer "
+                "runs more than once per sample")
+        return r
+
+    def _put_node(self, st: _Stream, keys: Sequence[Hashable], value: torch.Tensor) -> None:
+        """Streamed: place the fold of ``keys``' partials (one complete node of the tree, :meth:`node_order`) in ``st``'s
+        fold, or buffer it until its turn (copied then)."""
+        ranks: dict[int, tuple] = {}
+        for k in keys:
+            ranks[self._checked_rank(st, k, ranks)] = ()
+        start, level = self._node_of(keys)
+        st.seen.update(ranks)
+        self._advance(st, {start: (value, False, level)}, finish=False)
+        self._note(len(st.pending), len(st.tree.nodes))
+
+    def node_order(self, keys: Sequence[Hashable]) -> tuple[int, ...] | None:
+        """Streamed: where ``keys`` (a forward's sample keys, in batch order) are the leaves of one complete node of this
+        sink's tree — ``2^l >= 2`` keys next to each other in the sorted order, the first at a leaf index that is a
+        multiple of ``2^l`` — the batch positions in sorted-key order (the order the node folds them in); else None."""
+        if self._rank is None or len(keys) < 2 or len(keys) & (len(keys) - 1) or len(set(keys)) != len(keys):
+            return None
+        ranks = [self._rank.get(k) for k in keys]
+        if any(r is None for r in ranks):
+            return None
+        order = sorted(range(len(keys)), key=lambda i: ranks[i])
+        lo = ranks[order[0]]
+        if ranks[order[-1]] - lo != len(keys) - 1 or (self._first + lo) % len(keys):
+            return None
+        return tuple(order)
+
+    def _node_of(self, keys: Sequence[Hashable]) -> tuple[int, int]:
+        """(first position, level) of the complete node whose leaves are ``keys``; ValueError if they are none."""
+        if self.node_order(keys) is None:
+            raise ValueError(f"sample keys {list(keys)!r} are not the leaves of one complete node of this sink's tree "
+                             "(2^l consecutive keys in sorted order from a leaf index that is a multiple of 2^l)")
+        assert self._rank is not None
+        return min(self._rank[k] for k in keys), len(keys).bit_length() - 1
 
     @_host_timed
     def done(self, keys: Sequence[Hashable]) -> None:
@@ -424,32 +500,35 @@ class SampleGradSink:
         cohort.finished = True
         self._finished.update(id(p) for p in cohort.params)
 
-    def _advance(self, st: _Stream, fresh: dict[int, tuple[torch.Tensor, bool]], finish: bool) -> None:
-        """Put every partial at the frontier into the tree (an empty leaf for a key done without a deposit
-        here); buffer what is still out of order (copied unless the sink owns it)."""
+    def _advance(self, st: _Stream, fresh: dict[int, tuple[torch.Tensor, bool, int]], finish: bool) -> None:
+        """Put every partial (or node: ``level`` > 0) at the frontier into the tree (an empty leaf for a key done
+        without a deposit here); buffer what is still out of order (copied unless the sink owns it)."""
         while st.next < len(self._order):
             r = st.next
             if r in fresh:
-                part, owned = fresh.pop(r)
-                st.tree.leaf(part, owned, settle=False)  # copied below only if it still waits when this call ends
+                part, owned, level = fresh.pop(r)
+                # copied at settle() below only if it still waits when this call ends
+                st.tree.push(Node(level, st.tree.next, part, owned), settle=False)
             elif r in st.pending:
-                st.tree.leaf(self._unbuffer(st, r), True)
+                part, level = self._unbuffer(st, r)
+                st.tree.push(Node(level, st.tree.next, part, True))
             elif finish or self._order[r] in self._done:
+                level = 0
                 st.tree.leaf(None)
             else:
                 break
-            st.next += 1
+            st.next += 1 << level
         st.tree.settle()
-        for r, (p, owned) in fresh.items():
-            st.pending[r] = p if owned else p.clone()
+        for r, (p, owned, level) in fresh.items():
+            st.pending[r] = (p if owned else p.clone(), level)
             self._pending += st.width
             self._pending_bytes += p.numel() * p.element_size()
 
-    def _unbuffer(self, st: _Stream, r: int) -> torch.Tensor:
-        p = st.pending.pop(r)
+    def _unbuffer(self, st: _Stream, r: int) -> tuple[torch.Tensor, int]:
+        p, level = st.pending.pop(r)
         self._pending -= st.width
         self._pending_bytes -= p.numel() * p.element_size()
-        return p
+        return p, level
 
     def _note(self, per_param: int, nodes: int) -> None:
         self._peak = max(self._peak, self._pending)
@@ -471,20 +550,31 @@ class DepositLog:
     position ``position`` into (``occurrence``: how many partials of that pair came before it in this
     backward), or None for a fresh one. Buffers shared by several captured backwards hold one replay's
     partials at a time, which :meth:`replay` hands on before the next replay writes them.
+
+    ``fold``: the batch positions in sorted-key order, for a backward whose call's keys are the leaves of one
+    complete node of the sink's tree (``SampleGradSink.node_order``). Once ``buffers`` is set, a deposit of all
+    positions of a tensor is folded there and then — its partials added pairwise in that order, the node's value —
+    into ``buffers(param, 0, occurrence)``, and the per-sample partials are temporaries: one buffer per tensor instead
+    of one per tensor and position, and the sink gets one node (``add_flat_node``) instead of B partials.
     """
 
     def __init__(self, autograd_sums: bool = True,
-                 buffers: Callable[[torch.Tensor, int, int], torch.Tensor | None] | None = None) -> None:
+                 buffers: Callable[[torch.Tensor, int, int], torch.Tensor | None] | None = None,
+                 fold: tuple[int, ...] | None = None) -> None:
         self.autograd_sums = autograd_sums  # as the real sink's (SampleGradSink): read by the captured backward
         self.buffers = buffers
+        if fold is not None and sorted(fold) != list(range(len(fold))):
+            raise ValueError(f"fold must order the batch positions 0 .. B-1, got {fold}")
+        self.fold = fold
         self.flat: FlatBuffers | None = None  # flat buffers ``buffers`` hands out views of (one per batch position)
         self._uses: dict[tuple[int, int], int] = {}
         self.entries: list[tuple[torch.Tensor, tuple[int, ...], list[torch.Tensor]]] = []
         self._plan: _FlatPlan | None | bool = False  # False: not worked out yet
 
     def partial_buffers(self, param: torch.Tensor, keys: Sequence[int]) -> list[torch.Tensor] | None:
-        """The buffers ``buffers`` gives for ``param`` at batch positions ``keys`` (None unless it gives them all)."""
-        if self.buffers is None:
+        """The buffers ``buffers`` gives for ``param`` at batch positions ``keys`` (None unless it gives them all; None
+        when folding: the partials are temporaries)."""
+        if self.buffers is None or self._folding(keys):
             return None
         found: list[torch.Tensor | None] = []
         for pos in keys:
@@ -500,8 +590,33 @@ class DepositLog:
             raise ValueError(f"{len(keys)} sample keys for {len(partials)} gradient partials")
         if not all(isinstance(k, int) for k in keys):
             raise ValueError("a DepositLog records batch positions: bind sample_keys=range(B) while it is the sink")
-        self.entries.append((param, tuple(keys), [p.detach() for p in partials]))
+        if self._folding(keys):
+            n = self._uses.get((id(param), -1), 0)
+            self._uses[id(param), -1] = n + 1
+            out = self.fold_into(param, n, keys, partials, transfer)
+            self.entries.append((param, tuple(range(len(keys))), [out.detach()]))
+        else:
+            self.entries.append((param, tuple(keys), [p.detach() for p in partials]))
         self._plan = False
+
+    def fold_into(self, param: torch.Tensor, occurrence: int, positions: Sequence[int], partials: Sequence[torch.Tensor],
+                  transfer: bool = False) -> torch.Tensor:
+        """Fold mode: add ``partials`` (of batch ``positions``) pairwise in :attr:`fold`'s order into ``param``'s buffer
+        for that occurrence and return it (what a folding deposit does, and what its captured graph does each replay)."""
+        assert self.fold is not None and self.buffers is not None
+        out = self.buffers(param, 0, occurrence)
+        if out is None:
+            raise RuntimeError("DepositLog(fold=...): no buffer for a folded deposit (reserve one per tensor first)")
+        at = {pos: part.detach() for pos, part in zip(positions, partials)}
+        tree = fold_tree.PairwiseFold(copy_held=False)  # temporaries made for the sink (transfer) are summed in place
+        for pos in self.fold:
+            tree.leaf(at[pos], owned=transfer)
+        return out.copy_(tree.result())
+
+    def _folding(self, positions: Sequence[int]) -> bool:
+        """Whether a deposit at these positions is folded into one node (fold mode, buffers set, every position)."""
+        return (self.fold is not None and self.buffers is not None and len(positions) == len(self.fold)
+                and sorted(positions) == list(range(len(self.fold))))
 
     def clear(self) -> None:
         self.entries.clear()
@@ -514,11 +629,21 @@ class DepositLog:
         plan = self._flat_plan() if sink.streamed else None
         if plan is None:
             for param, positions, partials in self.entries:
-                sink.add(param, [keys[i] for i in positions], partials, transfer=False)
+                self._hand(sink, param, [keys[i] for i in positions], partials)
             return
-        sink.add_flat(plan.params, plan.offsets, [keys[i] for i in range(len(plan.flats))], plan.flats)
+        if plan.node:
+            sink.add_flat_node(plan.params, plan.offsets, list(keys), plan.flats[0])
+        else:
+            sink.add_flat(plan.params, plan.offsets, [keys[i] for i in range(len(plan.flats))], plan.flats)
         for param, positions, partials in plan.rest:
-            sink.add(param, [keys[i] for i in positions], partials, transfer=False)
+            self._hand(sink, param, [keys[i] for i in positions], partials)
+
+    @staticmethod
+    def _hand(sink: SampleGradSink, param: torch.Tensor, keys: list[Hashable], partials: list[torch.Tensor]) -> None:
+        if len(partials) == 1 and len(keys) > 1:  # a folded deposit: one node for all the call's keys
+            sink.add_flat_node([param], [0], keys, partials[0].reshape(-1))
+        else:
+            sink.add(param, keys, partials, transfer=False)
 
     def _flat_plan(self) -> "_FlatPlan | None":
         """The recorded deposits that are exactly one partial per batch position for each of some of :attr:`flat`'s
@@ -533,6 +658,8 @@ class DepositLog:
         flat = self.flat
         if flat is None or not self.entries:
             return None
+        if self.fold is not None:
+            return self._make_node_plan(flat)
         batch = 1 + max((max(pos) for _, pos, _ in self.entries if pos), default=-1)
         if batch > len(flat.flats):
             return None
@@ -555,6 +682,27 @@ class DepositLog:
         return _FlatPlan(tuple(flat.params[j] for j in members), tuple(flat.offsets[j] for j in members),
                          tuple(flat.flats[:batch]), rest)
 
+    def _make_node_plan(self, flat: "FlatBuffers") -> "_FlatPlan | None":
+        """Fold mode: the tensors whose one folded deposit sits in their view of the first flat buffer."""
+        if not flat.flats:
+            return None
+        where = {flat.flats[0].data_ptr() + off * flat.flats[0].element_size(): j for j, off in enumerate(flat.offsets)}
+        got: dict[int, int] = {}
+        rest = []
+        for entry in self.entries:
+            param, positions, partials = entry
+            j = where.get(partials[0].data_ptr()) if len(partials) == 1 and len(positions) > 1 else None
+            if j is not None and flat.params[j] is param and partials[0].shape == param.shape:
+                got[j] = got.get(j, 0) + 1
+            else:
+                rest.append(entry)
+        rest_ids = {id(param) for param, _, _ in rest}
+        members = sorted(got)
+        if not members or any(got[j] != 1 or id(flat.params[j]) in rest_ids for j in members):
+            return None
+        return _FlatPlan(tuple(flat.params[j] for j in members), tuple(flat.offsets[j] for j in members),
+                         flat.flats[:1], rest, node=True)
+
 
 @dataclass(frozen=True)
 class FlatBuffers:
@@ -576,6 +724,7 @@ class _FlatPlan:
     offsets: tuple[int, ...]
     flats: tuple[torch.Tensor, ...]
     rest: list[tuple[torch.Tensor, tuple[int, ...], list[torch.Tensor]]]
+    node: bool = False  # flats[0] holds each tensor's fold of all the call's keys (fold mode)
 
 
 def pending_bound(batches: Sequence[Sequence[Hashable]]) -> int:

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from ..kernels.execution import current, using
-from ..kernels.grad_sink import DepositLog, FlatBuffers
+from ..kernels.grad_sink import DepositLog, FlatBuffers, SampleGradSink
 from ..kernels.keepalive import retaining
 from ..kernels.trace import OperatorTrace, active_trace, capture_trace
 from .graphs import load_inputs, static_inputs
@@ -125,10 +125,11 @@ class PartialArena:
         """Point a capture's deposit log at this arena: a buffer for every trained tensor at every position (views
         of the flat buffers; a short warm-up deposits for two blocks only), plus one for each deposit the warm-up's
         log shows beyond that (a layer used twice)."""
-        log.flat = self.flat(params, batch)
+        positions = 1 if log.fold is not None else batch  # a folding backward writes one node per tensor
+        log.flat = self.flat(params, positions)
         if log.flat is None:
             for p in params:
-                for pos in range(batch):
+                for pos in range(positions):
                     self._ensure((id(p), pos, 0), p.shape, torch.float32, p.device)
         self.reserve(log.entries)
         log.buffers = self.buffer
@@ -263,13 +264,18 @@ class TrainGraphCache:
     ``max_instances`` bounds the captured instances (pairs of graphs) over every key; the least recently
     used idle one goes first, and a call that finds no instance of its key it may replay and no room runs
     uncaptured. ``share_pools``: instances share memory pools by group (module docstring); False gives each
-    its own pool. :meth:`clear` releases them all (needed after swapping parameters' storage, e.g.
-    ``load_state_dict(assign=True)``).
+    its own pool. ``fold_batches``: a call under a streamed sink whose sample keys are the leaves of one node of
+    the sink's tree (``SampleGradSink.node_order``: e.g. both CFG branches of a pair, in the batched layout) gets an
+    instance whose backward folds its batch's partials into that node inside the graph, so it writes one partial
+    buffer per tensor instead of one per tensor and sample, and the sink takes one node; same bytes. Off by default
+    until the GPU has compared it with the uncaptured step. :meth:`clear` releases them all (needed after swapping
+    parameters' storage, e.g. ``load_state_dict(assign=True)``).
     """
 
-    def __init__(self, max_instances: int = 4, share_pools: bool = True) -> None:
+    def __init__(self, max_instances: int = 4, share_pools: bool = True, fold_batches: bool = False) -> None:
         self.max_instances = max_instances
         self.share_pools = share_pools
+        self.fold_batches = fold_batches
         self._entries: OrderedDict[tuple, list[_Instance]] = OrderedDict()
         self.captures = 0
         self.replays = 0
@@ -301,7 +307,9 @@ class TrainGraphCache:
         if with_sink and len(keys) != batch:
             raise ValueError(f"sample_keys declares {len(keys)} samples but this forward has {batch}")
         sums = sink.autograd_sums if with_sink else True  # False: the captured backward leaves the sums out
-        key = (layout_key, with_sink, sums, tuple(id(p) for p in params))
+        # a call whose keys are one node of the sink's tree may fold its batch in the graph (DepositLog(fold=...))
+        fold = sink.node_order(keys) if with_sink and self.fold_batches and isinstance(sink, SampleGradSink) else None
+        key = (layout_key, with_sink, sums, tuple(id(p) for p in params), fold)
         held = self._entries.get(key)
         busy = self.busy_groups()
         inst = next((i for i in held if i.group not in busy), None) if held else None
@@ -313,7 +321,7 @@ class TrainGraphCache:
             # the pool of an instance of the group still held (none left: the allocator frees the group's pool and
             # the capture makes a new one)
             pool = next((i.forward.pool() for i in self._instances() if i.group == group), None)
-            inst = self._capture(inputs, params, forward, with_sink, sums, self._arena, warmup, pool)
+            inst = self._capture(inputs, params, forward, with_sink, sums, self._arena, warmup, pool, fold)
             inst.group = group
             self._entries.setdefault(key, []).append(inst)
             self.captures += 1
@@ -359,9 +367,10 @@ class TrainGraphCache:
     @staticmethod
     def _capture(inputs: "ModelInputs", params: list[torch.Tensor], forward: Callable[["ModelInputs"], torch.Tensor],
                  with_sink: bool, sums: bool = True, arena: PartialArena | None = None,
-                 warmup: Callable[["ModelInputs"], torch.Tensor] | None = None, pool: tuple | None = None) -> _Instance:
+                 warmup: Callable[["ModelInputs"], torch.Tensor] | None = None, pool: tuple | None = None,
+                 fold: tuple[int, ...] | None = None) -> _Instance:
         static = static_inputs(inputs)
-        log = DepositLog(autograd_sums=sums) if with_sink else None
+        log = DepositLog(autograd_sums=sums, fold=fold) if with_sink else None
         positions = tuple(range(inputs.hidden_states.shape[0])) if with_sink else None
         bound = current().replace(grad_sink=log, sample_keys=positions)
         with using(bound):

@@ -91,7 +91,8 @@ EVAL_ID_BASE = 1 << 40
 #: the schema must match the checkpoint's.
 RESUME_FREE = ("resume", "progress", "wandb", "output_dir", "_choices_", "train.num_epochs", "train.eval_freq",
                "train.save_freq", "train.export", "train.recompute_old_logp", "train.cpu_threads", "train.grad_sink",
-               "train.keep_attention_outputs", "train.sort_update_pairs", "train.park_fold_nodes", "distributed")
+               "train.keep_attention_outputs", "train.sort_update_pairs", "train.park_fold_nodes",
+               "train.fold_captured_batches", "distributed")
 
 UpdateHook = Callable[[int, int, int], None]
 
@@ -207,6 +208,8 @@ class Trainer:
         if not self.rollout_layout.trivial:  # refused before any work without torchrun or on a world it does not fit
             build_model_parallel(self.rollout_layout)
         self.model = build_side_model(self.mcfg, self.lcfg, self.rollout_rt)
+        if getattr(self.model, "train_graphs", None) is not None:
+            self.model.train_graphs.fold_batches = self.tcfg.fold_captured_batches
         self.model.enable_gradient_checkpointing(self.tcfg.grad_checkpointing,
                                                  keep_attention_outputs=self.tcfg.keep_attention_outputs)
         self.device = self.model.device

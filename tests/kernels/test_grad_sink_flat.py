@@ -291,3 +291,71 @@ def test_gpu_flat_deposits_parked_fold_each_tensor_to_its_own_bytes(split_at) ->
     for i in range(len(params)):
         assert_bytes_equal(got[i], want[i], f"tensor {i}")
     assert park.stats.parks > 0 and park.stats.peak_host_bytes > 0
+
+
+def _node_flat(parts, idx, keys_sorted, offsets, size) -> torch.Tensor:
+    """What a captured step folding its own batch hands over: per tensor, the pairwise fold of the keys' partials in
+    sorted-key order, in one flat buffer (junk between the spans)."""
+    from mmdit_strict.kernels.fold_tree import fold
+
+    flat = _pack(parts, idx, keys_sorted[0], offsets, size)
+    for i, off in zip(idx, offsets):
+        node = fold([parts[i, k] for k in keys_sorted])
+        flat[off:off + node.numel()] = node.reshape(-1)
+    return flat
+
+
+@pytest.mark.parametrize("how", ["nodes in order", "nodes out of order", "mixed", "split", "parked"])
+def test_flat_nodes_of_whole_micro_batches_fold_to_each_tensors_own_bytes(how: str) -> None:
+    """Micro-batches of 4 consecutive keys from a multiple of 4 handed over as the fold of their partials (one node)
+    give every tensor its per-tensor fold's bytes: in key order, out of order (nodes wait in the buffer), mixed with
+    flat per-key deposits, with one micro-batch tensor by tensor (the group splits), parked."""
+    keys = sorted(_keys(10))  # 20 keys: micro-batches of 4, and a last one of 4 that ends past a power of two
+    params = [torch.empty(s) for s in SHAPES]
+    parts = _partials(keys, SHAPES, seed=13)
+    batches = [keys[i:i + 4] for i in range(0, len(keys), 4)]
+    order = [1, 0, 3, 4, 2] if how == "nodes out of order" else list(range(len(batches)))
+    offsets, size = _layout(SHAPES)
+    idx = list(range(len(params)))
+    park = HostPark(lookahead=2) if how == "parked" else None
+    sink = SampleGradSink(keys, park=park)
+    for n, j in enumerate(order):
+        b = batches[j]
+        assert sink.node_order(b[::-1]) == (3, 2, 1, 0)
+        if how == "mixed" and n % 2:
+            sink.add_flat(params, offsets, b, [_pack(parts, idx, k, offsets, size) for k in b])
+        elif how == "split" and n == 2:
+            for i, p in enumerate(params):
+                sink.add(p, b, [parts[i, k] for k in b])
+        else:
+            flat = _node_flat(parts, idx, b, offsets, size)
+            sink.add_flat_node(params, offsets, b[::-1], flat)  # batch order need not be key order
+            flat.fill_(5.0)  # read during the call only
+        sink.done(b)
+    want = _run(SampleGradSink(keys), params, parts, [[k] for k in keys], list(range(len(keys))))
+    for i, p in enumerate(params):
+        assert_bytes_equal(sink.fold(p), want[i], f"tensor {i} ({how})")
+    assert sink.stats.group_tensors == len(params)
+    if how == "nodes out of order":
+        # micro-batches 3 and 4 waited for 2 as two nodes, not eight partials
+        assert sink.stats.peak_pending_per_param == 2
+    if park is not None:
+        assert park.stats.parks > 0
+
+
+def test_node_order_says_which_batches_are_one_node() -> None:
+    keys = sorted(_keys(8))  # 16 keys
+    sink = SampleGradSink(keys)
+    assert sink.node_order([keys[5], keys[4]]) == (1, 0)
+    assert sink.node_order(keys[8:16]) == tuple(range(8))
+    assert sink.node_order(keys[4:8][::-1]) == (3, 2, 1, 0)
+    assert sink.node_order([keys[0], keys[2]]) is None  # not next to each other
+    assert sink.node_order(keys[2:6]) is None  # not from a multiple of 4
+    assert sink.node_order(keys[0:3]) is None and sink.node_order(keys[:1]) is None  # not 2^l >= 2 keys
+    assert sink.node_order([keys[0], ("nope", 0)]) is None and SampleGradSink().node_order(keys[:2]) is None
+    shifted = SampleGradSink(keys[:8], first_index=2)  # a rank's share from leaf 2: its keys 0-1 sit at leaves 2-3
+    assert shifted.node_order(keys[0:2]) == (0, 1) and shifted.node_order(keys[0:4]) is None
+    with pytest.raises(ValueError, match="not the leaves of one complete node"):
+        sink.add_flat_node([torch.empty(2)], [0], keys[1:3], torch.zeros(2))
+    with pytest.raises(ValueError, match="streamed fold only"):
+        SampleGradSink().add_flat_node([torch.empty(2)], [0], keys[0:2], torch.zeros(2))

@@ -71,11 +71,13 @@ def test_a_two_block_warmup_builds_what_the_whole_step_uses(monkeypatch: pytest.
 
 
 @interp
-def test_a_captured_steps_deposits_land_in_the_arena_with_the_sinks_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("fold", [False, True])
+def test_a_captured_steps_deposits_land_in_the_arena_with_the_sinks_bytes(monkeypatch: pytest.MonkeyPatch, fold: bool) -> None:
     """A 1-block LoRA step through the Triton kernels (interpreter) into what a captured step binds — a deposit log
     without autograd sums whose buffers are a :class:`PartialArena` reserved for every trained tensor — folds to the
     bytes of the same step straight into a sink that lets autograd sum too; every partial lands in the arena and no
-    ``.grad`` is written."""
+    ``.grad`` is written. ``fold``: the log folds the two samples (one node of the sink's tree) into one buffer per
+    tensor, from the kernels' fresh per-sample partials."""
     from mmdit_strict.kernels.grad_sink import SampleGradSink
     from mmdit_strict.model.train_graphs import PartialArena
 
@@ -100,17 +102,19 @@ def test_a_captured_steps_deposits_land_in_the_arena_with_the_sinks_bytes(monkey
     for p in params:
         p.grad = None
     arena = PartialArena()
-    log = DepositLog(autograd_sums=False)
+    log = DepositLog(autograd_sums=False, fold=plain.node_order(keys) if fold else None)
+    assert not fold or log.fold == (1, 0)
     arena.attach(log, params, 2)
     step(log, (0, 1))
     assert all(p.grad is None for p in params), "a deposit log without sums had autograd write .grad"
-    in_arena = {arena.buffer(p, pos, 0).data_ptr() for p in params for pos in (0, 1)}
+    positions = (0,) if fold else (0, 1)
+    in_arena = {arena.buffer(p, pos, 0).data_ptr() for p in params for pos in positions}
     landed = [t.data_ptr() for _, _, parts in log.entries for t in parts]
     assert landed and set(landed) <= in_arena and len(landed) == len(set(landed))
     sink = SampleGradSink(keys, autograd_sums=False)
     log.replay(sink, keys)
     sink.done(keys)
-    assert len(landed) == 2 * len(trained)  # one partial per trained tensor and sample
+    assert len(landed) == len(positions) * len(trained)  # one partial (folded: one node) per trained tensor and sample
     assert sink.stats.group_tensors == len(trained)  # taken from the flat buffers as one group
     for i, p in enumerate(params):
         got = sink.fold(p)

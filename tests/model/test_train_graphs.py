@@ -117,6 +117,47 @@ def test_deposit_log_replays_a_backwards_deposits_under_the_calls_keys() -> None
         model.zero_grad(set_to_none=True)
 
 
+@pytest.mark.parametrize("keys", [[("b", 1), ("a", 0)], [("c", 0), ("a", 1), ("b", 2), ("a", 0)]])
+def test_a_folding_deposit_log_hands_the_sink_one_node_with_the_per_sample_bytes(keys) -> None:
+    """The strict backward into a log that folds its batch (``DepositLog(fold=...)``, buffers from a partial arena
+    reserved for one position): one buffer per trained tensor, and the node it hands a streamed sink folds to the bytes
+    the sink gets from the per-sample partials; the arena holds one flat buffer, not one per sample."""
+    from mmdit_strict.model.train_graphs import PartialArena
+
+    model = _lora_model(preset("tiny"))
+    b = len(keys)
+    inp = make_inputs(b, (4, 4), [5, 3, 4, 6][:b])
+    params = [p for _, p in _trainable(model)]
+    direct = SampleGradSink(keys)
+    with collect_sample_grads(direct), sample_keys(keys):
+        out = model(**inp).sample
+    _loss(out).backward()
+    direct.done(keys)
+    model.zero_grad(set_to_none=True)
+
+    order = direct.node_order(keys)
+    assert order is not None and [keys[i] for i in order] == sorted(keys)
+    log = DepositLog(fold=order)
+    arena = PartialArena()
+    arena.attach(log, params, b)
+    with bind(current().replace(grad_sink=log, sample_keys=tuple(range(b)))):
+        again = model(**inp).sample
+    _loss(again).backward()
+    assert_bytes_equal(again, out, "forward under the folding log")
+    assert log.entries and all(len(parts) == 1 and pos == tuple(range(b)) for _, pos, parts in log.entries)
+    assert len(log.flat.flats) == 1 and arena.nbytes() == log.flat.flats[0].numel() * 4
+    folded = SampleGradSink(keys)
+    log.replay(folded, keys)
+    folded.done(keys)
+    assert folded.stats.group_tensors == len(log.entries)
+    for name, p in _trainable(model):
+        want = direct.fold(p)
+        if want is None:
+            assert folded.fold(p) is None, name
+        else:
+            assert_bytes_equal(folded.fold(p), want, name)
+
+
 def test_deposit_log_takes_batch_positions_only() -> None:
     log = DepositLog()
     p = torch.zeros(2)
@@ -266,6 +307,26 @@ def test_captured_steps_without_autograd_sums_fold_the_same_bytes_from_shared_bu
 
 
 @pytest.mark.gpu
+def test_captured_steps_that_fold_their_batch_equal_the_uncaptured_ones() -> None:
+    """``fold_batches``: a B = 4 call in the batched CFG order (both branches of two pairs: one node of the sink's
+    tree) and a B = 2 one fold their batch in the graph, into one flat buffer per position 0 only; the folds equal the
+    uncaptured step's bytes, again after the other layout's replay."""
+    arch, model = _cuda_case()
+    four = _cuda_inputs(arch, [40, 31, 12, 12], seed=6)
+    two = _cuda_inputs(arch, [77, 20], seed=7)
+    calls = [([four], [[((0, 1), 0), ((0, 2), 0), ((0, 1), 1), ((0, 2), 1)]]), ([two], [[((3, 1), 1), ((3, 1), 0)]])]
+    eager = [_step(model, i, k, sums=False) for i, k in calls]
+    model.enable_cuda_graphs()
+    model.train_graphs.fold_batches = True
+    graphed = [_step(model, i, k, sums=False) for i, k in calls + calls[:1]]
+    insts = model.train_graphs._instances()
+    assert model.train_graphs.captures == 2 and sorted(i.deposits.fold for i in insts) == [(0, 2, 1, 3), (1, 0)]
+    assert all(len(i.deposits.flat.flats) == 1 for i in insts)
+    for n, (a, b) in enumerate(zip(eager + eager[:1], graphed)):
+        _same(a, b, f"call {n}")
+
+
+@pytest.mark.gpu
 def test_a_short_warmup_captures_the_same_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """``graphs.SHORT_WARMUP``: captures warmed up on the first and last of 4 blocks replay the uncaptured bytes
     (training steps with the trainer's sink, in the sequential-CFG pattern and a second layout, and no-grad
@@ -380,7 +441,7 @@ class _StandInGraph:
         return self._pool
 
 
-def _stand_in_capture(inputs, params, forward, with_sink, sums=True, arena=None, warmup=None, pool=None):
+def _stand_in_capture(inputs, params, forward, with_sink, sums=True, arena=None, warmup=None, pool=None, fold=None):
     from mmdit_strict.model import train_graphs as tg
 
     static = static_inputs(inputs)
@@ -391,16 +452,17 @@ def _stand_in_capture(inputs, params, forward, with_sink, sums=True, arena=None,
     # a sink that takes no autograd sums: the strict backward returns None for the deposited parameters
     grads = tuple(torch.empty_like(p) if sums or not with_sink else None for p in params)
     parts = [[torch.empty_like(p) for _ in range(batch)] for p in params]
-    log = DepositLog(autograd_sums=sums) if with_sink else None
+    log = DepositLog(autograd_sums=sums, fold=fold) if with_sink else None
     if log is not None and arena is not None:  # as the real capture: buffers reserved from the warm-up's deposits
         for p, ps in zip(params, parts):
             log.add(p, tuple(range(batch)), ps)
         arena.attach(log, params, batch)
         log.clear()
-        parts = [log.partial_buffers(p, range(batch)) for p in params]
+        parts = [log.partial_buffers(p, range(batch)) or [torch.empty_like(p) for _ in range(batch)] for p in params]
     if log is not None:
         for p, ps in zip(params, parts):
             log.add(p, tuple(range(batch)), ps)
+    folding = log is not None and log.fold is not None and log.buffers is not None
 
     def fwd() -> None:
         with torch.enable_grad():
@@ -416,6 +478,9 @@ def _stand_in_capture(inputs, params, forward, with_sink, sums=True, arena=None,
             for b in range(batch):  # each sample's own partial
                 for dst, g in zip(parts, torch.autograd.grad(y[b], params, grad_out[b], retain_graph=True)):
                     dst[b].copy_(g)
+            if folding:  # what the folding deposit recorded at capture does at each replay
+                for p, ps in zip(params, parts):
+                    log.fold_into(p, 0, range(batch), ps)
 
     return tg._Instance(_StandInGraph(fwd, held), _StandInGraph(bwd, held), static, out, grad_out, grads, log, OperatorTrace(), [],
                         arena if log is not None and log.buffers is not None else None)
@@ -523,6 +588,35 @@ def test_captured_steps_share_the_partials_buffers_and_the_sink_gets_each_replay
     assert len(insts) == 2 and insts[0].arena is insts[1].arena is cache._arena
     ptrs = [[t.data_ptr() for _, _, parts in i.deposits.entries for t in parts] for i in insts]
     assert ptrs[0] == ptrs[1] and len(set(ptrs[0])) == 2  # one buffer per batch position, shared by both steps
+
+
+def test_steps_that_fold_their_batch_give_the_per_sample_bytes(stand_in) -> None:
+    """``fold_batches``: a call whose keys are one node of the sink's tree gets an instance that folds its batch (one
+    partial buffer per tensor, shared by the sequential-CFG-like pair below); a call whose keys are not (a sink over
+    other keys) gets a per-sample instance; every fold has the bytes of the cache without folding."""
+    w, inputs_a, forward = _toy(seed=0)
+    _, inputs_b, _ = _toy(seed=1)
+    keys_a, keys_b = [("a", 1), ("a", 0)], [("b", 0), ("b", 1)]
+
+    def update(cache, every):
+        sink = SampleGradSink(every)
+        with collect_sample_grads(sink):
+            with sample_keys(keys_a):
+                ya = cache.run(inputs_a, "strict", [w], forward, ("one",))
+            with sample_keys(keys_b):
+                yb = cache.run(inputs_b, "strict", [w], forward, ("two",))
+        ((ya * 3).sum() + (yb * 5).sum()).backward()
+        sink.done(every)
+        w.grad = None
+        return sink.fold(w)
+
+    plain, folding = stand_in(max_instances=4), stand_in(max_instances=4, fold_batches=True)
+    for every in (keys_a + keys_b, [("a", 0), ("a", 1), ("b", 1), ("a", 2), ("b", 0)]):  # the second: b not one node
+        for rep in range(2):
+            assert_bytes_equal(update(folding, every), update(plain, every), f"{every} repeat {rep}")
+    folds = sorted((i.deposits.fold for i in folding._instances()), key=str)
+    assert folds == [(0, 1), (1, 0), None], folds  # b, a folded (a's batch order is not key order); b per sample
+    assert len(folding._arena.flat([w], 1).flats) == 2  # the per-sample instance reserved its two positions
 
 
 def test_pick_group_takes_the_lowest_group_with_nothing_busy() -> None:
