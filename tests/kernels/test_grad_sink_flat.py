@@ -27,6 +27,14 @@ def _layout(shapes, gap: int = 3) -> tuple[list[int], int]:
     return offsets, at + gap
 
 
+def _case(keys, seed: int):
+    """Tensors of :data:`SHAPES`, their random partials for ``keys``, a flat layout with junk between the spans and
+    every tensor's index: ``(params, parts, offsets, size, idx)``."""
+    params = [torch.empty(s) for s in SHAPES]
+    offsets, size = _layout(SHAPES)
+    return params, _partials(keys, SHAPES, seed=seed), offsets, size, list(range(len(params)))
+
+
 def _pack(parts, i_params, k, offsets, size) -> torch.Tensor:
     flat = torch.full((size,), float("nan"), device=parts[i_params[0], k].device)
     flat[::2] = 3.0e38  # junk between the spans: NaN and values that overflow when added
@@ -83,11 +91,9 @@ def test_the_group_counts_what_it_buffers_per_tensor() -> None:
     """Buffered partials and open nodes count per tensor, as the per-tensor fold counts them; the group's
     tensors wait together (the per-tensor run here takes each tensor's two branches before the next tensor's)."""
     keys = _keys(8)
-    params = [torch.empty(s) for s in SHAPES]
-    parts = _partials(keys, SHAPES, seed=5)
+    params, parts, offsets, size, idx = _case(keys, 5)
     batches = _batches(keys, 2, 5)
     order = list(range(len(batches)))[::-1]
-    offsets, size = _layout(SHAPES)
     one = SampleGradSink(keys)
     _run(one, params, parts, batches, order)
     many = SampleGradSink(keys)
@@ -99,11 +105,8 @@ def test_the_group_counts_what_it_buffers_per_tensor() -> None:
 
 def test_flat_buffers_are_read_during_the_call_only() -> None:
     keys = _keys(3)
-    params = [torch.empty(s) for s in SHAPES]
-    parts = _partials(keys, SHAPES, seed=6)
-    offsets, size = _layout(SHAPES)
+    params, parts, offsets, size, idx = _case(keys, 6)
     sink = SampleGradSink(keys)
-    idx = list(range(len(params)))
     for k in sorted(keys, reverse=True):  # reverse order: everything but the last waits in the buffer
         flat = _pack(parts, idx, k, offsets, size)
         sink.add_flat(params, offsets, [k], [flat])
@@ -119,11 +122,8 @@ def test_flat_buffers_are_read_during_the_call_only() -> None:
 @pytest.mark.parametrize("first", [0, 6])
 def test_a_groups_range_nodes_are_each_tensors_own(first: int) -> None:
     keys = _keys(5)
-    params = [torch.empty(s) for s in SHAPES]
-    parts = _partials(keys, SHAPES, seed=7)
-    offsets, size = _layout(SHAPES)
+    params, parts, offsets, size, idx = _case(keys, 7)
     per, flat = SampleGradSink(keys, first_index=first), SampleGradSink(keys, first_index=first)
-    idx = list(range(len(params)))
     for k in keys:
         for i, p in enumerate(params):
             per.add(p, [k], [parts[i, k]])
@@ -141,10 +141,7 @@ def test_a_groups_range_nodes_are_each_tensors_own(first: int) -> None:
 
 def test_add_flat_refuses_what_add_refuses_and_bad_buffers() -> None:
     keys = _keys(2)
-    params = [torch.empty(s) for s in SHAPES]
-    parts = _partials(keys, SHAPES, seed=8)
-    offsets, size = _layout(SHAPES)
-    idx = list(range(len(params)))
+    params, parts, offsets, size, idx = _case(keys, 8)
     sink = SampleGradSink(keys)
     flat = _pack(parts, idx, keys[1], offsets, size)
     sink.add_flat(params, offsets, [keys[1]], [flat])
@@ -167,10 +164,7 @@ def test_add_flat_refuses_what_add_refuses_and_bad_buffers() -> None:
 
 def test_a_stored_sink_takes_flat_deposits_tensor_by_tensor() -> None:
     keys = _keys(3)
-    params = [torch.empty(s) for s in SHAPES]
-    parts = _partials(keys, SHAPES, seed=9)
-    offsets, size = _layout(SHAPES)
-    idx = list(range(len(params)))
+    params, parts, offsets, size, idx = _case(keys, 9)
     sink, ref = SampleGradSink(), SampleGradSink()
     for k in keys:
         flat = _pack(parts, idx, k, offsets, size)
@@ -248,11 +242,9 @@ def test_a_group_split_while_a_node_is_parked_keeps_the_bytes(monkeypatch: pytes
     """Batches of one pair in key order, lookahead 2: leaves 0-7 wait parked for 8-15. A step tensor by tensor at
     batch 6 splits the group while that node is parked; at batch 7 also while leaves 8-11 come back."""
     keys = sorted(_keys(11))
-    params = [torch.empty(s) for s in SHAPES]
-    parts = _partials(keys, SHAPES, seed=11)
+    params, parts, offsets, size, idx = _case(keys, 11)
     batches = [keys[i:i + 2] for i in range(0, len(keys), 2)]
     order = list(range(len(batches)))
-    offsets, size = _layout(SHAPES)
     seen = []
     split = HostPark.split
 
@@ -311,12 +303,9 @@ def test_flat_nodes_of_whole_micro_batches_fold_to_each_tensors_own_bytes(how: s
     give every tensor its per-tensor fold's bytes: in key order, out of order (nodes wait in the buffer), mixed with
     flat per-key deposits, with one micro-batch tensor by tensor (the group splits), parked."""
     keys = sorted(_keys(10))  # 20 keys: micro-batches of 4, and a last one of 4 that ends past a power of two
-    params = [torch.empty(s) for s in SHAPES]
-    parts = _partials(keys, SHAPES, seed=13)
+    params, parts, offsets, size, idx = _case(keys, 13)
     batches = [keys[i:i + 4] for i in range(0, len(keys), 4)]
     order = [1, 0, 3, 4, 2] if how == "nodes out of order" else list(range(len(batches)))
-    offsets, size = _layout(SHAPES)
-    idx = list(range(len(params)))
     park = HostPark(lookahead=2) if how == "parked" else None
     sink = SampleGradSink(keys, park=park)
     for n, j in enumerate(order):
