@@ -44,7 +44,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from ..kernels.execution import current, using
-from ..kernels.grad_sink import DepositLog, FlatBuffers, SampleGradSink
+from ..kernels.deposit_log import DepositLog, FlatBuffers
+from ..kernels.grad_sink import SampleGradSink
 from ..kernels.keepalive import retaining
 from ..kernels.trace import OperatorTrace, active_trace, capture_trace
 from .graphs import load_inputs, static_inputs

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from mmdit_strict.kernels.fold_park import HostPark
-from mmdit_strict.kernels.grad_sink import DepositLog, FlatBuffers, SampleGradSink
+from mmdit_strict.kernels.deposit_log import DepositLog, FlatBuffers
+from mmdit_strict.kernels.grad_sink import SampleGradSink
 from tests.harness import assert_bytes_equal
 from tests.kernels.test_grad_sink import _batches, _keys, _partials, _run
 

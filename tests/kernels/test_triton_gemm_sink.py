@@ -212,7 +212,7 @@ def test_partials_go_into_the_buffers_a_deposit_log_gives() -> None:
     shared arena, ``model/train_graphs.py``): the same bytes as fresh ones, one buffer per (parameter, position,
     occurrence) — a layer applied twice gets two — and a second log on the same arena gets the same buffers."""
     from mmdit_strict.kernels.execution import bind, current
-    from mmdit_strict.kernels.grad_sink import DepositLog
+    from mmdit_strict.kernels.deposit_log import DepositLog
     from mmdit_strict.model.train_graphs import PartialArena
 
     t = Target("cpu", torch.float32)

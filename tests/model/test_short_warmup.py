@@ -18,7 +18,7 @@ import torch
 from mmdit_strict.kernels import registry
 from mmdit_strict.kernels.cpu import primitives
 from mmdit_strict.kernels.execution import bind, current
-from mmdit_strict.kernels.grad_sink import DepositLog
+from mmdit_strict.kernels.deposit_log import DepositLog
 from mmdit_strict.kernels.runtime import Runtime
 from mmdit_strict.kernels.triton import attention, bound, segments
 from mmdit_strict.kernels.triton.gemm import launch

@@ -14,7 +14,8 @@ import torch
 from mmdit_strict.config.arch import preset
 from mmdit_strict.config.schema import LoraConfig
 from mmdit_strict.kernels.execution import bind, current
-from mmdit_strict.kernels.grad_sink import DepositLog, SampleGradSink, collect_sample_grads, sample_keys
+from mmdit_strict.kernels.deposit_log import DepositLog
+from mmdit_strict.kernels.grad_sink import SampleGradSink, collect_sample_grads, sample_keys
 from mmdit_strict.kernels.keepalive import retain, retaining
 from mmdit_strict.kernels.trace import OperatorTrace
 from mmdit_strict.model.graphs import adapter_state, static_inputs

@@ -1,0 +1,206 @@
+"""The deposit log of a captured training step: what its backward deposited, handed to the real grad sink at each replay.
+
+A captured backward (``model/train_graphs.py``) runs its Python once, at capture, with a :class:`DepositLog` bound
+as the grad sink; the log records which buffers hold which tensor's partials (or, folding its batch, which node), and
+after every replay gives the real :class:`~.grad_sink.SampleGradSink` the same deposits under that call's keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from . import fold_tree
+from .grad_sink import SampleGradSink
+
+
+class DepositLog:
+    """A stand-in sink that records deposits instead of folding them, to hand them to a real sink later.
+
+    A captured backward (``model/train_graphs.py``) runs its Python once, at capture, under sample keys
+    that are batch positions ``0 .. B-1``; the log keeps each deposit's parameter, positions and
+    partials (buffers the graph rewrites at every replay) in arrival order. After each replay,
+    :meth:`replay` gives a real sink the same deposits under that call's sample keys, copied where the
+    sink keeps them (``transfer=False``), so the sink's fold is the one an uncaptured backward gets.
+
+    ``buffers(param, position, occurrence)``: the tensor the backward writes ``param``'s partial of batch
+    position ``position`` into (``occurrence``: how many partials of that pair came before it in this
+    backward), or None for a fresh one. Buffers shared by several captured backwards hold one replay's
+    partials at a time, which :meth:`replay` hands on before the next replay writes them.
+
+    ``fold``: the batch positions in sorted-key order, for a backward whose call's keys are the leaves of one
+    complete node of the sink's tree (``SampleGradSink.node_order``). Once ``buffers`` is set, a deposit of all
+    positions of a tensor is folded there and then — its partials added pairwise in that order, the node's value —
+    into ``buffers(param, 0, occurrence)``, and the per-sample partials are temporaries: one buffer per tensor instead
+    of one per tensor and position, and the sink gets one node (``add_flat_node``) instead of B partials.
+    """
+
+    def __init__(self, autograd_sums: bool = True,
+                 buffers: Callable[[torch.Tensor, int, int], torch.Tensor | None] | None = None,
+                 fold: tuple[int, ...] | None = None) -> None:
+        self.autograd_sums = autograd_sums  # as the real sink's (SampleGradSink): read by the captured backward
+        self.buffers = buffers
+        if fold is not None and sorted(fold) != list(range(len(fold))):
+            raise ValueError(f"fold must order the batch positions 0 .. B-1, got {fold}")
+        self.fold = fold
+        self.flat: FlatBuffers | None = None  # flat buffers ``buffers`` hands out views of (one per batch position)
+        self._uses: dict[tuple[int, int], int] = {}
+        self.entries: list[tuple[torch.Tensor, tuple[int, ...], list[torch.Tensor]]] = []
+        self._plan: _FlatPlan | None | bool = False  # False: not worked out yet
+
+    def partial_buffers(self, param: torch.Tensor, keys: Sequence[int]) -> list[torch.Tensor] | None:
+        """The buffers ``buffers`` gives for ``param`` at batch positions ``keys`` (None unless it gives them all; None
+        when folding: the partials are temporaries)."""
+        if self.buffers is None or self._folding(keys):
+            return None
+        found: list[torch.Tensor | None] = []
+        for pos in keys:
+            n = self._uses.get((id(param), pos), 0)
+            self._uses[id(param), pos] = n + 1
+            found.append(self.buffers(param, pos, n))
+        return None if any(b is None for b in found) else [b for b in found if b is not None]
+
+    def add(self, param: torch.Tensor, keys: Sequence[Hashable], partials: Sequence[torch.Tensor], *,
+            transfer: bool = False) -> None:
+        """Record one deposit (``keys`` are batch positions: the log is bound with ``sample_keys = range(B)``)."""
+        if len(keys) != len(partials):
+            raise ValueError(f"{len(keys)} sample keys for {len(partials)} gradient partials")
+        if not all(isinstance(k, int) for k in keys):
+            raise ValueError("a DepositLog records batch positions: bind sample_keys=range(B) while it is the sink")
+        if self._folding(keys):
+            n = self._uses.get((id(param), -1), 0)
+            self._uses[id(param), -1] = n + 1
+            out = self.fold_into(param, n, keys, partials, transfer)
+            self.entries.append((param, tuple(range(len(keys))), [out.detach()]))
+        else:
+            self.entries.append((param, tuple(keys), [p.detach() for p in partials]))
+        self._plan = False
+
+    def fold_into(self, param: torch.Tensor, occurrence: int, positions: Sequence[int], partials: Sequence[torch.Tensor],
+                  transfer: bool = False) -> torch.Tensor:
+        """Fold mode: add ``partials`` (of batch ``positions``) pairwise in :attr:`fold`'s order into ``param``'s buffer
+        for that occurrence and return it (what a folding deposit does, and what its captured graph does each replay)."""
+        assert self.fold is not None and self.buffers is not None
+        out = self.buffers(param, 0, occurrence)
+        if out is None:
+            raise RuntimeError("DepositLog(fold=...): no buffer for a folded deposit (reserve one per tensor first)")
+        at = {pos: part.detach() for pos, part in zip(positions, partials)}
+        tree = fold_tree.PairwiseFold(copy_held=False)  # temporaries made for the sink (transfer) are summed in place
+        for pos in self.fold:
+            tree.leaf(at[pos], owned=transfer)
+        return out.copy_(tree.result())
+
+    def _folding(self, positions: Sequence[int]) -> bool:
+        """Whether a deposit at these positions is folded into one node (fold mode, buffers set, every position)."""
+        return (self.fold is not None and self.buffers is not None and len(positions) == len(self.fold)
+                and sorted(positions) == list(range(len(self.fold))))
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self._uses.clear()
+        self._plan = False
+
+    def replay(self, sink: SampleGradSink, keys: Sequence[Hashable]) -> None:
+        """Deposit every recorded partial into ``sink`` under ``keys[position]``: the ones written into
+        :attr:`flat` in one :meth:`SampleGradSink.add_flat` (a streamed sink), the rest in the recorded order."""
+        plan = self._flat_plan() if sink.streamed else None
+        if plan is None:
+            for param, positions, partials in self.entries:
+                self._hand(sink, param, [keys[i] for i in positions], partials)
+            return
+        if plan.node:
+            sink.add_flat_node(plan.params, plan.offsets, list(keys), plan.flats[0])
+        else:
+            sink.add_flat(plan.params, plan.offsets, [keys[i] for i in range(len(plan.flats))], plan.flats)
+        for param, positions, partials in plan.rest:
+            self._hand(sink, param, [keys[i] for i in positions], partials)
+
+    @staticmethod
+    def _hand(sink: SampleGradSink, param: torch.Tensor, keys: list[Hashable], partials: list[torch.Tensor]) -> None:
+        if len(partials) == 1 and len(keys) > 1:  # a folded deposit: one node for all the call's keys
+            sink.add_flat_node([param], [0], keys, partials[0].reshape(-1))
+        else:
+            sink.add(param, keys, partials, transfer=False)
+
+    def _flat_plan(self) -> "_FlatPlan | None":
+        """The recorded deposits that are exactly one partial per batch position for each of some of :attr:`flat`'s
+        tensors, written into their views (those tensors are the plan's; the other deposits are its ``rest``), or
+        None where there are none or a tensor also deposited elsewhere."""
+        if self._plan is False:
+            self._plan = self._make_plan()
+        assert self._plan is not False
+        return self._plan
+
+    def _make_plan(self) -> "_FlatPlan | None":
+        flat = self.flat
+        if flat is None or not self.entries:
+            return None
+        if self.fold is not None:
+            return self._make_node_plan(flat)
+        batch = 1 + max((max(pos) for _, pos, _ in self.entries if pos), default=-1)
+        if batch > len(flat.flats):
+            return None
+        where = {(f.data_ptr() + off * f.element_size(), pos): j
+                 for pos, f in enumerate(flat.flats[:batch]) for j, off in enumerate(flat.offsets)}
+        got: dict[int, list[int]] = {}
+        rest = []
+        for entry in self.entries:
+            param, positions, partials = entry
+            js = {where.get((t.data_ptr(), pos)) for t, pos in zip(partials, positions)}
+            j = js.pop() if len(js) == 1 else None
+            if j is not None and flat.params[j] is param and all(t.shape == param.shape for t in partials):
+                got.setdefault(j, []).extend(positions)
+            else:
+                rest.append(entry)
+        rest_ids = {id(param) for param, _, _ in rest}
+        members = sorted(got)
+        if not members or any(sorted(got[j]) != list(range(batch)) or id(flat.params[j]) in rest_ids for j in members):
+            return None
+        return _FlatPlan(tuple(flat.params[j] for j in members), tuple(flat.offsets[j] for j in members),
+                         tuple(flat.flats[:batch]), rest)
+
+    def _make_node_plan(self, flat: "FlatBuffers") -> "_FlatPlan | None":
+        """Fold mode: the tensors whose one folded deposit sits in their view of the first flat buffer."""
+        if not flat.flats:
+            return None
+        where = {flat.flats[0].data_ptr() + off * flat.flats[0].element_size(): j for j, off in enumerate(flat.offsets)}
+        got: dict[int, int] = {}
+        rest = []
+        for entry in self.entries:
+            param, positions, partials = entry
+            j = where.get(partials[0].data_ptr()) if len(partials) == 1 and len(positions) > 1 else None
+            if j is not None and flat.params[j] is param and partials[0].shape == param.shape:
+                got[j] = got.get(j, 0) + 1
+            else:
+                rest.append(entry)
+        rest_ids = {id(param) for param, _, _ in rest}
+        members = sorted(got)
+        if not members or any(got[j] != 1 or id(flat.params[j]) in rest_ids for j in members):
+            return None
+        return _FlatPlan(tuple(flat.params[j] for j in members), tuple(flat.offsets[j] for j in members),
+                         flat.flats[:1], rest, node=True)
+
+
+@dataclass(frozen=True)
+class FlatBuffers:
+    """Per-sample partial buffers for many tensors at once: ``flats[pos]`` (1-D FP32) holds the partial of
+    ``params[j]`` for batch position ``pos`` at ``offsets[j]``, in the tensor's shape."""
+
+    params: tuple[torch.Tensor, ...]
+    offsets: tuple[int, ...]
+    flats: tuple[torch.Tensor, ...]
+
+    def view(self, j: int, pos: int) -> torch.Tensor:
+        p = self.params[j]
+        return self.flats[pos][self.offsets[j]:self.offsets[j] + p.numel()].view(p.shape)
+
+
+@dataclass(frozen=True)
+class _FlatPlan:
+    params: tuple[torch.Tensor, ...]
+    offsets: tuple[int, ...]
+    flats: tuple[torch.Tensor, ...]
+    rest: list[tuple[torch.Tensor, tuple[int, ...], list[torch.Tensor]]]
+    node: bool = False  # flats[0] holds each tensor's fold of all the call's keys (fold mode)
