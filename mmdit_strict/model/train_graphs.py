@@ -69,7 +69,7 @@ class PartialArena:
     waits for an event recorded after the sink's reads of the previous replay's partials.
 
     The trained tensors' first partials at each batch position are views of one flat buffer per position
-    (:class:`~mmdit_strict.kernels.grad_sink.FlatBuffers`, zero-filled, each view at a multiple of
+    (:class:`~mmdit_strict.kernels.deposit_log.FlatBuffers`, zero-filled, each view at a multiple of
     :data:`FLAT_ALIGN`), so a streamed sink takes a replay's partials with a few operations on those buffers
     instead of one per tensor (``SampleGradSink.add_flat``).
     """
