@@ -55,20 +55,26 @@ def test_lora_grads_identical_for_micro_batches_on_the_gpu(tmp_path) -> None:
                 assert_bytes_equal(gb[name], ga[name], f"micro_batch={mb} update {u} grad {name}")
 
 
-@pytest.mark.parametrize("layout", ["sequential", "batched"])
-def test_captured_training_steps_keep_the_uncaptured_bytes(tmp_path, layout: str) -> None:
+@pytest.mark.parametrize("layout, fold", [("sequential", False), ("batched", False), ("batched", True)])
+def test_captured_training_steps_keep_the_uncaptured_bytes(tmp_path, layout: str, fold: bool) -> None:
     """``model.cuda_graphs`` replays the training forward + backward from graphs (``model/train_graphs.py``):
-    every update's folded LoRA gradient and the adapter after the epoch are the uncaptured run's bytes."""
+    every update's folded LoRA gradient and the adapter after the epoch are the uncaptured run's bytes. ``fold``:
+    micro-batches of 2 pairs in the batched layout are one node of the fold's tree (4 keys from a multiple of 4),
+    which ``train.fold_captured_batches`` folds inside the captured backward."""
     runs = {}
+    extra = ["train.micro_batch=2", "train.gradient_accumulation_steps=6", "train.fold_captured_batches=true"] if fold else []
     for graphs in (False, True):
         tr = _Recording(compose_train([f"output_dir={tmp_path / str(graphs)}", *SMALL, *GPU, "lora.init=random",
                                        f"model.cuda_graphs={str(graphs).lower()}", f"train.cfg_layout={layout}",
-                                       "train.grad_checkpointing=true"]), progress=False)
+                                       "train.grad_checkpointing=true", *extra]), progress=False)
         tr.grads = []
         row = tr.train_epoch(0)
         assert row["grad_fold"] == "sink" and row["first_update_ratio_exact_one_frac"] == 1.0, row
         cache = tr.model.train_graphs
         assert (cache is not None and cache.replays > 0) == graphs, vars(cache) if cache is not None else None
+        if graphs:  # the replays hand the sink flat buffers (fold: one node per micro-batch)
+            assert row["grad_sink_group_tensors"] > 0, row
+            assert any(i.deposits.fold is not None for i in cache._instances()) == fold
         runs[graphs] = (tr.grads, {n: p.detach().clone() for n, p in tr.named})
     (ga, pa), (gb, pb) = runs[False], runs[True]
     assert len(ga) == len(gb) > 0
