@@ -17,7 +17,8 @@
 # into /tmp/site without network. Run from the repository root on the GPU machine:
 #   MMDIT_COMMIT=<hash> [TRAIN_EXTRA="--no-profile ..."] bash benchmarks/h200/train_evidence.sh OUT_DIR
 # (OUT_DIR: $OUT on the device machine; TRAIN_EXTRA: more bench.train options, e.g. --no-profile to skip the
-# profiled updates, which took 4x the timed one for the peer at 7345138, or --engines / --graph-pools)
+# profiled updates, which took 4x the timed one for the peer at 7345138, or --engines / --graph-pools; for ours' memory:
+# "--engines diffusers_peft ours ours_parked --ours-micro-batch 1 --ours-cfg-layout batched --fold-batches")
 # OUT_DIR/train_bench.json and OUT_DIR/train_bench.md are the report; OUT_DIR/train_evidence.tgz holds them with the log.
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/evidence_common.sh"

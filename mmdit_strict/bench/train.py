@@ -85,6 +85,8 @@ class Engine:
     grad_sink: bool  # fold per-(pair, branch) partials through the strict gradient sink
     what: str
     park_fold_nodes: bool = False  # the sink's waiting fold nodes in host memory (train.park_fold_nodes)
+    micro_batch: int | None = None  # pairs per training forward, where it is not the update's (ours: same bytes any way)
+    cfg_layout: str | None = None  # the training forwards' CFG layout, where it is not the update's
 
 
 @dataclass
@@ -103,6 +105,8 @@ def check_args(args: argparse.Namespace) -> None:
     """Refuse sizes that make no update, with the flag's name."""
     if args.micro_batch < 1:
         raise ValueError(f"--micro-batch must be >= 1 pair, got {args.micro_batch}")
+    if args.ours_micro_batch is not None and args.ours_micro_batch < 1:
+        raise ValueError(f"--ours-micro-batch must be >= 1 pair, got {args.ours_micro_batch}")
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if not 1 <= args.window <= args.steps:
@@ -162,11 +166,13 @@ def _fresh_graphs(model: torch.nn.Module) -> None:
 
 
 def _train_phase(engine: Engine, up: Update, samples: EpochSamples) -> tuple[SampleGradSink | None, dict[str, Any]]:
-    """Forward + loss + backward over every (sample, window step) pair, ``up.tcfg.micro_batch`` pairs at a time."""
+    """Forward + loss + backward over every (sample, window step) pair, ``up.tcfg.micro_batch`` pairs at a time (or the
+    engine's own micro-batch and CFG layout)."""
     scale = up.scfg.guidance_scale
     pairs = sorted(((n, s) for n in range(len(samples.sample_ids)) for s in samples.sde_steps[n]),
                    key=lambda p: pair_key(samples, p))
-    mb = up.tcfg.micro_batch
+    mb = engine.micro_batch or up.tcfg.micro_batch
+    layout = engine.cfg_layout or up.tcfg.cfg_layout
     batches = [pairs[i:i + mb] for i in range(0, len(pairs), mb)]
     keys = [grad_keys(samples, b, scale) for b in batches]
     # as train does under the strict runtime: the backward leaves autograd's sums out, the fold replaces them
@@ -175,7 +181,7 @@ def _train_phase(engine: Engine, up: Update, samples: EpochSamples) -> tuple[Sam
     differ, exact = [], []
     with collect_sample_grads(sink) if sink is not None else contextlib.nullcontext(), side(engine.model, engine.runtime):
         for part, ks in zip(batches, keys):
-            ev = evaluate_pairs(engine.model, samples, part, up.prompts, up.sigmas, up.grid, scale, up.tcfg.cfg_layout,
+            ev = evaluate_pairs(engine.model, samples, part, up.prompts, up.sigmas, up.grid, scale, layout,
                                 up.scfg.noise_level)
             old = torch.stack([samples.logp[s, n] for n, s in part])
             loss = grpo_loss(ev.logp, old, up.advantages[[n for n, _ in part]], 1.0 / len(pairs), up.tcfg.clip_range,
@@ -322,6 +328,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                         args.fold_batches) if e.name in args.engines]
     for e in engines:
         e.park_fold_nodes = e.park_fold_nodes or (e.name == "ours" and args.park_fold_nodes)
+        if e.grad_sink:  # ours (and ours_parked): the split and layout do not change its bytes
+            e.micro_batch, e.cfg_layout = args.ours_micro_batch, args.ours_cfg_layout
     shortest = args.txt if args.prompts == 1 and not args.fresh_prompts else max(1, args.txt // 2)
 
     def draw(seed: int) -> Prompts:
@@ -357,6 +365,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "lora_rank": args.lora_rank, "lora_targets": list(LORA_TARGETS), "device": args.device, "dtype": str(dtype),
               "cfg_scale": CFG_SCALE, "eta": ETA, "cfg_layout": args.cfg_layout, "warmup": args.warmup, "profile": args.profile,
               "graph_pools": args.graph_pools, "park_fold_nodes": args.park_fold_nodes, "fold_batches": args.fold_batches,
+              "ours_micro_batch": args.ours_micro_batch, "ours_cfg_layout": args.ours_cfg_layout,
               "grad_checkpointing": True, "clip_range": tcfg.clip_range, "learning_rate": tcfg.learning_rate}
     report = {"config": config, "engines": results, "ratios": ratios(results), "errors": errors}
     if "ours_parked" in results:
@@ -427,7 +436,10 @@ def render(report: dict[str, Any]) -> str:
              f"S = {c['steps']} steps with CFG {c['cfg_scale']} ({c['cfg_layout']}), SDE window W = {c['window']}, "
              f"{c.get('prompts', 1) * c['group'] * c['window']} pairs in micro-batches of {c['micro_batch']}; LoRA rank "
              f"{c['lora_rank']} on {len(c['lora_targets'])} targets, gradient checkpointing, {c['dtype']}, "
-             f"{c['warmup']} untimed warm-up update(s). Same base weights (one storage), same LoRA init.", ""]
+             f"{c['warmup']} untimed warm-up update(s). Same base weights (one storage), same LoRA init."
+             + (f" Ours trains in micro-batches of {c.get('ours_micro_batch') or c['micro_batch']} with CFG "
+                f"{c.get('ours_cfg_layout') or c['cfg_layout']} (its gradient bytes do not depend on either)."
+                if c.get("ours_micro_batch") or c.get("ours_cfg_layout") else ""), ""]
     if report.get("merged_from"):
         lines += ["Merged from runs of one setup on one machine, one process each (`bench train --merge`): " +
                   "; ".join(f"{', '.join(m['engines'])} ({m.get('date_utc') or '—'})" for m in report["merged_from"]) +
@@ -516,6 +528,11 @@ def parser() -> argparse.ArgumentParser:
                    help="ours: the grad sink's waiting fold nodes in pinned host memory (train.park_fold_nodes=true)")
     p.add_argument("--graph-pools", choices=["shared", "per-instance"], default="shared",
                    help="ours on CUDA: captured graphs share memory pools as the model does by default, or each has its own")
+    p.add_argument("--ours-micro-batch", type=int, default=None,
+                   help="ours (and ours_parked) train with this many pairs per forward instead of --micro-batch (their "
+                        "gradient bytes do not depend on it; the peer keeps --micro-batch)")
+    p.add_argument("--ours-cfg-layout", choices=["sequential", "batched"], default=None,
+                   help="ours (and ours_parked) run the training forwards' CFG in this layout instead of --cfg-layout")
     p.add_argument("--fold-batches", action="store_true",
                    help="ours: a captured training step whose keys are one node of the grad sink's tree folds its batch in "
                         "the graph (train.fold_captured_batches=true; with --cfg-layout batched, micro-batches of 2^k pairs)")

@@ -76,6 +76,7 @@ def test_bench_train_with_two_prompts_runs_both_groups_on_policy(tmp_path: Path)
     (["--window", "0"], "--window must be between 1 and --steps (10)"),
     (["--group", "1"], "--group must be >= 2"),
     (["--prompts", "0"], "--prompts must be >= 1"),
+    (["--ours-micro-batch", "0"], "--ours-micro-batch must be >= 1 pair, got 0"),
 ])
 def test_bad_sizes_are_refused_before_any_work(tmp_path: Path, capsys, argv: list[str], message: str) -> None:
     with pytest.raises(SystemExit) as exc:
@@ -143,3 +144,17 @@ def test_runs_of_one_engine_each_merge_into_one_report(tmp_path: Path, capsys) -
     refused(ra, "engine ours is in more than one report")
     refused({"engines": {}}, "is not a bench train report")
     assert not (tmp_path / "x").exists()
+
+
+def test_ours_may_train_in_its_own_micro_batches_and_layout(tmp_path: Path) -> None:
+    """``--ours-micro-batch 1 --ours-cfg-layout batched``: ours trains pair by pair with both CFG branches in one
+    forward while the peer keeps micro-batches of 2 in the sequential layout; ours stays exactly on-policy."""
+    out = tmp_path / "out"
+    assert train_bench.main(["--out", str(out), "--device", "cpu", "--steps", "2", "--window", "1", "--warmup", "0",
+                             "--ours-micro-batch", "1", "--ours-cfg-layout", "batched"]) == 0
+    report = json.loads((out / "train_bench.json").read_text())
+    ours, theirs = report["engines"]["ours"], report["engines"]["diffusers_peft"]
+    assert (ours["pairs"], ours["micro_batches"]) == (2, 2) and (theirs["pairs"], theirs["micro_batches"]) == (2, 1)
+    assert ours["first_update_ratio_exact_one"] is True and report["ratios"]
+    assert (report["config"]["ours_micro_batch"], report["config"]["ours_cfg_layout"]) == (1, "batched")
+    assert "Ours trains in micro-batches of 1 with CFG batched" in (out / "train_bench.md").read_text()
