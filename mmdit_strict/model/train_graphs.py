@@ -57,6 +57,10 @@ if TYPE_CHECKING:
 #: Each tensor's partial starts at a multiple of this many elements of a flat buffer (256 bytes in FP32), so its
 #: view is as aligned as a buffer of its own for the kernels that write it.
 FLAT_ALIGN = 64
+#: The arena's buffers are views of one flat buffer per batch position, which the grad sink folds for all tensors at
+#: once. False: a buffer of its own per tensor and position, handed to the sink tensor by tensor (the path before
+#: flat buffers; same bytes), kept as the switch back should a GPU disagree.
+FLAT_PARTIALS = True
 
 
 class PartialArena:
@@ -127,7 +131,7 @@ class PartialArena:
         of the flat buffers; a short warm-up deposits for two blocks only), plus one for each deposit the warm-up's
         log shows beyond that (a layer used twice)."""
         positions = 1 if log.fold is not None else batch  # a folding backward writes one node per tensor
-        log.flat = self.flat(params, positions)
+        log.flat = self.flat(params, positions) if FLAT_PARTIALS else None
         if log.flat is None:
             for p in params:
                 for pos in range(positions):

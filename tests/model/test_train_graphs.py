@@ -591,6 +591,36 @@ def test_captured_steps_share_the_partials_buffers_and_the_sink_gets_each_replay
     assert ptrs[0] == ptrs[1] and len(set(ptrs[0])) == 2  # one buffer per batch position, shared by both steps
 
 
+def test_without_flat_partials_the_sink_folds_tensor_by_tensor_to_the_same_bytes(stand_in, monkeypatch) -> None:
+    """``FLAT_PARTIALS = False`` (the switch back): a buffer per tensor and position, deposits tensor by tensor; the
+    folds are the flat path's bytes, folding batches or not."""
+    from mmdit_strict.model import train_graphs as tg
+
+    w, inputs, forward = _toy()
+    v = torch.randn(3, generator=torch.Generator().manual_seed(4), requires_grad=True)
+    keys = [("b", 0), ("a", 1)]
+
+    def folds(fold_batches: bool):
+        cache = stand_in(max_instances=2, fold_batches=fold_batches)
+        sink = SampleGradSink(keys)
+        with collect_sample_grads(sink), sample_keys(keys):
+            out = cache.run(inputs, "strict", [w, v], lambda i: forward(i) * v.sum(), ("layout",))
+        (out * 3).sum().backward()
+        sink.done(keys)
+        w.grad = v.grad = None
+        return [sink.fold(w), sink.fold(v)], sink.stats.group_tensors, cache
+
+    for fold_batches in (False, True):
+        flat, group, _ = folds(fold_batches)
+        monkeypatch.setattr(tg, "FLAT_PARTIALS", False)
+        per, group_off, cache = folds(fold_batches)
+        monkeypatch.setattr(tg, "FLAT_PARTIALS", True)
+        assert group == 2 and group_off == (1 if fold_batches else 0)  # folded: each tensor's node alone
+        assert cache._arena._flat is None
+        for a, b in zip(per, flat):
+            assert_bytes_equal(a, b, f"fold_batches={fold_batches}")
+
+
 def test_steps_that_fold_their_batch_give_the_per_sample_bytes(stand_in) -> None:
     """``fold_batches``: a call whose keys are one node of the sink's tree gets an instance that folds its batch (one
     partial buffer per tensor, shared by the sequential-CFG-like pair below); a call whose keys are not (a sink over
