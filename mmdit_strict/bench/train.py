@@ -315,6 +315,14 @@ def ratios(engines: dict[str, Any], ours: str = "ours", theirs: str = "diffusers
     return out
 
 
+def all_ratios(engines: dict[str, Any]) -> dict[str, Any]:
+    """The report's ratio sections: ``ratios`` (ours / theirs) and, where ``ours_parked`` ran, ``ratios_parked``."""
+    out: dict[str, Any] = {"ratios": ratios(engines)}
+    if "ours_parked" in engines:
+        out["ratios_parked"] = ratios(engines, ours="ours_parked")
+    return out
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Build both engines on one set of weights, run each one's updates, return the report (no environment)."""
     arch = preset(args.arch)
@@ -367,10 +375,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "graph_pools": args.graph_pools, "park_fold_nodes": args.park_fold_nodes, "fold_batches": args.fold_batches,
               "ours_micro_batch": args.ours_micro_batch, "ours_cfg_layout": args.ours_cfg_layout,
               "grad_checkpointing": True, "clip_range": tcfg.clip_range, "learning_rate": tcfg.learning_rate}
-    report = {"config": config, "engines": results, "ratios": ratios(results), "errors": errors}
-    if "ours_parked" in results:
-        report["ratios_parked"] = ratios(results, ours="ours_parked")
-    return report
+    return {"config": config, "engines": results, **all_ratios(results), "errors": errors}
 
 
 #: Settings that may differ between the runs :func:`merge_reports` joins (each engine keeps its own).
@@ -415,11 +420,8 @@ def merge_reports(paths: Sequence[str | Path]) -> dict[str, Any]:
         values = {name: e[k] for name, e in engines.items()}
         config[k] = next(iter(values.values())) if len(set(map(str, values.values()))) == 1 else \
             ", ".join(f"{name} {v}" for name, v in values.items())
-    report = {"config": config, "engines": engines, "ratios": ratios(engines), "errors": errors,
-              "environment": base["environment"], "merged_from": merged_from}
-    if "ours_parked" in engines:
-        report["ratios_parked"] = ratios(engines, ours="ours_parked")
-    return report
+    return {"config": config, "engines": engines, **all_ratios(engines), "errors": errors,
+            "environment": base["environment"], "merged_from": merged_from}
 
 
 def _fmt(x: float | None, spec: str = ".3f") -> str:

@@ -134,12 +134,13 @@ class DepositLog:
         return self._plan
 
     def _make_plan(self) -> "_FlatPlan | None":
+        """The tensors whose deposits cover their views of the flat buffers exactly once: each batch position's
+        partial (or, folding, the one node in the first buffer); None if there are none or one deposited elsewhere too."""
         flat = self.flat
         if flat is None or not self.entries:
             return None
-        if self.fold is not None:
-            return self._make_node_plan(flat)
-        batch = 1 + max((max(pos) for _, pos, _ in self.entries if pos), default=-1)
+        node = self.fold is not None
+        batch = 1 if node else 1 + max((max(pos) for _, pos, _ in self.entries if pos), default=-1)
         if batch > len(flat.flats):
             return None
         where = {(f.data_ptr() + off * f.element_size(), pos): j
@@ -148,10 +149,13 @@ class DepositLog:
         rest = []
         for entry in self.entries:
             param, positions, partials = entry
-            js = {where.get((t.data_ptr(), pos)) for t, pos in zip(partials, positions)}
+            folded = len(partials) == 1 and len(positions) > 1
+            # (tensor, flat buffer position) of each buffer the deposit wrote: a folded one writes the first only
+            slots = ([(partials[0], 0)] if folded else []) if node else list(zip(partials, positions))
+            js = {where.get((t.data_ptr(), pos)) for t, pos in slots}
             j = js.pop() if len(js) == 1 else None
-            if j is not None and flat.params[j] is param and all(t.shape == param.shape for t in partials):
-                got.setdefault(j, []).extend(positions)
+            if j is not None and flat.params[j] is param and all(t.shape == param.shape for t, _ in slots):
+                got.setdefault(j, []).extend(pos for _, pos in slots)
             else:
                 rest.append(entry)
         rest_ids = {id(param) for param, _, _ in rest}
@@ -159,28 +163,7 @@ class DepositLog:
         if not members or any(sorted(got[j]) != list(range(batch)) or id(flat.params[j]) in rest_ids for j in members):
             return None
         return _FlatPlan(tuple(flat.params[j] for j in members), tuple(flat.offsets[j] for j in members),
-                         tuple(flat.flats[:batch]), rest)
-
-    def _make_node_plan(self, flat: "FlatBuffers") -> "_FlatPlan | None":
-        """Fold mode: the tensors whose one folded deposit sits in their view of the first flat buffer."""
-        if not flat.flats:
-            return None
-        where = {flat.flats[0].data_ptr() + off * flat.flats[0].element_size(): j for j, off in enumerate(flat.offsets)}
-        got: dict[int, int] = {}
-        rest = []
-        for entry in self.entries:
-            param, positions, partials = entry
-            j = where.get(partials[0].data_ptr()) if len(partials) == 1 and len(positions) > 1 else None
-            if j is not None and flat.params[j] is param and partials[0].shape == param.shape:
-                got[j] = got.get(j, 0) + 1
-            else:
-                rest.append(entry)
-        rest_ids = {id(param) for param, _, _ in rest}
-        members = sorted(got)
-        if not members or any(got[j] != 1 or id(flat.params[j]) in rest_ids for j in members):
-            return None
-        return _FlatPlan(tuple(flat.params[j] for j in members), tuple(flat.offsets[j] for j in members),
-                         flat.flats[:1], rest, node=True)
+                         tuple(flat.flats[:batch]), rest, node=node)
 
 
 @dataclass(frozen=True)

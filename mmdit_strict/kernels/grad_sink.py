@@ -210,9 +210,7 @@ class SampleGradSink:
         """
         if len(keys) != len(partials):
             raise ValueError(f"{len(keys)} sample keys for {len(partials)} gradient partials")
-        late = [k for k in keys if k in self._done]
-        if late:
-            raise ValueError(f"gradient partial for sample key {late[0]!r} after the sink was told it is done")
+        self._check_not_done(keys)
         self._params[id(param)] = param
         self._deposits += len(keys)
         if self._rank is None:
@@ -228,6 +226,15 @@ class SampleGradSink:
                     self._pending_bytes += p.numel() * p.element_size()
             self._note(len(slot), 0)
             return
+        self._put(self._own_stream(param), keys, [p.detach() for p in partials], transfer)
+
+    def _check_not_done(self, keys: Sequence[Hashable]) -> None:
+        late = [k for k in keys if k in self._done]
+        if late:
+            raise ValueError(f"gradient partial for sample key {late[0]!r} after the sink was told it is done")
+
+    def _own_stream(self, param: torch.Tensor) -> _Stream:
+        """Streamed: ``param``'s own fold (its group split first, if it was in one); ValueError once it was taken."""
         cohort = self._cohorts.get(id(param))
         if cohort is not None and not cohort.finished:
             self._dissolve(cohort)
@@ -236,7 +243,18 @@ class SampleGradSink:
         st = self._streams.get(id(param))
         if st is None:
             st = self._streams[id(param)] = _Stream(PairwiseFold(self._first, park=self.park))
-        self._put(st, keys, [p.detach() for p in partials], transfer)
+        return st
+
+    def _flat_group(self, params: Sequence[torch.Tensor], offsets: Sequence[int], keys: Sequence[Hashable],
+               flats: Sequence[torch.Tensor]) -> _Cohort | None:
+        """The checks of a flat deposit, then the group it goes to (None: tensor by tensor)."""
+        if len(params) != len(offsets):
+            raise ValueError(f"{len(params)} parameters for {len(offsets)} offsets")
+        self._check_not_done(keys)
+        cohort = self._cohort_for(params, offsets, flats)
+        if cohort is not None and cohort.finished:
+            raise ValueError("gradient partial for a parameter whose streamed fold was already taken")
+        return cohort
 
     @_host_timed
     def add_flat(self, params: Sequence[torch.Tensor], offsets: Sequence[int], keys: Sequence[Hashable],
@@ -252,18 +270,11 @@ class SampleGradSink:
         """
         if len(keys) != len(flats):
             raise ValueError(f"{len(keys)} sample keys for {len(flats)} flat partial buffers")
-        if len(params) != len(offsets):
-            raise ValueError(f"{len(params)} parameters for {len(offsets)} offsets")
-        late = [k for k in keys if k in self._done]
-        if late:
-            raise ValueError(f"gradient partial for sample key {late[0]!r} after the sink was told it is done")
-        cohort = self._cohort_for(params, offsets, flats)
+        cohort = self._flat_group(params, offsets, keys, flats)
         if cohort is None:
             for p, off in zip(params, offsets):
                 self.add(p, keys, [f[off:off + p.numel()].view(p.shape) for f in flats])
             return
-        if cohort.finished:
-            raise ValueError("gradient partial for a parameter whose streamed fold was already taken")
         self._deposits += len(keys) * len(params)
         self._put(cohort.stream, keys, [f.detach() for f in flats], False)
 
@@ -277,29 +288,15 @@ class SampleGradSink:
         as :meth:`add_flat`."""
         if self._rank is None:
             raise ValueError("a fold node of several keys is placed by the streamed fold only (SampleGradSink(keys))")
-        if len(params) != len(offsets):
-            raise ValueError(f"{len(params)} parameters for {len(offsets)} offsets")
-        late = [k for k in keys if k in self._done]
-        if late:
-            raise ValueError(f"gradient partial for sample key {late[0]!r} after the sink was told it is done")
         self._node_of(keys)
-        cohort = self._cohort_for(params, offsets, [flat])
+        cohort = self._flat_group(params, offsets, keys, [flat])
         if cohort is None:
             for p, off in zip(params, offsets):
-                c = self._cohorts.get(id(p))
-                if c is not None and not c.finished:
-                    self._dissolve(c)
-                if id(p) in self._finished:
-                    raise ValueError("gradient partial for a parameter whose streamed fold was already taken")
+                st = self._own_stream(p)
                 self._params[id(p)] = p
                 self._deposits += len(keys)
-                st = self._streams.get(id(p))
-                if st is None:
-                    st = self._streams[id(p)] = _Stream(PairwiseFold(self._first, park=self.park))
                 self._put_node(st, keys, flat[off:off + p.numel()].view(p.shape))
             return
-        if cohort.finished:
-            raise ValueError("gradient partial for a parameter whose streamed fold was already taken")
         self._deposits += len(keys) * len(params)
         self._put_node(cohort.stream, keys, flat.detach())
 
