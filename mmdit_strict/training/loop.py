@@ -72,6 +72,7 @@ from ..trajectories.outdir import claim_output_dir
 from ..trajectories.setup import DTYPES, build_side_model, latent_grid, make_prompts, resolve_runtime
 from . import checkpoint as ckpt
 from .advantages import StatTracker
+from .checkpoint_writer import CheckpointWriter
 from .export import export_lora
 from .loss import grpo_loss, logp_bytes_differ
 from .metrics import MetricLogger, peak_memory_mb, peak_reserved_memory_mb, plot_rewards, read_metrics
@@ -92,7 +93,7 @@ EVAL_ID_BASE = 1 << 40
 RESUME_FREE = ("resume", "progress", "wandb", "output_dir", "_choices_", "train.num_epochs", "train.eval_freq",
                "train.save_freq", "train.export", "train.recompute_old_logp", "train.cpu_threads", "train.grad_sink",
                "train.keep_attention_outputs", "train.sort_update_pairs", "train.park_fold_nodes",
-               "train.fold_captured_batches", "distributed")
+               "train.fold_captured_batches", "train.async_checkpoint", "distributed")
 
 UpdateHook = Callable[[int, int, int], None]
 
@@ -232,6 +233,7 @@ class Trainer:
         self.wandb_id: str | None = None
         self._warned_fold = False
         self.ckpt_root = self.out / "checkpoints"
+        self.ckpt_writer = CheckpointWriter(background=self.tcfg.async_checkpoint)
         self._maybe_resume()
 
     # ------------------------------------------------------------------ setup
@@ -294,8 +296,10 @@ class Trainer:
         opt = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
         self._check_state(f"epoch {epoch}: checkpoint")
         with distributed.stage(f"epoch {epoch}: write the checkpoint"):
-            if self.root:
-                ckpt.save_checkpoint(self.ckpt_root, epoch, lora, opt, state, self.ema.state_dict() if self.ema else None)
+            if self.root:  # train.async_checkpoint: a host copy now, the files behind the next epoch
+                self.ckpt_writer.save(self.ckpt_root, epoch, lora, opt, state, self.ema.state_dict() if self.ema else None)
+                if self.ckpt_writer.last_wait_s > 1.0:
+                    logger.info("train: waited %.1f s for the previous checkpoint's write", self.ckpt_writer.last_wait_s)
 
     def _check_state(self, when: str) -> None:
         """torchrun: every rank must hold the same LoRA, optimizer and EMA bytes (compared by hash)."""
@@ -560,6 +564,12 @@ class Trainer:
                 bar.set_postfix(reward=f"{row['reward_mean']:+.4f}", ratio1=f"{row['first_update_ratio_exact_one_frac']:.2f}")
                 if (epoch + 1) % self.tcfg.save_freq == 0 or epoch + 1 == E:
                     self._save(epoch)
+        except BaseException:
+            try:  # the checkpoint in flight lands (or fails) before the error leaves
+                self.ckpt_writer.wait()
+            except Exception as exc:
+                logger.error("train: %s", exc)
+            raise
         finally:
             bar.close()
             if mlog is not None:
@@ -578,6 +588,7 @@ class Trainer:
             exported = {}
             if self.tcfg.export:
                 exported = export_lora(self.model, self.out / "lora", self.lcfg.rank, self.lcfg.alpha, self.lcfg.targets)
+            self.ckpt_writer.wait()  # the last checkpoint, written while the plot and the export were
         return TrainResult(self.out, E, read_metrics(self.out), lora, exported, wandb_error)
 
     def _rollout(self, epoch: int) -> EpochSamples:

@@ -224,3 +224,25 @@ def test_resume_repairs_a_torn_metrics_tail(tmp_path, uninterrupted, caplog) -> 
         assert main(["train", f"output_dir={out}", *COMMON, "resume=true", "--quiet"]) == 0
     assert (out / "metrics.jsonl").read_text() == whole
     assert any(str(out / "metrics.jsonl") in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+
+
+@pytest.mark.slow
+def test_checkpoints_written_in_the_background_equal_the_direct_ones(tmp_path, uninterrupted) -> None:
+    """train.async_checkpoint (default on), whose writes run while the next epoch changes the LoRA, AdamW and EMA in
+    place, writes every checkpoint folder with the bytes `=false` writes before going on."""
+    full_dir, _ = uninterrupted
+    out = tmp_path / "direct"
+    run_training(compose_train([f"output_dir={out}", *COMMON, "train.async_checkpoint=false"]), progress=False)
+    folders = sorted(p.name for p in (full_dir / "checkpoints").iterdir() if p.is_dir())
+    assert folders == [f"epoch_{e:06d}" for e in range(4)]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir()) == folders
+    for name in folders:
+        a, b = full_dir / "checkpoints" / name, out / "checkpoints" / name
+        assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
+        for f in a.iterdir():
+            if f.name == "state.json":  # the global RNG states are the process's, which ran other tests in between
+                sa, sb = (json.loads(p.read_text()) for p in (f, b / f.name))
+                sa.pop("rng"), sb.pop("rng")
+                assert sa == sb, name
+            else:
+                assert f.read_bytes() == (b / f.name).read_bytes(), f"{name}/{f.name}"
