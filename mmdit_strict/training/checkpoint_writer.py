@@ -59,18 +59,19 @@ class CheckpointWriter:
 
     def save(self, root: str | Path, epoch: int, lora: dict[str, torch.Tensor], optimizer: dict[str, Any],
              state: dict[str, Any], ema: dict[str, torch.Tensor] | None = None) -> None:
-        """Checkpoint ``epoch`` under ``root`` from a copy of ``lora``, ``optimizer``, ``state`` and ``ema`` taken now
-        (tensors on the host, containers new: the caller may change the originals as soon as this returns)."""
+        """Checkpoint ``epoch`` under ``root``. In the background: from a copy of ``lora``, ``optimizer``, ``state`` and
+        ``ema`` taken now (tensors on the host, containers new), so the caller may change the originals as soon as this
+        returns; else written from them before returning."""
         self.wait()
-        snap = host_snapshot({"lora": lora, "optimizer": optimizer, "state": state, "ema": ema})
         self._label = f"checkpoint epoch_{epoch:06d} under {root}"
-        args = (Path(root), epoch, snap["lora"], snap["optimizer"], snap["state"], snap["ema"])
-        if self.background:
-            self._thread = threading.Thread(target=self._write, args=args, name="checkpoint-writer", daemon=False)
-            self._thread.start()
-        else:
-            self._write(*args)
+        if not self.background:  # written before returning: nothing can change under it, no copy needed
+            self._write(Path(root), epoch, lora, optimizer, state, ema)
             self._raise()
+            return
+        snap = host_snapshot({"lora": lora, "optimizer": optimizer, "state": state, "ema": ema})
+        args = (Path(root), epoch, snap["lora"], snap["optimizer"], snap["state"], snap["ema"])
+        self._thread = threading.Thread(target=self._write, args=args, name="checkpoint-writer", daemon=False)
+        self._thread.start()
 
     def _write(self, root: Path, epoch: int, lora: dict[str, torch.Tensor], optimizer: dict[str, Any],
                state: dict[str, Any], ema: dict[str, torch.Tensor] | None) -> None:
