@@ -114,3 +114,36 @@ def test_host_snapshot_copies_tensors_and_containers() -> None:
     for copy in (snap["a"][0], snap["b"][0]):
         assert torch.equal(copy, t) and copy.stride() == t.stride()
         assert copy.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+
+
+def test_a_later_snapshot_reuses_the_earlier_ones_memory_only_where_it_fits() -> None:
+    a, b = torch.arange(6.0).view(2, 3), torch.arange(4.0)
+    first = host_snapshot({"x": [a, b], "y": a})
+    second = host_snapshot({"x": [a + 1, b[:3]], "y": a.t()}, first)
+    assert second["x"][0] is first["x"][0] and torch.equal(second["x"][0], a + 1)  # same place, same layout
+    assert second["x"][1] is not first["x"][1] and torch.equal(second["x"][1], b[:3])  # another shape
+    assert second["y"] is not first["y"] and torch.equal(second["y"], a.t())  # other strides
+
+
+def test_consecutive_background_writes_each_hold_their_own_values(tmp_path) -> None:
+    """The second write reuses the first's host copy: its files must hold the second save's values, the first's
+    files the first's."""
+    params, opt, lora, ema, state = _live_state()
+    writer = CheckpointWriter(background=True)
+    expected = []
+    for epoch in range(3):
+        expected.append(ckpt.save_checkpoint(tmp_path / f"direct{epoch}", epoch, lora, {"optimizer": opt.state_dict()},
+                                             state, ema))
+        writer.save(tmp_path / "background", epoch, lora, {"optimizer": opt.state_dict()}, state, ema)
+        for p in params:
+            p.grad = torch.full_like(p, 0.1 * (epoch + 1))
+        opt.step()
+        for t in ema.values():
+            t.add_(1.0)
+    writer.wait()
+    for epoch, direct in enumerate(expected):
+        got = tmp_path / "background" / f"epoch_{epoch:06d}"
+        a, b = _files(direct), _files(got)
+        assert sorted(a) == sorted(b)
+        for name in a:
+            assert a[name] == b[name], (epoch, name)
