@@ -13,7 +13,7 @@ same work alone: ``python`` (a pure-Python loop: the worst case, it needs the in
 ``torch`` (256 x 256 FP32 matmuls: PyTorch releases the lock inside each op, as in a training loop's launches and
 waits). A direct write runs first and last, the background ones between, each into a new folder (removed after). Times depend on this machine's disk and cores; they are what the loop saves here, not on the GPU host.
 
-    python experiments/training/async_checkpoint/measure.py [--out DIR]
+    python experiments/training/90d38df_async_checkpoint/measure.py [--out DIR]
 """
 
 from __future__ import annotations
