@@ -56,12 +56,13 @@ def replace_dir(tmp: str | Path, directory: str | Path) -> Path:
     return directory
 
 
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    """The raw bytes of ``t`` in row-major order (on the host)."""
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of ``t`` in row-major order, on the host: a read-only view of ``t``'s own memory when it is a
+    contiguous CPU tensor (no copy: hashing and writing take it as it is), else of a contiguous host copy."""
     t = t.detach().to("cpu").contiguous().reshape(-1)
     if t.numel() == 0:
-        return b""
-    return t.view(torch.uint8).numpy().tobytes() if t.dtype != torch.uint8 else t.numpy().tobytes()
+        return memoryview(b"")
+    return memoryview(t.view(torch.uint8).numpy()).toreadonly()
 
 
 _SAFETENSORS_DTYPES = {
