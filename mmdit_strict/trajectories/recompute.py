@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from .. import distributed
 from ..config.arch import preset
-from ..kernels.grad_sink import collect_sample_grads
+from ..kernels.grad_sink import SampleGradSink, collect_sample_grads
 from ..kernels.runtime import Runtime, runtime_mode
 from ..kernels.trace import capture_trace
 from ..model import build_model
@@ -139,6 +139,18 @@ def check_replay_settings(cfg: DictConfig, rollout: artifact.Trajectory) -> None
                          "drop these overrides or sample a new rollout with them")
 
 
+def step_sink(distributed_plan: bool, sample_ids: list, cfg_scale: float) -> SampleGradSink:
+    """The grad sink of one recompute step. One process: the streamed fold over every key the step deposits,
+    ``(sample_id, branch)`` with branch 0 (conditional) and, under CFG, 1 (negative), which holds a few tree nodes
+    per parameter instead of every key's partial, and takes the captured steps' flat partials as one group.
+    torchrun: the stored fold, whose per-key partials move to rank 0 (:func:`distributed.fold.rank_partials`).
+    Both give the same bytes; autograd's sums stay on (their hash is recorded too)."""
+    if distributed_plan:
+        return SampleGradSink()
+    branches = (0,) if cfg_scale == 1.0 else (0, 1)
+    return SampleGradSink([(i, br) for i in sample_ids for br in branches])
+
+
 def _grad_record(trainable: list, sink) -> dict | None:
     """Hashes of one step's LoRA gradients: folded in global sample order (split-invariant) and as autograd summed them.
 
@@ -229,7 +241,8 @@ def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | 
             used = used_sigmas(sigmas)
         for step in range(start, S):
             fault_here = fault_key if step == fault_step else None
-            with collect_sample_grads() as sink:
+            with collect_sample_grads(step_sink(plan.distributed, [ids[i] for mb in plan.batches for i in mb],
+                                                float(cfg.sampler.cfg_scale))) as sink:
                 for mb in plan.batches:
                     x_t, x_rec = xs[step][mb], xs[step + 1][mb]
                     mb_ids = [ids[i] for i in mb]

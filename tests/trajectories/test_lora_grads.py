@@ -42,3 +42,27 @@ def test_fold_is_sensitive_to_the_policy(rollout) -> None:
     # same policy, but the loss differs at step 1 through a planted fault: the hash must change there only
     _, hb = _grads(traj0, out, "recompute.micro_batch=2", "recompute.inject_fault=block0.img.mlp_down_gemm@1")
     assert ha[0] == hb[0] and ha[1] != hb[1]
+
+
+def test_the_streamed_step_sink_gives_the_stored_folds_bytes(rollout, monkeypatch) -> None:
+    """One process folds each recompute step's gradients in the streamed sink (a few tree nodes per parameter); the
+    stored sink, which keeps every key's partial (as torchrun's ranks do), gives the same hashes."""
+    from mmdit_strict.kernels.grad_sink import SampleGradSink
+    from mmdit_strict.trajectories import recompute
+
+    traj0, out = rollout
+    made: list[SampleGradSink] = []
+    real = recompute.step_sink
+    monkeypatch.setattr(recompute, "step_sink", lambda *a: made.append(real(*a)) or made[-1])
+    a, ha = _grads(traj0, out, "recompute.micro_batch=2", "recompute.cfg_layout=sequential", "recompute.shuffle=false")
+    assert made and all(s.streamed for s in made)
+    stored: list[SampleGradSink] = []
+    monkeypatch.setattr(recompute, "step_sink", lambda *a: stored.append(SampleGradSink()) or stored[-1])
+    b, hb = _grads(traj0, out, "recompute.micro_batch=2", "recompute.cfg_layout=sequential", "recompute.shuffle=false",
+                   "wandb.mode=disabled")  # (the repeated setting only names another output folder)
+    assert ha == hb and all(h for h in ha)
+    held = lambda sinks: max(s.stats.peak_pending_bytes for s in sinks)
+    # in key order the streamed sink buffers one micro-batch's partials at most, the stored one keeps all 10 keys'
+    assert 0 < held(made) <= held(stored) / 4, (held(made), held(stored))
+    auto = lambda t: [g["autograd_sha256"] for g in t.manifest["side"]["lora_grads_per_step"]]
+    assert auto(a) == auto(b)
