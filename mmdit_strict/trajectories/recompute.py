@@ -145,10 +145,13 @@ def step_sink(distributed_plan: bool, sample_ids: list, cfg_scale: float) -> Sam
     per parameter instead of every key's partial, and takes the captured steps' flat partials as one group.
     torchrun: the stored fold, whose per-key partials move to rank 0 (:func:`distributed.fold.rank_partials`).
     Both give the same bytes; autograd's sums stay on (their hash is recorded too)."""
-    if distributed_plan:
-        return SampleGradSink()
+    return SampleGradSink() if distributed_plan else SampleGradSink(sink_keys(sample_ids, cfg_scale))
+
+
+def sink_keys(sample_ids: list, cfg_scale: float) -> list[tuple]:
+    """The grad-sink keys the velocity's forwards give these samples: ``(sample_id, branch)``, branch 1 only with CFG."""
     branches = (0,) if cfg_scale == 1.0 else (0, 1)
-    return SampleGradSink([(i, br) for i in sample_ids for br in branches])
+    return [(i, br) for i in sample_ids for br in branches]
 
 
 def _grad_record(trainable: list, sink) -> dict | None:
@@ -256,6 +259,8 @@ def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | 
                         if logp.requires_grad:
                             with timed("model", x_t.device):  # the backward runs through the transformer
                                 (-logp.sum()).backward()
+                    if sink.streamed:  # a parameter these keys did not reach waits for them no longer
+                        sink.done(sink_keys(mb_ids, float(cfg.sampler.cfg_scale)))
                     rec.put(step, mb, v, x_next, logp, blocks)
                     bar.update(1)
             if plan.distributed:  # torchrun: rows and gradient partials of every rank move to rank 0
