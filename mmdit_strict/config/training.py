@@ -89,7 +89,8 @@ class TrainConfig:
     eval_num_prompts: int = 2
     save_freq: int = 1  # checkpoint every N epochs (and always after the last)
     # write each checkpoint from a host copy in a background thread while training goes on (the same files; one
-    # write in flight, waited for at the next checkpoint and at the end). false: write before the next epoch starts
+    # write in flight, waited for at the next checkpoint and at the end; the copy, a checkpoint's size of host memory,
+    # is kept for the next one). false: write before the next epoch starts, no copy
     async_checkpoint: bool = True
     export: bool = True  # write the PEFT and diffusers LoRA folders after the last epoch
     cpu_threads: Optional[int] = None  # torch intra-op threads for this process (None: torch's default); the tiny run uses 1
