@@ -84,3 +84,32 @@ def test_captured_training_steps_keep_the_uncaptured_bytes(tmp_path, layout: str
             assert_bytes_equal(b[name], a[name], f"{layout}: update {u} grad {name}")
     for name in pa:
         assert_bytes_equal(pb[name], pa[name], f"{layout}: {name} after the epoch")
+
+
+def test_background_checkpoints_of_a_gpu_run_equal_the_direct_ones(tmp_path) -> None:
+    """``train.async_checkpoint`` copies the device's LoRA, AdamW and EMA to the host before the next epoch changes
+    them in place: every checkpoint file equals the one written directly (state.json without the RNG states, which
+    are the process's; AdamW's tensors compared loaded, since torch.save records each one's device)."""
+    import json
+
+    from mmdit_strict.training.loop import run_training
+
+    common = [*SMALL, *GPU, "lora.init=random", "train.num_epochs=2", "train.save_freq=1", "train.ema=true"]
+    for name, flag in (("background", "true"), ("direct", "false")):
+        run_training(compose_train([f"output_dir={tmp_path / name}", *common, f"train.async_checkpoint={flag}"]),
+                     progress=False)
+    for epoch in range(2):
+        a, b = (tmp_path / n / "checkpoints" / f"epoch_{epoch:06d}" for n in ("background", "direct"))
+        assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
+        for f in a.iterdir():
+            if f.name == "state.json":
+                sa, sb = (json.loads(p.read_text()) for p in (f, b / f.name))
+                for s in (sa, sb):
+                    s.pop("rng"), s["files"].pop("optimizer.pt")  # the file's hash: see below
+                assert sa == sb, epoch
+            elif f.name != "optimizer.pt":  # torch.save records where each tensor lived: host copy vs device
+                assert f.read_bytes() == (b / f.name).read_bytes(), (epoch, f.name)
+        oa, ob = (torch.load(p / "optimizer.pt", map_location="cpu", weights_only=True) for p in (a, b))
+        for i, st in ob["optimizer"]["state"].items():
+            for key, value in st.items():
+                assert_bytes_equal(oa["optimizer"]["state"][i][key], value, f"epoch {epoch} AdamW {key} of param {i}")
