@@ -63,8 +63,8 @@ class TrainConfig:
     # True (streamed sink, captured training steps on CUDA): a training forward whose sample keys are one node of the
     # fold's tree (in the batched CFG layout, a micro-batch of 2^k keys from a multiple of 2^k) folds its batch's
     # partials inside the captured backward: one partial buffer per LoRA tensor instead of one per tensor and sample,
-    # nothing buffered out of order; same bytes (compared with the uncaptured step on the GPU at 2fa6f51). Nothing
-    # changes for a layout whose forwards are not such nodes (the sequential CFG layout)
+    # nothing buffered out of order; same bytes (tests/model/test_train_graphs.py compares it with the uncaptured step
+    # on the GPU). Nothing changes for a layout whose forwards are not such nodes (the sequential CFG layout)
     fold_captured_batches: bool = True
     runtime: Optional[str] = None  # None → runtime.mode; "off" shows how far the production path drifts
     recompute_old_logp: bool = False  # debug: recompute the old logp before training and require equal bytes

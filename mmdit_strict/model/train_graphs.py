@@ -58,8 +58,8 @@ if TYPE_CHECKING:
 #: view is as aligned as a buffer of its own for the kernels that write it.
 FLAT_ALIGN = 64
 #: The arena's buffers are views of one flat buffer per batch position, which the grad sink folds for all tensors at
-#: once. False: a buffer of its own per tensor and position, handed to the sink tensor by tensor (the path before
-#: flat buffers; same bytes), kept as the switch back should a GPU disagree.
+#: once. False: a buffer of its own per tensor and position, handed to the sink tensor by tensor (same bytes; a CPU
+#: test compares the two folds), for isolating the flat path when a GPU result is in doubt.
 FLAT_PARTIALS = True
 
 
@@ -272,9 +272,9 @@ class TrainGraphCache:
     its own pool. ``fold_batches``: a call under a streamed sink whose sample keys are the leaves of one node of
     the sink's tree (``SampleGradSink.node_order``: e.g. both CFG branches of a pair, in the batched layout) gets an
     instance whose backward folds its batch's partials into that node inside the graph, so it writes one partial
-    buffer per tensor instead of one per tensor and sample, and the sink takes one node; same bytes. Off by default
-    until the GPU has compared it with the uncaptured step. :meth:`clear` releases them all (needed after swapping
-    parameters' storage, e.g. ``load_state_dict(assign=True)``).
+    buffer per tensor instead of one per tensor and sample, and the sink takes one node; same bytes. Off here;
+    ``train`` sets it from ``train.fold_captured_batches`` (on by default). :meth:`clear` releases them all
+    (needed after swapping parameters' storage, e.g. ``load_state_dict(assign=True)``).
     """
 
     def __init__(self, max_instances: int = 4, share_pools: bool = True, fold_batches: bool = False) -> None:

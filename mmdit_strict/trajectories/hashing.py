@@ -17,8 +17,8 @@ def tensor_sha256(t: torch.Tensor) -> str:
 
 
 #: Bytes read per step of :func:`file_sha256`. Reads and hashing of large chunks run without the interpreter lock; a
-#: thread hashing next to a busy one waits for the lock once per chunk, so small chunks made a background
-#: checkpoint's hashing many times slower (1 MiB: 1.0 s alone, 16 s beside a Python loop, for 1.6 GB).
+#: thread hashing next to a busy one waits for the lock once per chunk, so small chunks make a background
+#: checkpoint's hashing many times slower (1 MiB chunks: 16× the time beside a Python loop, for 1.6 GB).
 HASH_CHUNK = 16 << 20
 
 

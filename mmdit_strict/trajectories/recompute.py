@@ -237,6 +237,8 @@ def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | 
     grad_records = list(resumed.step_extras) if resumed else []
     bar.update(start * len(plan.batches))
     fault_key, fault_step = parse_fault(cfg.recompute.inject_fault)
+    plan_ids = [ids[i] for mb in plan.batches for i in mb]  # this rank's samples, whose keys each step's sink declares
+    cfg_scale = float(cfg.sampler.cfg_scale)
     with capture_trace(resumed.trace if resumed else None) as trace, runtime_mode(runtime), \
             perturbing(cfg.recompute.perturb, model, runtime.value) as overlay, time_split() as split, \
             model_parallel(layout) as mpar:
@@ -244,15 +246,14 @@ def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | 
             used = used_sigmas(sigmas)
         for step in range(start, S):
             fault_here = fault_key if step == fault_step else None
-            with collect_sample_grads(step_sink(plan.distributed, [ids[i] for mb in plan.batches for i in mb],
-                                                float(cfg.sampler.cfg_scale))) as sink:
+            with collect_sample_grads(step_sink(plan.distributed, plan_ids, cfg_scale)) as sink:
                 for mb in plan.batches:
                     x_t, x_rec = xs[step][mb], xs[step + 1][mb]
                     mb_ids = [ids[i] for i in mb]
                     with inject_fault(fault_here), torch.set_grad_enabled(bool(cfg.recompute.autograd)):
                         blocks: list[list[str]] = []
                         v = velocity(model, x_t.to(model.dtype), [prompts.embeds[i] for i in mb], prompts.negatives_of(mb),
-                                     float(used[step]), grid, float(cfg.sampler.cfg_scale), cfg.recompute.cfg_layout,
+                                     float(used[step]), grid, cfg_scale, cfg.recompute.cfg_layout,
                                      cfg.recompute.pad_to, block_hashes=blocks, sample_ids=mb_ids,
                                      images=prompts.images_of(mb))
                         x_next, logp = step_latents(cfg.sampler, cfg.seed, v, x_t, used, step, mb_ids, prev_sample=x_rec)
@@ -260,7 +261,7 @@ def run_recompute(cfg: DictConfig, rollout: artifact.Trajectory, out_dir: str | 
                             with timed("model", x_t.device):  # the backward runs through the transformer
                                 (-logp.sum()).backward()
                     if sink.streamed:  # a parameter these keys did not reach waits for them no longer
-                        sink.done(sink_keys(mb_ids, float(cfg.sampler.cfg_scale)))
+                        sink.done(sink_keys(mb_ids, cfg_scale))
                     rec.put(step, mb, v, x_next, logp, blocks)
                     bar.update(1)
             if plan.distributed:  # torchrun: rows and gradient partials of every rank move to rank 0
