@@ -259,13 +259,35 @@ def memory_held(model: torch.nn.Module, sink: SampleGradSink | None, params: lis
     return {"lora_fp32_gib": lora_fp32, "sink_peak_pending_gib": stats.peak_pending_bytes / 2**30,
             "parked_peak_host_gib": None if park is None else park.stats.peak_host_bytes / 2**30,
             "parked_nodes": None if park is None else park.stats.parks,
+            # where the park's host time goes: pinned allocations (within parks), parks, copies back
+            "park_host_s": None if park is None else {k: getattr(park.stats, k) for k in ("host_alloc_s", "park_s", "back_s")},
             "sink_peak_nodes_per_param": stats.peak_nodes_per_param,
             "sink_group_tensors": stats.group_tensors,  # tensors folded as one group from the captured steps' flat buffers
             "sink_host_s": stats.host_seconds,  # host time in the sink's calls in the train phase (its fold comes later)
             "cuda_graphs_so_far": graph_stats(model),  # captures / replays since the engine was built, warm-up included
             "train_graph_instances": None if graphs is None else len(graphs),
             "train_graph_pools": None if graphs is None else graphs.pools(),
-            "partial_arena_gib": None if graphs is None else graphs.arena_bytes() / 2**30}
+            "partial_arena_gib": None if graphs is None else graphs.arena_bytes() / 2**30,
+            **cuda_pools_gib()}
+
+
+def cuda_pools_gib() -> dict[str, Any]:
+    """What the CUDA caching allocator holds now, by pool (GiB): the default pool's reserved and allocated bytes, and
+    the CUDA-graph pools' reserved bytes, which ``max_memory_allocated`` does not see between replays (a graph's
+    intermediates live in its pool). Empty without CUDA."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    default = [0, 0]
+    graphs: dict[tuple[int, int], int] = {}
+    for seg in torch.cuda.memory_snapshot():
+        pool = tuple(seg.get("segment_pool_id", (0, 0)))
+        if pool == (0, 0):
+            default[0] += seg.get("total_size", 0)
+            default[1] += seg.get("allocated_size", 0)
+        else:
+            graphs[pool] = graphs.get(pool, 0) + seg.get("total_size", 0)
+    return {"default_pool_reserved_gib": default[0] / 2**30, "default_pool_allocated_gib": default[1] / 2**30,
+            "graph_pools_reserved_gib": sum(graphs.values()) / 2**30, "graph_pools": len(graphs)}
 
 
 def run_engine(engine: Engine, ups: Sequence[Update], device: torch.device, warmup: int, bar: tqdm,
@@ -488,6 +510,18 @@ def render(report: dict[str, Any]) -> str:
                                    "all of them; sink host s: the host's time in the sink's calls in the train phase "
                                    "(launching its copies, sums and parks); the pools hold the captured steps' activations and "
                                    "temporaries (instances never live together share one)."])
+    pools = [md.row(name, *(_fmt(h.get(k), ".2f") for k in ("default_pool_reserved_gib", "default_pool_allocated_gib",
+                                                             "graph_pools_reserved_gib")),
+                    _fmt(h.get("graph_pools"), "d"),
+                    *(_fmt((h.get("park_host_s") or {}).get(k), ".2f") for k in ("host_alloc_s", "park_s", "back_s")))
+             for name, e in report["engines"].items() if (h := e.get("held_after_train")) and "graph_pools" in h]
+    if pools:
+        lines += md.section("The CUDA allocator's pools at the end of the train phase, and the park's host time",
+                            ["engine", "default pool reserved GiB", "default pool allocated GiB", "graph pools reserved GiB",
+                             "graph pools", "pinned allocations s", "parks s", "copies back s"], pools,
+                            notes=["A captured step's activations and temporaries live in its graph pool: reserved, and "
+                                   "not in the peak allocated figures above. The park's times are host times of its calls "
+                                   "(the pinned allocations are part of the parks')."])
     checks = [md.row(name, e["first_update_logp_bytes_differ"], e["pairs"], "yes" if e["first_update_ratio_exact_one"] else "no")
               for name, e in report["engines"].items() if "error" not in e]
     lines += md.section("On-policy check (first update)", ["engine", "pairs whose logp bytes differ from the rollout's",

@@ -16,6 +16,7 @@ A copy moves bytes unchanged, so a parked fold's result equals the unparked one'
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -35,12 +36,18 @@ class ParkedNode(Node):
 
 @dataclass
 class ParkStats:
-    """What a park moved: nodes parked and brought back, bytes on the host at once at the most."""
+    """What a park moved (nodes parked and brought back, bytes on the host at once at the most) and the host time
+    its calls took: ``host_alloc_s`` in the host buffers' allocations (pinned on CUDA), ``park_s`` in :meth:`HostPark.park`
+    (those allocations included), ``back_s`` in starting and awaiting copies back (:meth:`HostPark.prefetch`,
+    :meth:`HostPark.fetch`). On CUDA they are launch and bookkeeping times: the copies run later, on a side stream."""
 
     parks: int = 0
     fetches: int = 0
     prefetched: int = 0  # fetches whose copy was issued before the node was needed
     peak_host_bytes: int = 0
+    host_alloc_s: float = 0.0
+    park_s: float = 0.0
+    back_s: float = 0.0
 
 
 class HostPark:
@@ -75,15 +82,19 @@ class HostPark:
         v = node.value
         if v is None or isinstance(node, ParkedNode):
             return node
+        t0 = time.perf_counter()
         if v.is_cuda:
             side = self._side(v.device)
             host = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+            self.stats.host_alloc_s += time.perf_counter() - t0
             side.wait_stream(torch.cuda.current_stream(v.device))
             with torch.cuda.stream(side):
                 host.copy_(v, non_blocking=True)
             v.record_stream(side)  # its block is reused only after the copy has read it
         else:
             host = v.clone()
+            self.stats.host_alloc_s += time.perf_counter() - t0
+        self.stats.park_s += time.perf_counter() - t0
         self.stats.parks += 1
         self._host_bytes += host.numel() * host.element_size()
         self.stats.peak_host_bytes = max(self.stats.peak_host_bytes, self._host_bytes)
@@ -122,8 +133,10 @@ class HostPark:
     def prefetch(self, node: Node) -> None:
         """Start copying a parked node back to its device (nothing for any other node, or if already started)."""
         if self.parked(node):
+            t0 = time.perf_counter()
             self._copy_back(node)  # type: ignore[arg-type]
             self.stats.prefetched += 1
+            self.stats.back_s += time.perf_counter() - t0
 
     def _copy_back(self, node: ParkedNode) -> None:
         host = node.value
@@ -142,6 +155,7 @@ class HostPark:
         """``node`` on its device again, owned by the fold (any other node as it is)."""
         if not isinstance(node, ParkedNode):
             return node
+        t0 = time.perf_counter()
         if node.back is None:
             self._copy_back(node)
         back = node.back
@@ -152,4 +166,5 @@ class HostPark:
             back.record_stream(stream)  # made on the side stream, used and freed on this one
         self.stats.fetches += 1
         self._host_bytes -= node.value.numel() * node.value.element_size()
+        self.stats.back_s += time.perf_counter() - t0
         return Node(node.level, node.start, back, True)

@@ -27,6 +27,8 @@ def test_a_parked_fold_gives_the_trees_bytes(n: int) -> None:
     s = park.stats
     assert s.parks == s.fetches and park._host_bytes == 0  # every parked node came back
     assert (s.parks > 0) == (n >= 3) and s.prefetched == 0  # no lookahead: each copy back issued at its join
+    # host times: each park's allocation is part of its park time; nothing parked, nothing timed
+    assert 0.0 <= s.host_alloc_s <= s.park_s and ((s.park_s > 0) == (s.back_s > 0) == (s.parks > 0))
     assert all(v is None or not torch.equal(v, torch.zeros_like(v)) for v in leaves)  # the callers' leaves untouched
 
 
