@@ -85,6 +85,7 @@ class Engine:
     grad_sink: bool  # fold per-(pair, branch) partials through the strict gradient sink
     what: str
     park_fold_nodes: bool = False  # the sink's waiting fold nodes in host memory (train.park_fold_nodes)
+    park_lookahead: int | None = None  # keys before a parked node's join at which it comes back (train.park_lookahead)
     micro_batch: int | None = None  # pairs per training forward, where it is not the update's (ours: same bytes any way)
     cfg_layout: str | None = None  # the training forwards' CFG layout, where it is not the update's
 
@@ -118,6 +119,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--prompts must be >= 1, got {args.prompts}")
     if (args.layers is not None and args.layers < 1) or args.txt < 1 or args.lora_rank < 1 or min(args.grid) < 1:
         raise ValueError("--layers, --txt, --lora-rank and --grid must be positive")
+    if args.park_lookahead is not None and args.park_lookahead < 0:
+        raise ValueError(f"--park-lookahead must be >= 0 keys, got {args.park_lookahead}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda but this machine has no CUDA GPU (use --device cpu --arch tiny)")
     if args.device == "cpu" and args.arch == "qwen-image" and args.layers is None:
@@ -176,7 +179,7 @@ def _train_phase(engine: Engine, up: Update, samples: EpochSamples) -> tuple[Sam
     batches = [pairs[i:i + mb] for i in range(0, len(pairs), mb)]
     keys = [grad_keys(samples, b, scale) for b in batches]
     # as train does under the strict runtime: the backward leaves autograd's sums out, the fold replaces them
-    park = HostPark.for_micro_batches(keys) if engine.park_fold_nodes else None  # as train does
+    park = HostPark.for_micro_batches(keys, engine.park_lookahead) if engine.park_fold_nodes else None  # as train does
     sink = SampleGradSink([k for ks in keys for k in ks], autograd_sums=False, park=park) if engine.grad_sink else None
     differ, exact = [], []
     with collect_sample_grads(sink) if sink is not None else contextlib.nullcontext(), side(engine.model, engine.runtime):
@@ -358,6 +361,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                         args.fold_batches) if e.name in args.engines]
     for e in engines:
         e.park_fold_nodes = e.park_fold_nodes or (e.name == "ours" and args.park_fold_nodes)
+        e.park_lookahead = args.park_lookahead
         if e.grad_sink:  # ours (and ours_parked): the split and layout do not change its bytes
             e.micro_batch, e.cfg_layout = args.ours_micro_batch, args.ours_cfg_layout
     shortest = args.txt if args.prompts == 1 and not args.fresh_prompts else max(1, args.txt // 2)
@@ -394,7 +398,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "group": args.group, "steps": args.steps, "window": args.window, "micro_batch": args.micro_batch,
               "lora_rank": args.lora_rank, "lora_targets": list(LORA_TARGETS), "device": args.device, "dtype": str(dtype),
               "cfg_scale": CFG_SCALE, "eta": ETA, "cfg_layout": args.cfg_layout, "warmup": args.warmup, "profile": args.profile,
-              "graph_pools": args.graph_pools, "park_fold_nodes": args.park_fold_nodes, "fold_batches": args.fold_batches,
+              "graph_pools": args.graph_pools, "park_fold_nodes": args.park_fold_nodes,
+              "park_lookahead": args.park_lookahead, "fold_batches": args.fold_batches,
               "ours_micro_batch": args.ours_micro_batch, "ours_cfg_layout": args.ours_cfg_layout,
               "grad_checkpointing": True, "clip_range": tcfg.clip_range, "learning_rate": tcfg.learning_rate}
     return {"config": config, "engines": results, **all_ratios(results), "errors": errors}
@@ -562,6 +567,9 @@ def parser() -> argparse.ArgumentParser:
                         "(default the first two; the ratios need the peer)")
     p.add_argument("--park-fold-nodes", action="store_true",
                    help="ours: the grad sink's waiting fold nodes in pinned host memory (train.park_fold_nodes=true)")
+    p.add_argument("--park-lookahead", type=int, default=None, metavar="KEYS",
+                   help="parked engines: keys before a parked node's join at which its copy back starts "
+                        "(train.park_lookahead; default one micro-batch's keys, 0: each node comes back at its join)")
     p.add_argument("--graph-pools", choices=["shared", "per-instance"], default="shared",
                    help="ours on CUDA: captured graphs share memory pools as the model does by default, or each has its own")
     p.add_argument("--ours-micro-batch", type=int, default=None,

@@ -60,6 +60,11 @@ class TrainConfig:
     # keys, each an FP32 copy of the LoRA) sit in pinned host memory, copied back a micro-batch ahead of their join on a side
     # stream; same bytes, less device memory, PCIe traffic of about half a LoRA per key
     park_fold_nodes: bool = False
+    # with park_fold_nodes: keys before a parked node's join at which its copy back starts, a covered node that joins
+    # within them staying on the device. None: one micro-batch's keys (the copy overlaps that micro-batch's compute;
+    # up to three nodes on the device). 0: every covered node parks and comes back at its join (one node on the device
+    # at most; each join waits for its copy, about 1.6 GiB over PCIe for Qwen-Image's LoRA). Same bytes either way
+    park_lookahead: Optional[int] = None
     # True (streamed sink, captured training steps on CUDA): a training forward whose sample keys are one node of the
     # fold's tree (in the batched CFG layout, a micro-batch of 2^k keys from a multiple of 2^k) folds its batch's
     # partials inside the captured backward: one partial buffer per LoRA tensor instead of one per tensor and sample,

@@ -167,6 +167,9 @@ def _train_problems(cfg: DictConfig) -> list[str]:
     frac = float(_get(cfg, "train.timestep_fraction"))
     if not 0.0 < frac <= 1.0:
         out.append(f"train.timestep_fraction must be in (0, 1], got {frac}")
+    ahead = _get(cfg, "train.park_lookahead")
+    if ahead is not None and (not _is_int(ahead) or ahead < 0):
+        out.append(f"train.park_lookahead must be null or >= 0 keys, got {ahead}")
     threads = _get(cfg, "train.cpu_threads")
     if threads is not None and (not _is_int(threads) or threads < 1):
         out.append(f"train.cpu_threads must be null or >= 1, got {threads}")

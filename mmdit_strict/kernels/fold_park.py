@@ -67,10 +67,11 @@ class HostPark:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     @classmethod
-    def for_micro_batches(cls, keys: Sequence[Sequence[Any]]) -> "HostPark":
-        """The park ``train`` uses for an update of these micro-batches' keys: a node's copy back starts one
-        micro-batch's keys before its join, so it overlaps that micro-batch's compute."""
-        return cls(lookahead=max(map(len, keys)))
+    def for_micro_batches(cls, keys: Sequence[Sequence[Any]], lookahead: int | None = None) -> "HostPark":
+        """The park ``train`` uses for an update of these micro-batches' keys: by default a node's copy back starts one
+        micro-batch's keys before its join, so it overlaps that micro-batch's compute; ``lookahead`` (keys) instead
+        (0: each node comes back at its join, the fewest nodes on the device)."""
+        return cls(lookahead=max(map(len, keys)) if lookahead is None else lookahead)
 
     def _side(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._streams:

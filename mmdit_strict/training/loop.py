@@ -93,7 +93,7 @@ EVAL_ID_BASE = 1 << 40
 RESUME_FREE = ("resume", "progress", "wandb", "output_dir", "_choices_", "train.num_epochs", "train.eval_freq",
                "train.save_freq", "train.export", "train.recompute_old_logp", "train.cpu_threads", "train.grad_sink",
                "train.keep_attention_outputs", "train.sort_update_pairs", "train.park_fold_nodes",
-               "train.fold_captured_batches", "train.async_checkpoint", "distributed")
+               "train.park_lookahead", "train.fold_captured_batches", "train.async_checkpoint", "distributed")
 
 UpdateHook = Callable[[int, int, int], None]
 
@@ -396,7 +396,7 @@ class Trainer:
                 streamed = t.grad_sink == "streamed"
                 # strict (fails closed: every LoRA product deposits): the backward skips autograd's sums, the fold replaces them
                 sums = self.train_rt is not Runtime.STRICT
-                park = HostPark.for_micro_batches(keys) if streamed and t.park_fold_nodes else None
+                park = HostPark.for_micro_batches(keys, t.park_lookahead) if streamed and t.park_fold_nodes else None
                 sink = (SampleGradSink(flat, first_index=first, autograd_sums=sums, park=park) if streamed
                         else SampleGradSink(autograd_sums=sums))
                 sink_bound = max(sink_bound, pending_bound([keys[j] for j in run]) if streamed else len(flat))

@@ -77,6 +77,7 @@ def test_bench_train_with_two_prompts_runs_both_groups_on_policy(tmp_path: Path)
     (["--group", "1"], "--group must be >= 2"),
     (["--prompts", "0"], "--prompts must be >= 1"),
     (["--ours-micro-batch", "0"], "--ours-micro-batch must be >= 1 pair, got 0"),
+    (["--park-lookahead", "-1"], "--park-lookahead must be >= 0 keys, got -1"),
 ])
 def test_bad_sizes_are_refused_before_any_work(tmp_path: Path, capsys, argv: list[str], message: str) -> None:
     with pytest.raises(SystemExit) as exc:

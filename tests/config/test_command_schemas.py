@@ -115,6 +115,7 @@ def test_train_value_is_refused_at_compose_before_any_folder(tmp_path: Path, cap
     (["train.adam_beta2=1.5"], r"train.adam_beta2 must be in \[0, 1\)"),
     (["train.timestep_fraction=0"], r"train.timestep_fraction must be in \(0, 1\]"),
     (["train.cpu_threads=0"], "train.cpu_threads must be null or >= 1"),
+    (["train.park_lookahead=-1"], "train.park_lookahead must be null or >= 0 keys"),
     (["sampler.sde=false"], "sampler.sde must be true for train"),
     (["sample.sde_window_size=2", "sample.sde_window_range=[5, 6]"], "sample.sde_window_range must be"),
     (["+train.reward_fn.no_such_reward=1.0"], "unknown reward 'no_such_reward'"),

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mmdit_strict.kernels.fold_park import HostPark, ParkedNode
-from mmdit_strict.kernels.fold_tree import PairwiseFold
+from mmdit_strict.kernels.fold_tree import Node, PairwiseFold
 from mmdit_strict.kernels.grad_sink import SampleGradSink
 from tests.harness import assert_bytes_equal
 from tests.kernels.test_fold_tree import _leaves, tree_reference
@@ -101,6 +101,31 @@ def test_park_needs_the_streamed_fold_and_a_sane_lookahead() -> None:
         SampleGradSink(park=HostPark())
     with pytest.raises(ValueError, match="lookahead"):
         HostPark(lookahead=-1)
+    with pytest.raises(ValueError, match="lookahead"):
+        HostPark.for_micro_batches([["a", "b"]], lookahead=-2)
+
+
+def test_trains_park_looks_one_micro_batch_ahead_unless_told() -> None:
+    keys = [["a", "b"], ["c", "d", "e"], ["f"]]
+    assert HostPark.for_micro_batches(keys).lookahead == 3 and HostPark.for_micro_batches(keys, 0).lookahead == 0
+
+
+def test_parking_at_the_join_keeps_one_node_on_the_device() -> None:
+    """Micro-batches that are level-1 nodes of the tree (the batched CFG layout folded in the graph): looking one
+    micro-batch ahead keeps up to three nodes of the fold on the device; with no lookahead one, the same bytes."""
+    leaves = _leaves(64, seed=5)
+    pairs = [leaves[i] + leaves[i + 1] for i in range(0, 64, 2)]  # 32 level-1 nodes, one per micro-batch
+    device_nodes, results = {}, {}
+    for ahead in (None, 0):
+        park = HostPark.for_micro_batches([["k", "k2"]] * 32, ahead)
+        f = PairwiseFold(park=park)
+        most = 0
+        for m, v in enumerate(pairs):
+            f.push(Node(1, 2 * m, v, owned=False))
+            most = max(most, sum(1 for n in f.nodes if n.value is not None and not park.parked(n)))
+        device_nodes[ahead], results[ahead] = most, f.result()
+    assert device_nodes == {None: 3, 0: 1}
+    assert_bytes_equal(results[0], results[None], "parked at the join vs one micro-batch ahead")
 
 
 @pytest.mark.gpu

@@ -59,7 +59,9 @@ def test_streamed_sink_gives_the_stored_bytes_with_a_bounded_buffer(tmp_path) ->
     for name, extra in (("stored", ["train.grad_sink=stored", "train.sort_update_pairs=false"]),
                         ("streamed", ["train.grad_sink=streamed", "train.sort_update_pairs=false"]),
                         ("sorted", ["train.grad_sink=streamed", "train.sort_update_pairs=true"]),
-                        ("parked", ["train.grad_sink=streamed", "train.park_fold_nodes=true"])):
+                        ("parked", ["train.grad_sink=streamed", "train.park_fold_nodes=true"]),
+                        ("parked_at_join", ["train.grad_sink=streamed", "train.park_fold_nodes=true",
+                                            "train.park_lookahead=0"])):
         cfg = compose_train([f"output_dir={tmp_path / name}", *SMALL, "lora.init=random", "train.micro_batch=2",
                        "train.gradient_accumulation_steps=3", *extra])
         tr = _Recording(cfg, progress=False)
@@ -76,7 +78,9 @@ def test_streamed_sink_gives_the_stored_bytes_with_a_bounded_buffer(tmp_path) ->
     assert ordered["grad_sink_peak_buffer_mb"] < streamed["grad_sink_peak_buffer_mb"] < stored["grad_sink_peak_buffer_mb"]
     # train.park_fold_nodes: the waiting tree nodes went to the host and back, the bytes did not change
     assert runs["parked"][1]["grad_sink_parked_peak_mb"] > 0 and ordered["grad_sink_parked_peak_mb"] == 0
-    for name in ("streamed", "sorted", "parked"):
+    # train.park_lookahead=0: every covered node parks (more of them on the host at once), same bytes
+    assert runs["parked_at_join"][1]["grad_sink_parked_peak_mb"] > runs["parked"][1]["grad_sink_parked_peak_mb"]
+    for name in ("streamed", "sorted", "parked", "parked_at_join"):
         for u, (ga, gb) in enumerate(zip(runs["stored"][0], runs[name][0])):
             assert sorted(ga) == sorted(gb)
             for p in ga:
