@@ -7,8 +7,10 @@ while leaves arrive: a node covered by a newer one waits until the newer subtree
 it waits it is *parked*: copied to pinned host memory on a side stream, its GPU block freed (a node that joins
 within ``lookahead`` leaves stays). The parked node joined first is copied back ``lookahead`` leaves early, so
 the copy overlaps the next micro-batch's compute; the ones below it, which join right after it in the same
-cascade, come back at their join (the joining stream waits for the copy). Bringing them all back early would
-put every tensor's nodes on the device together before an update's last joins: the peak parking removes.
+cascade, join from the host: each is added into its sibling (which the fold owns) in chunks copied through two
+small device buffers, so it never has a device copy (the joining stream waits for each chunk's copy; a node whose
+sibling the fold does not own, or is empty, is copied back whole). Bringing them all back early would put every
+tensor's nodes on the device together before an update's last joins: the peak parking removes.
 
 A copy moves bytes unchanged, so a parked fold's result equals the unparked one's bit for bit. On the CPU
 "parking" is a copy into another tensor: the bookkeeping runs and is tested, nothing is saved.
@@ -45,6 +47,7 @@ class ParkStats:
     fetches: int = 0
     prefetched: int = 0  # fetches whose copy was issued before the node was needed
     peak_host_bytes: int = 0
+    added_from_host: int = 0  # parked nodes joined by adding them into their sibling in chunks (no device copy)
     host_alloc_s: float = 0.0
     park_s: float = 0.0
     back_s: float = 0.0
@@ -58,6 +61,9 @@ class HostPark:
             micro-batch deposits, so the copy runs during the next micro-batch).
     """
 
+    #: bytes of one chunk of :meth:`add_into` (two such device buffers per device, kept for the park's life)
+    CHUNK_BYTES = 32 << 20
+
     def __init__(self, lookahead: int = 8) -> None:
         if lookahead < 0:
             raise ValueError(f"lookahead must be >= 0 leaves, got {lookahead}")
@@ -65,6 +71,7 @@ class HostPark:
         self.stats = ParkStats()
         self._host_bytes = 0
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._staging: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
 
     @classmethod
     def for_micro_batches(cls, keys: Sequence[Sequence[Any]], lookahead: int | None = None) -> "HostPark":
@@ -151,6 +158,49 @@ class HostPark:
                 node.back_ready.record(side)
         else:
             node.back = host.clone()
+
+    def add_into(self, node: Node, dst: torch.Tensor) -> torch.Tensor:
+        """``dst += `` a parked node's value, read from the host in chunks: the join of a parked node with a sibling
+        the fold owns, without the node's device copy (only two chunk buffers on the device). ``dst + value`` has
+        the bytes of ``value + dst`` (:func:`~.fold_tree._join`). The current stream waits for each chunk's copy."""
+        assert self.parked(node) and node.value is not None
+        host = node.value
+        if host.shape != dst.shape or host.dtype != dst.dtype:
+            raise ValueError(f"a parked node of {tuple(host.shape)} {host.dtype} joins {tuple(dst.shape)} {dst.dtype}")
+        t0 = time.perf_counter()
+        if dst.is_cuda and dst.is_contiguous():
+            src, out = host.reshape(-1), dst.view(-1)
+            step = max(1, self.CHUNK_BYTES // src.element_size())
+            bufs = self._chunk_buffers(dst.device, dst.dtype, min(step, src.numel()))
+            side, cur = self._side(dst.device), torch.cuda.current_stream(dst.device)
+            side.wait_stream(cur)  # the chunk buffers were last read by adds queued on ``cur``
+            read: list[Any] = [None, None]
+            for i, off in enumerate(range(0, src.numel(), step)):
+                n = min(step, src.numel() - off)
+                buf = bufs[i % 2][:n]
+                with torch.cuda.stream(side):
+                    if read[i % 2] is not None:
+                        side.wait_event(read[i % 2])  # the add two chunks back has read this buffer
+                    buf.copy_(src[off:off + n], non_blocking=True)
+                    copied = torch.cuda.Event()
+                    copied.record(side)
+                cur.wait_event(copied)
+                out[off:off + n].add_(buf)
+                read[i % 2] = torch.cuda.Event()
+                read[i % 2].record(cur)
+        else:
+            dst.add_(host.to(dst.device))
+        self.stats.fetches += 1
+        self.stats.added_from_host += 1
+        self._host_bytes -= host.numel() * host.element_size()
+        self.stats.back_s += time.perf_counter() - t0
+        return dst
+
+    def _chunk_buffers(self, device: torch.device, dtype: torch.dtype, numel: int) -> list[torch.Tensor]:
+        have = self._staging.get((device, dtype))
+        if have is None or have[0].numel() < numel:
+            have = self._staging[(device, dtype)] = [torch.empty(numel, dtype=dtype, device=device) for _ in range(2)]
+        return have
 
     def fetch(self, node: Node) -> Node:
         """``node`` on its device again, owned by the fold (any other node as it is)."""

@@ -103,7 +103,7 @@ class PairwiseFold:
             if top.level != node.level or top.stop != node.start or (top.start >> top.level) & 1:
                 break
             self.nodes.pop()
-            node = _join(top.level + 1, self._back(top), node, self.inplace)
+            node = self._merge(top.level + 1, top, node)
         if settle and self.copy_held:
             node = self._own(node)
         if self.park is not None and self.nodes and not self._due(self.nodes[-1]):
@@ -133,6 +133,14 @@ class PairwiseFold:
         """Whether ``node`` joins within the park's lookahead: node (l, s) joins when the leaves reach s + 2^(l+1)."""
         assert self.park is not None
         return self.next + self.park.lookahead >= node.start + (2 << node.level)
+
+    def _merge(self, level: int, left: Node, right: Node) -> Node:
+        """:func:`_join` of ``left`` (maybe parked) and ``right``: a parked ``left`` is added into ``right`` from the
+        host when the fold owns ``right`` and adds in place, else brought back first."""
+        if (self.park is not None and self.inplace and self.park.parked(left) and right.owned
+                and right.value is not None):
+            return Node(level, left.start, self.park.add_into(left, right.value), True)
+        return _join(level, self._back(left), right, self.inplace)
 
     def _back(self, node: Node) -> Node:
         return node if self.park is None else self.park.fetch(node)
@@ -171,10 +179,10 @@ class PairwiseFold:
             raise ValueError(f"the root needs every leaf from 0; this fold starts at {self.first}")
         if not self.nodes:
             return None
-        self.held()
-        acc = self.nodes[-1]
+        acc = self._back(self.nodes[-1])
         for n in reversed(self.nodes[:-1]):
-            acc = _join(n.level, n, acc, self.inplace)
+            acc = self._merge(n.level, n, acc)
+        self.nodes = []  # the fold has ended: its nodes were added into the root (parked ones from the host)
         if acc.value is not None and not acc.owned:
             return acc.value.clone()
         return acc.value

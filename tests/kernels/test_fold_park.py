@@ -27,6 +27,9 @@ def test_a_parked_fold_gives_the_trees_bytes(n: int) -> None:
     s = park.stats
     assert s.parks == s.fetches and park._host_bytes == 0  # every parked node came back
     assert (s.parks > 0) == (n >= 3) and s.prefetched == 0  # no lookahead: each copy back issued at its join
+    # a parked node joins a sibling the fold owns (the settled copy of a leaf, or a sum) by adding into it from the host;
+    # one whose sibling is empty comes back as it is
+    assert s.added_from_host <= s.fetches and (s.added_from_host > 0) == (n >= 5)
     # host times: each park's allocation is part of its park time; nothing parked, nothing timed
     assert 0.0 <= s.host_alloc_s <= s.park_s and ((s.park_s > 0) == (s.back_s > 0) == (s.parks > 0))
     assert all(v is None or not torch.equal(v, torch.zeros_like(v)) for v in leaves)  # the callers' leaves untouched
@@ -124,6 +127,8 @@ def test_parking_at_the_join_keeps_one_node_on_the_device() -> None:
             f.push(Node(1, 2 * m, v, owned=False))
             most = max(most, sum(1 for n in f.nodes if n.value is not None and not park.parked(n)))
         device_nodes[ahead], results[ahead] = most, f.result()
+        if ahead == 0:  # nothing copied back: each parked node was added into its sibling from the host
+            assert park.stats.added_from_host == park.stats.fetches == park.stats.parks == 15
     assert device_nodes == {None: 3, 0: 1}
     assert_bytes_equal(results[0], results[None], "parked at the join vs one micro-batch ahead")
 
@@ -151,3 +156,32 @@ def test_gpu_parked_fold_same_bytes_less_device_memory() -> None:
     # 63 leaves: 6 open nodes at the end unparked; parked, levels 0-2, the one prefetched for the next join and
     # what a finished copy out has not given back yet (the allocator frees a block once its stream event is seen)
     assert peaks["parked"] <= peaks["plain"] - (1 << 22), peaks
+
+
+@pytest.mark.gpu
+def test_gpu_parked_nodes_join_from_the_host_in_chunks() -> None:
+    """No lookahead: every parked node is added into its sibling from pinned memory in chunks (here 1 MiB, so each
+    4 MiB node is four copies and adds on two buffers); the same bytes as the unparked fold, and at most the node
+    being written, the leaf and the chunk buffers on the device."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    leaves = [torch.randn(1 << 20, device="cuda", generator=g) * 2.0 ** (i % 7 - 3) for i in range(40)]
+    plain = PairwiseFold()
+    for v in leaves:
+        plain.leaf(v, owned=False)
+    want = plain.result()
+    park = HostPark(lookahead=0)
+    park.CHUNK_BYTES = 1 << 20
+    f = PairwiseFold(park=park)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    for v in leaves:
+        f.leaf(v, owned=False)
+    got = f.result()
+    torch.cuda.synchronize()
+    assert_bytes_equal(got, want, "40 leaves of 4 MiB, parked nodes joined from the host")
+    assert park.stats.added_from_host == park.stats.fetches > 0 and park.stats.prefetched == 0
+    node, chunks = 1 << 22, 2 << 20
+    assert torch.cuda.max_memory_allocated() - base <= 3 * node + chunks, "more than two nodes on the device at once"
