@@ -380,8 +380,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     adv, _ = StatTracker().advantages(torch.arange(args.group, dtype=torch.float64).repeat(args.prompts), groups)
     up = Update(prompts, sigma_table(args.steps, grid[0] * grid[1]), grid, scfg, tcfg, adv.to(device=device, dtype=torch.float32))
     # --fresh-prompts: every update draws its own prompts (other lengths: new batch layouts to capture, as each epoch of
-    # train meets), so the warm-up compiles kernels without capturing what the timed update runs
-    ups = [up] if not args.fresh_prompts else [dataclasses.replace(up, prompts=draw(k)) for k in range(args.warmup + 2)]
+    # train meets), so the warm-up compiles kernels without capturing what the timed update runs. The timed and
+    # profiled updates draw seeds 0 and 1 whatever the warm-up count, so runs with other warm-ups time the same update
+    seeds = [*(2 + k for k in range(args.warmup)), 0, 1]
+    ups = [up] if not args.fresh_prompts else [dataclasses.replace(up, prompts=draw(s)) for s in seeds]
+    tokens = [[int(e.shape[0]) for e in u.prompts.embeds] for u in ups]
     results: dict[str, Any] = {}
     errors = []
     per_engine = args.warmup + 1 + (device.type == "cuda" and args.profile)
@@ -393,7 +396,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 results[engine.name] = {"engine": engine.what, "error": f"{type(exc).__name__}: {exc}"[:400]}
                 errors.append(f"{engine.name}: {results[engine.name]['error']}")
     config = {"arch": args.arch, "layers": arch.num_layers, "grid": list(grid), "txt": args.txt, "negative_txt": max(1, args.txt // 2),
-              "prompts": args.prompts, "prompt_tokens": [[int(e.shape[0]) for e in u.prompts.embeds] for u in ups],
+              "prompts": args.prompts, "prompt_tokens": tokens[-2:] if args.fresh_prompts else tokens,
+              "warmup_prompt_tokens": tokens[:-2] if args.fresh_prompts else [],
               "fresh_prompts": bool(args.fresh_prompts),
               "group": args.group, "steps": args.steps, "window": args.window, "micro_batch": args.micro_batch,
               "lora_rank": args.lora_rank, "lora_targets": list(LORA_TARGETS), "device": args.device, "dtype": str(dtype),
@@ -406,7 +410,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 #: Settings that may differ between the runs :func:`merge_reports` joins (each engine keeps its own).
-PER_RUN = ("warmup", "profile")
+PER_RUN = ("warmup", "profile", "warmup_prompt_tokens")
 #: What must match in the runs' environments: one machine and one version of the code.
 SAME_ENVIRONMENT = ("gpu", "driver", "torch", "triton", "cuda", "commit", "cpu")
 

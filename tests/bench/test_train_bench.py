@@ -59,10 +59,12 @@ def test_bench_train_with_two_prompts_runs_both_groups_on_policy(tmp_path: Path)
                              "--warmup", "1", "--txt", "9", "--fresh-prompts"]) == 0
     report = json.loads((out / "train_bench.json").read_text())
     c = report["config"]
-    assert c["prompts"] == 2 and c["fresh_prompts"] is True and len(c["prompt_tokens"]) == 3  # warm-up, timed, spare
-    assert all(len(ts) == 2 and all(4 <= n <= 9 for n in ts) for ts in c["prompt_tokens"])
-    assert len(set(c["prompt_tokens"][0])) == 2  # prompts.seed 0 draws two lengths: two layouts
-    assert c["prompt_tokens"][0] != c["prompt_tokens"][1]  # the timed update meets other layouts than the warm-up's
+    # timed and profiled (spare) updates, then the warm-up's
+    assert c["prompts"] == 2 and c["fresh_prompts"] is True and len(c["prompt_tokens"]) == 2
+    drawn = [*c["prompt_tokens"], *c["warmup_prompt_tokens"]]
+    assert len(drawn) == 3 and all(len(ts) == 2 and all(4 <= n <= 9 for n in ts) for ts in drawn)
+    assert len(set(c["prompt_tokens"][0])) == 2  # prompts.seed 0 (the timed update) draws two lengths: two layouts
+    assert c["warmup_prompt_tokens"][0] != c["prompt_tokens"][0]  # the timed update meets other layouts than the warm-up's
     assert report["errors"] == []
     for e in report["engines"].values():
         assert (e["pairs"], e["micro_batches"]) == (4, 2)  # 2 prompts × 2 samples × 1 window step
@@ -118,7 +120,7 @@ def test_runs_of_one_engine_each_merge_into_one_report(tmp_path: Path, capsys) -
     """``--merge``: two runs (one engine each, as two GPU calls where both do not fit one) give the report a run of
     both would have, ratios from their figures; runs of another setup, machine or code, or sharing an engine, are
     refused with what differs."""
-    common = ["--device", "cpu", "--steps", "2", "--window", "1"]
+    common = ["--device", "cpu", "--steps", "2", "--window", "1", "--prompts", "2", "--fresh-prompts"]
     assert train_bench.main(["--out", str(tmp_path / "a"), *common, "--engines", "ours"]) == 0
     assert train_bench.main(["--out", str(tmp_path / "b"), *common, "--warmup", "0", "--engines", "diffusers_peft"]) == 0
     a, b = (tmp_path / "a" / "train_bench.json"), (tmp_path / "b" / "train_bench.json")
@@ -128,6 +130,9 @@ def test_runs_of_one_engine_each_merge_into_one_report(tmp_path: Path, capsys) -
     assert list(merged["engines"]) == ["ours", "diffusers_peft"] and merged["errors"] == []
     assert merged["engines"]["ours"]["warmup"] == 1 and merged["engines"]["diffusers_peft"]["warmup"] == 0
     assert merged["config"]["warmup"] == "ours 1, diffusers_peft 0"
+    # fresh prompts: the timed (and profiled) update draws the same prompts whatever the warm-up count
+    assert ra["config"]["prompt_tokens"] == rb["config"]["prompt_tokens"] == merged["config"]["prompt_tokens"]
+    assert len(ra["config"]["warmup_prompt_tokens"]) == 1 and rb["config"]["warmup_prompt_tokens"] == []
     for phase in [*train_bench.PHASES, "total"]:
         pick = (lambda r, n: r["engines"][n]["total"] if phase == "total" else r["engines"][n]["phases"][phase])
         assert merged["ratios"][phase]["wall_s"] == pytest.approx(pick(ra, "ours")["wall_s"] / pick(rb, "diffusers_peft")["wall_s"])
