@@ -41,7 +41,7 @@ import contextlib
 import dataclasses
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -53,7 +53,7 @@ from ..config.schema import LoraConfig, PromptsConfig
 from ..config.training import SampleConfig, TrainConfig
 from ..dtypes import BY_CONFIG_NAME as DTYPES
 from ..environment import environment_line, run_environment
-from ..kernels.fold_park import HostPark
+from ..kernels.fold_park import HostBuffers, HostPark
 from ..kernels.grad_sink import SampleGradSink, collect_sample_grads
 from ..kernels.runtime import Runtime
 from ..model.graphs import graph_stats, release_forward_graphs
@@ -86,6 +86,7 @@ class Engine:
     what: str
     park_fold_nodes: bool = False  # the sink's waiting fold nodes in host memory (train.park_fold_nodes)
     park_lookahead: int | None = None  # keys before a parked node's join at which it comes back (train.park_lookahead)
+    park_buffers: HostBuffers = field(default_factory=HostBuffers)  # kept across updates, as train keeps them
     micro_batch: int | None = None  # pairs per training forward, where it is not the update's (ours: same bytes any way)
     cfg_layout: str | None = None  # the training forwards' CFG layout, where it is not the update's
 
@@ -179,7 +180,8 @@ def _train_phase(engine: Engine, up: Update, samples: EpochSamples) -> tuple[Sam
     batches = [pairs[i:i + mb] for i in range(0, len(pairs), mb)]
     keys = [grad_keys(samples, b, scale) for b in batches]
     # as train does under the strict runtime: the backward leaves autograd's sums out, the fold replaces them
-    park = HostPark.for_micro_batches(keys, engine.park_lookahead) if engine.park_fold_nodes else None  # as train does
+    park = (HostPark.for_micro_batches(keys, engine.park_lookahead, engine.park_buffers)  # as train does
+            if engine.park_fold_nodes else None)
     sink = SampleGradSink([k for ks in keys for k in ks], autograd_sums=False, park=park) if engine.grad_sink else None
     differ, exact = [], []
     with collect_sample_grads(sink) if sink is not None else contextlib.nullcontext(), side(engine.model, engine.runtime):
@@ -264,6 +266,8 @@ def memory_held(model: torch.nn.Module, sink: SampleGradSink | None, params: lis
             "parked_nodes": None if park is None else park.stats.parks,
             # where the park's host time goes: pinned allocations (within parks), parks, copies back
             "park_host_s": None if park is None else {k: getattr(park.stats, k) for k in ("host_alloc_s", "park_s", "back_s")},
+            # host buffers made and handed out again, all updates so far (kept from one update to the next)
+            "park_buffers": None if park is None else {"allocated": park.buffers.allocated, "reused": park.buffers.reused},
             "sink_peak_nodes_per_param": stats.peak_nodes_per_param,
             "sink_group_tensors": stats.group_tensors,  # tensors folded as one group from the captured steps' flat buffers
             "sink_host_s": stats.host_seconds,  # host time in the sink's calls in the train phase (its fold comes later)

@@ -12,6 +12,9 @@ small device buffers, so it never has a device copy (the joining stream waits fo
 sibling the fold does not own, or is empty, is copied back whole). Bringing them all back early would put every
 tensor's nodes on the device together before an update's last joins: the peak parking removes.
 
+Parked values live in host buffers (:class:`HostBuffers`) that outlive the park: ``train`` keeps them from one
+update to the next, since pinning gigabytes is slow.
+
 A copy moves bytes unchanged, so a parked fold's result equals the unparked one's bit for bit. On the CPU
 "parking" is a copy into another tensor: the bookkeeping runs and is tested, nothing is saved.
 """
@@ -34,6 +37,34 @@ class ParkedNode(Node):
     device: torch.device | None = None
     back: torch.Tensor | None = None
     back_ready: Any = None  # CUDA event: ``back`` is complete
+    buffer: torch.Tensor | None = None  # the pool's whole host buffer ``value`` views (None: not the pool's)
+
+
+class HostBuffers:
+    """Host buffers for parked nodes (pinned where the nodes come from a GPU), handed out again once every copy that
+    read them has finished: pinning gigabytes takes the host a quarter of a second per park, about the whole
+    host time of parking, so ``train`` keeps one of these across its updates. Buffers are kept by (elements, dtype),
+    and the pool only grows (to the most nodes parked at once)."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[int, torch.dtype, bool], list[tuple[torch.Tensor, Any]]] = {}
+        self.allocated = 0  # buffers made
+        self.reused = 0  # buffers handed out again
+
+    def take(self, numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+        """A 1-D host buffer of ``numel`` elements: a free one whose last reader has finished, else a new one."""
+        free = self._free.get((numel, dtype, pinned), [])
+        for i, (buf, read) in enumerate(free):
+            if read is None or read.query():
+                del free[i]
+                self.reused += 1
+                return buf
+        self.allocated += 1
+        return torch.empty(numel, dtype=dtype, pin_memory=pinned)
+
+    def give(self, buf: torch.Tensor, read: Any = None) -> None:
+        """Return ``buf``; ``read``: a CUDA event recorded after the last copy that reads it (None: nothing pending)."""
+        self._free.setdefault((buf.numel(), buf.dtype, buf.is_pinned()), []).append((buf, read))
 
 
 @dataclass
@@ -64,7 +95,7 @@ class HostPark:
     #: bytes of one chunk of :meth:`add_into` (two such device buffers per device, kept for the park's life)
     CHUNK_BYTES = 32 << 20
 
-    def __init__(self, lookahead: int = 8) -> None:
+    def __init__(self, lookahead: int = 8, buffers: HostBuffers | None = None) -> None:
         if lookahead < 0:
             raise ValueError(f"lookahead must be >= 0 leaves, got {lookahead}")
         self.lookahead = lookahead
@@ -72,13 +103,16 @@ class HostPark:
         self._host_bytes = 0
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._staging: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        self.buffers = HostBuffers() if buffers is None else buffers
 
     @classmethod
-    def for_micro_batches(cls, keys: Sequence[Sequence[Any]], lookahead: int | None = None) -> "HostPark":
+    def for_micro_batches(cls, keys: Sequence[Sequence[Any]], lookahead: int | None = None,
+                          buffers: HostBuffers | None = None) -> "HostPark":
         """The park ``train`` uses for an update of these micro-batches' keys: by default a node's copy back starts one
         micro-batch's keys before its join, so it overlaps that micro-batch's compute; ``lookahead`` (keys) instead
-        (0: each node comes back at its join, the fewest nodes on the device)."""
-        return cls(lookahead=max(map(len, keys)) if lookahead is None else lookahead)
+        (0: each node comes back at its join, the fewest nodes on the device). ``buffers``: host buffers kept from
+        earlier updates."""
+        return cls(lookahead=max(map(len, keys)) if lookahead is None else lookahead, buffers=buffers)
 
     def _side(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._streams:
@@ -91,22 +125,28 @@ class HostPark:
         if v is None or isinstance(node, ParkedNode):
             return node
         t0 = time.perf_counter()
+        buf = self.buffers.take(v.numel(), v.dtype, pinned=v.is_cuda)
+        host = buf.view(v.shape)
+        self.stats.host_alloc_s += time.perf_counter() - t0
         if v.is_cuda:
             side = self._side(v.device)
-            host = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
-            self.stats.host_alloc_s += time.perf_counter() - t0
             side.wait_stream(torch.cuda.current_stream(v.device))
             with torch.cuda.stream(side):
                 host.copy_(v, non_blocking=True)
             v.record_stream(side)  # its block is reused only after the copy has read it
         else:
-            host = v.clone()
-            self.stats.host_alloc_s += time.perf_counter() - t0
+            host.copy_(v)
         self.stats.park_s += time.perf_counter() - t0
         self.stats.parks += 1
         self._host_bytes += host.numel() * host.element_size()
         self.stats.peak_host_bytes = max(self.stats.peak_host_bytes, self._host_bytes)
-        return ParkedNode(node.level, node.start, host, True, v.device)
+        return ParkedNode(node.level, node.start, host, True, v.device, buffer=buf)
+
+    def _release(self, node: ParkedNode, read: Any) -> None:
+        """Hand a node's host buffer back to the pool once it has been read (``read``: the event after the copy)."""
+        if node.buffer is not None:
+            self.buffers.give(node.buffer, read)
+            node.buffer = None
 
     @staticmethod
     def holds(node: Node) -> bool:
@@ -123,7 +163,7 @@ class HostPark:
         for off, n, shape in spans:
             back = None if node.back is None else node.back[off:off + n].view(shape)
             pieces.append(ParkedNode(node.level, node.start, node.value[off:off + n].view(shape), True, node.device,
-                                     back, node.back_ready))
+                                     back, node.back_ready))  # views: the whole buffer is not handed back
             kept += n * node.value.element_size()
         self._host_bytes -= node.value.numel() * node.value.element_size() - kept
         return pieces
@@ -188,8 +228,10 @@ class HostPark:
                 out[off:off + n].add_(buf)
                 read[i % 2] = torch.cuda.Event()
                 read[i % 2].record(cur)
+            self._release(node, copied)  # type: ignore[arg-type]
         else:
             dst.add_(host.to(dst.device))
+            self._release(node, None)  # type: ignore[arg-type]
         self.stats.fetches += 1
         self.stats.added_from_host += 1
         self._host_bytes -= host.numel() * host.element_size()
@@ -215,6 +257,7 @@ class HostPark:
             stream = torch.cuda.current_stream(back.device)
             stream.wait_event(node.back_ready)
             back.record_stream(stream)  # made on the side stream, used and freed on this one
+        self._release(node, node.back_ready if back.is_cuda else None)
         self.stats.fetches += 1
         self._host_bytes -= node.value.numel() * node.value.element_size()
         self.stats.back_s += time.perf_counter() - t0

@@ -56,7 +56,7 @@ from ..config.schema import DistributedConfig, LoraConfig, ModelConfig, PromptsC
 from ..distributed import layout
 from ..distributed.fold import merge_update, range_nodes
 from ..config.training import SampleConfig, TrainConfig
-from ..kernels.fold_park import HostPark
+from ..kernels.fold_park import HostBuffers, HostPark
 from ..kernels.grad_sink import (
     SampleGradSink,
     collect_sample_grads,
@@ -234,6 +234,7 @@ class Trainer:
         self._warned_fold = False
         self.ckpt_root = self.out / "checkpoints"
         self.ckpt_writer = CheckpointWriter(background=self.tcfg.async_checkpoint)
+        self.park_buffers = HostBuffers()  # train.park_fold_nodes: pinned buffers kept from one update to the next
         self._maybe_resume()
 
     # ------------------------------------------------------------------ setup
@@ -396,7 +397,8 @@ class Trainer:
                 streamed = t.grad_sink == "streamed"
                 # strict (fails closed: every LoRA product deposits): the backward skips autograd's sums, the fold replaces them
                 sums = self.train_rt is not Runtime.STRICT
-                park = HostPark.for_micro_batches(keys, t.park_lookahead) if streamed and t.park_fold_nodes else None
+                park = (HostPark.for_micro_batches(keys, t.park_lookahead, self.park_buffers)
+                        if streamed and t.park_fold_nodes else None)
                 sink = (SampleGradSink(flat, first_index=first, autograd_sums=sums, park=park) if streamed
                         else SampleGradSink(autograd_sums=sums))
                 sink_bound = max(sink_bound, pending_bound([keys[j] for j in run]) if streamed else len(flat))

@@ -111,6 +111,8 @@ def test_bench_train_times_ours_with_parked_fold_nodes_beside_ours(tmp_path: Pat
     assert parked["held_after_train"]["parked_peak_host_gib"] > 0 and parked["held_after_train"]["parked_nodes"] > 0
     times = parked["held_after_train"]["park_host_s"]  # the park's host time, by call
     assert ours["held_after_train"]["park_host_s"] is None and 0 < times["host_alloc_s"] <= times["park_s"] and times["back_s"] > 0
+    bufs = parked["held_after_train"]["park_buffers"]  # every park took a host buffer, made or handed back
+    assert bufs["allocated"] > 0 and bufs["allocated"] + bufs["reused"] == parked["held_after_train"]["parked_nodes"]
     assert ours["first_update_ratio_exact_one"] is True and parked["first_update_ratio_exact_one"] is True
     assert report["ratios"] == {} and report["ratios_parked"] == {}  # no peer ran: no ratios
     assert "Ours / theirs" not in (out / "train_bench.md").read_text()

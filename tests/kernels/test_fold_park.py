@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmdit_strict.kernels.fold_park import HostPark, ParkedNode
+from mmdit_strict.kernels.fold_park import HostBuffers, HostPark, ParkedNode
 from mmdit_strict.kernels.fold_tree import Node, PairwiseFold
 from mmdit_strict.kernels.grad_sink import SampleGradSink
 from tests.harness import assert_bytes_equal
@@ -108,6 +108,23 @@ def test_park_needs_the_streamed_fold_and_a_sane_lookahead() -> None:
         HostPark.for_micro_batches([["a", "b"]], lookahead=-2)
 
 
+def test_host_buffers_kept_across_updates_are_reused_with_the_same_bytes() -> None:
+    """Two updates' folds parking through one pool of host buffers: the second makes none, and each result is the
+    tree's bytes (a reused buffer is overwritten whole by the node it holds)."""
+    buffers = HostBuffers()
+    made = []
+    for update in range(2):
+        leaves = _leaves(21, seed=10 + update)
+        park = HostPark(lookahead=0, buffers=buffers)
+        f = PairwiseFold(park=park)
+        for v in leaves:
+            f.leaf(v, owned=False)
+        assert_bytes_equal(f.result(), tree_reference(leaves), f"update {update}")
+        made.append(buffers.allocated)
+        assert park.stats.parks > 0
+    assert made[1] == made[0] > 0 and buffers.reused >= park.stats.parks
+
+
 def test_trains_park_looks_one_micro_batch_ahead_unless_told() -> None:
     keys = [["a", "b"], ["c", "d", "e"], ["f"]]
     assert HostPark.for_micro_batches(keys).lookahead == 3 and HostPark.for_micro_batches(keys, 0).lookahead == 0
@@ -187,3 +204,25 @@ def test_gpu_parked_nodes_join_from_the_host_in_chunks() -> None:
     assert park.stats.added_from_host == park.stats.fetches > 0 and park.stats.prefetched == 0
     node, chunks = 1 << 22, 2 << 20
     assert torch.cuda.max_memory_allocated() - base <= 3 * node + chunks, "more than two nodes on the device at once"
+
+
+@pytest.mark.gpu
+def test_gpu_host_buffer_is_not_reused_before_its_copy_has_read_it() -> None:
+    """A pinned buffer handed back with the event of a copy still queued behind a long kernel is not handed out
+    again until that event has passed; then it is."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    buffers = HostBuffers()
+    buf = buffers.take(1 << 20, torch.float32, pinned=True)
+    assert buf.is_pinned() and buffers.allocated == 1
+    dst = torch.empty(1 << 20, device="cuda")
+    torch.cuda._sleep(200_000_000)  # keeps the stream busy well past the next lines
+    dst.copy_(buf, non_blocking=True)
+    read = torch.cuda.Event()
+    read.record()
+    buffers.give(buf, read)
+    other = buffers.take(1 << 20, torch.float32, pinned=True)
+    assert other.data_ptr() != buf.data_ptr() and buffers.allocated == 2 and buffers.reused == 0
+    torch.cuda.synchronize()
+    again = buffers.take(1 << 20, torch.float32, pinned=True)
+    assert again.data_ptr() == buf.data_ptr() and buffers.reused == 1

@@ -68,6 +68,8 @@ def test_streamed_sink_gives_the_stored_bytes_with_a_bounded_buffer(tmp_path) ->
         tr.grads = []
         row = tr.train_epoch(0)
         assert row["grad_fold"] == "sink" and row["optimizer_updates"] == 2, row
+        if name.startswith("parked"):  # the second update parks into the host buffers the first one made
+            assert tr.park_buffers.allocated > 0 and tr.park_buffers.reused > 0
         runs[name] = (tr.grads, row)
     keys_per_update = 6 * 2  # 6 pairs × 2 CFG branches
     stored, streamed, ordered = runs["stored"][1], runs["streamed"][1], runs["sorted"][1]
