@@ -129,10 +129,11 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def build_engines(arch: ArchConfig, device: str, dtype: torch.dtype, rank: int, shared_pools: bool = True,
-                  fold_batches: bool = False) -> list[Engine]:
+                  fold_batches: bool = False, keep_attention_outputs: bool = True) -> list[Engine]:
     """Theirs (diffusers + PEFT, first: it runs before ours holds CUDA-graph memory) and ours, on one weight storage
     (``shared_pools`` False: ours gives each captured graph its own memory pool, to measure what sharing saves;
-    ``fold_batches``: ours folds a batch that is one node of the sink's tree inside its captured backward)."""
+    ``fold_batches``: ours folds a batch that is one node of the sink's tree inside its captured backward;
+    ``keep_attention_outputs``: ours' checkpointed blocks keep the forward's attention outputs for the recompute)."""
     from ..model.diffusers_compat import diffusers_twin
     from ..model.init import build_model
 
@@ -144,7 +145,7 @@ def build_engines(arch: ArchConfig, device: str, dtype: torch.dtype, rank: int, 
         model.requires_grad_(False)
         for name, p in model.named_parameters():
             p.requires_grad_("lora_" in name)
-    ours.enable_gradient_checkpointing(True)
+    ours.enable_gradient_checkpointing(True, keep_attention_outputs=keep_attention_outputs)
     theirs.enable_gradient_checkpointing()
     theirs.train()
     if device == "cuda":
@@ -362,7 +363,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dtype = DTYPES[dtype_name]
     grid = (int(args.grid[0]), int(args.grid[1]))
     engines = [e for e in build_engines(arch, args.device, dtype, args.lora_rank, args.graph_pools == "shared",
-                                        args.fold_batches) if e.name in args.engines]
+                                        args.fold_batches, args.keep_attention_outputs) if e.name in args.engines]
     for e in engines:
         e.park_fold_nodes = e.park_fold_nodes or (e.name == "ours" and args.park_fold_nodes)
         e.park_lookahead = args.park_lookahead
@@ -408,6 +409,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "cfg_scale": CFG_SCALE, "eta": ETA, "cfg_layout": args.cfg_layout, "warmup": args.warmup, "profile": args.profile,
               "graph_pools": args.graph_pools, "park_fold_nodes": args.park_fold_nodes,
               "park_lookahead": args.park_lookahead, "fold_batches": args.fold_batches,
+              "keep_attention_outputs": args.keep_attention_outputs,
               "ours_micro_batch": args.ours_micro_batch, "ours_cfg_layout": args.ours_cfg_layout,
               "grad_checkpointing": True, "clip_range": tcfg.clip_range, "learning_rate": tcfg.learning_rate}
     return {"config": config, "engines": results, **all_ratios(results), "errors": errors}
@@ -476,7 +478,9 @@ def render(report: dict[str, Any]) -> str:
              f"{c['warmup']} untimed warm-up update(s). Same base weights (one storage), same LoRA init."
              + (f" Ours trains in micro-batches of {c.get('ours_micro_batch') or c['micro_batch']} with CFG "
                 f"{c.get('ours_cfg_layout') or c['cfg_layout']} (its gradient bytes do not depend on either)."
-                if c.get("ours_micro_batch") or c.get("ours_cfg_layout") else ""), ""]
+                if c.get("ours_micro_batch") or c.get("ours_cfg_layout") else "")
+             + (" Ours recomputes attention in its checkpointed blocks (--no-keep-attention-outputs)."
+                if c.get("keep_attention_outputs") is False else ""), ""]
     if report.get("merged_from"):
         lines += ["Merged from runs of one setup on one machine, one process each (`bench train --merge`): " +
                   "; ".join(f"{', '.join(m['engines'])} ({m.get('date_utc') or '—'})" for m in report["merged_from"]) +
@@ -578,6 +582,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--park-lookahead", type=int, default=None, metavar="KEYS",
                    help="parked engines: keys before a parked node's join at which its copy back starts "
                         "(train.park_lookahead; default one micro-batch's keys, 0: each node comes back at its join)")
+    p.add_argument("--keep-attention-outputs", action=argparse.BooleanOptionalAction, default=True,
+                   help="ours: checkpointed blocks keep the forward's attention outputs for the recompute "
+                        "(train.keep_attention_outputs; --no-keep-attention-outputs recomputes them: less memory)")
     p.add_argument("--graph-pools", choices=["shared", "per-instance"], default="shared",
                    help="ours on CUDA: captured graphs share memory pools as the model does by default, or each has its own")
     p.add_argument("--ours-micro-batch", type=int, default=None,
