@@ -58,7 +58,8 @@ class TrainConfig:
     sort_update_pairs: bool = True
     # True (streamed sink, CUDA): the fold's tree nodes that wait for a sibling subtree (up to log2 of the update's
     # keys, each an FP32 copy of the LoRA) sit in pinned host memory, copied back a micro-batch ahead of their join on a side
-    # stream; same bytes, less device memory, PCIe traffic of about half a LoRA per key
+    # stream; same bytes, less device memory, PCIe traffic of about half a LoRA per key. The pinned buffers are kept
+    # for the run (as many as the most nodes parked at once), since pinning them again each update is slow
     park_fold_nodes: bool = False
     # with park_fold_nodes: keys before a parked node's join at which its copy back starts, a covered node that joins
     # within them staying on the device. None: one micro-batch's keys (the copy overlaps that micro-batch's compute;
