@@ -142,11 +142,16 @@ class HostPark:
         self.stats.peak_host_bytes = max(self.stats.peak_host_bytes, self._host_bytes)
         return ParkedNode(node.level, node.start, host, True, v.device, buffer=buf)
 
-    def _release(self, node: ParkedNode, read: Any) -> None:
-        """Hand a node's host buffer back to the pool once it has been read (``read``: the event after the copy)."""
+    def _returned(self, node: ParkedNode, read: Any, t0: float) -> None:
+        """Book a parked node as back on its device (copied back or added into its sibling; the call began at ``t0``)
+        and hand its host buffer to the pool once read (``read``: the event after the last copy that reads it)."""
         if node.buffer is not None:
             self.buffers.give(node.buffer, read)
             node.buffer = None
+        assert node.value is not None
+        self.stats.fetches += 1
+        self._host_bytes -= node.value.numel() * node.value.element_size()
+        self.stats.back_s += time.perf_counter() - t0
 
     @staticmethod
     def holds(node: Node) -> bool:
@@ -228,14 +233,12 @@ class HostPark:
                 out[off:off + n].add_(buf)
                 read[i % 2] = torch.cuda.Event()
                 read[i % 2].record(cur)
-            self._release(node, copied)  # type: ignore[arg-type]
+            read_by = copied
         else:
             dst.add_(host.to(dst.device))
-            self._release(node, None)  # type: ignore[arg-type]
-        self.stats.fetches += 1
+            read_by = None
         self.stats.added_from_host += 1
-        self._host_bytes -= host.numel() * host.element_size()
-        self.stats.back_s += time.perf_counter() - t0
+        self._returned(node, read_by, t0)  # type: ignore[arg-type]
         return dst
 
     def _chunk_buffers(self, device: torch.device, dtype: torch.dtype, numel: int) -> list[torch.Tensor]:
@@ -257,8 +260,5 @@ class HostPark:
             stream = torch.cuda.current_stream(back.device)
             stream.wait_event(node.back_ready)
             back.record_stream(stream)  # made on the side stream, used and freed on this one
-        self._release(node, node.back_ready if back.is_cuda else None)
-        self.stats.fetches += 1
-        self._host_bytes -= node.value.numel() * node.value.element_size()
-        self.stats.back_s += time.perf_counter() - t0
+        self._returned(node, node.back_ready if back.is_cuda else None, t0)
         return Node(node.level, node.start, back, True)
