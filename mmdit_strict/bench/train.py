@@ -185,20 +185,51 @@ def _train_phase(engine: Engine, up: Update, samples: EpochSamples) -> tuple[Sam
             if engine.park_fold_nodes else None)
     sink = SampleGradSink([k for ks in keys for k in ks], autograd_sums=False, park=park) if engine.grad_sink else None
     differ, exact = [], []
+    trace = MemoryTrace(engine.model)
     with collect_sample_grads(sink) if sink is not None else contextlib.nullcontext(), side(engine.model, engine.runtime):
         for part, ks in zip(batches, keys):
             ev = evaluate_pairs(engine.model, samples, part, up.prompts, up.sigmas, up.grid, scale, layout,
                                 up.scfg.noise_level)
+            trace.mark("forward")
             old = torch.stack([samples.logp[s, n] for n, s in part])
             loss = grpo_loss(ev.logp, old, up.advantages[[n for n, _ in part]], 1.0 / len(pairs), up.tcfg.clip_range,
                              up.tcfg.adv_clip_max)
             loss.loss.backward()
             if sink is not None:
                 sink.done(ks)
+            trace.mark("backward")
             differ.append(logp_bytes_differ(ev.logp, old))
             exact.append(loss.ratio == 1.0)
     return sink, {"pairs": len(pairs), "micro_batches": len(batches), "logp_bytes_differ": int(torch.cat(differ).sum()),
-                  "ratio_exact_one_frac": float(torch.cat(exact).double().mean())}
+                  "ratio_exact_one_frac": float(torch.cat(exact).double().mean()), "memory_trace": trace.rows}
+
+
+class MemoryTrace:
+    """Where a phase's allocated peak is reached (CUDA only; else no rows): after each mark, the allocator's peak so
+    far, what is allocated, and the model's training-graph captures so far. The figures are the allocator's host-side
+    counters, read without a synchronisation, so marking costs no GPU time."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.rows: list[dict[str, Any]] = []
+        self._on = torch.cuda.is_available() and torch.cuda.is_initialized()
+
+    def mark(self, what: str) -> None:
+        if not self._on:
+            return
+        graphs = getattr(self.model, "train_graphs", None)
+        self.rows.append({"at": what, "micro_batch": sum(r["at"] == "backward" for r in self.rows),
+                          "peak_so_far_gib": torch.cuda.max_memory_allocated() / 2**30,
+                          "allocated_gib": torch.cuda.memory_allocated() / 2**30,
+                          "captures": None if graphs is None else graphs.captures})
+
+
+def peak_reached(trace: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The first mark of a :class:`MemoryTrace` at which the peak so far equals the phase's (None without rows)."""
+    if not trace:
+        return None
+    top = trace[-1]["peak_so_far_gib"]
+    return next(r for r in trace if r["peak_so_far_gib"] >= top)
 
 
 def _optimizer_phase(params: list[torch.nn.Parameter], opt: torch.optim.Optimizer, sink: SampleGradSink | None,
@@ -247,9 +278,11 @@ def one_update(engine: Engine, up: Update, opt: torch.optim.Optimizer, params: l
                                                    SEED, 0), device, profile)
     release_forward_graphs(engine.model)  # as train does after its rollout (ours: the rollout's captured forwards)
     (sink, checks), train = _measure(lambda: _train_phase(engine, up, samples), device, profile)
+    trace = checks.pop("memory_trace")
     held = memory_held(engine.model, sink, params)
     _, step = _measure(lambda: _optimizer_phase(params, opt, sink, up.tcfg.max_grad_norm), device, profile)
-    return {"phases": {"rollout": roll, "train": train, "optimizer": step}, "checks": checks, "held": held}
+    return {"phases": {"rollout": roll, "train": train, "optimizer": step}, "checks": checks, "held": held,
+            "memory_trace": trace}
 
 
 def memory_held(model: torch.nn.Module, sink: SampleGradSink | None, params: list[torch.nn.Parameter]) -> dict[str, Any]:
@@ -327,6 +360,8 @@ def run_engine(engine: Engine, ups: Sequence[Update], device: torch.device, warm
              "gpu_busy": None if prof is None else sum(p["gpu_s"] for p in prof.values()) / sum(r["wall_s"] for r in phases.values())}
     return {"engine": engine.what, "runtime": engine.runtime.value, "phases": phases, "total": total,
             "lora_tensors": len(params), "held_after_train": timed["held"], **timed["checks"],
+            # the timed train phase's allocated memory after each micro-batch's forward and backward, and where it peaked
+            "train_memory_trace": timed["memory_trace"], "train_peak_reached": peak_reached(timed["memory_trace"]),
             "first_update_logp_bytes_differ": first["logp_bytes_differ"],
             "first_update_ratio_exact_one": first["logp_bytes_differ"] == 0 and first["ratio_exact_one_frac"] == 1.0,
             "checks_every_update": [r["checks"] for r in runs]}
@@ -539,6 +574,17 @@ def render(report: dict[str, Any]) -> str:
                             notes=["A captured step's activations and temporaries live in its graph pool: reserved, and "
                                    "not in the peak allocated figures above. The park's times are host times of its calls "
                                    "(the pinned allocations are part of the parks')."])
+    reached = [md.row(name, f"{r['micro_batch']} of {e['micro_batches']}", r["at"], _fmt(r["peak_so_far_gib"], ".2f"),
+                      _fmt(r["allocated_gib"], ".2f"), _fmt(r["captures"], "d"),
+                      _fmt(e["train_memory_trace"][-1]["captures"], "d"))
+               for name, e in report["engines"].items() if (r := e.get("train_peak_reached"))]
+    if reached:
+        lines += md.section("Where the timed train phase reached its allocated peak",
+                            ["engine", "micro-batch", "after its", "peak GiB", "allocated then GiB",
+                             "training captures by then", "at the phase's end"], reached,
+                            notes=["The first micro-batch (counted from 0) after whose forward or backward the "
+                                   "allocator's peak equals the phase's; captures: the engine's training-step captures "
+                                   "since it was built (—: none kept)."])
     checks = [md.row(name, e["first_update_logp_bytes_differ"], e["pairs"], "yes" if e["first_update_ratio_exact_one"] else "no")
               for name, e in report["engines"].items() if "error" not in e]
     lines += md.section("On-policy check (first update)", ["engine", "pairs whose logp bytes differ from the rollout's",

@@ -37,6 +37,7 @@ def test_bench_train_writes_every_phase_of_both_engines(tmp_path: Path) -> None:
     assert held["lora_fp32_gib"] > 0 and held["sink_peak_nodes_per_param"] >= 1 and held["sink_peak_pending_gib"] > 0
     assert held["train_graph_pools"] is None and theirs["held_after_train"] == {}
     assert held["sink_group_tensors"] == 0  # no captured steps on the CPU: every tensor folded alone
+    assert ours["train_memory_trace"] == [] and ours["train_peak_reached"] is None  # CUDA's allocator counters only
     assert "| ours | " in (out / "train_bench.md").read_text().split("What the grad sink")[1]
     for phase in [*train_bench.PHASES, "total"]:
         want = ours["phases"][phase]["wall_s"] if phase != "total" else ours["total"]["wall_s"]
@@ -49,6 +50,12 @@ def test_bench_train_writes_every_phase_of_both_engines(tmp_path: Path) -> None:
         for phase in [*train_bench.PHASES, "total"]:
             assert f"| {name} | {phase} |" in md
     assert "| ours | 0 | 4 | yes |" in md and "## Errors" not in md
+    assert "allocated peak" not in md  # no trace on the CPU
+    ours["train_memory_trace"] = [{"at": "forward", "micro_batch": 0, "peak_so_far_gib": 9.5, "allocated_gib": 9.0,
+                                   "captures": 1}, {"at": "backward", "micro_batch": 0, "peak_so_far_gib": 9.75,
+                                                    "allocated_gib": 9.25, "captures": 2}]
+    ours["train_peak_reached"] = train_bench.peak_reached(ours["train_memory_trace"])
+    assert "| ours | 0 of 2 | backward | 9.75 | 9.25 | 2 | 2 |" in train_bench.render(report)
 
 
 def test_bench_train_with_two_prompts_runs_both_groups_on_policy(tmp_path: Path) -> None:
@@ -170,3 +177,12 @@ def test_ours_may_train_in_its_own_micro_batches_and_layout(tmp_path: Path) -> N
     assert (report["config"]["ours_micro_batch"], report["config"]["ours_cfg_layout"]) == (1, "batched")
     md = (out / "train_bench.md").read_text()
     assert "Ours trains in micro-batches of 1 with CFG batched" in md and "Ours recomputes attention" in md
+
+
+def test_the_peak_is_placed_at_the_first_mark_that_reaches_it() -> None:
+    rows = [{"at": at, "micro_batch": i, "peak_so_far_gib": peak, "allocated_gib": 40.0, "captures": i}
+            for i, (at, peak) in enumerate([("forward", 45.0), ("backward", 48.5), ("forward", 48.5), ("backward", 50.0),
+                                            ("forward", 50.0)])]
+    assert train_bench.peak_reached(rows) is rows[3]
+    assert train_bench.peak_reached(rows[:3]) is rows[1]
+    assert train_bench.peak_reached([]) is None
