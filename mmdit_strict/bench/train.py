@@ -452,6 +452,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 #: Settings that may differ between the runs :func:`merge_reports` joins (each engine keeps its own).
 PER_RUN = ("warmup", "profile", "warmup_prompt_tokens")
+#: Settings only our engines read: compared between the runs that hold one of ours, ignored in a run of the peer alone.
+OURS_ONLY = ("park_lookahead", "fold_batches", "keep_attention_outputs", "ours_micro_batch", "ours_cfg_layout")
 #: What must match in the runs' environments: one machine and one version of the code.
 SAME_ENVIRONMENT = ("gpu", "driver", "torch", "triton", "cuda", "commit", "cpu")
 
@@ -459,8 +461,8 @@ SAME_ENVIRONMENT = ("gpu", "driver", "torch", "triton", "cuda", "commit", "cpu")
 def merge_reports(paths: Sequence[str | Path]) -> dict[str, Any]:
     """One report from ``bench train`` runs of different engines on the same setup (e.g. one engine per GPU call
     where both do not fit one): their engines side by side, the ratios recomputed. Refuses runs whose setup (all of
-    ``config`` but :data:`PER_RUN`) or environment (:data:`SAME_ENVIRONMENT`) differ, or that share an engine,
-    naming what differs. Each engine keeps its run's :data:`PER_RUN` settings; ``merged_from`` lists the runs."""
+    ``config`` but :data:`PER_RUN`; :data:`OURS_ONLY` only among the runs that hold one of our engines) or environment
+    (:data:`SAME_ENVIRONMENT`) differ, or that share an engine, naming what differs. Each engine keeps its run's :data:`PER_RUN` settings; ``merged_from`` lists the runs."""
     if len(paths) < 2:
         raise ValueError("--merge needs at least two train_bench.json reports")
     runs = []
@@ -473,8 +475,13 @@ def merge_reports(paths: Sequence[str | Path]) -> dict[str, Any]:
     for path, rep in runs:
         if not {"config", "engines", "environment"} <= set(rep):
             raise ValueError(f"--merge: {path} is not a bench train report (no config, engines or environment)")
+    ours_runs = [(path, rep) for path, rep in runs if any(n.startswith("ours") for n in rep["engines"])]
+    ours_first, ours_base = ours_runs[0] if ours_runs else (first, base)
+    for path, rep in runs:
         differ = sorted(k for k in set(base["config"]) | set(rep["config"])
-                        if k not in PER_RUN and base["config"].get(k) != rep["config"].get(k))
+                        if k not in PER_RUN and k not in OURS_ONLY and base["config"].get(k) != rep["config"].get(k))
+        if (path, rep) in ours_runs:
+            differ += [k for k in OURS_ONLY if ours_base["config"].get(k) != rep["config"].get(k)]
         if differ:
             raise ValueError(f"--merge: {path} ran another setup than {first}: {', '.join(differ)} differ")
         env_differ = [k for k in SAME_ENVIRONMENT if base["environment"].get(k) != rep["environment"].get(k)]
@@ -487,7 +494,7 @@ def merge_reports(paths: Sequence[str | Path]) -> dict[str, Any]:
         errors += rep.get("errors", [])
         merged_from.append({"report": path, "engines": list(rep["engines"]), "date_utc": rep["environment"].get("date_utc"),
                             "wall_s": rep.get("wall_s"), **{k: rep["config"].get(k) for k in PER_RUN}})
-    config = dict(base["config"])
+    config = {**base["config"], **{k: ours_base["config"].get(k) for k in OURS_ONLY}}
     for k in PER_RUN:
         values = {name: e[k] for name, e in engines.items()}
         config[k] = next(iter(values.values())) if len(set(map(str, values.values()))) == 1 else \

@@ -159,6 +159,16 @@ def test_runs_of_one_engine_each_merge_into_one_report(tmp_path: Path, capsys) -
     refused({**rb, "config": {**rb["config"], "steps": 3}}, "ran another setup than")
     refused({**rb, "environment": {**rb["environment"], "commit": "0000000"}}, "commit differ")
     refused(ra, "engine ours is in more than one report")
+    # settings only ours reads: a run of the peer alone may have others (the merged config takes ours'), ours' may not
+    peer_other = tmp_path / "peer_other.json"
+    peer_other.write_text(json.dumps({**rb, "config": {**rb["config"], "keep_attention_outputs": False,
+                                                       "park_lookahead": 0}}))
+    assert train_bench.main(["--out", str(tmp_path / "m2"), "--merge", str(a), str(peer_other)]) == 0
+    merged2 = json.loads((tmp_path / "m2" / "train_bench.json").read_text())
+    assert merged2["config"]["keep_attention_outputs"] is True and merged2["config"]["park_lookahead"] is None
+    ours_other = {**ra, "engines": {"ours_parked": ra["engines"]["ours"]},
+                  "config": {**ra["config"], "keep_attention_outputs": False}}
+    refused(ours_other, "keep_attention_outputs differ")
     refused({"engines": {}}, "is not a bench train report")
     assert not (tmp_path / "x").exists()
 
