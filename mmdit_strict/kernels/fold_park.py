@@ -12,6 +12,10 @@ small device buffers, so it never has a device copy (the joining stream waits fo
 sibling the fold does not own, or is empty, is copied back whole). Bringing them all back early would put every
 tensor's nodes on the device together before an update's last joins: the peak parking removes.
 
+A sum made by a join that the next node pushed would cover and park is parked at once (where the fold knows where
+its leaves end: ``PairwiseFold(end=...)``, as the grad sink builds it), so it is off the device while the next
+micro-batch computes, e.g. while a new layout's training step is captured.
+
 Parked values live in host buffers (:class:`HostBuffers`) that outlive the park: ``train`` keeps them from one
 update to the next, since pinning gigabytes is slow.
 

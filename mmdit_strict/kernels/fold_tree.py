@@ -70,17 +70,23 @@ class PairwiseFold:
             sibling (a caller's tensor is only read at once, never kept); else it is held as it is.
         park: where a node covered by a newer one waits (:class:`~.fold_park.HostPark`: host memory,
             brought back before its join); None keeps every node where it is. Same bytes either way.
+        end: the index after the last leaf this fold will receive, where known. With a park, a sum on top of the
+            stack that would be parked under the next node pushed (one of the size just pushed) is parked at once,
+            unless it reaches ``end``: the device is then rid of it while the next node is being computed.
     """
 
     def __init__(self, first: int = 0, inplace: bool = True, copy_held: bool = True,
-                 park: "HostPark | None" = None) -> None:
+                 park: "HostPark | None" = None, end: int | None = None) -> None:
         if first < 0:
             raise ValueError(f"first leaf index must be >= 0, got {first}")
+        if end is not None and end < first:
+            raise ValueError(f"the fold's end ({end}) comes before its first leaf ({first})")
         self.first = first
         self.next = first
         self.inplace = inplace
         self.copy_held = copy_held
         self.park = park
+        self.end = end
         self.nodes: list[Node] = []
 
     def leaf(self, value: torch.Tensor | None, owned: bool = True, settle: bool = True) -> None:
@@ -98,6 +104,7 @@ class PairwiseFold:
         if node.start % (1 << node.level):
             raise ValueError(f"fold node (level {node.level}, start {node.start}) is not aligned to its size")
         self.next = node.stop
+        pushed = node.level
         while self.nodes:
             top = self.nodes[-1]
             if top.level != node.level or top.stop != node.start or (top.start >> top.level) & 1:
@@ -109,6 +116,10 @@ class PairwiseFold:
         if self.park is not None and self.nodes and not self._due(self.nodes[-1]):
             # the top is covered: it waits for a whole sibling subtree (unless that is within the lookahead)
             self.nodes[-1] = self.park.park(self._own(self.nodes[-1]))
+        if (self.park is not None and node.level > pushed and node.owned and node.value is not None
+                and self.end is not None and node.stop < self.end and not self._due(node, ahead=1 << pushed)):
+            # a sum the next push would cover and park: parked now, so it is off the device during that push's work
+            node = self.park.park(node)
         self.nodes.append(node)
         if self.park is not None:
             # only the parked node joined first comes back ahead of time; the ones below it are fetched when their
@@ -129,10 +140,11 @@ class PairwiseFold:
             return node
         return Node(node.level, node.start, node.value.clone(), True)
 
-    def _due(self, node: Node) -> bool:
-        """Whether ``node`` joins within the park's lookahead: node (l, s) joins when the leaves reach s + 2^(l+1)."""
+    def _due(self, node: Node, ahead: int = 0) -> bool:
+        """Whether ``node`` joins within the park's lookahead (``ahead`` more leaves from now): node (l, s) joins when the
+        leaves reach s + 2^(l+1)."""
         assert self.park is not None
-        return self.next + self.park.lookahead >= node.start + (2 << node.level)
+        return self.next + ahead + self.park.lookahead >= node.start + (2 << node.level)
 
     def _merge(self, level: int, left: Node, right: Node) -> Node:
         """:func:`_join` of ``left`` (maybe parked) and ``right``: a parked ``left`` is added into ``right`` from the
@@ -154,7 +166,7 @@ class PairwiseFold:
         """This fold of flat (1-D) values as one fold per ``(offset, numel, shape)`` span: the same nodes, each value
         the span's view, reshaped (parked nodes through the park). The spans must not overlap; each new fold then
         adds into its own part only, so together they go on as this one would have."""
-        parts = [PairwiseFold(self.first, self.inplace, self.copy_held, self.park) for _ in spans]
+        parts = [PairwiseFold(self.first, self.inplace, self.copy_held, self.park, self.end) for _ in spans]
         for f in parts:
             f.next = self.next
         for node in self.nodes:

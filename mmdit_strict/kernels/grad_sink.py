@@ -242,8 +242,12 @@ class SampleGradSink:
             raise ValueError("gradient partial for a parameter whose streamed fold was already taken")
         st = self._streams.get(id(param))
         if st is None:
-            st = self._streams[id(param)] = _Stream(PairwiseFold(self._first, park=self.park))
+            st = self._streams[id(param)] = _Stream(self._new_fold())
         return st
+
+    def _new_fold(self) -> PairwiseFold:
+        """A streamed fold over this sink's leaves (its keys, from ``first_index``), parking through its park."""
+        return PairwiseFold(self._first, park=self.park, end=self._first + len(self._order))
 
     def _flat_group(self, params: Sequence[torch.Tensor], offsets: Sequence[int], keys: Sequence[Hashable],
                flats: Sequence[torch.Tensor]) -> _Cohort | None:
@@ -321,7 +325,7 @@ class SampleGradSink:
         if any(id(p) in self._streams or id(p) in self._cohorts or id(p) in self._finished for p in params):
             return None
         cohort = _Cohort(tuple(params), tuple(offsets), size,
-                         _Stream(PairwiseFold(self._first, park=self.park), width=len(params)))
+                         _Stream(self._new_fold(), width=len(params)))
         for p in params:
             self._params[id(p)] = p
             self._cohorts[id(p)] = cohort

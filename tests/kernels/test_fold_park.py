@@ -152,6 +152,32 @@ def test_parking_at_the_join_keeps_one_node_on_the_device() -> None:
     assert_bytes_equal(results[0], results[None], "parked at the join vs one micro-batch ahead")
 
 
+def test_a_sum_the_next_push_would_park_is_parked_at_once() -> None:
+    """A fold that knows where its leaves end parks a fresh sum right away where the next node pushed would cover it
+    and park it anyway: the same 15 parks at the join, each one push sooner, so after every second push (a sum) nothing
+    of the fold is on the device. A sum that reaches the end (the root) or joins within the lookahead stays."""
+    leaves = _leaves(64, seed=5)
+    pairs = [leaves[i] + leaves[i + 1] for i in range(0, 64, 2)]
+    results, on_device = {}, {}
+    for ahead, end in ((0, 64), (0, None), (2, 64)):
+        park = HostPark(lookahead=ahead)
+        f = PairwiseFold(park=park, end=end)
+        counts = []
+        for m, v in enumerate(pairs):
+            f.push(Node(1, 2 * m, v, owned=False))
+            counts.append(sum(1 for n in f.nodes if n.value is not None and not park.parked(n)))
+        results[ahead, end], on_device[ahead, end] = f.result(), counts
+        if ahead == 0:
+            assert park.stats.parks == 15 and park.stats.added_from_host == 15
+    assert on_device[0, 64][1:31:2] == [0] * 15 and on_device[0, 64][31] == 1  # the root reaches the end: it stays
+    assert on_device[0, None][1:31:2] == [1] * 15  # without the end known, a sum waits to be covered
+    assert max(on_device[2, 64]) == 3  # looking one push ahead: sums that join at the next push stay, as before
+    for key, got in results.items():
+        assert_bytes_equal(got, results[0, None], f"lookahead {key[0]}, end {key[1]}")
+    with pytest.raises(ValueError, match="comes before its first leaf"):
+        PairwiseFold(first=4, end=2)
+
+
 @pytest.mark.gpu
 def test_gpu_parked_fold_same_bytes_less_device_memory() -> None:
     if not torch.cuda.is_available():
