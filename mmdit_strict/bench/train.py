@@ -56,7 +56,7 @@ from ..environment import environment_line, run_environment
 from ..kernels.fold_park import HostBuffers, HostPark
 from ..kernels.grad_sink import SampleGradSink, collect_sample_grads
 from ..kernels.runtime import Runtime
-from ..model.graphs import graph_stats, release_forward_graphs
+from ..model.graphs import graph_stats, release_forward_graphs, release_training_graphs
 from ..sampling import sigma_table
 from ..training.advantages import StatTracker
 from ..training.loss import grpo_loss, logp_bytes_differ
@@ -89,6 +89,7 @@ class Engine:
     park_buffers: HostBuffers = field(default_factory=HostBuffers)  # kept across updates, as train keeps them
     micro_batch: int | None = None  # pairs per training forward, where it is not the update's (ours: same bytes any way)
     cfg_layout: str | None = None  # the training forwards' CFG layout, where it is not the update's
+    release_training_graphs: bool = False  # drop the captured training steps before each rollout (train.release_training_graphs)
 
 
 @dataclass
@@ -274,6 +275,8 @@ def _measure(fn: Callable[[], Any], device: torch.device, profile: bool) -> tupl
 def one_update(engine: Engine, up: Update, opt: torch.optim.Optimizer, params: list[torch.nn.Parameter],
                device: torch.device, profile: bool = False) -> dict[str, Any]:
     """Rollout, train and optimizer phases of one update; per phase its measurements, plus the train phase's checks."""
+    if engine.release_training_graphs:
+        release_training_graphs(engine.model)  # as train does before its rollout with train.release_training_graphs
     samples, roll = _measure(lambda: rollout_epoch(engine.model, engine.runtime, up.prompts, up.sigmas, up.grid, up.scfg,
                                                    SEED, 0), device, profile)
     release_forward_graphs(engine.model)  # as train does after its rollout (ours: the rollout's captured forwards)
@@ -404,6 +407,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         e.park_lookahead = args.park_lookahead
         if e.grad_sink:  # ours (and ours_parked): the split and layout do not change its bytes
             e.micro_batch, e.cfg_layout = args.ours_micro_batch, args.ours_cfg_layout
+            e.release_training_graphs = args.release_training_graphs
     shortest = args.txt if args.prompts == 1 and not args.fresh_prompts else max(1, args.txt // 2)
 
     def draw(seed: int) -> Prompts:
@@ -444,7 +448,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "cfg_scale": CFG_SCALE, "eta": ETA, "cfg_layout": args.cfg_layout, "warmup": args.warmup, "profile": args.profile,
               "graph_pools": args.graph_pools, "park_fold_nodes": args.park_fold_nodes,
               "park_lookahead": args.park_lookahead, "fold_batches": args.fold_batches,
-              "keep_attention_outputs": args.keep_attention_outputs,
+              "keep_attention_outputs": args.keep_attention_outputs, "release_training_graphs": args.release_training_graphs,
               "ours_micro_batch": args.ours_micro_batch, "ours_cfg_layout": args.ours_cfg_layout,
               "grad_checkpointing": True, "clip_range": tcfg.clip_range, "learning_rate": tcfg.learning_rate}
     return {"config": config, "engines": results, **all_ratios(results), "errors": errors}
@@ -453,7 +457,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 #: Settings that may differ between the runs :func:`merge_reports` joins (each engine keeps its own).
 PER_RUN = ("warmup", "profile", "warmup_prompt_tokens")
 #: Settings only our engines read: compared between the runs that hold one of ours, ignored in a run of the peer alone.
-OURS_ONLY = ("park_lookahead", "fold_batches", "keep_attention_outputs", "ours_micro_batch", "ours_cfg_layout")
+OURS_ONLY = ("park_lookahead", "fold_batches", "keep_attention_outputs", "ours_micro_batch", "ours_cfg_layout",
+             "release_training_graphs")
 #: What must match in the runs' environments: one machine and one version of the code.
 SAME_ENVIRONMENT = ("gpu", "driver", "torch", "triton", "cuda", "commit", "cpu")
 
@@ -638,6 +643,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-attention-outputs", action=argparse.BooleanOptionalAction, default=True,
                    help="ours: checkpointed blocks keep the forward's attention outputs for the recompute "
                         "(train.keep_attention_outputs; --no-keep-attention-outputs recomputes them: less memory)")
+    p.add_argument("--release-training-graphs", action="store_true",
+                   help="ours: drop the captured training steps (their pool, the shared partial buffers) before each "
+                        "rollout (train.release_training_graphs=true): less memory in the rollout, layouts captured again")
     p.add_argument("--graph-pools", choices=["shared", "per-instance"], default="shared",
                    help="ours on CUDA: captured graphs share memory pools as the model does by default, or each has its own")
     p.add_argument("--ours-micro-batch", type=int, default=None,

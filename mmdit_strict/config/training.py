@@ -72,6 +72,11 @@ class TrainConfig:
     # nothing buffered out of order; same bytes (tests/model/test_train_graphs.py compares it with the uncaptured step
     # on the GPU). Nothing changes for a layout whose forwards are not such nodes (the sequential CFG layout)
     fold_captured_batches: bool = True
+    # True (CUDA graphs): each epoch drops the captured training steps, their memory pool and the shared partial
+    # buffers before its rollout, so the rollout does not hold them beside its own captured forwards (about 7 + 1.6 GiB
+    # at 1024², B = 2). A layout trained again is captured again; with prompt lengths that rarely repeat (as the
+    # rollout's forwards, dropped after each rollout) that costs little. Same bytes either way
+    release_training_graphs: bool = False
     runtime: Optional[str] = None  # None → runtime.mode; "off" shows how far the production path drifts
     recompute_old_logp: bool = False  # debug: recompute the old logp before training and require equal bytes
     clip_range: float = 1.0e-4

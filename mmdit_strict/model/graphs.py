@@ -94,6 +94,20 @@ def release_forward_graphs(model: torch.nn.Module) -> int:
     return held
 
 
+def release_training_graphs(model: torch.nn.Module) -> int:
+    """Drop ``model``'s captured training steps, their memory pools and the partial buffers they share (the no-grad
+    forwards stay); returns how many were held. The next training forward of a layout captures it again (a step
+    between its forward and its backward keeps its graphs and buffers until its autograd node is gone)."""
+    cache = getattr(model, "train_graphs", None)
+    if cache is None:
+        return 0
+    held = len(cache)
+    cache.clear()
+    if held and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return held
+
+
 def adapter_state(model: torch.nn.Module) -> tuple:
     """What the strict forward's Python reads of the LoRA adapters: per adapted layer, whether adapters are
     disabled, which are active and their scalings. A graph captured in one state must not replay in another

@@ -64,7 +64,7 @@ from ..kernels.grad_sink import (
     pending_bound,
 )
 from ..kernels.runtime import Runtime
-from ..model.graphs import graph_stats, release_forward_graphs
+from ..model.graphs import graph_stats, release_forward_graphs, release_training_graphs
 from ..parallel import ModelLayout, model_parallel
 from ..parallel import build as build_model_parallel
 from ..sampling import sigma_table
@@ -93,7 +93,8 @@ EVAL_ID_BASE = 1 << 40
 RESUME_FREE = ("resume", "progress", "wandb", "output_dir", "_choices_", "train.num_epochs", "train.eval_freq",
                "train.save_freq", "train.export", "train.recompute_old_logp", "train.cpu_threads", "train.grad_sink",
                "train.keep_attention_outputs", "train.sort_update_pairs", "train.park_fold_nodes",
-               "train.park_lookahead", "train.fold_captured_batches", "train.async_checkpoint", "distributed")
+               "train.park_lookahead", "train.fold_captured_batches", "train.release_training_graphs",
+               "train.async_checkpoint", "distributed")
 
 UpdateHook = Callable[[int, int, int], None]
 
@@ -637,6 +638,8 @@ class Trainer:
         traffic = distributed.traffic()
         before = traffic.snapshot() if traffic is not None else None
         t0 = time.perf_counter()
+        if self.tcfg.release_training_graphs:
+            release_training_graphs(self.model)
         samples = self._rollout(epoch)
         t1 = time.perf_counter()
         scored = self._score(epoch, samples)

@@ -65,3 +65,35 @@ def test_the_rollouts_captured_forwards_are_released_before_the_updates(tmp_path
     assert release_forward_graphs(tr.model) == 1 and len(tr.model.graph_cache) == 0
     tr.model.enable_cuda_graphs(False)
     assert release_forward_graphs(tr.model) == 0
+
+
+class _WatchingSteps(Trainer):
+    """Records how many captured training steps (and partial-buffer bytes) the model holds when the rollout starts."""
+
+    def _rollout(self, epoch):
+        self.steps_at_rollout = len(self.model.train_graphs)
+        self.arena_at_rollout = self.model.train_graphs.arena_bytes()
+        return super()._rollout(epoch)
+
+
+def test_the_training_steps_graphs_are_released_before_the_rollout_when_asked(tmp_path) -> None:
+    """``train.release_training_graphs=true``: the captured training steps and their shared partial buffers are gone
+    when the rollout starts; by default they stay for the next epoch's updates. (On the CPU nothing is captured:
+    stand-in entries and a stand-in buffer take their place.)"""
+    import torch
+
+    from mmdit_strict.model.graphs import release_training_graphs
+
+    held = {}
+    for release in (False, True):
+        cfg = compose_train([f"output_dir={tmp_path / str(release)}", *SMALL,
+                             f"train.release_training_graphs={str(release).lower()}"])
+        tr = _WatchingSteps(cfg, progress=False)
+        tr.model.enable_cuda_graphs()
+        tr.model.train_graphs._entries.update({("layout", i): [object()] for i in range(2)})
+        tr.model.train_graphs._arena._bufs[0, 0, 0] = torch.zeros(16)
+        tr.train_epoch(0)
+        held[release] = (tr.steps_at_rollout, tr.arena_at_rollout)
+    assert held == {False: (2, 64), True: (0, 0)}
+    tr.model.enable_cuda_graphs(False)
+    assert release_training_graphs(tr.model) == 0
