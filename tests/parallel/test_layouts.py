@@ -164,6 +164,7 @@ def test_every_layout_gives_one_rank_velocity_and_lora_grads(tmp_path: Path) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # every axis and pair of axes is in the 4-rank test above; 8 processes take ~30 s on 2 cores
 def test_eight_rank_layouts_give_one_rank_bytes(tmp_path: Path) -> None:
     """TP2 x SP2 x CFG2 and TP4 x SP2 (8 heads): every parallel axis at once."""
     world = 8
