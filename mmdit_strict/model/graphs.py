@@ -25,6 +25,7 @@ from .module_index import adapter_layers
 
 if TYPE_CHECKING:
     from .mmdit import ModelInputs
+    from .train_graphs import TrainGraphCache
 
 
 # Warm a capture up on the first and last transformer blocks only (plus the embeddings and the output), not all of
@@ -84,27 +85,23 @@ def graph_stats(model: torch.nn.Module) -> dict[str, dict[str, int]] | None:
 def release_forward_graphs(model: torch.nn.Module) -> int:
     """Drop ``model``'s captured no-grad forwards and with them their memory pools (the training steps' graphs
     stay); returns how many were held. The next forward of a layout captures it again."""
-    cache = getattr(model, "graph_cache", None)
-    if cache is None:
-        return 0
-    held = len(cache)
-    cache.clear()
-    if held and torch.cuda.is_available():
-        torch.cuda.empty_cache()  # a released pool's blocks stay reserved (and unusable by others) until then
-    return held
+    return _release(getattr(model, "graph_cache", None))
 
 
 def release_training_graphs(model: torch.nn.Module) -> int:
     """Drop ``model``'s captured training steps, their memory pools and the partial buffers they share (the no-grad
     forwards stay); returns how many were held. The next training forward of a layout captures it again (a step
     between its forward and its backward keeps its graphs and buffers until its autograd node is gone)."""
-    cache = getattr(model, "train_graphs", None)
+    return _release(getattr(model, "train_graphs", None))
+
+
+def _release(cache: "GraphCache | TrainGraphCache | None") -> int:
     if cache is None:
         return 0
     held = len(cache)
     cache.clear()
     if held and torch.cuda.is_available():
-        torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # a released pool's blocks stay reserved (and unusable by others) until then
     return held
 
 
