@@ -467,7 +467,8 @@ def merge_reports(paths: Sequence[str | Path]) -> dict[str, Any]:
     """One report from ``bench train`` runs of different engines on the same setup (e.g. one engine per GPU call
     where both do not fit one): their engines side by side, the ratios recomputed. Refuses runs whose setup (all of
     ``config`` but :data:`PER_RUN`; :data:`OURS_ONLY` only among the runs that hold one of our engines) or environment
-    (:data:`SAME_ENVIRONMENT`) differ, or that share an engine, naming what differs. Each engine keeps its run's :data:`PER_RUN` settings; ``merged_from`` lists the runs."""
+    (:data:`SAME_ENVIRONMENT`) differ, or that share an engine, naming what differs. Each engine keeps its run's
+    :data:`PER_RUN` settings; ``merged_from`` lists the runs."""
     if len(paths) < 2:
         raise ValueError("--merge needs at least two train_bench.json reports")
     runs = []
@@ -480,15 +481,16 @@ def merge_reports(paths: Sequence[str | Path]) -> dict[str, Any]:
     for path, rep in runs:
         if not {"config", "engines", "environment"} <= set(rep):
             raise ValueError(f"--merge: {path} is not a bench train report (no config, engines or environment)")
-    ours_runs = [(path, rep) for path, rep in runs if any(n.startswith("ours") for n in rep["engines"])]
-    ours_first, ours_base = ours_runs[0] if ours_runs else (first, base)
+    ours = [(path, rep) for path, rep in runs if any(n.startswith("ours") for n in rep["engines"])]
+    ours_first, ours_base = ours[0] if ours else (first, base)
     for path, rep in runs:
         differ = sorted(k for k in set(base["config"]) | set(rep["config"])
                         if k not in PER_RUN and k not in OURS_ONLY and base["config"].get(k) != rep["config"].get(k))
-        if (path, rep) in ours_runs:
-            differ += [k for k in OURS_ONLY if ours_base["config"].get(k) != rep["config"].get(k)]
         if differ:
             raise ValueError(f"--merge: {path} ran another setup than {first}: {', '.join(differ)} differ")
+        differ = [k for k in OURS_ONLY if ours_base["config"].get(k) != rep["config"].get(k)]
+        if differ and any(path == p for p, _ in ours):
+            raise ValueError(f"--merge: {path} ran our engines otherwise than {ours_first}: {', '.join(differ)} differ")
         env_differ = [k for k in SAME_ENVIRONMENT if base["environment"].get(k) != rep["environment"].get(k)]
         if env_differ:
             raise ValueError(f"--merge: {path} ran elsewhere than {first}: {', '.join(env_differ)} differ")
