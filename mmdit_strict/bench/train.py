@@ -130,9 +130,11 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def build_engines(arch: ArchConfig, device: str, dtype: torch.dtype, rank: int, shared_pools: bool = True,
-                  fold_batches: bool = False, keep_attention_outputs: bool = True) -> list[Engine]:
-    """Theirs (diffusers + PEFT, first: it runs before ours holds CUDA-graph memory) and ours, on one weight storage
-    (``shared_pools`` False: ours gives each captured graph its own memory pool, to measure what sharing saves;
+                  fold_batches: bool = False, keep_attention_outputs: bool = True,
+                  names: Sequence[str] = ("diffusers_peft", "ours", "ours_parked")) -> list[Engine]:
+    """Theirs (diffusers + PEFT, first: it runs before ours holds CUDA-graph memory) and ours, on one weight storage,
+    those of ``names`` (only their models get a LoRA, so a process that runs one side holds one adapter, as a user's
+    does; ``shared_pools`` False: ours gives each captured graph its own memory pool, to measure what sharing saves;
     ``fold_batches``: ours folds a batch that is one node of the sink's tree inside its captured backward;
     ``keep_attention_outputs``: ours' checkpointed blocks keep the forward's attention outputs for the recompute)."""
     from ..model.diffusers_compat import diffusers_twin
@@ -141,7 +143,8 @@ def build_engines(arch: ArchConfig, device: str, dtype: torch.dtype, rank: int, 
     ours = build_model(arch, seed=0, runtime="strict", dtype=dtype, device=device)
     theirs = diffusers_twin(ours)
     lora = LoraConfig(rank=rank, alpha=float(rank), targets=list(LORA_TARGETS), init="random", seed=1)
-    for model in (ours, theirs):
+    trained = [m for m, runs in ((ours, {"ours", "ours_parked"} & set(names)), (theirs, "diffusers_peft" in names)) if runs]
+    for model in trained:
         attach_lora(model, lora)
         model.requires_grad_(False)
         for name, p in model.named_parameters():
@@ -154,10 +157,12 @@ def build_engines(arch: ArchConfig, device: str, dtype: torch.dtype, rank: int, 
         ours.graph_cache.share_pool = ours.train_graphs.share_pools = shared_pools
         ours.train_graphs.fold_batches = fold_batches
     what = "MMDiT strict" + (" + CUDA graphs" if device == "cuda" else "") + ", grad sink"
-    return [Engine("diffusers_peft", theirs, Runtime.OFF, False, "diffusers QwenImageTransformer2DModel + PEFT, eager, autograd"),
-            Engine("ours", ours, Runtime.STRICT, True, what),
-            # the same model again with the fold's waiting nodes parked on the host: both ways in one process
-            Engine("ours_parked", ours, Runtime.STRICT, True, what + ", fold nodes parked on the host", park_fold_nodes=True)]
+    engines = [Engine("diffusers_peft", theirs, Runtime.OFF, False, "diffusers QwenImageTransformer2DModel + PEFT, eager, autograd"),
+               Engine("ours", ours, Runtime.STRICT, True, what),
+               # the same model again with the fold's waiting nodes parked on the host: both ways in one process
+               Engine("ours_parked", ours, Runtime.STRICT, True, what + ", fold nodes parked on the host",
+                      park_fold_nodes=True)]
+    return [e for e in engines if e.name in names]
 
 
 def _fresh_graphs(model: torch.nn.Module) -> None:
@@ -400,8 +405,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dtype_name = "bfloat16" if device.type == "cuda" else "float32"  # the CPU strict backend computes in FP32
     dtype = DTYPES[dtype_name]
     grid = (int(args.grid[0]), int(args.grid[1]))
-    engines = [e for e in build_engines(arch, args.device, dtype, args.lora_rank, args.graph_pools == "shared",
-                                        args.fold_batches, args.keep_attention_outputs) if e.name in args.engines]
+    engines = build_engines(arch, args.device, dtype, args.lora_rank, args.graph_pools == "shared", args.fold_batches,
+                            args.keep_attention_outputs, args.engines)
     for e in engines:
         e.park_fold_nodes = e.park_fold_nodes or (e.name == "ours" and args.park_fold_nodes)
         e.park_lookahead = args.park_lookahead

@@ -197,3 +197,24 @@ def test_the_peak_is_placed_at_the_first_mark_that_reaches_it() -> None:
     assert train_bench.peak_reached(rows) is rows[3]
     assert train_bench.peak_reached(rows[:3]) is rows[1]
     assert train_bench.peak_reached([]) is None
+
+
+def test_a_process_builds_only_the_adapters_of_the_engines_it_runs(monkeypatch) -> None:
+    """One engine per process (as at 1024²): only that side's model gets a LoRA, so its memory is one adapter's."""
+    import torch
+
+    from mmdit_strict.config.arch import preset
+
+    attached = []
+    real = train_bench.attach_lora
+    monkeypatch.setattr(train_bench, "attach_lora",
+                        lambda model, lora: attached.append(type(model).__name__) or real(model, lora))
+    for names, want in ((("ours",), ["MMDiT"]), (("diffusers_peft",), ["QwenImageTransformer2DModel"]),
+                        (("ours", "ours_parked"), ["MMDiT"]),
+                        (("diffusers_peft", "ours"), ["MMDiT", "QwenImageTransformer2DModel"])):
+        attached.clear()
+        engines = train_bench.build_engines(preset("tiny"), "cpu", torch.float32, 4, names=names)
+        assert [e.name for e in engines] == [n for n in ("diffusers_peft", "ours", "ours_parked") if n in names]
+        assert attached == want, names
+        for e in engines:
+            assert any("lora_" in n and p.requires_grad for n, p in e.model.named_parameters()), e.name
