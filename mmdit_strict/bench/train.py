@@ -131,11 +131,12 @@ def check_args(args: argparse.Namespace) -> None:
 
 def build_engines(arch: ArchConfig, device: str, dtype: torch.dtype, rank: int, shared_pools: bool = True,
                   fold_batches: bool = False, keep_attention_outputs: bool = True,
-                  names: Sequence[str] = ("diffusers_peft", "ours", "ours_parked")) -> list[Engine]:
+                  names: Sequence[str] = ("diffusers_peft", "ours", "ours_parked"), carry: bool = False) -> list[Engine]:
     """Theirs (diffusers + PEFT, first: it runs before ours holds CUDA-graph memory) and ours, on one weight storage,
     those of ``names`` (only their models get a LoRA, so a process that runs one side holds one adapter, as a user's
     does; ``shared_pools`` False: ours gives each captured graph its own memory pool, to measure what sharing saves;
-    ``fold_batches``: ours folds a batch that is one node of the sink's tree inside its captured backward;
+    ``fold_batches``: ours folds a batch that is one node of the sink's tree inside its captured backward, and with
+    ``carry`` adds a right child's node into its carried left sibling there;
     ``keep_attention_outputs``: ours' checkpointed blocks keep the forward's attention outputs for the recompute)."""
     from ..model.diffusers_compat import diffusers_twin
     from ..model.init import build_model
@@ -155,7 +156,7 @@ def build_engines(arch: ArchConfig, device: str, dtype: torch.dtype, rank: int, 
     if device == "cuda":
         ours.enable_cuda_graphs()
         ours.graph_cache.share_pool = ours.train_graphs.share_pools = shared_pools
-        ours.train_graphs.fold_batches = fold_batches
+        ours.train_graphs.fold_batches, ours.train_graphs.carry = fold_batches, carry
     what = "MMDiT strict" + (" + CUDA graphs" if device == "cuda" else "") + ", grad sink"
     engines = [Engine("diffusers_peft", theirs, Runtime.OFF, False, "diffusers QwenImageTransformer2DModel + PEFT, eager, autograd"),
                Engine("ours", ours, Runtime.STRICT, True, what),
@@ -173,7 +174,7 @@ def _fresh_graphs(model: torch.nn.Module) -> None:
         return
     model.enable_cuda_graphs()
     model.graph_cache.share_pool, model.train_graphs.share_pools = fwd.share_pool, train.share_pools
-    model.train_graphs.fold_batches = train.fold_batches
+    model.train_graphs.fold_batches, model.train_graphs.carry = train.fold_batches, train.carry
 
 
 def _train_phase(engine: Engine, up: Update, samples: EpochSamples) -> tuple[SampleGradSink | None, dict[str, Any]]:
@@ -406,7 +407,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dtype = DTYPES[dtype_name]
     grid = (int(args.grid[0]), int(args.grid[1]))
     engines = build_engines(arch, args.device, dtype, args.lora_rank, args.graph_pools == "shared", args.fold_batches,
-                            args.keep_attention_outputs, args.engines)
+                            args.keep_attention_outputs, args.engines, args.carry_fold_nodes)
     for e in engines:
         e.park_fold_nodes = e.park_fold_nodes or (e.name == "ours" and args.park_fold_nodes)
         e.park_lookahead = args.park_lookahead
@@ -453,6 +454,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "cfg_scale": CFG_SCALE, "eta": ETA, "cfg_layout": args.cfg_layout, "warmup": args.warmup, "profile": args.profile,
               "graph_pools": args.graph_pools, "park_fold_nodes": args.park_fold_nodes,
               "park_lookahead": args.park_lookahead, "fold_batches": args.fold_batches,
+              "carry_fold_nodes": args.carry_fold_nodes,
               "keep_attention_outputs": args.keep_attention_outputs, "release_training_graphs": args.release_training_graphs,
               "ours_micro_batch": args.ours_micro_batch, "ours_cfg_layout": args.ours_cfg_layout,
               "grad_checkpointing": True, "clip_range": tcfg.clip_range, "learning_rate": tcfg.learning_rate}
@@ -462,8 +464,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 #: Settings that may differ between the runs :func:`merge_reports` joins (each engine keeps its own).
 PER_RUN = ("warmup", "profile", "warmup_prompt_tokens")
 #: Settings only our engines read: compared between the runs that hold one of ours, ignored in a run of the peer alone.
-OURS_ONLY = ("park_lookahead", "fold_batches", "keep_attention_outputs", "ours_micro_batch", "ours_cfg_layout",
-             "release_training_graphs")
+OURS_ONLY = ("park_lookahead", "fold_batches", "carry_fold_nodes", "keep_attention_outputs", "ours_micro_batch",
+             "ours_cfg_layout", "release_training_graphs")
 #: What must match in the runs' environments: one machine and one version of the code.
 SAME_ENVIRONMENT = ("gpu", "driver", "torch", "triton", "cuda", "commit", "cpu")
 
@@ -663,6 +665,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fold-batches", action="store_true",
                    help="ours: a captured training step whose keys are one node of the grad sink's tree folds its batch in "
                         "the graph (train.fold_captured_batches=true; with --cfg-layout batched, micro-batches of 2^k pairs)")
+    p.add_argument("--carry-fold-nodes", action="store_true",
+                   help="ours, with --fold-batches: a captured step that is a left child node leaves it in the shared "
+                        "partial buffer for its sibling's step to add into (train.carry_fold_nodes=true; same bytes)")
     p.add_argument("--merge", nargs="+", metavar="JSON", default=None,
                    help="join train_bench.json reports of different --engines runs of one setup on one machine into one "
                         "report in --out (ratios recomputed); runs nothing")

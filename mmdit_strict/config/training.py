@@ -72,6 +72,12 @@ class TrainConfig:
     # nothing buffered out of order; same bytes (tests/model/test_train_graphs.py compares it with the uncaptured step
     # on the GPU). Nothing changes for a layout whose forwards are not such nodes (the sequential CFG layout)
     fold_captured_batches: bool = True
+    # True (with fold_captured_batches, a streamed sink): a captured step whose micro-batch is a left child node of the
+    # fold's tree leaves that node in the shared partial buffer, and the next step, its right sibling, adds its own node
+    # into it inside its graph and hands the sink their parent: the left node is never copied out (an FP32 copy of the
+    # LoRA, 1.6 GiB for Qwen-Image's rank 64). A node whose sibling does not come next is copied into the fold before
+    # anything else writes the buffer. Same bytes (left + right, as the fold adds them)
+    carry_fold_nodes: bool = False
     # True (CUDA graphs): each epoch drops the captured training steps, their memory pool and the shared partial
     # buffers before its rollout, so the rollout does not hold them beside its own captured forwards (about 7 + 1.6 GiB
     # at 1024², B = 2). A layout trained again is captured again; with prompt lengths that rarely repeat (as the

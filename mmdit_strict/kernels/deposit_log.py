@@ -35,6 +35,11 @@ class DepositLog:
     positions of a tensor is folded there and then — its partials added pairwise in that order, the node's value —
     into ``buffers(param, 0, occurrence)``, and the per-sample partials are temporaries: one buffer per tensor instead
     of one per tensor and position, and the sink gets one node (``add_flat_node``) instead of B partials.
+
+    ``accumulate`` (fold mode, set by the capture when nodes are carried): a device flag the folded deposits read at
+    every replay; True adds the node into what the buffer holds instead of overwriting it. :meth:`before_replay` sets it
+    where the streamed sink carries this call's left sibling in the same flat buffer (``SampleGradSink.carry``), and
+    :meth:`replay` then hands the parent node; a call that is a left child is carried in turn.
     """
 
     def __init__(self, autograd_sums: bool = True,
@@ -49,6 +54,8 @@ class DepositLog:
         self._uses: dict[tuple[int, int], int] = {}
         self.entries: list[tuple[torch.Tensor, tuple[int, ...], list[torch.Tensor]]] = []
         self._plan: _FlatPlan | None | bool = False  # False: not worked out yet
+        self.accumulate: torch.Tensor | None = None  # 0-d bool on the buffers' device (carried nodes), or None
+        self._left: tuple[Hashable, ...] | None = None  # the carried sibling's keys this replay adds into
 
     def partial_buffers(self, param: torch.Tensor, keys: Sequence[int]) -> list[torch.Tensor] | None:
         """The buffers ``buffers`` gives for ``param`` at batch positions ``keys`` (None unless it gives them all; None
@@ -90,7 +97,11 @@ class DepositLog:
         tree = fold_tree.PairwiseFold(copy_held=False)  # temporaries made for the sink (transfer) are summed in place
         for pos in self.fold:
             tree.leaf(at[pos], owned=transfer)
-        return out.copy_(tree.result())
+        node = tree.result()
+        if self.accumulate is None:
+            return out.copy_(node)
+        # the carried left sibling (what ``out`` holds) plus this node: the parent, as the sink's fold would add them
+        return torch.where(self.accumulate, out + node, node, out=out)
 
     def _folding(self, positions: Sequence[int]) -> bool:
         """Whether a deposit at these positions is folded into one node (fold mode, buffers set, every position)."""
@@ -102,6 +113,21 @@ class DepositLog:
         self._uses.clear()
         self._plan = False
 
+    def before_replay(self, sink: SampleGradSink, keys: Sequence[Hashable]) -> None:
+        """Before the backward replay that writes this log's buffers under ``keys``: set :attr:`accumulate` (where the
+        sink carries this call's left sibling in this log's flat buffer), else have the sink place a carried node
+        first, since the replay rewrites the buffer it waits in."""
+        self._left = None
+        if not isinstance(sink, SampleGradSink):
+            return
+        plan = self._flat_plan() if sink.streamed and self.accumulate is not None else None
+        if plan is not None and plan.node and not plan.rest:
+            self._left = sink.carried_left_of(keys, plan.flats[0], plan.params, plan.offsets)
+        if self._left is None:
+            sink.flush_carry()
+        if self.accumulate is not None:
+            self.accumulate.fill_(self._left is not None)
+
     def replay(self, sink: SampleGradSink, keys: Sequence[Hashable]) -> None:
         """Deposit every recorded partial into ``sink`` under ``keys[position]``: the ones written into
         :attr:`flat` in one :meth:`SampleGradSink.add_flat` (a streamed sink), the rest in the recorded order."""
@@ -110,7 +136,12 @@ class DepositLog:
             for param, positions, partials in self.entries:
                 self._hand(sink, param, [keys[i] for i in positions], partials)
             return
-        if plan.node:
+        left, self._left = self._left, None
+        if plan.node and left is not None:  # the graph added this node into the carried sibling: their parent
+            sink.add_flat_node(plan.params, plan.offsets, [*left, *keys], plan.flats[0])
+        elif plan.node and self.accumulate is not None and not plan.rest and sink.can_carry(list(keys)):
+            sink.carry(plan.params, plan.offsets, list(keys), plan.flats[0])
+        elif plan.node:
             sink.add_flat_node(plan.params, plan.offsets, list(keys), plan.flats[0])
         else:
             sink.add_flat(plan.params, plan.offsets, [keys[i] for i in range(len(plan.flats))], plan.flats)

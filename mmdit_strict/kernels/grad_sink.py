@@ -42,7 +42,7 @@ import contextlib
 import functools
 import itertools
 import time
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +83,17 @@ class _Stream:
     seen: set[int] = field(default_factory=set)
     result: torch.Tensor | None = None
     width: int = 1  # tensors one value stands for (a cohort's flat values: its members)
+
+
+@dataclass(eq=False)
+class _Carry:
+    """A complete node of the tree (``keys``) left where a captured step wrote it (``flat``, the cohort's flat layout),
+    for the next step, its right sibling, to add its own node into in place (:meth:`SampleGradSink.carry`)."""
+
+    params: tuple[torch.Tensor, ...]
+    offsets: tuple[int, ...]
+    keys: tuple[Hashable, ...]
+    flat: torch.Tensor
 
 
 @dataclass(eq=False)
@@ -174,6 +185,8 @@ class SampleGradSink:
         self._pending = self._pending_bytes = 0
         self._peak = self._peak_one = self._peak_bytes = self._deposits = self._peak_nodes = self._group = 0
         self._host_s, self._in_call = 0.0, False
+        self._carry: _Carry | None = None
+        self.carried = 0  # nodes taken by carry(), whose sibling was added into them in place or which were flushed
         if keys is None:
             if first_index:
                 raise ValueError("first_index places declared keys in a larger tree: it needs the streamed fold (keys=...)")
@@ -210,6 +223,7 @@ class SampleGradSink:
         """
         if len(keys) != len(partials):
             raise ValueError(f"{len(keys)} sample keys for {len(partials)} gradient partials")
+        self.flush_carry()
         self._check_not_done(keys)
         self._params[id(param)] = param
         self._deposits += len(keys)
@@ -250,11 +264,12 @@ class SampleGradSink:
         return PairwiseFold(self._first, park=self.park, end=self._first + len(self._order))
 
     def _flat_group(self, params: Sequence[torch.Tensor], offsets: Sequence[int], keys: Sequence[Hashable],
-               flats: Sequence[torch.Tensor]) -> _Cohort | None:
-        """The checks of a flat deposit, then the group it goes to (None: tensor by tensor)."""
+               flats: Sequence[torch.Tensor], carried: Collection[Hashable] = ()) -> _Cohort | None:
+        """The checks of a flat deposit, then the group it goes to (None: tensor by tensor). ``carried``: keys of a
+        carried node this deposit completes, which were declared done while it was carried."""
         if len(params) != len(offsets):
             raise ValueError(f"{len(params)} parameters for {len(offsets)} offsets")
-        self._check_not_done(keys)
+        self._check_not_done([k for k in keys if k not in carried])
         cohort = self._cohort_for(params, offsets, flats)
         if cohort is not None and cohort.finished:
             raise ValueError("gradient partial for a parameter whose streamed fold was already taken")
@@ -274,6 +289,7 @@ class SampleGradSink:
         """
         if len(keys) != len(flats):
             raise ValueError(f"{len(keys)} sample keys for {len(flats)} flat partial buffers")
+        self.flush_carry()
         cohort = self._flat_group(params, offsets, keys, flats)
         if cohort is None:
             for p, off in zip(params, offsets):
@@ -292,8 +308,18 @@ class SampleGradSink:
         as :meth:`add_flat`."""
         if self._rank is None:
             raise ValueError("a fold node of several keys is placed by the streamed fold only (SampleGradSink(keys))")
+        carried: tuple[Hashable, ...] = ()
+        if self._carry is not None and set(self._carry.keys) <= set(keys) and flat is self._carry.flat:
+            carried, self._carry = self._carry.keys, None  # its sibling was added into it: this node covers both
+        self.flush_carry()
+        self._add_node(params, offsets, keys, flat, carried)
+
+    def _add_node(self, params: Sequence[torch.Tensor], offsets: Sequence[int], keys: Sequence[Hashable],
+                  flat: torch.Tensor, carried: Collection[Hashable] = ()) -> None:
+        """:meth:`add_flat_node` once any carried node is settled (``carried``: keys of a carried node in this one,
+        which may have been declared done while it was carried)."""
         self._node_of(keys)
-        cohort = self._flat_group(params, offsets, keys, [flat])
+        cohort = self._flat_group(params, offsets, keys, [flat], carried)
         if cohort is None:
             for p, off in zip(params, offsets):
                 st = self._own_stream(p)
@@ -303,6 +329,57 @@ class SampleGradSink:
             return
         self._deposits += len(keys) * len(params)
         self._put_node(cohort.stream, keys, flat.detach())
+
+    def can_carry(self, keys: Sequence[Hashable]) -> bool:
+        """Streamed: whether :meth:`carry` may take the node of ``keys`` now: nothing carried, none of ``keys`` done, and
+        ``keys`` are one complete node of the tree (:meth:`node_order`) that is a left child whose sibling lies within
+        this sink's keys."""
+        if self._rank is None or self._carry is not None or self.node_order(keys) is None:
+            return False
+        if any(k in self._done for k in keys):
+            return False
+        start, level = self._node_of(keys)
+        size = 1 << level
+        return ((self._first + start) // size) % 2 == 0 and start + 2 * size <= len(self._order)
+
+    @_host_timed
+    def carry(self, params: Sequence[torch.Tensor], offsets: Sequence[int], keys: Sequence[Hashable],
+              flat: torch.Tensor) -> None:
+        """Streamed: take the node of ``keys`` (:meth:`can_carry`) as :meth:`add_flat_node` would, but leave it in
+        ``flat`` instead of copying it into the fold: the caller's next step, whose keys are its right sibling, adds its
+        own node into ``flat`` in place and hands the sum with :meth:`add_flat_node` (both nodes' keys), which is the
+        parent node the fold would have made (``left + right``, elementwise FP32: the same bytes). The caller keeps
+        ``flat`` unchanged until then, or calls :meth:`flush_carry` first; every other deposit, :meth:`fold` and
+        :meth:`nodes` flush it (place it in the fold, copied, as :meth:`add_flat_node` does)."""
+        if not self.can_carry(keys):
+            raise ValueError(f"sample keys {list(keys)!r} cannot be carried: something is carried already, or they are "
+                             "not a left child node of this sink's tree with its sibling among its keys")
+        self._flat_group(params, offsets, keys, [flat])  # the checks of a flat deposit
+        self._carry = _Carry(tuple(params), tuple(offsets), tuple(keys), flat)
+        self.carried += 1
+
+    def carried_left_of(self, keys: Sequence[Hashable], flat: torch.Tensor, params: Sequence[torch.Tensor] | None = None,
+                        offsets: Sequence[int] | None = None) -> tuple[Hashable, ...] | None:
+        """The carried node's keys where ``keys`` are its right sibling and ``flat`` is where it waits (and, where given,
+        ``params`` at ``offsets`` are the tensors it holds); else None."""
+        c = self._carry
+        if c is None or flat is not c.flat or len(keys) != len(c.keys) or self._rank is None:
+            return None
+        if params is not None and (len(params) != len(c.params) or any(a is not b for a, b in zip(params, c.params))):
+            return None
+        if offsets is not None and tuple(offsets) != c.offsets:
+            return None
+        if any(k not in self._rank for k in keys):
+            return None
+        mine = sorted(self._rank[k] for k in c.keys)
+        theirs = sorted(self._rank[k] for k in keys)
+        return c.keys if theirs == list(range(mine[-1] + 1, mine[-1] + 1 + len(keys))) else None
+
+    def flush_carry(self) -> None:
+        """Place the carried node in the fold now (copied where it must wait), so the buffer it is in may be reused."""
+        c, self._carry = self._carry, None
+        if c is not None:
+            self._add_node(c.params, c.offsets, c.keys, c.flat, c.keys)
 
     def _cohort_for(self, params: Sequence[torch.Tensor], offsets: Sequence[int],
                     flats: Sequence[torch.Tensor]) -> _Cohort | None:
@@ -440,6 +517,7 @@ class SampleGradSink:
             if not slot:
                 return None
             return fold_tree.fold(slot.get(k) for k in sorted(self._universe))
+        self.flush_carry()
         if self._first:
             raise ValueError(f"this sink's keys start at leaf {self._first}: take its nodes() and merge them with "
                              "the other ranges' (mmdit_strict.distributed.fold)")
@@ -463,6 +541,7 @@ class SampleGradSink:
         it got no partial. Ends this parameter's fold (a later deposit raises); the nodes are the sink's, handed over."""
         if self._rank is None:
             raise ValueError("tree nodes of a key range are kept only by the streamed fold (SampleGradSink(keys))")
+        self.flush_carry()
         cohort = self._cohorts.get(id(param))
         if cohort is not None:
             if id(param) in cohort.taken:
@@ -513,7 +592,8 @@ class SampleGradSink:
             elif r in st.pending:
                 part, level = self._unbuffer(st, r)
                 st.tree.push(Node(level, st.tree.next, part, True))
-            elif finish or self._order[r] in self._done:
+            elif finish or (self._order[r] in self._done
+                            and (self._carry is None or self._order[r] not in self._carry.keys)):
                 level = 0
                 st.tree.leaf(None)
             else:

@@ -239,6 +239,8 @@ class _Replay(torch.autograd.Function):
                                "disable training graphs (model.enable_cuda_graphs(training=False)) for that")
         inst = ctx.inst
         inst.grad_out.copy_(grad_out)
+        if ctx.sink is not None:  # a node the sink carries in the shared buffer: added into, or placed first
+            inst.deposits.before_replay(ctx.sink, ctx.keys)
         if inst.arena is not None:
             inst.arena.before_write()
         inst.backward.replay()
@@ -273,14 +275,19 @@ class TrainGraphCache:
     the sink's tree (``SampleGradSink.node_order``: e.g. both CFG branches of a pair, in the batched layout) gets an
     instance whose backward folds its batch's partials into that node inside the graph, so it writes one partial
     buffer per tensor instead of one per tensor and sample, and the sink takes one node; same bytes. Off here;
-    ``train`` sets it from ``train.fold_captured_batches`` (on by default). :meth:`clear` releases them all
+    ``train`` sets it from ``train.fold_captured_batches`` (on by default). ``carry`` (with ``fold_batches``): such an
+    instance's backward can add its node into the shared buffer's content instead of overwriting it (a device flag set
+    before each replay), so a node that is a left child waits there for its sibling's step (``SampleGradSink.carry``)
+    instead of being copied out; same bytes; ``train.carry_fold_nodes``. :meth:`clear` releases them all
     (needed after swapping parameters' storage, e.g. ``load_state_dict(assign=True)``).
     """
 
-    def __init__(self, max_instances: int = 4, share_pools: bool = True, fold_batches: bool = False) -> None:
+    def __init__(self, max_instances: int = 4, share_pools: bool = True, fold_batches: bool = False,
+                 carry: bool = False) -> None:
         self.max_instances = max_instances
         self.share_pools = share_pools
         self.fold_batches = fold_batches
+        self.carry = carry
         self._entries: OrderedDict[tuple, list[_Instance]] = OrderedDict()
         self.captures = 0
         self.replays = 0
@@ -314,7 +321,8 @@ class TrainGraphCache:
         sums = sink.autograd_sums if with_sink else True  # False: the captured backward leaves the sums out
         # a call whose keys are one node of the sink's tree may fold its batch in the graph (DepositLog(fold=...))
         fold = sink.node_order(keys) if with_sink and self.fold_batches and isinstance(sink, SampleGradSink) else None
-        key = (layout_key, with_sink, sums, tuple(id(p) for p in params), fold)
+        carry = fold is not None and self.carry
+        key = (layout_key, with_sink, sums, tuple(id(p) for p in params), fold, carry)
         held = self._entries.get(key)
         busy = self.busy_groups()
         inst = next((i for i in held if i.group not in busy), None) if held else None
@@ -326,7 +334,7 @@ class TrainGraphCache:
             # the pool of an instance of the group still held (none left: the allocator frees the group's pool and
             # the capture makes a new one)
             pool = next((i.forward.pool() for i in self._instances() if i.group == group), None)
-            inst = self._capture(inputs, params, forward, with_sink, sums, self._arena, warmup, pool, fold)
+            inst = self._capture(inputs, params, forward, with_sink, sums, self._arena, warmup, pool, fold, carry)
             inst.group = group
             self._entries.setdefault(key, []).append(inst)
             self.captures += 1
@@ -373,7 +381,7 @@ class TrainGraphCache:
     def _capture(inputs: "ModelInputs", params: list[torch.Tensor], forward: Callable[["ModelInputs"], torch.Tensor],
                  with_sink: bool, sums: bool = True, arena: PartialArena | None = None,
                  warmup: Callable[["ModelInputs"], torch.Tensor] | None = None, pool: tuple | None = None,
-                 fold: tuple[int, ...] | None = None) -> _Instance:
+                 fold: tuple[int, ...] | None = None, carry: bool = False) -> _Instance:
         static = static_inputs(inputs)
         log = DepositLog(autograd_sums=sums, fold=fold) if with_sink else None
         positions = tuple(range(inputs.hidden_states.shape[0])) if with_sink else None
@@ -389,6 +397,8 @@ class TrainGraphCache:
             if log is not None:
                 if arena is not None:  # the partials go to the shared buffers, not into this step's pool
                     arena.attach(log, params, inputs.hidden_states.shape[0])
+                    if carry and log.flat is not None:  # read by the folded deposits at every replay
+                        log.accumulate = torch.zeros((), dtype=torch.bool, device=inputs.hidden_states.device)
                 log.clear()
             fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             with retaining(every_thread=True) as tables, capture_trace() as trace:

@@ -93,7 +93,7 @@ EVAL_ID_BASE = 1 << 40
 RESUME_FREE = ("resume", "progress", "wandb", "output_dir", "_choices_", "train.num_epochs", "train.eval_freq",
                "train.save_freq", "train.export", "train.recompute_old_logp", "train.cpu_threads", "train.grad_sink",
                "train.keep_attention_outputs", "train.sort_update_pairs", "train.park_fold_nodes",
-               "train.park_lookahead", "train.fold_captured_batches", "train.release_training_graphs",
+               "train.park_lookahead", "train.fold_captured_batches", "train.carry_fold_nodes", "train.release_training_graphs",
                "train.async_checkpoint", "distributed")
 
 UpdateHook = Callable[[int, int, int], None]
@@ -212,6 +212,7 @@ class Trainer:
         self.model = build_side_model(self.mcfg, self.lcfg, self.rollout_rt)
         if getattr(self.model, "train_graphs", None) is not None:
             self.model.train_graphs.fold_batches = self.tcfg.fold_captured_batches
+            self.model.train_graphs.carry = self.tcfg.carry_fold_nodes
         self.model.enable_gradient_checkpointing(self.tcfg.grad_checkpointing,
                                                  keep_attention_outputs=self.tcfg.keep_attention_outputs)
         self.device = self.model.device

@@ -349,3 +349,105 @@ def test_node_order_says_which_batches_are_one_node() -> None:
         sink.add_flat_node([torch.empty(2)], [0], keys[1:3], torch.zeros(2))
     with pytest.raises(ValueError, match="streamed fold only"):
         SampleGradSink().add_flat_node([torch.empty(2)], [0], keys[0:2], torch.zeros(2))
+
+
+@pytest.mark.parametrize("how", ["carried", "flushed by a deposit", "flushed at the end", "parked"])
+def test_a_carried_node_takes_its_sibling_in_place_with_the_folds_bytes(how: str) -> None:
+    """``carry``: a step whose keys are a left child node leaves it in its flat buffer; the next step, its sibling, adds
+    its node into that buffer and hands both keys' sum, the parent node. Every tensor gets its per-tensor fold's bytes,
+    and the keys declared done while carried are not taken as empty. A carried node whose sibling does not come that
+    way is flushed (copied into the fold) by the next other deposit, or by ``fold``."""
+    keys = sorted(_keys(10))  # 20 keys: micro-batches of 2 keys (one pair's two CFG branches), 10 of them
+    params, parts, offsets, size, idx = _case(keys, 21)
+    batches = [keys[i:i + 2] for i in range(0, len(keys), 2)]
+    park = HostPark(lookahead=0) if how == "parked" else None
+    sink = SampleGradSink(keys, park=park)
+    arena = torch.full((size,), float("nan"))  # the shared partial buffer every captured step writes
+    last = len(batches) - 2 if how == "flushed at the end" else len(batches) - 1  # that case: the last pair never runs
+    sums = 0
+    for n, b in enumerate(batches[:last + 1]):
+        node = _node_flat(parts, idx, b, offsets, size)
+        left = sink.carried_left_of(b, arena)
+        if how == "flushed by a deposit" and n == 3:  # this step ran uncaptured: its partials come tensor by tensor
+            assert left is not None
+            for i, p in enumerate(params):
+                sink.add(p, b, [parts[i, k] for k in b])
+        elif left is not None:  # the captured step adds its node into the carried one: left + right
+            assert list(left) == batches[n - 1]
+            arena.copy_(arena + node)
+            sums += 1
+            sink.add_flat_node(params, offsets, [*left, *b], arena)
+        else:
+            arena.copy_(node)
+            if sink.can_carry(b):
+                sink.carry(params, offsets, b, arena)
+            else:
+                sink.add_flat_node(params, offsets, b, arena)
+        sink.done(b)
+    covered = keys[:2 * (last + 1)]
+    want = _run(SampleGradSink(keys), params, parts, [[k] for k in covered], list(range(len(covered))))
+    for i, p in enumerate(params):
+        assert_bytes_equal(sink.fold(p), want[i], f"tensor {i} ({how})")
+    # micro-batches 0, 2, 4, 6 and 8 are left children of level-1 nodes whose siblings are among the keys
+    assert sink.carried == 5 and not sink.can_carry(batches[0])
+    assert sums == {"carried": 5, "flushed by a deposit": 4, "flushed at the end": 4, "parked": 5}[how]
+    if park is not None:
+        assert park.stats.parks > 0
+
+
+def test_carry_takes_only_a_left_child_with_its_sibling_in_range() -> None:
+    keys = sorted(_keys(3))  # 6 keys
+    sink = SampleGradSink(keys)
+    params, offsets, flat = [torch.empty(2)], [0], torch.zeros(2)
+    assert sink.can_carry(keys[0:2]) and sink.can_carry(keys[4:6][::-1]) is False
+    assert not sink.can_carry(keys[2:4])  # a right child
+    assert not sink.can_carry(keys[0:4])  # its sibling would be keys 4-7: past the end
+    assert not sink.can_carry(keys[1:3]) and not SampleGradSink().can_carry(keys[0:2])
+    sink.carry(params, offsets, keys[0:2], flat)
+    assert not sink.can_carry(keys[0:2])  # one at a time
+    with pytest.raises(ValueError, match="cannot be carried"):
+        sink.carry(params, offsets, keys[0:2], flat)
+    assert sink.carried_left_of(keys[2:4], flat) == tuple(keys[0:2])
+    assert sink.carried_left_of(keys[2:4], torch.zeros(2)) is None  # not where the node waits
+    assert sink.carried_left_of(keys[4:6], flat) is None  # not its sibling
+    shifted = SampleGradSink(keys[:4], first_index=2)  # from leaf 2: its keys 0-1 are a right child
+    assert not shifted.can_carry(keys[0:2])
+    assert not shifted.can_carry(keys[2:4])  # a left child at leaves 4-5, its sibling at 6-7: past the range's end
+
+
+@pytest.mark.parametrize("uncaptured_at", [None, 5])
+def test_a_folding_log_carries_left_nodes_and_adds_their_siblings_into_them(uncaptured_at) -> None:
+    """What a captured step with ``accumulate`` does at each replay, its graph stood in for by the log's own folded
+    deposits: a left child's node stays in the flat buffer (carried), the sibling's step sets the flag and adds into it,
+    and the sink gets the parent; every tensor ends with its per-tensor fold's bytes. At ``uncaptured_at`` a step runs
+    uncaptured (per-tensor deposits) and the carried node before it is placed first."""
+    keys = sorted(_keys(8))  # 16 keys: 8 steps of one pair's two branches
+    params, parts, offsets, size, idx = _case(keys, 31)
+    fb = FlatBuffers(tuple(params), tuple(offsets), (torch.full((size,), float("nan")),))
+    log = DepositLog(fold=(0, 1), buffers=lambda p, pos, n: fb.view(next(j for j, q in enumerate(params) if q is p), 0)
+                     if pos == 0 and n == 0 else None)
+    log.flat = fb
+    log.accumulate = torch.zeros((), dtype=torch.bool)
+    sink = SampleGradSink(keys)
+    flags = []
+    for m in range(8):
+        b = keys[2 * m:2 * m + 2]
+        if m == uncaptured_at:
+            for i, p in enumerate(params):
+                sink.add(p, b, [parts[i, k] for k in b])
+            flags.append(None)
+        else:
+            log.before_replay(sink, b)
+            flags.append(bool(log.accumulate))
+            log.clear()  # the stand-in for the replay: the step's deposits, folded into the flat buffer
+            for i, p in enumerate(params):
+                log.add(p, (0, 1), [parts[i, k].clone() for k in b])
+            log.replay(sink, b)
+        sink.done(b)
+    want = _run(SampleGradSink(keys), params, parts, [[k] for k in keys], list(range(len(keys))))
+    for i, p in enumerate(params):
+        assert_bytes_equal(sink.fold(p), want[i], f"tensor {i}")
+    if uncaptured_at is None:
+        assert flags == [False, True] * 4 and sink.carried == 4
+    else:  # step 4 was carried, step 5 ran uncaptured: step 4's node was placed as it was
+        assert flags == [False, True, False, True, False, None, False, True] and sink.carried == 4

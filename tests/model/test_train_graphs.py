@@ -328,6 +328,40 @@ def test_captured_steps_that_fold_their_batch_equal_the_uncaptured_ones() -> Non
 
 
 @pytest.mark.gpu
+def test_captured_steps_that_carry_their_node_equal_the_uncaptured_ones() -> None:
+    """``carry``: four B = 2 steps (both CFG branches of a pair: each one node of the sink's tree), one backward each;
+    steps 0 and 2 leave their node in the shared buffer and steps 1 and 3 add theirs into it inside the graph. The
+    folds equal the uncaptured steps' bytes, in the first update (captures) and the next (replays)."""
+    arch, model = _cuda_case()
+    inputs = [_cuda_inputs(arch, [40, 12], seed=10 + m) for m in range(4)]
+    keys = [[((m, 1), 0), ((m, 1), 1)] for m in range(4)]
+
+    def update() -> tuple[dict[str, torch.Tensor | None], SampleGradSink]:
+        sink = SampleGradSink([k for ks in keys for k in ks], autograd_sums=False)
+        with collect_sample_grads(sink):
+            for inp, ks in zip(inputs, keys):
+                with sample_keys(ks):
+                    out = model(**inp).sample
+                _loss(out).backward()
+                sink.done(ks)
+        folds = {n: sink.fold(p) for n, p in _trainable(model)}
+        model.zero_grad(set_to_none=True)
+        return folds, sink
+
+    eager, _ = update()
+    model.enable_cuda_graphs()
+    model.train_graphs.fold_batches = model.train_graphs.carry = True
+    for rep in range(2):
+        got, sink = update()
+        assert sink.carried == 2 and model.train_graphs.captures == 1, (sink.carried, vars(model.train_graphs))
+        for n, want in eager.items():
+            if want is None:
+                assert got[n] is None, n
+            else:
+                assert_bytes_equal(got[n], want, f"update {rep}: fold of {n}")
+
+
+@pytest.mark.gpu
 def test_a_short_warmup_captures_the_same_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """``graphs.SHORT_WARMUP``: captures warmed up on the first and last of 4 blocks replay the uncaptured bytes
     (training steps with the trainer's sink, in the sequential-CFG pattern and a second layout, and no-grad
@@ -442,7 +476,8 @@ class _StandInGraph:
         return self._pool
 
 
-def _stand_in_capture(inputs, params, forward, with_sink, sums=True, arena=None, warmup=None, pool=None, fold=None):
+def _stand_in_capture(inputs, params, forward, with_sink, sums=True, arena=None, warmup=None, pool=None, fold=None,
+                      carry=False):
     from mmdit_strict.model import train_graphs as tg
 
     static = static_inputs(inputs)
@@ -458,6 +493,8 @@ def _stand_in_capture(inputs, params, forward, with_sink, sums=True, arena=None,
         for p, ps in zip(params, parts):
             log.add(p, tuple(range(batch)), ps)
         arena.attach(log, params, batch)
+        if carry and log.flat is not None:
+            log.accumulate = torch.zeros((), dtype=torch.bool)
         log.clear()
         parts = [log.partial_buffers(p, range(batch)) or [torch.empty_like(p) for _ in range(batch)] for p in params]
     if log is not None:
@@ -776,3 +813,45 @@ def test_graph_stats_say_how_graphs_served_and_the_report_shows_them() -> None:
     assert _graphs(stats) == "forward 0 / 0, training 4 / 36 (1 uncaptured)"
     model.enable_cuda_graphs(training=False)
     assert graph_stats(model) == {"forward": {"captures": 0, "replays": 0}}
+
+
+@pytest.mark.parametrize("interrupt", [None, "other layout", "end"])
+def test_steps_that_carry_their_node_give_the_per_sample_bytes(stand_in, interrupt) -> None:
+    """``carry``: of steps whose keys are consecutive nodes of the sink's tree, a left child leaves its node in the
+    shared buffer and its sibling's step adds into it (the instance's flag set before its backward); the folds are
+    the bytes of the cache without folding. ``interrupt``: a step of keys that are no node runs between a carried node
+    and its sibling (the node is placed in the fold before that step's backward writes the buffer), or the update ends
+    on a carried node (placed by the fold)."""
+    w, _, forward = _toy(seed=0)
+    steps = [_toy(seed=s)[1] for s in range(1, 5)]
+    keys = [[("k", 2 * m), ("k", 2 * m + 1)] for m in range(4)]
+    extra = [("x", 0), ("x", 1)]  # sorted after every "k" key: with ("z", 0), leaves 8-10; [x1, z0] is no node
+    order = list(range(4)) if interrupt != "end" else list(range(3))  # "end": step 3, step 2's sibling, never runs
+
+    def update(cache):
+        every = [k for m in range(4) for k in keys[m]] + (extra if interrupt == "other layout" else [])
+        sink = SampleGradSink(every + ([("z", 0)] if interrupt == "other layout" else []))
+        with collect_sample_grads(sink):
+            for n, m in enumerate(order):
+                with sample_keys(keys[m]):
+                    y = cache.run(steps[m], "strict", [w], forward, ("one",))
+                (y * (3 + m)).sum().backward()
+                sink.done(keys[m])
+                if interrupt == "other layout" and n == 0:  # between step 0 (carried) and step 1, its sibling
+                    with sample_keys([extra[1], ("z", 0)]):
+                        z = cache.run(_toy(batch=2, seed=9)[1], "strict", [w], forward, ("two",))
+                    (z * 7).sum().backward()
+                    sink.done([extra[1], ("z", 0)])
+        sink.done(every)
+        w.grad = None
+        return sink.fold(w), sink
+
+    plain = stand_in(max_instances=4, fold_batches=True)
+    carrying = stand_in(max_instances=4, fold_batches=True, carry=True)
+    for rep in range(2):
+        want, _ = update(plain)
+        got, sink = update(carrying)
+        assert_bytes_equal(got, want, f"{interrupt}, repeat {rep}")
+        assert sink.carried == 2  # steps 0 and 2
+    assert all(i.deposits.accumulate is not None for i in carrying._instances() if i.deposits.fold is not None)
+    assert all(i.deposits.accumulate is None for i in plain._instances())

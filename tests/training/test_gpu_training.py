@@ -55,14 +55,17 @@ def test_lora_grads_identical_for_micro_batches_on_the_gpu(tmp_path) -> None:
                 assert_bytes_equal(gb[name], ga[name], f"micro_batch={mb} update {u} grad {name}")
 
 
-@pytest.mark.parametrize("layout, fold", [("sequential", False), ("batched", False), ("batched", True)])
-def test_captured_training_steps_keep_the_uncaptured_bytes(tmp_path, layout: str, fold: bool) -> None:
+@pytest.mark.parametrize("layout, fold, carry", [("sequential", False, False), ("batched", False, False),
+                                                 ("batched", True, False), ("batched", True, True)])
+def test_captured_training_steps_keep_the_uncaptured_bytes(tmp_path, layout: str, fold: bool, carry: bool) -> None:
     """``model.cuda_graphs`` replays the training forward + backward from graphs (``model/train_graphs.py``):
     every update's folded LoRA gradient and the adapter after the epoch are the uncaptured run's bytes. ``fold``:
     micro-batches of 2 pairs in the batched layout are one node of the fold's tree (4 keys from a multiple of 4),
-    which ``train.fold_captured_batches`` folds inside the captured backward."""
+    which ``train.fold_captured_batches`` folds inside the captured backward; ``carry``: a left child's node waits in
+    the shared buffer for its sibling's step to add into (``train.carry_fold_nodes``)."""
     runs = {}
     extra = ["train.micro_batch=2", "train.gradient_accumulation_steps=6", "train.fold_captured_batches=true"] if fold else []
+    extra += [f"train.carry_fold_nodes={str(carry).lower()}"]
     for graphs in (False, True):
         tr = _Recording(compose_train([f"output_dir={tmp_path / str(graphs)}", *SMALL, *GPU, "lora.init=random",
                                        f"model.cuda_graphs={str(graphs).lower()}", f"train.cfg_layout={layout}",
@@ -75,6 +78,7 @@ def test_captured_training_steps_keep_the_uncaptured_bytes(tmp_path, layout: str
         if graphs:  # the replays hand the sink flat buffers (fold: one node per micro-batch)
             assert row["grad_sink_group_tensors"] > 0, row
             assert any(i.deposits.fold is not None for i in cache._instances()) == fold
+            assert any(i.deposits.accumulate is not None for i in cache._instances()) == carry
         runs[graphs] = (tr.grads, {n: p.detach().clone() for n, p in tr.named})
     (ga, pa), (gb, pb) = runs[False], runs[True]
     assert len(ga) == len(gb) > 0
