@@ -179,9 +179,10 @@ def test_ours_may_train_in_its_own_micro_batches_and_layout(tmp_path: Path) -> N
     out = tmp_path / "out"
     assert train_bench.main(["--out", str(out), "--device", "cpu", "--steps", "2", "--window", "1", "--warmup", "0",
                              "--ours-micro-batch", "1", "--ours-cfg-layout", "batched", "--no-keep-attention-outputs",
-                             "--release-training-graphs"]) == 0
+                             "--release-training-graphs", "--fold-batches", "--carry-fold-nodes"]) == 0
     report = json.loads((out / "train_bench.json").read_text())
     assert report["config"]["keep_attention_outputs"] is False and report["config"]["release_training_graphs"] is True
+    assert report["config"]["carry_fold_nodes"] is True
     ours, theirs = report["engines"]["ours"], report["engines"]["diffusers_peft"]
     assert (ours["pairs"], ours["micro_batches"]) == (2, 2) and (theirs["pairs"], theirs["micro_batches"]) == (2, 1)
     assert ours["first_update_ratio_exact_one"] is True and report["ratios"]
