@@ -22,22 +22,40 @@
 # (OUT_DIR: $OUT on the device machine; TRAIN_EXTRA: more bench.train options, e.g. --no-profile to skip the
 # profiled updates, which took 4x the timed one for the peer at 7345138, or --engines / --graph-pools; for ours' memory:
 # "--engines diffusers_peft ours ours_parked --ours-micro-batch 1 --ours-cfg-layout batched --fold-batches")
+# TRAIN_ENGINES="diffusers_peft ours_parked" (any engines, in order): one process per engine, each with the same
+#   options, then `bench.train --merge` of their reports into the report below (each engine's own report and log are in
+#   the .tgz, under runs/ENGINE/). At 1024² the peer and one engine of ours fit one 600 s call (273 + about 200 s).
 # OUT_DIR/train_bench.json and OUT_DIR/train_bench.md are the report; OUT_DIR/train_evidence.tgz holds them with the log.
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/evidence_common.sh"
 evidence_begin train_evidence "${1:-}"
 evidence_wheels
 python3 -c 'import diffusers, peft' || { echo "diffusers or peft is not importable: carry the wheels in .whl/" >&2; exit 2; }
-{
-  evidence_header
+bench() {  # OUT_FOLDER [more options]: one bench.train process of the chosen shape
+  local dest=$1; shift
   if [[ ${TRAIN_SHAPE:-update} == epoch || ${TRAIN_SHAPE:-update} == epoch1024 ]]; then
     grid="32 32"; [[ $TRAIN_SHAPE == epoch1024 ]] && grid="64 64"
-    time python3 -m mmdit_strict.bench.train --out "$ev" --device cuda --arch qwen-image --layers 60 --grid $grid \
+    time python3 -m mmdit_strict.bench.train --out "$dest" --device cuda --arch qwen-image --layers 60 --grid $grid \
       --txt 64 --prompts 2 --fresh-prompts --group 8 --steps 10 --window 2 --micro-batch 2 --lora-rank 64 --warmup 1 \
-      ${TRAIN_EXTRA:-}
+      ${TRAIN_EXTRA:-} "$@"
   else
-    time python3 -m mmdit_strict.bench.train --out "$ev" --device cuda --arch qwen-image --layers 60 --grid 64 64 --txt 128 \
-      --group 2 --steps 10 --window 2 --micro-batch 2 --lora-rank 64 --warmup 1 ${TRAIN_EXTRA:-}
+    time python3 -m mmdit_strict.bench.train --out "$dest" --device cuda --arch qwen-image --layers 60 --grid 64 64 \
+      --txt 128 --group 2 --steps 10 --window 2 --micro-batch 2 --lora-rank 64 --warmup 1 ${TRAIN_EXTRA:-} "$@"
+  fi
+}
+{
+  evidence_header
+  if [[ -n ${TRAIN_ENGINES:-} ]]; then
+    reports=()
+    for engine in $TRAIN_ENGINES; do
+      mkdir -p "$ev/runs/$engine"
+      bench "$ev/runs/$engine" --engines "$engine" 2>&1 | tee "$ev/runs/$engine/log.txt"
+      evidence_pack  # a call cut by its limit still returns the engines that finished
+      reports+=("$ev/runs/$engine/train_bench.json")
+    done
+    python3 -m mmdit_strict.bench.train --merge "${reports[@]}" --out "$ev"
+  else
+    bench "$ev"
   fi
 } 2>&1 | tee "$ev/log.txt"
 cp "$ev/train_bench.json" "$ev/train_bench.md" "$out/" 2>/dev/null || echo "no report was written (see the log)" >&2
