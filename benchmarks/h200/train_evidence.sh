@@ -10,10 +10,10 @@
 #   tokens × G = 8, S = 10, W = 2: 32 pairs in micro-batches of 2); every update draws fresh prompt lengths, so the timed
 #   one captures its own batch layouts as an epoch of `train` does, after a warm-up update that compiled the kernels
 #   (estimated at 6–8 minutes for both engines; not yet timed). TRAIN_SHAPE=epoch1024: that epoch at 1024² (grid 64×64),
-#   the size the epoch bar names; the engines do not fit one call together (on an H100 at 6ee43b4, each with
-#   its warm-up: the peer 273 s, ours 185-205 s), so run one engine per call
-#   (TRAIN_EXTRA="--no-profile --engines ours", then "--no-profile --engines diffusers_peft", the same other options)
-#   on the same warm machine and join the reports with `python -m mmdit_strict.bench.train --merge`. The timed update
+#   the size the epoch bar names; run each engine in its own process (on an H100 at 6ee43b4, each with its
+#   warm-up: the peer 273 s, ours 185-205 s): TRAIN_ENGINES below does that and the merge in one call for the peer
+#   and one engine of ours; a third engine needs a second call (TRAIN_EXTRA="--no-profile --engines X", the same other
+#   options) on the same warm machine, joined with `python -m mmdit_strict.bench.train --merge`. The timed update
 #   draws the same prompts whatever --warmup; keep the warm-up for the peer as well: without one its timed update is
 #   its first (cold, and without the optimizer's states, so its peak memory is short of them).
 # diffusers is not in the GPU image: carry its wheels (and any missing dependency) in .whl/; they are installed

@@ -144,7 +144,7 @@ def build_engines(arch: ArchConfig, device: str, dtype: torch.dtype, rank: int, 
     ours = build_model(arch, seed=0, runtime="strict", dtype=dtype, device=device)
     theirs = diffusers_twin(ours)
     lora = LoraConfig(rank=rank, alpha=float(rank), targets=list(LORA_TARGETS), init="random", seed=1)
-    trained = [m for m, runs in ((ours, {"ours", "ours_parked"} & set(names)), (theirs, "diffusers_peft" in names)) if runs]
+    trained = ([ours] if {"ours", "ours_parked"} & set(names) else []) + ([theirs] if "diffusers_peft" in names else [])
     for model in trained:
         attach_lora(model, lora)
         model.requires_grad_(False)
