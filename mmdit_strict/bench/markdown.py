@@ -51,4 +51,5 @@ def passed(rows: Sequence[dict], key: str = "pass") -> str:
 def errors_and_wall_time(report: dict) -> list[str]:
     """The closing lines of a report: its ``errors`` (when any) as a list section, then its wall time."""
     lines = ["## Errors", ""] + [f"- {x}" for x in report["errors"]] + [""] if report.get("errors") else []
-    return lines + [f"Wall time {report.get('wall_s', 0):.0f} s."]
+    wall = report.get("wall_s")
+    return lines + ["Wall time not recorded." if wall is None else f"Wall time {wall:.0f} s."]

@@ -212,14 +212,15 @@ def _train_phase(engine: Engine, up: Update, samples: EpochSamples) -> tuple[Sam
 
 
 class MemoryTrace:
-    """Where a phase's allocated peak is reached (CUDA only; else no rows): after each mark, the allocator's peak so
+    """Where a phase's allocated peak is reached (a model on a CUDA device only; else no rows): after each mark, the allocator's peak so
     far, what is allocated, and the model's training-graph captures so far. The figures are the allocator's host-side
     counters, read without a synchronisation, so marking costs no GPU time."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self.rows: list[dict[str, Any]] = []
-        self._on = torch.cuda.is_available() and torch.cuda.is_initialized()
+        # the model's device, not whether CUDA is initialised: a CPU run in a process that touched a GPU marks nothing
+        self._on = next(model.parameters()).device.type == "cuda"
 
     def mark(self, what: str) -> None:
         if not self._on:
@@ -513,8 +514,11 @@ def merge_reports(paths: Sequence[str | Path]) -> dict[str, Any]:
         values = {name: e[k] for name, e in engines.items()}
         config[k] = next(iter(values.values())) if len(set(map(str, values.values()))) == 1 else \
             ", ".join(f"{name} {v}" for name, v in values.items())
+    walls = [m["wall_s"] for m in merged_from]
     return {"config": config, "engines": engines, **all_ratios(engines), "errors": errors,
-            "environment": base["environment"], "merged_from": merged_from}
+            "environment": base["environment"], "merged_from": merged_from,
+            # the runs' processes one after another (None when a run did not record its own)
+            "wall_s": None if None in walls else sum(walls)}
 
 
 def _fmt(x: float | None, spec: str = ".3f") -> str:

@@ -147,6 +147,8 @@ def test_runs_of_one_engine_each_merge_into_one_report(tmp_path: Path, capsys) -
         assert merged["ratios"][phase]["wall_s"] == pytest.approx(pick(ra, "ours")["wall_s"] / pick(rb, "diffusers_peft")["wall_s"])
     assert [m["engines"] for m in merged["merged_from"]] == [["ours"], ["diffusers_peft"]]
     md = (tmp_path / "m" / "train_bench.md").read_text()
+    assert merged["wall_s"] == pytest.approx(ra["wall_s"] + rb["wall_s"])  # the runs' processes, one after the other
+    assert f"Wall time {merged['wall_s']:.0f} s." in md
     assert "Merged from runs of one setup" in md and "Ours / theirs" in md and "| ours | total |" in md
 
     def refused(report: dict, message: str) -> None:
