@@ -525,6 +525,17 @@ def _fmt(x: float | None, spec: str = ".3f") -> str:
     return "—" if x is None else format(x, spec)
 
 
+def _sink_options(c: dict[str, Any]) -> str:
+    """The setup sentence's clause on how ours folds, parks and keeps its captured steps (empty at the defaults)."""
+    said = [text for key, text in (("fold_batches", "folds each captured forward's keys inside its backward"),
+                                   ("carry_fold_nodes", "carries a left node into its sibling's step"),
+                                   ("release_training_graphs", "drops its training captures before each rollout"))
+            if c.get(key)]
+    if c.get("park_lookahead") is not None:
+        said.append(f"parks with a lookahead of {c['park_lookahead']} keys (ours_parked)")
+    return f" Ours {', '.join(said[:-1])}{' and ' if len(said) > 1 else ''}{said[-1]}." if said else ""
+
+
 def render(report: dict[str, Any]) -> str:
     """The Markdown report: setup, one row per engine and phase, ours / theirs ratios, the on-policy check."""
     c, env = report["config"], report["environment"]
@@ -540,7 +551,7 @@ def render(report: dict[str, Any]) -> str:
                 f"{c.get('ours_cfg_layout') or c['cfg_layout']} (its gradient bytes do not depend on either)."
                 if c.get("ours_micro_batch") or c.get("ours_cfg_layout") else "")
              + (" Ours recomputes attention in its checkpointed blocks (--no-keep-attention-outputs)."
-                if c.get("keep_attention_outputs") is False else ""), ""]
+                if c.get("keep_attention_outputs") is False else "") + _sink_options(c), ""]
     if report.get("merged_from"):
         lines += ["Merged from runs of one setup on one machine, one process each (`bench train --merge`): " +
                   "; ".join(f"{', '.join(m['engines'])} ({m.get('date_utc') or '—'})" for m in report["merged_from"]) +

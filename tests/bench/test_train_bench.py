@@ -221,3 +221,14 @@ def test_a_process_builds_only_the_adapters_of_the_engines_it_runs(monkeypatch) 
         assert attached == want, names
         for e in engines:
             assert any("lora_" in n and p.requires_grad for n, p in e.model.named_parameters()), e.name
+
+
+def test_the_setup_sentence_names_how_ours_folds_parks_and_releases() -> None:
+    """The report's setup says which sink options ours ran with (the epoch bars depend on them), nothing at defaults."""
+    assert train_bench._sink_options({"fold_batches": False, "park_lookahead": None}) == ""
+    said = train_bench._sink_options({"fold_batches": True, "carry_fold_nodes": True, "release_training_graphs": True,
+                                      "park_lookahead": 0})
+    assert said == (" Ours folds each captured forward's keys inside its backward, carries a left node into its "
+                    "sibling's step, drops its training captures before each rollout and parks with a lookahead of 0 "
+                    "keys (ours_parked).")
+    assert train_bench._sink_options({"fold_batches": True}) == " Ours folds each captured forward's keys inside its backward."
