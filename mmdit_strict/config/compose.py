@@ -11,6 +11,9 @@ overrides work as in hydra:
   existing key is an error); ``++key=value`` adds or sets;
 * ``~key`` (or ``~key=value``, only if it holds ``value``) deletes a key that is not a schema field.
 
+A group file's ``defaults`` may pick other groups' options (``override /train: flow_grpo``) and, with a plain name,
+extend another option of its own group (``grpo_qwen_image`` in ``experiment/grpo_qwen_image_1024.yaml``).
+
 Values are parsed as hydra does (``null`` → None, numbers, booleans, lists; ``overrides.py``).
 
 :func:`derive` makes one command's config from another's composed config plus ``key=value``
@@ -70,6 +73,41 @@ def _load_yaml(path: Path) -> tuple[DictConfig, bool]:
     if not isinstance(node, DictConfig):
         raise ConfigError(f"{path} must hold a mapping")
     return node, text.lstrip().startswith(GLOBAL_PACKAGE)
+
+
+def _load_option(path: Path, chain: tuple[Path, ...] = ()) -> tuple[DictConfig, bool, dict[str, str | None]]:
+    """A group option's file: its node without ``defaults``, whether it is ``_global_``, and the group options its
+    ``defaults`` pick (``override /train: flow_grpo`` → ``{"train": "flow_grpo"}``). A plain name in ``defaults`` is
+    another option of the same group, which this one extends as in hydra: that file's node (and its picks) first,
+    this file's merged over it."""
+    if path in chain:
+        raise ConfigError(f"{path}: its defaults come back to it ({' -> '.join(p.stem for p in (*chain, path))})")
+    node, is_global = _load_yaml(path)
+    raw = node.pop("defaults", None)
+    entries = OmegaConf.to_container(raw) if raw is not None else []
+    if not isinstance(entries, list):
+        raise ConfigError(f"{path}: defaults must be a list")
+    base: DictConfig | None = None
+    picks: dict[str, str | None] = {}
+    for entry in entries:
+        if entry == "_self_":
+            continue
+        if isinstance(entry, str):
+            parent = path.parent / f"{entry}.yaml"
+            if not parent.exists():
+                raise ConfigError(f"{path}: its defaults extend {entry!r}, which is not an option of its group "
+                                  f"({', '.join(sorted(p.stem for p in path.parent.glob('*.yaml')))})")
+            pnode, pglobal, ppicks = _load_option(parent, (*chain, path))
+            if pglobal != is_global:
+                raise ConfigError(f"{path} extends {parent.name}, and only one of them is {GLOBAL_PACKAGE!r}")
+            base = pnode if base is None else OmegaConf.merge(base, pnode)
+            picks.update(ppicks)
+        elif isinstance(entry, dict) and len(entry) == 1:
+            (g, opt), = entry.items()
+            picks[str(g).replace("override ", "").strip("/ ")] = None if opt is None else str(opt)
+        else:
+            raise ConfigError(f"bad defaults entry {entry!r} in {path}")
+    return (node if base is None else OmegaConf.merge(base, node)), is_global, picks
 
 
 def _parse_override(item: str) -> Override:
@@ -166,26 +204,22 @@ def compose(overrides: Sequence[str] = (), config_dir: str | Path | None = None,
             path = cdir / g / f"{opt}.yaml"
             if not path.exists():
                 raise ConfigError(f"unknown option {opt!r} for config group {g!r}; choose one of {known_groups.get(g, [])}")
-            node, is_global = _load_yaml(path)
-            nested_defaults = node.pop("defaults", None)
-            nested = [{str(ng).replace("override ", "").strip("/ "): nopt for ng, nopt in dict(nd).items()}
-                      for nd in (OmegaConf.to_container(nested_defaults) if nested_defaults is not None else [])]  # type: ignore[union-attr]
+            node, is_global, nested = _load_option(path)
             if is_global:
-                check_global(node, f"{g}={opt}", [ng for nd in nested for ng in nd])
+                check_global(node, f"{g}={opt}", list(nested))
             elif g not in valid:
                 raise _foreign([g], command, valid, f"config group {g}={opt}")
-            for nd in nested:  # an experiment may pick group options
-                for ng, nopt in nd.items():
-                    if ng not in valid:
-                        raise _foreign([ng], command, valid, f"{g}={opt} (its defaults pick {ng}={nopt})")
-                    if ng in group_choice:
-                        continue
-                    npath = cdir / ng / f"{nopt}.yaml"
-                    if not npath.exists():
-                        raise ConfigError(f"{path}: unknown option {nopt!r} for group {ng!r}")
-                    nnode, _ = _load_yaml(npath)
-                    merged = OmegaConf.merge(merged, {ng: nnode})
-                    choices[ng] = str(nopt)
+            for ng, nopt in nested.items():  # an experiment may pick group options
+                if ng not in valid:
+                    raise _foreign([ng], command, valid, f"{g}={opt} (its defaults pick {ng}={nopt})")
+                if ng in group_choice:
+                    continue
+                npath = cdir / ng / f"{nopt}.yaml"
+                if not npath.exists():
+                    raise ConfigError(f"{path}: unknown option {nopt!r} for group {ng!r}")
+                nnode, _ = _load_yaml(npath)
+                merged = OmegaConf.merge(merged, {ng: nnode})
+                choices[ng] = str(nopt)
             merged = OmegaConf.merge(merged, node if is_global else {g: node})
             choices[g] = opt
     except (ConfigKeyError, ValidationError) as exc:

@@ -107,3 +107,47 @@ def test_docs_operator_inventory_is_current(capsys: pytest.CaptureFixture) -> No
     table = capsys.readouterr().out
     docs = (Path(__file__).resolve().parents[2] / "docs" / "operators.md").read_text()
     assert table.strip() in docs, "docs/operators.md is stale: paste `mmdit-strict operators --markdown` into it"
+
+
+def test_an_experiment_extends_another_of_its_group() -> None:
+    """``defaults: [grpo_qwen_image]`` in an experiment: that experiment's keys and group picks, this one's over them
+    (hydra's way of extending a config); a command-line key still wins."""
+    base = compose(["experiment=grpo_qwen_image"], command="train")
+    lean = compose(["experiment=grpo_qwen_image_1024"], command="train")
+    assert (lean.sampler.height, lean.sampler.width, base.sampler.height) == (1024, 1024, 512)
+    assert lean.model.preset == base.model.preset == "qwen-image" and lean.lora == base.lora
+    assert lean._choices_.train == "flow_grpo" and lean.train.learning_rate == base.train.learning_rate
+    assert (lean.train.micro_batch * lean.train.gradient_accumulation_steps
+            == base.train.micro_batch * base.train.gradient_accumulation_steps == 16)  # same pairs per update
+    assert lean.train.park_lookahead == 0 and lean.train.carry_fold_nodes and not base.train.carry_fold_nodes
+    assert compose(["experiment=grpo_qwen_image_1024", "train.park_fold_nodes=false"],
+                   command="train").train.park_fold_nodes is False
+
+
+def _experiments(tmp_path: Path, files: dict[str, str]) -> Path:
+    cdir = tmp_path / "configs"
+    (cdir / "experiment").mkdir(parents=True)
+    (cdir / "config.yaml").write_text("defaults:\n  - _self_\n")
+    for name, text in files.items():
+        (cdir / "experiment" / f"{name}.yaml").write_text(text)
+    return cdir
+
+
+def test_extended_experiments_merge_in_order_and_refuse_loops_and_unknown_parents(tmp_path: Path) -> None:
+    g = "# @package _global_\n"
+    cdir = _experiments(tmp_path, {
+        "a": g + "output_dir: a\nsampler:\n  num_steps: 3\n  height: 64\n",
+        "b": g + "defaults:\n  - a\nsampler:\n  num_steps: 5\n",
+        "c": g + "defaults:\n  - b\noutput_dir: c\n",
+        "loop1": g + "defaults:\n  - loop2\n", "loop2": g + "defaults:\n  - loop1\n",
+        "orphan": g + "defaults:\n  - nowhere\n",
+        "local": "sampler:\n  num_steps: 2\n", "mixed": g + "defaults:\n  - local\n",
+    })
+    cfg = compose(["experiment=c"], config_dir=cdir)
+    assert (cfg.output_dir, cfg.sampler.num_steps, cfg.sampler.height) == ("c", 5, 64)
+    with pytest.raises(ConfigError, match="defaults come back to it"):
+        compose(["experiment=loop1"], config_dir=cdir)
+    with pytest.raises(ConfigError, match="extend 'nowhere', which is not an option of its group"):
+        compose(["experiment=orphan"], config_dir=cdir)
+    with pytest.raises(ConfigError, match="only one of them is"):
+        compose(["experiment=mixed"], config_dir=cdir)
