@@ -212,9 +212,9 @@ def _train_phase(engine: Engine, up: Update, samples: EpochSamples) -> tuple[Sam
 
 
 class MemoryTrace:
-    """Where a phase's allocated peak is reached (a model on a CUDA device only; else no rows): after each mark, the allocator's peak so
-    far, what is allocated, and the model's training-graph captures so far. The figures are the allocator's host-side
-    counters, read without a synchronisation, so marking costs no GPU time."""
+    """Where a phase's allocated peak is reached (a model on a CUDA device only; else no rows): after each mark, the
+    allocator's peak so far, what is allocated, and the model's training-graph captures so far. The figures are the
+    allocator's host-side counters, read without a synchronisation, so marking costs no GPU time."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
