@@ -151,3 +151,18 @@ def test_extended_experiments_merge_in_order_and_refuse_loops_and_unknown_parent
         compose(["experiment=orphan"], config_dir=cdir)
     with pytest.raises(ConfigError, match="only one of them is"):
         compose(["experiment=mixed"], config_dir=cdir)
+
+
+@pytest.mark.parametrize("experiment", sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "configs" /
+                                                               "experiment").glob("*.yaml")))
+def test_every_shipped_experiment_composes_for_some_command(experiment: str) -> None:
+    """Each file of ``configs/experiment`` (and the chain it extends) composes, validated, for at least one command."""
+    from mmdit_strict.config.schema import SCHEMAS
+
+    composed = []
+    for command in SCHEMAS:
+        try:
+            composed.append(compose([f"experiment={experiment}"], command=command)._choices_.experiment)
+        except ConfigError:
+            continue
+    assert composed and set(composed) == {experiment}
