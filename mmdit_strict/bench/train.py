@@ -30,8 +30,9 @@ draws its own prompt lengths, so the timed update captures its layouts as an epo
 of each phase with the GPU synchronised, peak and starting memory), then on CUDA one more update under the
 profiler (GPU activities and host launches per phase; ``gpu_busy`` is that update's GPU time over the timed
 update's wall). ``first_update_ratio_exact_one`` checks the first update's recomputed logp against its
-rollout's, byte for byte, and every importance ratio is exactly 1. Writes ``DIR/train_bench.json`` and
-``DIR/train_bench.md``. A benchmark: an engine that fails has its error recorded instead of figures.
+rollout's, byte for byte, and every importance ratio is exactly 1. Writes ``DIR/train_bench.json``,
+``DIR/train_bench.md`` and ``DIR/train_bench.png`` (wall per phase and peak memory per engine; ``--replot
+REPORT.json`` redraws it). A benchmark: an engine that fails has its error recorded instead of figures.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ from ..training.rollout import EpochSamples, rollout_epoch, side
 from ..trajectories.setup import Prompts, attach_lora, make_prompts
 from . import markdown as md
 from .model import LORA_TARGETS
-from .output import write_report
+from .output import replot, write_report
+from .train_plot import plot
 from .timing import gpu_profile
 
 PHASES = ("rollout", "train", "optimizer")
@@ -683,6 +685,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--carry-fold-nodes", action="store_true",
                    help="ours, with --fold-batches: a captured step that is a left child node leaves it in the shared "
                         "partial buffer for its sibling's step to add into (train.carry_fold_nodes=true; same bytes)")
+    p.add_argument("--replot", default=None, metavar="REPORT.json",
+                   help="redraw a written report's figure (REPORT.png beside it); runs nothing, needs no GPU")
     p.add_argument("--merge", nargs="+", metavar="JSON", default=None,
                    help="join train_bench.json reports of different --engines runs of one setup on one machine into one "
                         "report in --out (ratios recomputed); runs nothing")
@@ -692,13 +696,14 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
+    if args.replot:
+        return replot(args.replot, plot, "bench.train", "no engine with phase timings")
     if args.merge:
         try:
             report = merge_reports(args.merge)
         except ValueError as exc:
             p.error(str(exc))
-        print(write_report(args.out, "train_bench", report, render))
-        return 0
+        return _write(args.out, report)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.arch = args.arch or ("qwen-image" if args.device == "cuda" else "tiny")
     sizes = SIZES[args.arch]
@@ -713,7 +718,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = run(args)
     report["environment"] = run_environment(args.device)
     report["wall_s"] = time.perf_counter() - t0
-    print(write_report(args.out, "train_bench", report, render))
+    return _write(args.out, report)
+
+
+def _write(out: str, report: dict[str, Any]) -> int:
+    """The report's JSON and markdown (printed), and its figure (``train_bench.png``) where an engine has timings."""
+    print(write_report(out, "train_bench", report, render))
+    plot(report, Path(out) / "train_bench.png")
     return 0
 
 

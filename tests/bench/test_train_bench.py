@@ -51,6 +51,7 @@ def test_bench_train_writes_every_phase_of_both_engines(tmp_path: Path) -> None:
             assert f"| {name} | {phase} |" in md
     assert "| ours | 0 | 4 | yes |" in md and "## Errors" not in md
     assert "allocated peak" not in md  # no trace on the CPU
+    assert (out / "train_bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     ours["train_memory_trace"] = [{"at": "forward", "micro_batch": 0, "peak_so_far_gib": 9.5, "allocated_gib": 9.0,
                                    "captures": 1}, {"at": "backward", "micro_batch": 0, "peak_so_far_gib": 9.75,
                                                     "allocated_gib": 9.25, "captures": 2}]
@@ -149,6 +150,7 @@ def test_runs_of_one_engine_each_merge_into_one_report(tmp_path: Path, capsys) -
     md = (tmp_path / "m" / "train_bench.md").read_text()
     assert merged["wall_s"] == pytest.approx(ra["wall_s"] + rb["wall_s"])  # the runs' processes, one after the other
     assert f"Wall time {merged['wall_s']:.0f} s." in md
+    assert (tmp_path / "m" / "train_bench.png").is_file()
     assert "Merged from runs of one setup" in md and "Ours / theirs" in md and "| ours | total |" in md
 
     def refused(report: dict, message: str) -> None:
@@ -232,3 +234,20 @@ def test_the_setup_sentence_names_how_ours_folds_parks_and_releases() -> None:
                     "sibling's step, drops its training captures before each rollout and parks with a lookahead of 0 "
                     "keys (ours_parked).")
     assert train_bench._sink_options({"fold_batches": True}) == " Ours folds each captured forward's keys inside its backward."
+
+
+def test_replot_draws_a_written_report_and_refuses_what_has_no_timings(tmp_path: Path) -> None:
+    """``--replot``: the figure from a report's JSON alone (the committed H200 run's, with its memory panel); a report
+    whose engines all failed, or no report, is refused naming the tool."""
+    src = tmp_path / "train_bench.json"
+    lean = Path(__file__).resolve().parents[2] / "experiments/training/78a71e0_epoch1024_h200_lean/train_bench.json"
+    report = json.loads(lean.read_text())
+    src.write_text(json.dumps(report))
+    assert train_bench.main(["--replot", str(src)]) == 0
+    assert src.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    failed = tmp_path / "failed.json"
+    failed.write_text(json.dumps({**report, "engines": {"ours": {"error": "boom"}}}))
+    with pytest.raises(SystemExit, match="bench.train --replot: .* holds no engine with phase timings"):
+        train_bench.main(["--replot", str(failed)])
+    with pytest.raises(SystemExit, match="no report at"):
+        train_bench.main(["--replot", str(tmp_path / "missing.json")])
