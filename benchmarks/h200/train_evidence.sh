@@ -24,8 +24,9 @@
 # "--engines diffusers_peft ours ours_parked --ours-micro-batch 1 --ours-cfg-layout batched --fold-batches")
 # TRAIN_ENGINES="diffusers_peft ours_parked" (any engines, in order): one process per engine, each with the same
 #   options, then `bench.train --merge` of their reports into the report below (each engine's own report and log are in
-#   the .tgz, under runs/ENGINE/). At 1024² the peer and one engine of ours fit one 600 s call (273 + about 200 s).
-# OUT_DIR/train_bench.json and OUT_DIR/train_bench.md are the report; OUT_DIR/train_evidence.tgz holds them with the log.
+#   the .tgz, under runs/ENGINE/). At 1024² the peer and one engine of ours fit one 600 s call: at 78a71e0 on an H200,
+#   with ours' memory-lean options, the call took 510 s (the peer's process 273 s, ours_parked's 208 s).
+# OUT_DIR/train_bench.json, .md and .png are the report; OUT_DIR/train_evidence.tgz holds them with the log.
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/evidence_common.sh"
 evidence_begin train_evidence "${1:-}"
@@ -58,5 +59,5 @@ bench() {  # OUT_FOLDER [more options]: one bench.train process of the chosen sh
     bench "$ev"
   fi
 } 2>&1 | tee "$ev/log.txt"
-cp "$ev/train_bench.json" "$ev/train_bench.md" "$out/" 2>/dev/null || echo "no report was written (see the log)" >&2
+cp "$ev/train_bench.json" "$ev/train_bench.md" "$ev/train_bench.png" "$out/" 2>/dev/null || echo "no report was written (see the log)" >&2
 evidence_pack
