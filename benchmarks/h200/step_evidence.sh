@@ -8,9 +8,13 @@
 #      with the GEMM's gated-residual epilogue (ours_strict_graph_gated, off in the model by default), the training
 #      step also with the grad sink as train runs it (ours_strict_graph_sink);
 #   2. `bench.step_profile` on 2 blocks: the captured step's kernel time by (kernel, launch grid);
-#   3. `bench.host_profile` on 8 blocks: the uncaptured forward's and step's host time by stack layer and function.
+#   3. `bench.host_profile` on 8 blocks: the uncaptured forward's and step's host time by stack layer and function;
+#   4. (`epoch_shapes`, not in the default) `bench.step_profile` on 2 blocks at the shapes of the 1024² epoch's phases:
+#      a training micro-batch of one pair with CFG batched (B = 2, 64 prompt tokens) in shapes_train_b2/, and a
+#      rollout step's no-grad forward of one CFG branch of a group (B = 8) in shapes_rollout_b8/. Written after the
+#      last GPU session, not yet run.
 # diffusers is not in the GPU image: carry its wheels in .whl/. Run from the repository root on the GPU machine:
-#   MMDIT_COMMIT=<hash> [STEP_PARTS="model profile host"] bash benchmarks/h200/step_evidence.sh OUT_DIR
+#   MMDIT_COMMIT=<hash> [STEP_PARTS="model profile host epoch_shapes"] bash benchmarks/h200/step_evidence.sh OUT_DIR
 # STEP_PARTS picks the parts (default all three; at 5f75022 parts 1 and 2 fitted one 580 s call, part 3 was cut).
 # OUT_DIR/step_evidence.tgz holds model_bench.{json,md}, step_profile.{json,md}, host_profile.{json,md} and the log.
 set -uo pipefail
@@ -26,6 +30,11 @@ parts=" ${STEP_PARTS:-model profile host} "
     --grad-sink
   [[ $parts == *" profile "* ]] && evidence_run python3 -m mmdit_strict.bench.step_profile --out "$ev" --layers 2
   [[ $parts == *" host "* ]] && evidence_run python3 -m mmdit_strict.bench.host_profile --out "$ev" --layers 8
+  if [[ $parts == *" epoch_shapes "* ]]; then
+    evidence_run python3 -m mmdit_strict.bench.step_profile --out "$ev/shapes_train_b2" --layers 2 --txt 64 --batch 2
+    evidence_run python3 -m mmdit_strict.bench.step_profile --out "$ev/shapes_rollout_b8" --layers 2 --txt 64 \
+      --batch 8 --forward-only
+  fi
   true
 } 2>&1 | tee "$ev/log.txt"
 evidence_pack

@@ -1,9 +1,12 @@
 """Where a strict LoRA training step's GPU time goes: kernels grouped by name and launch grid.
 
-    python -m mmdit_strict.bench.step_profile --out DIR [--layers 2] [--grid 64 64] [--txt 128]
+    python -m mmdit_strict.bench.step_profile --out DIR [--layers 2] [--grid 64 64] [--txt 128] [--batch 1]
+        [--forward-only]
 
-One forward + backward (LoRA rank 64 on Flow-GRPO's targets, gradient checkpointing, B = 1) of the
-Qwen-Image architecture cut to ``--layers`` blocks, captured (``model/train_graphs.py``) and replayed
+One forward + backward (LoRA rank 64 on Flow-GRPO's targets, gradient checkpointing, ``--batch`` samples, default
+1; ``--forward-only``: the no-grad forward of a rollout step instead) of the
+Qwen-Image architecture cut to ``--layers`` blocks, captured (``model/train_graphs.py``; the forward alone:
+``model/graphs.py``) and replayed
 under the profiler. Triton kernels are one name for many products; the launch grid tells the products
 apart (a product's grid is its tile count), so the table groups by ``(kernel, grid)`` and reports time
 per block. A second, uncaptured step runs under the profiler with Python stacks, and each PyTorch
@@ -106,7 +109,10 @@ def host_calls(events: list[dict[str, Any]], top: int) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: -r["ms"])[:top]
 
 
-def run(layers: int, grid: tuple[int, int], txt: int, rank: int, top: int) -> dict[str, Any]:
+def run(layers: int, grid: tuple[int, int], txt: int, rank: int, top: int, batch: int = 1,
+        backward: bool = True) -> dict[str, Any]:
+    """Profile ``batch`` samples of ``txt`` prompt tokens each: forward + backward with checkpointing (the training
+    step), or with ``backward=False`` the no-grad forward (a rollout step's)."""
     from ..model.init import build_model
     from .model import _attach_lora, _inputs
 
@@ -114,9 +120,13 @@ def run(layers: int, grid: tuple[int, int], txt: int, rank: int, top: int) -> di
     model = build_model(arch, seed=0, runtime="strict", dtype=torch.bfloat16, device="cuda")
     _attach_lora(model, rank, seed=1)
     model.enable_gradient_checkpointing(True)
-    inp = _inputs(arch, grid, [txt], torch.bfloat16)
+    inp = _inputs(arch, grid, [txt] * batch, torch.bfloat16)
 
     def step() -> None:
+        if not backward:
+            with torch.no_grad():
+                model(**inp, return_dict=False)
+            return
         model(**inp, return_dict=False)[0].float().square().mean().backward()
         model.zero_grad(set_to_none=True)
 
@@ -128,7 +138,7 @@ def run(layers: int, grid: tuple[int, int], txt: int, rank: int, top: int) -> di
     eager = _trace(step, stacks=True)
     kern = [e for e in captured if e.get("cat") == "kernel"]
     return {
-        "layers": layers, "grid": list(grid), "txt": txt, "rank": rank,
+        "layers": layers, "grid": list(grid), "txt": txt, "rank": rank, "batch": batch, "backward": backward,
         "captured_kernel_ms": sum(e.get("dur", 0.0) for e in kern) / 1e3, "captured_launches": len(kern),
         "by_grid": kernels_by_grid(captured, layers, top),
         "glue": glue_sites(eager, top),
@@ -155,7 +165,7 @@ def plot(report: dict[str, Any], path: str | Path, top: int = 16) -> bool:
         ax.text(r["ms_per_block"], y, f" {r['ms_per_block']:.2f} ({r['launches']} launches in {report['layers']} blocks)",
                 va="center", fontsize=7)
     ax.set_yticks(ys, [f"{r['kernel'][:40]} {r['grid']}" for r in rows], fontsize=7)
-    ax.set_xlabel("ms of kernel time per block (captured LoRA training step)")
+    ax.set_xlabel(f"ms of kernel time per block ({_what(report)})")
     env = report.get("environment", {})
     ax.set_title(f"{report['captured_kernel_ms'] / report['layers']:.2f} ms per block, grid {report['grid']}, "
                  f"rank {report['rank']} · {env.get('gpu', '')} · commit {str(env.get('commit', '?'))[:7]}", fontsize=9)
@@ -166,8 +176,14 @@ def plot(report: dict[str, Any], path: str | Path, top: int = 16) -> bool:
     return True
 
 
+def _what(report: dict[str, Any]) -> str:
+    """What was profiled; reports written before ``batch`` and ``backward`` existed were B = 1 training steps."""
+    kind = "LoRA training step" if report.get("backward", True) else "no-grad forward"
+    return f"captured {kind}, B = {report.get('batch', 1)}"
+
+
 def render(report: dict[str, Any]) -> str:
-    lines = [f"# Strict LoRA training step, kernel time by launch ({report['layers']} blocks, grid {report['grid']}, "
+    lines = [f"# Strict {_what(report)}, kernel time by launch ({report['layers']} blocks, grid {report['grid']}, "
              f"{report['txt']} text tokens, rank {report['rank']})", "", environment_line(report["environment"]), "",
              f"Captured step: {report['captured_kernel_ms']:.1f} ms of kernels in {report['captured_launches']} launches "
              f"({report['captured_kernel_ms'] / report['layers']:.2f} ms per block, embeddings and output included).", "",
@@ -201,14 +217,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--txt", type=int, default=128)
     p.add_argument("--lora-rank", type=int, default=64)
     p.add_argument("--top", type=int, default=40)
+    p.add_argument("--batch", type=int, default=1,
+                   help="samples per step, each of --txt tokens (2: a training micro-batch of one pair with CFG batched)")
+    p.add_argument("--forward-only", action="store_true",
+                   help="profile the no-grad forward (a rollout step's) instead of forward + backward")
     p.add_argument("--replot", default=None, metavar="REPORT.json",
                    help="only redraw the figure of a written report (step_profile.png beside it); no GPU needed")
     args = p.parse_args(argv)
     if args.replot:
         return replot(args.replot, plot, "bench.step_profile", "no kernel group to draw")
+    if args.batch < 1:
+        p.error(f"--batch must be >= 1, got {args.batch}")
     if not torch.cuda.is_available():
         raise SystemExit("bench.step_profile needs a CUDA GPU")
-    report = run(args.layers, tuple(args.grid), args.txt, args.lora_rank, args.top)
+    report = run(args.layers, tuple(args.grid), args.txt, args.lora_rank, args.top, args.batch, not args.forward_only)
     report["environment"] = gpu_environment()
     print(write_report(args.out, "step_profile", report, render))
     plot(report, Path(args.out) / "step_profile.png")

@@ -86,3 +86,19 @@ def test_host_calls_group_runtime_calls_and_render() -> None:
     assert "| 100 µs or more | 1 | 0.250 |" in md and "| 0–10 µs | 1 | 0.005 |" in md
     assert "| 250.0 | `Memcpy DtoD` | `_qk_fwd_kernel` |" in md
     assert "| `cudaGraphLaunch` | 0.340 | 2 | 0.300 |" in md
+
+
+def test_the_report_says_what_was_profiled_and_bad_batches_are_refused(capsys) -> None:
+    """``--batch`` / ``--forward-only`` name the profiled step in the title, the figure's axis and the markdown; a report
+    written before them reads as the B = 1 training step it was; ``--batch 0`` is refused before any GPU check."""
+    import pytest
+
+    assert sp._what({}) == "captured LoRA training step, B = 1"
+    assert sp._what({"batch": 8, "backward": False}) == "captured no-grad forward, B = 8"
+    report = {"layers": 2, "grid": [64, 64], "txt": 64, "rank": 64, "batch": 2, "backward": True,
+              "captured_kernel_ms": 0.2, "captured_launches": 4, "by_grid": sp.kernels_by_grid(EVENTS, 2, 10), "glue": [],
+              "environment": {"gpu": "H200", "commit": "abc"}}
+    assert sp.render(report).startswith("# Strict captured LoRA training step, B = 2, kernel time by launch")
+    with pytest.raises(SystemExit) as exc:
+        sp.main(["--batch", "0"])
+    assert exc.value.code == 2 and "--batch must be >= 1, got 0" in capsys.readouterr().err
