@@ -78,8 +78,8 @@ def _load_yaml(path: Path) -> tuple[DictConfig, bool]:
 def _load_option(path: Path, chain: tuple[Path, ...] = ()) -> tuple[DictConfig, bool, dict[str, str | None]]:
     """A group option's file: its node without ``defaults``, whether it is ``_global_``, and the group options its
     ``defaults`` pick (``override /train: flow_grpo`` → ``{"train": "flow_grpo"}``). A plain name in ``defaults`` is
-    another option of the same group, which this one extends as in hydra: that file's node (and its picks) first,
-    this file's merged over it."""
+    another option of the same group, which this one extends as in hydra: the files merge in the order of
+    ``defaults``, this one at ``_self_`` (last when ``_self_`` is absent, so its keys win)."""
     if path in chain:
         raise ConfigError(f"{path}: its defaults come back to it ({' -> '.join(p.stem for p in (*chain, path))})")
     node, is_global = _load_yaml(path)
@@ -87,10 +87,11 @@ def _load_option(path: Path, chain: tuple[Path, ...] = ()) -> tuple[DictConfig, 
     entries = OmegaConf.to_container(raw) if raw is not None else []
     if not isinstance(entries, list):
         raise ConfigError(f"{path}: defaults must be a list")
-    base: DictConfig | None = None
+    parts: list[DictConfig] = []  # merged in the order of ``defaults``, this file at ``_self_`` (last when absent)
     picks: dict[str, str | None] = {}
     for entry in entries:
         if entry == "_self_":
+            parts.append(node)
             continue
         if isinstance(entry, str):
             parent = path.parent / f"{entry}.yaml"
@@ -100,14 +101,16 @@ def _load_option(path: Path, chain: tuple[Path, ...] = ()) -> tuple[DictConfig, 
             pnode, pglobal, ppicks = _load_option(parent, (*chain, path))
             if pglobal != is_global:
                 raise ConfigError(f"{path} extends {parent.name}, and only one of them is {GLOBAL_PACKAGE!r}")
-            base = pnode if base is None else OmegaConf.merge(base, pnode)
+            parts.append(pnode)
             picks.update(ppicks)
         elif isinstance(entry, dict) and len(entry) == 1:
             (g, opt), = entry.items()
             picks[str(g).replace("override ", "").strip("/ ")] = None if opt is None else str(opt)
         else:
             raise ConfigError(f"bad defaults entry {entry!r} in {path}")
-    return (node if base is None else OmegaConf.merge(base, node)), is_global, picks
+    if not any(part is node for part in parts):
+        parts.append(node)
+    return (parts[0] if len(parts) == 1 else OmegaConf.merge(*parts)), is_global, picks
 
 
 def _parse_override(item: str) -> Override:

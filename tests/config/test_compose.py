@@ -142,9 +142,12 @@ def test_extended_experiments_merge_in_order_and_refuse_loops_and_unknown_parent
         "loop1": g + "defaults:\n  - loop2\n", "loop2": g + "defaults:\n  - loop1\n",
         "orphan": g + "defaults:\n  - nowhere\n",
         "local": "sampler:\n  num_steps: 2\n", "mixed": g + "defaults:\n  - local\n",
+        "under": g + "defaults:\n  - _self_\n  - a\noutput_dir: under\nsampler:\n  num_steps: 9\n  width: 32\n",
     })
     cfg = compose(["experiment=c"], config_dir=cdir)
     assert (cfg.output_dir, cfg.sampler.num_steps, cfg.sampler.height) == ("c", 5, 64)
+    cfg = compose(["experiment=under"], config_dir=cdir)  # _self_ first: the extended file's keys win, as in hydra
+    assert (cfg.output_dir, cfg.sampler.num_steps, cfg.sampler.width) == ("a", 3, 32)
     with pytest.raises(ConfigError, match="defaults come back to it"):
         compose(["experiment=loop1"], config_dir=cdir)
     with pytest.raises(ConfigError, match="extend 'nowhere', which is not an option of its group"):
