@@ -75,7 +75,7 @@ from .advantages import StatTracker
 from .checkpoint_writer import CheckpointWriter
 from .export import export_lora
 from .loss import grpo_loss, logp_bytes_differ
-from .metrics import MetricLogger, peak_memory_mb, peak_reserved_memory_mb, plot_rewards, read_metrics
+from .metrics import MetricLogger, peak_memory_mb, peak_reserved_memory_mb, plot_epoch_costs, plot_rewards, read_metrics
 from .optim import LoraEMA, build_optimizer
 from .policy import adapters_disabled, cfg_branches, evaluate_pairs, grad_keys, pair_key
 from .rewards import ImageSource, RewardSet
@@ -589,6 +589,8 @@ class Trainer:
                 names = " + ".join(f"{w:g}·{n}" for n, w in self.rewards.weights.items())
                 plot_rewards(rows, self.out / "reward_curve.png",
                              f"Flow-GRPO LoRA, {self.mcfg.preset} model, reward {names}, seed {self.seed}")
+                plot_epoch_costs(rows, self.out / "epoch_costs.png",
+                                 f"Where each epoch's time goes ({self.mcfg.preset} model, {self.device})")
             exported = {}
             if self.tcfg.export:
                 exported = export_lora(self.model, self.out / "lora", self.lcfg.rank, self.lcfg.alpha, self.lcfg.targets)

@@ -158,3 +158,58 @@ def plot_rewards(rows: list[dict[str, Any]], path: str | Path, title: str) -> Pa
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+#: The epoch's phases as ``train`` times them (metrics keys), in the order they run.
+EPOCH_PHASES = (("time_rollout_s", "rollout"), ("time_reward_s", "rewards"), ("time_train_s", "train"),
+                ("time_optimizer_s", "optimizer"), ("time_eval_s", "eval"))
+
+
+def plot_epoch_costs(rows: list[dict[str, Any]], path: str | Path, title: str) -> Path | None:
+    """Wall seconds per epoch by phase (stacked) and the epoch's peak memory (right axis, GiB) as a PNG: on CUDA the
+    allocated and reserved GPU peaks, on the CPU the process's peak resident set (``peak_memory_mb``'s meaning there).
+    None (nothing written) when no row has phase times."""
+    rows = [r for r in rows if any(k in r for k, _ in EPOCH_PHASES)]
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    ep = [r["epoch"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.5, 3.6), dpi=120)
+    bottom = [0.0] * len(rows)
+    for key, label in EPOCH_PHASES:
+        heights = [float(r.get(key) or 0.0) for r in rows]
+        if any(heights):
+            ax.bar(ep, heights, bottom=bottom, label=label, width=0.8)
+            bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("wall seconds")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlim(min(ep) - 0.6, max(ep) + 0.6)
+    handles, labels = ax.get_legend_handles_labels()
+    memory = [(r["epoch"], r["peak_memory_mb"] / 1024, r.get("peak_memory_reserved_mb")) for r in rows
+              if r.get("peak_memory_mb") is not None]
+    if memory:
+        mem = ax.twinx()
+        reserved = [(e, v / 1024) for e, _, v in memory if v is not None]  # only CUDA records it
+        mem.plot([e for e, _, _ in memory], [a for _, a, _ in memory], color="black", marker="o", ms=3,
+                 label="peak allocated GiB" if reserved else "peak resident set GiB (process)")
+        if reserved:
+            mem.plot([e for e, _ in reserved], [v for _, v in reserved], color="gray", marker="s", ms=3,
+                     linestyle="--", label="peak reserved GiB")
+        mem.set_ylabel("GiB")
+        mem.set_ylim(0, max(max(a for _, a, _ in memory), max((v for _, v in reserved), default=0.0)) * 1.2)
+        more_handles, more_labels = mem.get_legend_handles_labels()
+        handles, labels = handles + more_handles, labels + more_labels
+    ax.legend(handles, labels, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=4, frameon=False)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -27,6 +27,7 @@ def test_train_command_writes_the_run(tmp_path, capsys) -> None:
                 "time_rollout_s", "time_reward_s", "time_train_s", "time_optimizer_s", "peak_memory_mb"):
         assert key in rows[0], key
     assert (out / "reward_curve.png").stat().st_size > 0
+    assert (out / "epoch_costs.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "lora" / "peft" / "adapter_config.json").exists()
     assert (out / "lora" / "diffusers" / "pytorch_lora_weights.safetensors").exists()
     assert any((out / "wandb").glob("offline-run-*"))

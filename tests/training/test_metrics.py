@@ -70,3 +70,19 @@ def test_peak_memory_on_the_cpu_is_the_resident_set_and_no_reserved_peak() -> No
 
     assert peak_memory_mb(torch.device("cpu")) > 10  # this process's resident set, MiB
     assert peak_reserved_memory_mb(torch.device("cpu")) is None  # a CUDA allocator figure only
+
+
+def test_epoch_costs_figure_draws_cuda_and_cpu_rows_and_skips_rows_without_times(tmp_path) -> None:
+    """``epoch_costs.png``: stacked phase times per epoch with the memory peaks; rows without phase times (an older
+    run's) draw nothing and write no file."""
+    from mmdit_strict.training.metrics import plot_epoch_costs
+
+    cuda = [{"epoch": e, "time_rollout_s": 44.0, "time_reward_s": 0.1, "time_train_s": 37.0, "time_optimizer_s": 0.3,
+             "peak_memory_mb": 47476.6, "peak_memory_reserved_mb": 53410.0} for e in range(3)]
+    cuda[2]["time_eval_s"] = 12.0
+    cpu = [{"epoch": 0, "time_rollout_s": 1.0, "time_train_s": 2.0, "peak_memory_mb": 900.0}]
+    for name, rows in (("cuda", cuda), ("cpu", cpu)):
+        out = plot_epoch_costs(rows, tmp_path / name / "epoch_costs.png", name)
+        assert out is not None and out.read_bytes()[:4] == b"\x89PNG"
+    assert plot_epoch_costs([{"epoch": 0, "reward_mean": 1.0}], tmp_path / "none.png", "old") is None
+    assert not (tmp_path / "none.png").exists()
