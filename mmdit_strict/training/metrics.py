@@ -131,6 +131,18 @@ class MetricLogger:
         return None
 
 
+def _save(fig: Any, path: str | Path) -> Path:
+    """Lay ``fig`` out, write it to ``path`` (its folder made) and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def plot_rewards(rows: list[dict[str, Any]], path: str | Path, title: str) -> Path:
     """Reward mean ± std per epoch (and the eval reward when present) as a PNG."""
     import matplotlib
@@ -152,12 +164,7 @@ def plot_rewards(rows: list[dict[str, Any]], path: str | Path, title: str) -> Pa
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 #: The epoch's phases as ``train`` times them (metrics keys), in the order they run.
@@ -207,9 +214,4 @@ def plot_epoch_costs(rows: list[dict[str, Any]], path: str | Path, title: str) -
         handles, labels = handles + more_handles, labels + more_labels
     ax.legend(handles, labels, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=4, frameon=False)
     ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
