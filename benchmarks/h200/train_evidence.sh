@@ -34,15 +34,14 @@ evidence_wheels
 python3 -c 'import diffusers, peft' || { echo "diffusers or peft is not importable: carry the wheels in .whl/" >&2; exit 2; }
 bench() {  # OUT_FOLDER [more options]: one bench.train process of the chosen shape
   local dest=$1; shift
-  if [[ ${TRAIN_SHAPE:-update} == epoch || ${TRAIN_SHAPE:-update} == epoch1024 ]]; then
-    grid="32 32"; [[ $TRAIN_SHAPE == epoch1024 ]] && grid="64 64"
-    time python3 -m mmdit_strict.bench.train --out "$dest" --device cuda --arch qwen-image --layers 60 --grid $grid \
-      --txt 64 --prompts 2 --fresh-prompts --group 8 --steps 10 --window 2 --micro-batch 2 --lora-rank 64 --warmup 1 \
-      ${TRAIN_EXTRA:-} "$@"
-  else
-    time python3 -m mmdit_strict.bench.train --out "$dest" --device cuda --arch qwen-image --layers 60 --grid 64 64 \
-      --txt 128 --group 2 --steps 10 --window 2 --micro-batch 2 --lora-rank 64 --warmup 1 ${TRAIN_EXTRA:-} "$@"
-  fi
+  local shape=(--grid 64 64 --txt 128 --group 2)  # one update
+  case ${TRAIN_SHAPE:-update} in
+    epoch) shape=(--grid 32 32 --txt 64 --prompts 2 --fresh-prompts --group 8) ;;
+    epoch1024) shape=(--grid 64 64 --txt 64 --prompts 2 --fresh-prompts --group 8) ;;
+  esac
+  # shellcheck disable=SC2086  # TRAIN_EXTRA is words
+  time python3 -m mmdit_strict.bench.train --out "$dest" --device cuda --arch qwen-image --layers 60 "${shape[@]}" \
+    --steps 10 --window 2 --micro-batch 2 --lora-rank 64 --warmup 1 ${TRAIN_EXTRA:-} "$@"
 }
 {
   evidence_header
