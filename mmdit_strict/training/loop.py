@@ -75,7 +75,7 @@ from .advantages import StatTracker
 from .checkpoint_writer import CheckpointWriter
 from .export import export_lora
 from .loss import grpo_loss, logp_bytes_differ
-from .metrics import MetricLogger, peak_memory_mb, peak_reserved_memory_mb, plot_epoch_costs, plot_rewards, read_metrics
+from .metrics import MetricLogger, peak_memory_mb, plot_epoch_costs, plot_rewards, read_metrics, take_cuda_peaks
 from .optim import LoraEMA, build_optimizer
 from .policy import adapters_disabled, cfg_branches, evaluate_pairs, grad_keys, pair_key
 from .rewards import ImageSource, RewardSet
@@ -652,8 +652,10 @@ class Trainer:
         # for the rest of the run (the evaluation's forwards are captured again at its next turn)
         release_forward_graphs(self.model)
         t2 = time.perf_counter()
+        rollout_peaks = take_cuda_peaks(self.device)  # the rollout's and the scoring's, before the update's buffers
         train = self._train(epoch, samples, scored["adv"])
         t3 = time.perf_counter()
+        train_peaks = take_cuda_peaks(self.device)
         row: dict[str, Any] = {"epoch": epoch, "updates_total": self.updates, "images": scored["images"],
                                "reward_mean": float(total.mean()), "reward_std": float(total.std(unbiased=False))}
         for name, s in parts.items():
@@ -665,11 +667,14 @@ class Trainer:
         fold_bytes = train.pop("_bytes_moved")
         row.update(train)
         row.update({"time_rollout_s": t1 - t0, "time_reward_s": t2 - t1, "time_train_s": t3 - t2 - t_opt,
-                    "time_optimizer_s": t_opt, "peak_memory_mb": peak_memory_mb(self.device),
-                    "sde_window_starts": samples.window_starts, "prompt_ids": sorted(set(samples.prompt_ids))})
-        reserved = peak_reserved_memory_mb(self.device)  # CUDA: also what the graphs' pools keep
-        if reserved is not None:
-            row["peak_memory_reserved_mb"] = reserved
+                    "time_optimizer_s": t_opt, "sde_window_starts": samples.window_starts, "prompt_ids": sorted(set(samples.prompt_ids))})
+        if rollout_peaks is not None and train_peaks is not None:  # CUDA; reserved also counts the graphs' pools
+            for phase, (allocated, reserved) in (("rollout", rollout_peaks), ("train", train_peaks)):
+                row[f"peak_memory_{phase}_mb"], row[f"peak_memory_reserved_{phase}_mb"] = allocated, reserved
+            row["peak_memory_mb"] = max(rollout_peaks[0], train_peaks[0])
+            row["peak_memory_reserved_mb"] = max(rollout_peaks[1], train_peaks[1])
+        else:
+            row["peak_memory_mb"] = peak_memory_mb(self.device)
         graphs = graph_stats(self.model)  # CUDA graphs so far (rollout forwards, training steps), where on
         if graphs is not None:
             row.update({f"cuda_graphs/{kind}_{k}": v for kind, s in graphs.items() for k, v in s.items()})

@@ -28,9 +28,15 @@ logger = logging.getLogger(__name__)
 METRICS = "metrics.jsonl"
 
 
-def peak_reserved_memory_mb(device: torch.device) -> float | None:
-    """Peak CUDA memory the allocator reserved on ``device`` (MiB; a CUDA graph's pool counts whole), None elsewhere."""
-    return torch.cuda.max_memory_reserved(device) / 2**20 if device.type == "cuda" else None
+def take_cuda_peaks(device: torch.device) -> tuple[float, float] | None:
+    """CUDA: the allocated and reserved peaks on ``device`` (MiB) since the last reset, then a reset, so that the next
+    phase's peaks start from what is held now (``max_memory_*`` restart at the current figures); None elsewhere, where
+    the process's resident-set peak cannot be split into phases."""
+    if device.type != "cuda":
+        return None
+    peaks = torch.cuda.max_memory_allocated(device) / 2**20, torch.cuda.max_memory_reserved(device) / 2**20
+    torch.cuda.reset_peak_memory_stats(device)
+    return peaks
 
 
 def peak_memory_mb(device: torch.device) -> float:

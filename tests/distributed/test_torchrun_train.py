@@ -22,7 +22,8 @@ TINY = ["--quiet", "experiment=grpo_tiny", "train.num_epochs=2", "train.save_fre
 ADAPTERS = ("lora/peft/adapter_model.safetensors", "lora/diffusers/pytorch_lora_weights.safetensors")
 #: metrics that describe one rank's memory or the exchange, not the run's numbers
 PER_RANK = ("grad_sink_peak_buffer_mb", "grad_sink_bound_per_param", "grad_sink_peak_per_param",
-            "grad_sink_peak_tree_nodes", "peak_memory_mb", "peak_memory_reserved_mb", "world_size", "comm_bytes", "comm_bytes_per_update",
+            "grad_sink_peak_tree_nodes", "peak_memory_mb", "peak_memory_reserved_mb", "peak_memory_rollout_mb", "peak_memory_train_mb",
+            "peak_memory_reserved_rollout_mb", "peak_memory_reserved_train_mb", "world_size", "comm_bytes", "comm_bytes_per_update",
             "rollout_exchanges")
 
 

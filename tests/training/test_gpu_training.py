@@ -38,6 +38,10 @@ def test_first_update_ratio_is_exactly_one_on_the_gpu(tmp_path) -> None:
     row = tr.train_epoch(0)
     assert row["first_update_pairs"] == 12 and row["first_update_ratio_exact_one_frac"] == 1.0, row
     assert row["peak_memory_reserved_mb"] >= row["peak_memory_mb"] > 0  # the allocator's peak holds the tensors'
+    for kind in ("", "reserved_"):  # each phase's peak since its own reset; the epoch's is the larger one
+        phases = [row[f"peak_memory_{kind}{phase}_mb"] for phase in ("rollout", "train")]
+        assert min(phases) > 0 and row[f"peak_memory_{kind}mb"] == max(phases), row
+    assert row["peak_memory_reserved_train_mb"] >= row["peak_memory_train_mb"]
 
 
 def test_lora_grads_identical_for_micro_batches_on_the_gpu(tmp_path) -> None:

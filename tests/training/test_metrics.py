@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from mmdit_strict.training.metrics import METRICS, MetricLogger, peak_memory_mb, peak_reserved_memory_mb, read_metrics
+from mmdit_strict.training.metrics import METRICS, MetricLogger, peak_memory_mb, read_metrics, take_cuda_peaks
 
 ROWS = [{"epoch": e, "reward_mean": 0.5 + e} for e in range(3)]
 
@@ -69,7 +69,7 @@ def test_peak_memory_on_the_cpu_is_the_resident_set_and_no_reserved_peak() -> No
     import torch
 
     assert peak_memory_mb(torch.device("cpu")) > 10  # this process's resident set, MiB
-    assert peak_reserved_memory_mb(torch.device("cpu")) is None  # a CUDA allocator figure only
+    assert take_cuda_peaks(torch.device("cpu")) is None  # CUDA allocator figures only
 
 
 def test_epoch_costs_figure_draws_cuda_and_cpu_rows_and_skips_rows_without_times(tmp_path) -> None:
