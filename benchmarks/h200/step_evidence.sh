@@ -11,8 +11,9 @@
 #   3. `bench.host_profile` on 8 blocks: the uncaptured forward's and step's host time by stack layer and function;
 #   4. (`epoch_shapes`, not in the default) `bench.step_profile` on 2 blocks at the shapes of the 1024² epoch's phases:
 #      a training micro-batch of one pair with CFG batched (B = 2, 64 prompt tokens) in shapes_train_b2/, and a
-#      rollout step's no-grad forward of one CFG branch of a group (B = 8) in shapes_rollout_b8/. Written after the
-#      last GPU session, not yet run.
+#      rollout step's no-grad forward of one CFG branch of a group (B = 8) in shapes_rollout_b8/. Run at 38b3d8a on an
+#      H100 as two plain commands (23 s and 18 s): through this script each step_profile hung after its report until
+#      step_profile stopped tearing CUPTI down (experiments/training/38b3d8a_epoch_shapes_profile_h100/).
 # diffusers is not in the GPU image: carry its wheels in .whl/. Run from the repository root on the GPU machine:
 #   MMDIT_COMMIT=<hash> [STEP_PARTS="model profile host epoch_shapes"] bash benchmarks/h200/step_evidence.sh OUT_DIR
 # STEP_PARTS picks the parts (default all three; at 5f75022 parts 1 and 2 fitted one 580 s call, part 3 was cut).

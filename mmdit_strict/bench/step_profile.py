@@ -40,7 +40,9 @@ from .timing import gpu_gaps as timing_gaps
 def _trace(fn: Callable[[], Any], stacks: bool) -> list[dict[str, Any]]:
     from torch.profiler import ProfilerActivity
 
-    with cuda_profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stacks) as prof:
+    # Nothing is timed after the profiles; with CUPTI torn down between its two sessions the process printed its
+    # report and then did not exit (over 200 s, twice, H100, torch 2.11 at 38b3d8a), with it left up in 23 s
+    with cuda_profiler(False, activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stacks) as prof:
         fn()
         torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:

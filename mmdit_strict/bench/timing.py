@@ -16,12 +16,13 @@ LAUNCH_CALLS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cudaLaunch
                           "cuLaunchKernelEx", "cudaGraphLaunch"})
 
 
-def cuda_profiler(**kw: Any) -> Any:
+def cuda_profiler(teardown: bool = True, **kw: Any) -> Any:
     """``torch.profiler.profile(**kw)`` that tears CUPTI down when it stops (``TEARDOWN_CUPTI=1`` unless the
     environment sets it). Left subscribed, CUPTI's callbacks stay on every later driver call of the process:
     every launch after the first profiled call then costs more host time, which skews the uncaptured engines'
-    timings taken after it (and Triton's launches, several driver calls each, more than PyTorch's)."""
-    os.environ.setdefault("TEARDOWN_CUPTI", "1")
+    timings taken after it (and Triton's launches, several driver calls each, more than PyTorch's).
+    ``teardown=False`` (``TEARDOWN_CUPTI=0`` unless set) is for a process that times nothing after its profiles."""
+    os.environ.setdefault("TEARDOWN_CUPTI", "1" if teardown else "0")
     from torch.profiler import profile
 
     return profile(**kw)
