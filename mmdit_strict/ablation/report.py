@@ -19,6 +19,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from ..environment import environment_line, run_environment
+from ..figures import pyplot, save_png
 from ..io import atomic_write_text
 from .plan import model_blocks
 
@@ -88,27 +89,20 @@ def _plot(rows: list[dict[str, Any]], out: Path) -> dict[str, str]:
     combos = [r for r in rows if r.get("curves")]
     if not combos:
         return {}
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     for ax, q in zip(axes, ("v", "x", "logp")):
         floor = _step_lines(ax, combos, [r["curves"][f"{q}_max_abs"] for r in combos])
         ax.set_title(f"{q}: max |Δ| per step (0 drawn at {floor:.0e})", fontsize=10)
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / PLOTS["drift_per_step"], dpi=110)
-    plt.close(fig)
+    save_png(fig, out / PLOTS["drift_per_step"])
 
     fig, ax = plt.subplots(figsize=(6.5, 3.6))
     floor = _step_lines(ax, combos, [r.get("ratio_dev_per_step") or [] for r in combos])
     ax.set_title(f"GRPO ratio: max |ratio − 1| per step (0 drawn at {floor:.0e})", fontsize=10)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / PLOTS["ratio_per_step"], dpi=110)
-    plt.close(fig)
+    save_png(fig, out / PLOTS["ratio_per_step"])
     return dict(PLOTS)
 
 

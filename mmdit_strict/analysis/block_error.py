@@ -27,6 +27,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..figures import pyplot, save_png
 from ..model.inputs import random_inputs
 
 from ..kernels.runtime import Runtime, runtime_mode
@@ -152,17 +153,14 @@ def block_error_curve(model: MMDiT, inputs: dict[str, Any], *, reference: bool =
 
 def write_block_error(result: dict[str, Any], out_dir: str | Path, name: str = "block_error", png: bool = True) -> dict[str, Path]:
     """Write ``<name>.json`` (and ``<name>.png`` when matplotlib is importable) atomically into ``out_dir``."""
-    from ..io import atomic_write, atomic_write_text
+    from ..io import atomic_write_text
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": atomic_write_text(out_dir / f"{name}.json", json.dumps(result, indent=2) + "\n")}
     if png:
         try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
+            plt = pyplot()
         except ImportError:
             logger.info("matplotlib not installed: no %s.png", name)
             return paths
@@ -183,9 +181,7 @@ def write_block_error(result: dict[str, Any], out_dir: str | Path, name: str = "
         ax.set_title(f"per-stage error, {result['arch'].get('num_layers')} blocks, B={result['inputs']['batch']}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        paths["png"] = atomic_write(out_dir / f"{name}.png", lambda p: fig.savefig(p, dpi=120, format="png"))
-        plt.close(fig)
+        paths["png"] = save_png(fig, out_dir / f"{name}.png", dpi=120)
     return paths
 
 

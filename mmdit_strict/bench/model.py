@@ -48,6 +48,7 @@ from ..kernels.runtime import Runtime
 from ..model.module_index import trainable_parameters
 from ..model.inputs import random_inputs
 from ..environment import environment_line, gpu_environment
+from ..figures import pyplot, save_png
 from .output import replot, write_report
 from .timing import cuda_profiler, gpu_gaps
 
@@ -329,10 +330,7 @@ def plot(report: dict[str, Any], path: str | Path) -> bool:
             for r in (row[name],)]
     if not rows:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     colors = {label: c for (_, label), c in zip(_PLOT_ENGINES, ("#9e9e9e", "#616161", "#90caf9", "#1565c0"))}
     fig, ax = plt.subplots(figsize=(9, 0.42 * len(rows) + 1.4))
@@ -348,9 +346,7 @@ def plot(report: dict[str, Any], path: str | Path) -> bool:
     ax.set_title(f"{report.get('arch_layers', '?')} blocks, grid {report.get('grid')}, {env.get('gpu', '')} · "
                  f"commit {str(env.get('commit', '?'))[:7]}", fontsize=9)
     ax.set_xlim(0, max(w for _, _, w, _ in rows) * 1.15)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path)
     return True
 
 

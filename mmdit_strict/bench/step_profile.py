@@ -32,6 +32,7 @@ import torch
 
 from ..config.arch import preset
 from ..environment import environment_line, gpu_environment
+from ..figures import pyplot, save_png
 from .output import replot, write_report
 from .timing import cuda_profiler
 from .timing import gpu_gaps as timing_gaps
@@ -155,10 +156,7 @@ def plot(report: dict[str, Any], path: str | Path, top: int = 16) -> bool:
     rows = report.get("by_grid", [])[:top]
     if not rows:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(8.5, 0.32 * len(rows) + 1.3))
     ys = list(range(len(rows)))[::-1]
@@ -172,9 +170,7 @@ def plot(report: dict[str, Any], path: str | Path, top: int = 16) -> bool:
     ax.set_title(f"{report['captured_kernel_ms'] / report['layers']:.2f} ms per block, grid {report['grid']}, "
                  f"rank {report['rank']} · {env.get('gpu', '')} · commit {str(env.get('commit', '?'))[:7]}", fontsize=9)
     ax.set_xlim(0, max(r["ms_per_block"] for r in rows) * 1.35)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path)
     return True
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..figures import pyplot, save_png
+
 PEER = "diffusers_peft"
 PHASE_COLORS = {"rollout": "#1565c0", "train": "#ef6c00", "optimizer": "#6a1b9a"}
 
@@ -16,10 +18,7 @@ def plot(report: dict[str, Any], path: str | Path) -> bool:
     engines = {name: e for name, e in report.get("engines", {}).items() if "phases" in e}
     if not engines:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = list(engines)
     ys = list(range(len(names)))[::-1]
@@ -61,7 +60,5 @@ def plot(report: dict[str, Any], path: str | Path) -> bool:
     c, env = report.get("config", {}), report.get("environment", {})
     fig.suptitle(f"One Flow-GRPO update, {c.get('layers', '?')} blocks, grid {c.get('grid', '?')} · "
                  f"{env.get('gpu') or 'CPU'} · commit {str(env.get('commit', '?'))[:7]}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path)
     return True

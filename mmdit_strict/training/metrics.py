@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..figures import pyplot, save_png
 from ..io import atomic_write_text
 
 logger = logging.getLogger(__name__)
@@ -137,24 +138,9 @@ class MetricLogger:
         return None
 
 
-def _save(fig: Any, path: str | Path) -> Path:
-    """Lay ``fig`` out, write it to ``path`` (its folder made) and close it."""
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
 def plot_rewards(rows: list[dict[str, Any]], path: str | Path, title: str) -> Path:
     """Reward mean ± std per epoch (and the eval reward when present) as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     ep = [r["epoch"] for r in rows]
     mean = [r["reward_mean"] for r in rows]
@@ -170,7 +156,7 @@ def plot_rewards(rows: list[dict[str, Any]], path: str | Path, title: str) -> Pa
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return save_png(fig, path, dpi="figure")
 
 
 #: The epoch's phases as ``train`` times them (metrics keys), in the order they run.
@@ -185,10 +171,7 @@ def plot_epoch_costs(rows: list[dict[str, Any]], path: str | Path, title: str) -
     rows = [r for r in rows if any(k in r for k, _ in EPOCH_PHASES)]
     if not rows:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.ticker import MaxNLocator
 
     ep = [r["epoch"] for r in rows]
@@ -220,4 +203,4 @@ def plot_epoch_costs(rows: list[dict[str, Any]], path: str | Path, title: str) -
         handles, labels = handles + more_handles, labels + more_labels
     ax.legend(handles, labels, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=4, frameon=False)
     ax.set_title(title, fontsize=9)
-    return _save(fig, path)
+    return save_png(fig, path, dpi="figure")

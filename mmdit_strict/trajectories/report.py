@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..environment import environment_line
+from ..figures import pyplot, save_png
 from ..io import atomic_write_text
 from .artifact import Trajectory
 from .compare import Comparison
@@ -16,11 +17,8 @@ from .localize import Localization
 def _plot_steps(comp: Comparison, path: Path) -> bool:
     if not comp.curves:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker  # noqa: F401
+    plt = pyplot()
+    import matplotlib.ticker
 
     steps = list(range(comp.steps))
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
@@ -37,20 +35,15 @@ def _plot_steps(comp: Comparison, path: Path) -> bool:
     axes[1].set_xlabel("denoising step")
     axes[1].set_title("KL(rollout ‖ recompute) of the SDE transition")
     axes[1].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path)
     return True
 
 
 def _plot_blocks(loc: Localization, path: Path) -> bool:
     if not loc.block_drift:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker  # noqa: F401
+    plt = pyplot()
+    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(6, 3.4))
     ax.semilogy(range(len(loc.block_drift)), [max(v, 1e-30) for v in loc.block_drift], "o-")
@@ -58,9 +51,7 @@ def _plot_blocks(loc: Localization, path: Path) -> bool:
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_ylabel("max |Δ| image stream")
     ax.set_title(f"drift per block, step {loc.step}, sample {loc.sample_id}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path)
     return True
 
 
@@ -70,11 +61,8 @@ def _plot_audit(rollout: Trajectory, recompute: Trajectory, path: Path) -> bool:
     audits = [(n, a) for n, a in audits if a]
     if not audits:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker  # noqa: F401
+    plt = pyplot()
+    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(6.5, 3.4))
     for name, a in audits:
@@ -86,9 +74,7 @@ def _plot_audit(rollout: Trajectory, recompute: Trajectory, path: Path) -> bool:
     ax.set_ylabel("max |production − strict|")
     ax.set_title("audit: production drift per block")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path)
     return True
 
 
