@@ -12,7 +12,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "mmdit_strict"
 
 #: Leaf modules and utilities every layer may use.
-BASE = {"context", "dtypes", "io", "tolerances", "environment", "__init__"}
+BASE = {"context", "dtypes", "io", "figures", "tolerances", "environment", "__init__"}
 
 #: subpackage → the subpackages it may import (besides BASE). Operators know no model and no runs; the
 #: model knows no artifacts; the references share nothing with the kernels; nothing imports the CLI.
