@@ -37,6 +37,12 @@ def test_cuda_profiler_asks_kineto_to_tear_cupti_down_unless_told_otherwise(monk
     monkeypatch.setenv("TEARDOWN_CUPTI", "0")  # the user's choice stands
     cuda_profiler(activities=[ProfilerActivity.CPU])
     assert os.environ["TEARDOWN_CUPTI"] == "0"
+    monkeypatch.delenv("TEARDOWN_CUPTI")  # a process that times nothing after its profiles keeps CUPTI up
+    cuda_profiler(False, activities=[ProfilerActivity.CPU])
+    assert os.environ["TEARDOWN_CUPTI"] == "0"
+    monkeypatch.setenv("TEARDOWN_CUPTI", "1")
+    cuda_profiler(False, activities=[ProfilerActivity.CPU])
+    assert os.environ["TEARDOWN_CUPTI"] == "1"
 
 
 @pytest.mark.gpu
