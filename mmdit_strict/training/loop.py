@@ -667,7 +667,8 @@ class Trainer:
         fold_bytes = train.pop("_bytes_moved")
         row.update(train)
         row.update({"time_rollout_s": t1 - t0, "time_reward_s": t2 - t1, "time_train_s": t3 - t2 - t_opt,
-                    "time_optimizer_s": t_opt, "sde_window_starts": samples.window_starts, "prompt_ids": sorted(set(samples.prompt_ids))})
+                    "time_optimizer_s": t_opt, "sde_window_starts": samples.window_starts,
+                    "prompt_ids": sorted(set(samples.prompt_ids))})
         if rollout_peaks is not None and train_peaks is not None:  # CUDA; reserved also counts the graphs' pools
             for phase, (allocated, reserved) in (("rollout", rollout_peaks), ("train", train_peaks)):
                 row[f"peak_memory_{phase}_mb"], row[f"peak_memory_reserved_{phase}_mb"] = allocated, reserved
