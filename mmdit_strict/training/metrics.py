@@ -164,10 +164,36 @@ EPOCH_PHASES = (("time_rollout_s", "rollout"), ("time_reward_s", "rewards"), ("t
                 ("time_optimizer_s", "optimizer"), ("time_eval_s", "eval"))
 
 
+#: Bar and line colours of the phases in ``epoch_costs.png`` (a phase's memory peaks share its bar's colour).
+PHASE_COLORS = {"rollout": "#1565c0", "rewards": "#9e9e9e", "train": "#ef6c00", "optimizer": "#6a1b9a", "eval": "#2e7d32"}
+
+
+def memory_series(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The memory lines of ``epoch_costs.png``, each ``{"label", "color", "dashed", "epochs", "gib"}``.
+
+    Rows with per-phase CUDA peaks give the rollout's and the train phase's allocated (solid) and reserved (dashed)
+    peaks; CUDA rows without them the epoch's two peaks; CPU rows the process's resident set. A series holds only
+    the rows that have its key, so a run resumed across versions draws every epoch once."""
+    phased = [r for r in rows if "peak_memory_rollout_mb" in r]
+    plain = [r for r in rows if "peak_memory_rollout_mb" not in r and r.get("peak_memory_mb") is not None]
+    cuda = any(r.get("peak_memory_reserved_mb") is not None for r in plain)
+    kinds = (("", "allocated", False), ("reserved_", "reserved", True))
+    specs = [(phased, f"peak_memory_{kind}{phase}_mb", f"{phase} peak {label} GiB", PHASE_COLORS[phase], dashed)
+             for phase in ("rollout", "train") for kind, label, dashed in kinds]
+    specs += [(plain, "peak_memory_mb", "peak allocated GiB" if cuda else "peak resident set GiB (process)", "black", False),
+              (plain, "peak_memory_reserved_mb", "peak reserved GiB", "gray", True)]
+    series = []
+    for subset, key, label, color, dashed in specs:
+        points = [(r["epoch"], r[key] / 1024) for r in subset if r.get(key) is not None]
+        if points:
+            series.append({"label": label, "color": color, "dashed": dashed, "epochs": [e for e, _ in points],
+                           "gib": [v for _, v in points]})
+    return series
+
+
 def plot_epoch_costs(rows: list[dict[str, Any]], path: str | Path, title: str) -> Path | None:
-    """Wall seconds per epoch by phase (stacked) and the epoch's peak memory (right axis, GiB) as a PNG: on CUDA the
-    allocated and reserved GPU peaks, on the CPU the process's peak resident set (``peak_memory_mb``'s meaning there).
-    None (nothing written) when no row has phase times."""
+    """Wall seconds per epoch by phase (stacked) and the peak memory (right axis, GiB; :func:`memory_series`) as a
+    PNG. None (nothing written) when no row has phase times."""
     rows = [r for r in rows if any(k in r for k, _ in EPOCH_PHASES)]
     if not rows:
         return None
@@ -180,25 +206,24 @@ def plot_epoch_costs(rows: list[dict[str, Any]], path: str | Path, title: str) -
     for key, label in EPOCH_PHASES:
         heights = [float(r.get(key) or 0.0) for r in rows]
         if any(heights):
-            ax.bar(ep, heights, bottom=bottom, label=label, width=0.8)
+            ax.bar(ep, heights, bottom=bottom, label=label, width=0.8, color=PHASE_COLORS[label], alpha=0.55)
             bottom = [b + h for b, h in zip(bottom, heights)]
     ax.set_xlabel("epoch")
     ax.set_ylabel("wall seconds")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if len(ep) <= 12:  # one tick per epoch (a locator draws fractions around a lone epoch)
+        ax.set_xticks(ep)
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlim(min(ep) - 0.6, max(ep) + 0.6)
     handles, labels = ax.get_legend_handles_labels()
-    memory = [(r["epoch"], r["peak_memory_mb"] / 1024, r.get("peak_memory_reserved_mb")) for r in rows
-              if r.get("peak_memory_mb") is not None]
-    if memory:
+    series = memory_series(rows)
+    if series:
         mem = ax.twinx()
-        reserved = [(e, v / 1024) for e, _, v in memory if v is not None]  # only CUDA records it
-        mem.plot([e for e, _, _ in memory], [a for _, a, _ in memory], color="black", marker="o", ms=3,
-                 label="peak allocated GiB" if reserved else "peak resident set GiB (process)")
-        if reserved:
-            mem.plot([e for e, _ in reserved], [v for _, v in reserved], color="gray", marker="s", ms=3,
-                     linestyle="--", label="peak reserved GiB")
+        for line in series:
+            mem.plot(line["epochs"], line["gib"], color=line["color"], marker="s" if line["dashed"] else "o", ms=3,
+                     linestyle="--" if line["dashed"] else "-", label=line["label"])
         mem.set_ylabel("GiB")
-        mem.set_ylim(0, max(max(a for _, a, _ in memory), max((v for _, v in reserved), default=0.0)) * 1.2)
+        mem.set_ylim(0, max(max(line["gib"]) for line in series) * 1.2)
         more_handles, more_labels = mem.get_legend_handles_labels()
         handles, labels = handles + more_handles, labels + more_labels
     ax.legend(handles, labels, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=4, frameon=False)

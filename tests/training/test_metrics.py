@@ -80,9 +80,34 @@ def test_epoch_costs_figure_draws_cuda_and_cpu_rows_and_skips_rows_without_times
     cuda = [{"epoch": e, "time_rollout_s": 44.0, "time_reward_s": 0.1, "time_train_s": 37.0, "time_optimizer_s": 0.3,
              "peak_memory_mb": 47476.6, "peak_memory_reserved_mb": 53410.0} for e in range(3)]
     cuda[2]["time_eval_s"] = 12.0
+    cuda[2].update(peak_memory_rollout_mb=47125.6, peak_memory_reserved_rollout_mb=53410.0, peak_memory_train_mb=47476.6,
+                   peak_memory_reserved_train_mb=51874.0)  # a row from a commit that logs each phase's peaks
     cpu = [{"epoch": 0, "time_rollout_s": 1.0, "time_train_s": 2.0, "peak_memory_mb": 900.0}]
     for name, rows in (("cuda", cuda), ("cpu", cpu)):
         out = plot_epoch_costs(rows, tmp_path / name / "epoch_costs.png", name)
         assert out is not None and out.read_bytes()[:4] == b"\x89PNG"
     assert plot_epoch_costs([{"epoch": 0, "reward_mean": 1.0}], tmp_path / "none.png", "old") is None
     assert not (tmp_path / "none.png").exists()
+
+
+def test_memory_series_draws_each_phase_where_rows_have_it_and_the_epoch_where_not() -> None:
+    """The figure's memory lines: per-phase CUDA peaks where the row has them (allocated solid, reserved dashed), the
+    epoch's two peaks for an older CUDA row, the resident set for a CPU row; every value in GiB from the row's MiB."""
+    from mmdit_strict.training.metrics import memory_series
+
+    old = {"epoch": 0, "peak_memory_mb": 2048.0, "peak_memory_reserved_mb": 3072.0}
+    new = {"epoch": 1, "peak_memory_mb": 47476.6, "peak_memory_reserved_mb": 53410.0,
+           "peak_memory_rollout_mb": 47125.6, "peak_memory_reserved_rollout_mb": 53410.0,
+           "peak_memory_train_mb": 47476.6, "peak_memory_reserved_train_mb": 51874.0}
+    lines = {line["label"]: line for line in memory_series([old, new])}
+    assert sorted(lines) == sorted(["rollout peak allocated GiB", "rollout peak reserved GiB", "train peak allocated GiB",
+                                    "train peak reserved GiB", "peak allocated GiB", "peak reserved GiB"])
+    rollout_colour = lines["rollout peak allocated GiB"]["color"]
+    assert lines["rollout peak reserved GiB"] == {"label": "rollout peak reserved GiB", "color": rollout_colour,
+                                                  "dashed": True, "epochs": [1], "gib": [53410.0 / 1024]}
+    assert lines["train peak allocated GiB"]["epochs"] == [1] and not lines["train peak allocated GiB"]["dashed"]
+    assert lines["train peak allocated GiB"]["color"] != lines["rollout peak allocated GiB"]["color"]
+    assert lines["peak reserved GiB"]["epochs"] == [0] and lines["peak reserved GiB"]["gib"] == [3.0]  # the new row once
+    cpu = memory_series([{"epoch": 0, "peak_memory_mb": 900.0}])
+    assert [(c["label"], c["gib"]) for c in cpu] == [("peak resident set GiB (process)", [900.0 / 1024])]
+    assert memory_series([{"epoch": 0, "time_train_s": 1.0}]) == []
