@@ -242,6 +242,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     """Flow-GRPO LoRA training; exit 1 when ``train.recompute_old_logp`` finds the training logp off the rollout's bytes."""
     from ..training import run_training
     from ..training.loop import OldLogpMismatch
+    from ..training.metrics import cost_line
     from .wandb_log import require_wandb
 
     cfg = _compose(args)
@@ -257,6 +258,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"train: {result.epochs} epochs; last epoch reward {last['reward_mean']:+.4f} (first {result.metrics[0]['reward_mean']:+.4f}); "
               f"first-update logp byte-equal to the rollout's: {n - int(last['first_update_logp_bytes_differ'])}/{n} pairs "
               f"(max |ratio-1| {last['first_update_ratio_max_abs_dev']:.3g})")
+        print(f"last epoch: {cost_line(last)}")
     print(f"metrics: {result.out_dir / 'metrics.jsonl'}; checkpoints: {result.out_dir / 'checkpoints'}")
     for kind, folder in result.export.items():
         print(f"LoRA ({kind}): {folder}")

@@ -164,6 +164,26 @@ EPOCH_PHASES = (("time_rollout_s", "rollout"), ("time_reward_s", "rewards"), ("t
                 ("time_optimizer_s", "optimizer"), ("time_eval_s", "eval"))
 
 
+def cost_line(row: dict[str, Any]) -> str:
+    """One line of an epoch row's costs for a terminal: seconds by phase, then the memory peaks (on CUDA allocated /
+    reserved GiB, each phase's where the row has them; on the CPU the process's resident set)."""
+    parts = [f"{label} {row[key]:.2f} s" for key, label in EPOCH_PHASES if row.get(key) is not None]
+
+    def gib(key: str) -> float:
+        return row[key] / 1024
+
+    if "peak_memory_rollout_mb" in row:
+        memory = "; ".join(f"{phase} {gib(f'peak_memory_{phase}_mb'):.2f} / {gib(f'peak_memory_reserved_{phase}_mb'):.2f}"
+                           for phase in ("rollout", "train"))
+        parts.append(f"peak GPU memory allocated / reserved GiB: {memory}")
+    elif row.get("peak_memory_reserved_mb") is not None:
+        parts.append(f"peak GPU memory allocated / reserved: {gib('peak_memory_mb'):.2f} / "
+                     f"{gib('peak_memory_reserved_mb'):.2f} GiB")
+    elif row.get("peak_memory_mb") is not None:
+        parts.append(f"peak resident set {gib('peak_memory_mb'):.2f} GiB")
+    return ", ".join(parts)
+
+
 #: Bar and line colours of the phases in ``epoch_costs.png`` (a phase's memory peaks share its bar's colour).
 PHASE_COLORS = {"rollout": "#1565c0", "rewards": "#9e9e9e", "train": "#ef6c00", "optimizer": "#6a1b9a", "eval": "#2e7d32"}
 

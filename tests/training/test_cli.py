@@ -20,6 +20,7 @@ def test_train_command_writes_the_run(tmp_path, capsys) -> None:
     assert main(["train", "experiment=grpo_tiny", f"output_dir={out}", "wandb.mode=offline", *QUICK]) == 0
     printed = capsys.readouterr().out
     assert re.search(r"first-update logp byte-equal to the rollout's: (\d+)/\1 pairs \(max \|ratio-1\| 0\)", printed), printed
+    assert re.search(r"last epoch: rollout [\d.]+ s, .*train [\d.]+ s, .*peak (resident set|GPU memory)", printed), printed
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 1 and rows[0]["first_update_ratio_exact_one_frac"] == 1.0 and "eval_reward_mean" in rows[0]
     for key in ("reward_mean", "reward_std", "zero_std_ratio", "adv_mean", "adv_std", "ratio_min", "ratio_max",

@@ -111,3 +111,17 @@ def test_memory_series_draws_each_phase_where_rows_have_it_and_the_epoch_where_n
     cpu = memory_series([{"epoch": 0, "peak_memory_mb": 900.0}])
     assert [(c["label"], c["gib"]) for c in cpu] == [("peak resident set GiB (process)", [900.0 / 1024])]
     assert memory_series([{"epoch": 0, "time_train_s": 1.0}]) == []
+
+
+def test_cost_line_names_each_phase_and_its_peaks() -> None:
+    from mmdit_strict.training.metrics import cost_line
+
+    row = {"epoch": 0, "time_rollout_s": 46.88, "time_reward_s": 0.17, "time_train_s": 45.04, "time_optimizer_s": 0.72,
+           "peak_memory_mb": 47476.6, "peak_memory_reserved_mb": 53410.0, "peak_memory_rollout_mb": 47125.6,
+           "peak_memory_reserved_rollout_mb": 53410.0, "peak_memory_train_mb": 47476.6,
+           "peak_memory_reserved_train_mb": 51874.0}
+    assert cost_line(row) == ("rollout 46.88 s, rewards 0.17 s, train 45.04 s, optimizer 0.72 s, peak GPU memory "
+                              "allocated / reserved GiB: rollout 46.02 / 52.16; train 46.36 / 50.66")
+    older = {k: v for k, v in row.items() if "rollout_mb" not in k and "train_mb" not in k}
+    assert cost_line(older).endswith("peak GPU memory allocated / reserved: 46.36 / 52.16 GiB")
+    assert cost_line({"time_train_s": 2.0, "peak_memory_mb": 512.0}) == "train 2.00 s, peak resident set 0.50 GiB"
