@@ -8,6 +8,10 @@ from typing import Any
 
 from .io import atomic_write
 
+#: One colour per phase of a Flow-GRPO epoch, shared by every figure that draws phases (``train``'s epoch costs,
+#: ``bench train``), so a phase looks the same in all of them.
+PHASE_COLORS = {"rollout": "#1565c0", "rewards": "#9e9e9e", "train": "#ef6c00", "optimizer": "#6a1b9a", "eval": "#2e7d32"}
+
 
 def pyplot() -> Any:
     """``matplotlib.pyplot`` on the Agg backend, which needs no display (CI, GPU machines, a ssh session)."""

@@ -41,8 +41,8 @@ from .timing import gpu_gaps as timing_gaps
 def _trace(fn: Callable[[], Any], stacks: bool) -> list[dict[str, Any]]:
     from torch.profiler import ProfilerActivity
 
-    # Nothing is timed after the profiles; with CUPTI torn down between its two sessions the process printed its
-    # report and then did not exit (over 200 s, twice, H100, torch 2.11 at 38b3d8a), with it left up in 23 s
+    # CUPTI stays subscribed: nothing is timed after these profiles, and torn down between its two sessions it left
+    # the process hanging after its report (torch 2.11, H100)
     with cuda_profiler(False, activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stacks) as prof:
         fn()
         torch.cuda.synchronize()
@@ -175,7 +175,7 @@ def plot(report: dict[str, Any], path: str | Path, top: int = 16) -> bool:
 
 
 def _what(report: dict[str, Any]) -> str:
-    """What was profiled; reports written before ``batch`` and ``backward`` existed were B = 1 training steps."""
+    """What was profiled; a report without ``batch`` and ``backward`` is of a B = 1 training step."""
     kind = "LoRA training step" if report.get("backward", True) else "no-grad forward"
     return f"captured {kind}, B = {report.get('batch', 1)}"
 

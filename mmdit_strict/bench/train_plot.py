@@ -6,10 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..figures import pyplot, save_png
+from ..figures import PHASE_COLORS, pyplot, save_png
 
 PEER = "diffusers_peft"
-PHASE_COLORS = {"rollout": "#1565c0", "train": "#ef6c00", "optimizer": "#6a1b9a"}
 
 
 def plot(report: dict[str, Any], path: str | Path) -> bool:
@@ -27,9 +26,9 @@ def plot(report: dict[str, Any], path: str | Path) -> bool:
                              squeeze=False)
     ax = axes[0][0]
     left = [0.0] * len(names)
-    for phase, color in PHASE_COLORS.items():
+    for phase in dict.fromkeys(p for e in engines.values() for p in e["phases"]):  # in the order bench train ran them
         widths = [engines[n]["phases"].get(phase, {}).get("wall_s") or 0.0 for n in names]
-        ax.barh(ys, widths, left=left, color=color, label=phase)
+        ax.barh(ys, widths, left=left, color=PHASE_COLORS[phase], label=phase)
         left = [a + b for a, b in zip(left, widths)]
     peer_total = engines[PEER]["total"]["wall_s"] if PEER in engines else None
     for y, name, total in zip(ys, names, left):

@@ -75,7 +75,7 @@ from .advantages import StatTracker
 from .checkpoint_writer import CheckpointWriter
 from .export import export_lora
 from .loss import grpo_loss, logp_bytes_differ
-from .metrics import MetricLogger, peak_memory_mb, plot_epoch_costs, plot_rewards, read_metrics, take_cuda_peaks
+from .metrics import MetricLogger, peak_resident_set_mb, plot_epoch_costs, plot_rewards, read_metrics, take_cuda_peaks
 from .optim import LoraEMA, build_optimizer
 from .policy import adapters_disabled, cfg_branches, evaluate_pairs, grad_keys, pair_key
 from .rewards import ImageSource, RewardSet
@@ -675,7 +675,7 @@ class Trainer:
             row["peak_memory_mb"] = max(rollout_peaks[0], train_peaks[0])
             row["peak_memory_reserved_mb"] = max(rollout_peaks[1], train_peaks[1])
         else:
-            row["peak_memory_mb"] = peak_memory_mb(self.device)
+            row["peak_memory_mb"] = peak_resident_set_mb()
         graphs = graph_stats(self.model)  # CUDA graphs so far (rollout forwards, training steps), where on
         if graphs is not None:
             row.update({f"cuda_graphs/{kind}_{k}": v for kind, s in graphs.items() for k, v in s.items()})

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..figures import pyplot, save_png
+from ..figures import PHASE_COLORS, pyplot, save_png
 from ..io import atomic_write_text
 
 logger = logging.getLogger(__name__)
@@ -40,10 +40,8 @@ def take_cuda_peaks(device: torch.device) -> tuple[float, float] | None:
     return peaks
 
 
-def peak_memory_mb(device: torch.device) -> float:
-    """Peak allocated CUDA memory on ``device``, or the process's peak resident set size on the CPU (MiB)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
+def peak_resident_set_mb() -> float:
+    """The process's peak resident set size (MiB): a run's memory figure where no CUDA allocator counts it."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
 
@@ -182,10 +180,6 @@ def cost_line(row: dict[str, Any]) -> str:
     elif row.get("peak_memory_mb") is not None:
         parts.append(f"peak resident set {gib('peak_memory_mb'):.2f} GiB")
     return ", ".join(parts)
-
-
-#: Bar and line colours of the phases in ``epoch_costs.png`` (a phase's memory peaks share its bar's colour).
-PHASE_COLORS = {"rollout": "#1565c0", "rewards": "#9e9e9e", "train": "#ef6c00", "optimizer": "#6a1b9a", "eval": "#2e7d32"}
 
 
 def memory_series(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from mmdit_strict.training.metrics import METRICS, MetricLogger, peak_memory_mb, read_metrics, take_cuda_peaks
+from mmdit_strict.training.metrics import METRICS, MetricLogger, peak_resident_set_mb, read_metrics, take_cuda_peaks
 
 ROWS = [{"epoch": e, "reward_mean": 0.5 + e} for e in range(3)]
 
@@ -68,7 +68,7 @@ def test_wandb_failure_when_closing_is_returned_not_raised(tmp_path, monkeypatch
 def test_peak_memory_on_the_cpu_is_the_resident_set_and_no_reserved_peak() -> None:
     import torch
 
-    assert peak_memory_mb(torch.device("cpu")) > 10  # this process's resident set, MiB
+    assert peak_resident_set_mb() > 10  # this process's resident set, MiB
     assert take_cuda_peaks(torch.device("cpu")) is None  # CUDA allocator figures only
 
 
