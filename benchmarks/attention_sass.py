@@ -64,6 +64,7 @@ def _compile_all(A, torch, triton_dir: Path, override: dict, sass_dir: Path | No
 
         return on_build
 
+    from mmdit_strict.kernels.triton import attention_bwd_ws as BW
     from mmdit_strict.kernels.triton import attention_ws as W
 
     saved = {}
@@ -72,10 +73,12 @@ def _compile_all(A, torch, triton_dir: Path, override: dict, sass_dir: Path | No
         setattr(A, name, compiler.wrap(saved[name], recorder(name)))
     ws_kernel = W._attn_fwd_ws_kernel
     W._attn_fwd_ws_kernel = compiler.wrap(ws_kernel, recorder("_attn_fwd_ws_kernel"))
+    bws_kernel = BW._attn_bwd_dkdv_ws_kernel
+    BW._attn_bwd_dkdv_ws_kernel = compiler.wrap(bws_kernel, recorder("_attn_bwd_dkdv_ws_kernel"))
     capability = torch.cuda.get_device_capability
     torch.cuda.get_device_capability = lambda device=None: (9, 0)  # the CPU tensors stand for the H200's
     patched = {"interpreting": lambda: False, "_ensure_allocator": lambda: None,
-               "_tile_table": lambda tseq, iseq, block, device: (torch.zeros(4, 9, dtype=torch.int32), 4)}
+               "_tile_table": lambda tseq, iseq, block, device, *rest: (torch.zeros(4, 9, dtype=torch.int32), 4)}
     saved.update({k: getattr(A, k) for k in patched})
     for k, v in patched.items():
         setattr(A, k, v)
@@ -91,6 +94,7 @@ def _compile_all(A, torch, triton_dir: Path, override: dict, sass_dir: Path | No
         for k, v in saved.items():
             setattr(A, k, v)
         W._attn_fwd_ws_kernel = ws_kernel
+        BW._attn_bwd_dkdv_ws_kernel = bws_kernel
         torch.cuda.get_device_capability = capability
     return rows
 

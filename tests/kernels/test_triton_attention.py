@@ -505,6 +505,53 @@ def test_gpu_ws_forward_equals_frozen_bytes(variant: str) -> None:
         assert 1 <= sum(len(v[0]) for v in cache.values()) <= 3, "one compiled variant per (variant, stages)"
 
 
+def test_ws_dkdv_config_is_checked() -> None:
+    """The warp-specialized dK/dV kernel refuses what it cannot run (fp32, d = 64, other key tiles, query steps or
+    stages) with a clear error; an unaligned base and the interpreter leave the call to the Triton kernel."""
+    bf16 = A.config_for(128, torch.bfloat16)
+    t = torch.zeros(16, dtype=torch.bfloat16)
+    for cfg, dtype, d in ((A.config_for(128, torch.float32), torch.float32, 128), (bf16, torch.bfloat16, 64),
+                          (bf16.replace(dkdv=(32, 64, 8, 4)), torch.bfloat16, 128),
+                          (bf16.replace(dkdv=(16, 128, 8, 4)), torch.bfloat16, 128),
+                          (bf16.replace(dkdv=(32, 128, 8, 5)), torch.bfloat16, 128)):
+        with pytest.raises(ValueError, match="bwd_ws runs bf16, d = 128"):
+            A._bwd_ws_fits(cfg.replace(bwd_ws=True), dtype, d, t)
+    assert A._bwd_ws_fits(bf16.replace(bwd_ws=True), torch.bfloat16, 128, t[1:]) is False  # unaligned base
+    if INTERPRET:
+        assert A._bwd_ws_fits(bf16.replace(bwd_ws=True), torch.bfloat16, 128, t) is False
+
+
+@gpu
+@pytest.mark.parametrize("variant", ["ws", "ws_2_stages", "ws_64_rows"])
+def test_gpu_ws_dkdv_equals_frozen_bytes(variant: str) -> None:
+    """The warp-specialized dK/dV kernel (attention_bwd_ws) gives the Triton dK/dV kernel's bytes (all six
+    gradients) on batches of segments of 0, 1, exact, and partial tiles, beside neighbours of other lengths: with
+    the frozen tiles, at 2 stages, and with 64 query rows a step (the same k16 chain per element)."""
+    from mmdit_strict.kernels.triton import attention_bwd_ws as BW
+
+    if not torch.cuda.is_available() or INTERPRET:
+        pytest.skip("no CUDA device")
+    if torch.cuda.get_device_capability()[0] != 9 or not BW.available():
+        pytest.skip("the warp-specialized dK/dV kernel is written for sm_90 (Hopper) with Triton's Gluon")
+    base = A.config_for(128, torch.bfloat16).replace(bwd_ws=False)
+    option = {"ws": {"bwd_ws": True}, "ws_2_stages": {"bwd_ws": True, "dkdv": (32, 128, 8, 2)},
+              "ws_64_rows": {"bwd_ws": True, "dkdv": (64, 128, 8, 3)}}[variant]
+    for lens in (((77, 6889), (0, 128), (128, 4096), (256, 1), (13, 200)), ((0, 1), (5, 4000)), ((256, 6032),)):
+        batch = [bench.make_sample(nt, ni, heads=24, head_dim=128, dtype=torch.bfloat16, seed=80 + i)
+                 for i, (nt, ni) in enumerate(lens)]
+        packed, tseq, iseq = bench.pack(batch)
+        o_t, o_i, lse = A.attention_fwd(*packed, tseq, iseq, base)
+        g = torch.Generator(device="cuda").manual_seed(len(lens))
+        do_t = torch.randn(o_t.shape, generator=g, device="cuda").to(o_t.dtype)
+        do_i = torch.randn(o_i.shape, generator=g, device="cuda").to(o_i.dtype)
+        ref = A.attention_bwd(do_t, do_i, *packed, o_t, o_i, lse, tseq, iseq, base)
+        got = A.attention_bwd(do_t, do_i, *packed, o_t, o_i, lse, tseq, iseq, base.replace(**option))
+        assert_bytes_equal(got, ref, f"{variant} vs the Triton dK/dV kernel, lengths {lens}")
+    cache = getattr(BW._attn_bwd_dkdv_ws_kernel, "device_caches", None)
+    if cache is not None:  # the ws kernel ran (no silent fallback to the Triton kernel)
+        assert sum(len(v[0]) for v in cache.values()) >= 1, "the warp-specialized dK/dV kernel never compiled"
+
+
 @gpu
 def test_gpu_one_compiled_variant_per_config() -> None:
     """Batches of other sizes and lengths reuse the compiled kernels (no batch-derived specialization)."""

@@ -42,7 +42,7 @@ sample's key tiles in the forward's order (``s = fp32(1/√d)``; ``dS̃`` rounde
 before its product). Each gradient is cast once to the input dtype.
 
 Modules: the forward kernel and the tile helpers in :mod:`.attention_fwd_kernels`, the backward kernels in
-:mod:`.attention_bwd_kernels`, the warp-specialized (Gluon, sm_90) forward in :mod:`.attention_ws`; this module
+:mod:`.attention_bwd_kernels`, the warp-specialized (Gluon, sm_90) forward in :mod:`.attention_ws` and dK/dV kernel in :mod:`.attention_bwd_ws`; this module
 holds the configuration table, the host launchers, the autograd function and the registry entry.
 
 Why a sample's bytes cannot depend on its batch: every tile, every loop bound and every mask is a
@@ -68,7 +68,7 @@ from ..checks import check_operand
 from ..execution import current
 from ..keepalive import retain
 from ..registry import KernelImpl, register
-from . import attention_bwd_kernels, attention_fwd_kernels, attention_ws
+from . import attention_bwd_kernels, attention_bwd_ws, attention_fwd_kernels, attention_ws
 from .attention_bwd_kernels import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _bwd_delta_kernel
 from .attention_fwd_kernels import _attn_fwd_kernel
 from .bound import bound
@@ -110,6 +110,9 @@ class AttentionConfig:
         fwd_ws: the forward runs the warp-specialized Gluon kernel (:mod:`.attention_ws`) where it can
             (sm_90, Gluon, aligned bases; it needs bf16, d = 128, 128 × 128 tiles, 2-3 stages, ``fwd_tma``);
             elsewhere the Triton forward with the same tiles.
+        bwd_ws: the dK/dV kernel is the warp-specialized Gluon one (:mod:`.attention_bwd_ws`) where it can (sm_90,
+            Gluon, aligned bases; it needs bf16, d = 128, 128 key rows a tile, 32 or 64 query rows a step, 2-4
+            stages); elsewhere the Triton dK/dV kernel with the same tiles.
     """
 
     fwd: Tiles
@@ -120,6 +123,7 @@ class AttentionConfig:
     stat_base: bool = False
     fwd_tma: bool = False
     fwd_ws: bool = False
+    bwd_ws: bool = False
 
     def replace(self, **changes: Any) -> AttentionConfig:
         """A copy with ``changes`` (benchmark candidates); a tile may be given as a 4-sequence."""
@@ -247,6 +251,23 @@ def _ws_fits(cfg: AttentionConfig, dtype: torch.dtype, d: int, tma: bool, *queri
     return attention_ws.available() and torch.cuda.get_device_capability(queries[0].device)[0] == 9
 
 
+def _bwd_ws_fits(cfg: AttentionConfig, dtype: torch.dtype, d: int, *tensors: torch.Tensor) -> bool:
+    """Whether the warp-specialized dK/dV kernel serves this call: ValueError for a configuration it cannot run;
+    False (the Triton dK/dV kernel) under the interpreter, on a GPU other than sm_90, without Gluon, or when a base
+    is not 16-byte aligned (same bytes on sm_90). Sets Triton's allocator when it serves."""
+    t = cfg.dkdv
+    if (dtype != torch.bfloat16 or d != 128 or t.block_n != attention_bwd_ws.BLOCK_N
+            or t.block_m not in attention_bwd_ws.BLOCK_MS or not 2 <= t.stages <= 4):
+        raise ValueError(f"bwd_ws runs bf16, d = 128, dkdv tiles ({'|'.join(map(str, attention_bwd_ws.BLOCK_MS))}, "
+                         f"{attention_bwd_ws.BLOCK_N}) and 2-4 stages; got {dtype}, d = {d}, dkdv {t}")
+    if interpreting() or any(x.data_ptr() % 16 for x in tensors if x.numel()):
+        return False
+    if not attention_bwd_ws.available() or torch.cuda.get_device_capability(tensors[0].device)[0] != 9:
+        return False
+    _ensure_allocator()
+    return True
+
+
 def _launch_opts(warps: int, stages: int) -> dict:
     return launch_opts(warps, interpreting(), num_stages=stages)
 
@@ -366,7 +387,10 @@ def attention_bwd(do_txt, do_img, q_txt, k_txt, v_txt, q_img, k_img, v_img, o_tx
     dq_txt, dk_txt, dv_txt, dq_img, dk_img, dv_img = out
     t = cfg.dkdv
     table, n = _sample_tiles(tseq, iseq, t.block_n, dev, only_sample)
-    if n:
+    if n and cfg.bwd_ws and _bwd_ws_fits(cfg, q_img.dtype, d, q_txt, k_txt, v_txt, q_img, k_img, v_img, do_txt, do_img):
+        attention_bwd_ws.launch(q_txt, k_txt, v_txt, q_img, k_img, v_img, do_txt, do_img, dk_txt, dv_txt, dk_img, dv_img,
+                                lse, delta, table, n, heads, d, qk_scale, sm_scale, t.block_m, t.stages)
+    elif n:
         bound(_attn_bwd_dkdv_kernel)[(n, heads)](
             q_txt, k_txt, v_txt, q_img, k_img, v_img, do_txt, do_img, dk_txt, dv_txt, dk_img, dv_img, lse, delta, table,
             heads * d, heads, qk_scale, sm_scale,
@@ -460,8 +484,9 @@ REDUCTION_ORDER = (
 register(KernelImpl(
     op="joint_attention_fused", backend="triton", device="cuda", dtypes=frozenset(DTYPES), fn=joint_attention_fused,
     strict=True, split_k=False,
-    kernel_name="_attn_fwd_ws_kernel/_attn_fwd_kernel/_bwd_delta_kernel/_attn_bwd_dkdv_kernel/_attn_bwd_dq_kernel",
-    source=(sys.modules[__name__], attention_fwd_kernels, attention_bwd_kernels, attention_ws),
+    kernel_name=("_attn_fwd_ws_kernel/_attn_fwd_kernel/_bwd_delta_kernel/_attn_bwd_dkdv_ws_kernel/_attn_bwd_dkdv_kernel/"
+                 "_attn_bwd_dq_kernel"),
+    source=(sys.modules[__name__], attention_fwd_kernels, attention_bwd_kernels, attention_ws, attention_bwd_ws),
     config={"table": "mmdit_strict.kernels.triton.attention.CONFIGS", "keyed_by": "(head_dim, dtype)",
             "dot_precision": _DOT_PRECISION, "fp_fusion": False,
             "bf16_d128": CONFIGS[(128, torch.bfloat16)].as_dict()},
