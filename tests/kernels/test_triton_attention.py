@@ -506,14 +506,16 @@ def test_gpu_ws_forward_equals_frozen_bytes(variant: str) -> None:
 
 
 def test_ws_dkdv_config_is_checked() -> None:
-    """The warp-specialized dK/dV kernel refuses what it cannot run (fp32, d = 64, other key tiles, query steps or
-    stages) with a clear error; an unaligned base and the interpreter leave the call to the Triton kernel."""
+    """The warp-specialized dK/dV kernel refuses what it cannot run (fp32, d = 64, other key tiles or query steps,
+    more stages than shared memory holds) with a clear error; an unaligned base and the interpreter leave the call to
+    the Triton kernel."""
     bf16 = A.config_for(128, torch.bfloat16)
     t = torch.zeros(16, dtype=torch.bfloat16)
     for cfg, dtype, d in ((A.config_for(128, torch.float32), torch.float32, 128), (bf16, torch.bfloat16, 64),
                           (bf16.replace(dkdv=(32, 64, 8, 4)), torch.bfloat16, 128),
                           (bf16.replace(dkdv=(16, 128, 8, 4)), torch.bfloat16, 128),
-                          (bf16.replace(dkdv=(32, 128, 8, 5)), torch.bfloat16, 128)):
+                          (bf16.replace(dkdv=(32, 128, 8, 11)), torch.bfloat16, 128),
+                          (bf16.replace(dkdv=(64, 128, 8, 6)), torch.bfloat16, 128)):
         with pytest.raises(ValueError, match="bwd_ws runs bf16, d = 128"):
             A._bwd_ws_fits(cfg.replace(bwd_ws=True), dtype, d, t)
     assert A._bwd_ws_fits(bf16.replace(bwd_ws=True), torch.bfloat16, 128, t[1:]) is False  # unaligned base
@@ -557,9 +559,11 @@ def test_gpu_one_compiled_variant_per_config() -> None:
     """Batches of other sizes and lengths reuse the compiled kernels (no batch-derived specialization)."""
     if not torch.cuda.is_available() or INTERPRET:
         pytest.skip("no CUDA device")
+    from mmdit_strict.kernels.triton import attention_bwd_ws as BW
     from mmdit_strict.kernels.triton import attention_ws as W
 
-    kernels = (W._attn_fwd_ws_kernel, A._attn_bwd_dkdv_kernel, A._attn_bwd_dq_kernel, A._bwd_delta_kernel)
+    kernels = (W._attn_fwd_ws_kernel, BW._attn_bwd_dkdv_ws_kernel, A._attn_bwd_dkdv_kernel, A._attn_bwd_dq_kernel,
+               A._bwd_delta_kernel)
 
     def variants() -> list[int]:
         caches = [getattr(k, "device_caches", None) for k in kernels]

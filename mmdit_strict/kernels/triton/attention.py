@@ -111,8 +111,8 @@ class AttentionConfig:
             (sm_90, Gluon, aligned bases; it needs bf16, d = 128, 128 × 128 tiles, 2-3 stages, ``fwd_tma``);
             elsewhere the Triton forward with the same tiles.
         bwd_ws: the dK/dV kernel is the warp-specialized Gluon one (:mod:`.attention_bwd_ws`) where it can (sm_90,
-            Gluon, aligned bases; it needs bf16, d = 128, 128 key rows a tile, 32 or 64 query rows a step, 2-4
-            stages); elsewhere the Triton dK/dV kernel with the same tiles.
+            Gluon, aligned bases; it needs bf16, d = 128, 128 key rows a tile, 32 or 64 query rows a step, 2 stages
+            or more, as many as shared memory holds); elsewhere the Triton dK/dV kernel with the same tiles.
     """
 
     fwd: Tiles
@@ -139,11 +139,12 @@ class AttentionConfig:
 _SMALL = AttentionConfig(fwd=Tiles(16, 16, 4, 2), dkdv=Tiles(16, 16, 4, 2), dq=Tiles(16, 16, 4, 2), delta_rows=16)
 
 # bf16 d = 128 (Qwen-Image): the 128 x 128 forward with TMA K/V loads through the warp-specialized kernel; the
-# backward's FP32 accumulators take 8 warps. Measurements: experiments/attention/.
+# backward's FP32 accumulators take 8 warps (dK/dV: two warpgroups of the warp-specialized kernel, the Triton kernel's
+# bytes). Measurements: experiments/attention/.
 CONFIGS: Mapping[tuple[int, torch.dtype], AttentionConfig] = MappingProxyType({
     (128, torch.bfloat16): AttentionConfig(
         fwd=Tiles(128, 128, 8, 3), dkdv=Tiles(32, 128, 8, 4), dq=Tiles(128, 64, 8, 3), delta_rows=64,
-        resident_direct=True, stat_base=True, fwd_tma=True, fwd_ws=True),
+        resident_direct=True, stat_base=True, fwd_tma=True, fwd_ws=True, bwd_ws=True),
     (128, torch.float32): AttentionConfig(
         fwd=Tiles(64, 32, 4, 2), dkdv=Tiles(32, 64, 8, 2), dq=Tiles(64, 32, 8, 2), delta_rows=64),
     (64, torch.bfloat16): AttentionConfig(
@@ -257,9 +258,10 @@ def _bwd_ws_fits(cfg: AttentionConfig, dtype: torch.dtype, d: int, *tensors: tor
     is not 16-byte aligned (same bytes on sm_90). Sets Triton's allocator when it serves."""
     t = cfg.dkdv
     if (dtype != torch.bfloat16 or d != 128 or t.block_n != attention_bwd_ws.BLOCK_N
-            or t.block_m not in attention_bwd_ws.BLOCK_MS or not 2 <= t.stages <= 4):
+            or t.block_m not in attention_bwd_ws.BLOCK_MS or not 2 <= t.stages <= attention_bwd_ws.max_stages(t.block_m)):
         raise ValueError(f"bwd_ws runs bf16, d = 128, dkdv tiles ({'|'.join(map(str, attention_bwd_ws.BLOCK_MS))}, "
-                         f"{attention_bwd_ws.BLOCK_N}) and 2-4 stages; got {dtype}, d = {d}, dkdv {t}")
+                         f"{attention_bwd_ws.BLOCK_N}) and 2 to {attention_bwd_ws.max_stages(t.block_m)} stages "
+                         f"(shared memory); got {dtype}, d = {d}, dkdv {t}")
     if interpreting() or any(x.data_ptr() % 16 for x in tensors if x.numel()):
         return False
     if not attention_bwd_ws.available() or torch.cuda.get_device_capability(tensors[0].device)[0] != 9:

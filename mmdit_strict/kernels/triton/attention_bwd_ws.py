@@ -45,6 +45,14 @@ LOADER_REGS = 24
 MAXNREG = 168  # kernel-wide cap: 12 warps x 32 threads x 168 <= 65,536 registers
 
 
+SMEM_BYTES = 232448  # shared memory one block may use on sm_90
+
+
+def max_stages(block_m: int, d: int = 128) -> int:
+    """The most ring slots that fit beside K and V: each slot holds a Q and a dO box (bf16), plus barriers."""
+    return (SMEM_BYTES - 1024 - 2 * BLOCK_N * d * 2) // (2 * block_m * d * 2)
+
+
 def available() -> bool:
     """True when this Triton has the Gluon front end the kernel is written in."""
     return gluon is not None and attention_ws.available()
@@ -127,12 +135,18 @@ if gluon is not None:
         s = warpgroup_mma(k, q_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         dp = warpgroup_mma(v, do_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         _ws_pass(turn, wg)
+        # the statistics travel one tile ahead: their loads run under a tile's products instead of before them
+        lse_next, delta_next = _bwd_stats(lse_ptr, delta_ptr, 1, n_txt, nt, ni, t_start, i_stat0, h, n_heads, BLOCK_M,
+                                          stat_l)
         s, dp = warpgroup_mma_wait(0, deps=(s, dp))
         p, ds = _bwd_ds(s, dp, lse, delta, qk_scale, op_l)
         for c in range(1, n_all):
             prev = (c - 1) % STAGES
             slot = c % STAGES
-            lse, delta = _bwd_stats(lse_ptr, delta_ptr, c, n_txt, nt, ni, t_start, i_stat0, h, n_heads, BLOCK_M, stat_l)
+            lse = lse_next
+            delta = delta_next
+            lse_next, delta_next = _bwd_stats(lse_ptr, delta_ptr, c + 1, n_txt, nt, ni, t_start, i_stat0, h, n_heads,
+                                              BLOCK_M, stat_l)
             mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
             _ws_turn(turn, wg, c)
             dv = warpgroup_mma(p, do_bufs.index(prev), dv, is_async=True)
