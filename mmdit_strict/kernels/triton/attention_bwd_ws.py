@@ -59,7 +59,7 @@ def available() -> bool:
 
 
 if gluon is not None:
-    from .attention_ws import _ws_desc, _ws_pass, _ws_turn
+    from .attention_ws import _ws_barriers, _ws_desc, _ws_pass, _ws_ring, _ws_tile_row, _ws_turn
 
     _HALF = gl.constexpr(HALF)
     _REGS = gl.constexpr([CONSUMER_REGS, LOADER_REGS])
@@ -72,21 +72,7 @@ if gluon is not None:
         for i in gl.static_range(2):
             tma.async_copy_global_to_shared(k_desc, [key_row + i * _HALF, 0], kv_bar, k_smem.index(i))
             tma.async_copy_global_to_shared(v_desc, [key_row + i * _HALF, 0], kv_bar, v_smem.index(i))
-        n_txt = gl.cdiv(nt, BLOCK_M)
-        n_all = n_txt + gl.cdiv(ni, BLOCK_M)
-        for c in range(n_all):
-            slot = c % STAGES
-            mbarrier.wait(empty.index(slot), ((c // STAGES) & 1) ^ 1)
-            bar = ready.index(slot)
-            mbarrier.expect(bar, 2 * qt_desc.block_type.nbytes)
-            if c < n_txt:
-                row = c * BLOCK_M
-                tma.async_copy_global_to_shared(qt_desc, [row, 0], bar, q_bufs.index(slot))
-                tma.async_copy_global_to_shared(dot_desc, [row, 0], bar, do_bufs.index(slot))
-            else:
-                row = (c - n_txt) * BLOCK_M
-                tma.async_copy_global_to_shared(qi_desc, [row, 0], bar, q_bufs.index(slot))
-                tma.async_copy_global_to_shared(doi_desc, [row, 0], bar, do_bufs.index(slot))
+        _ws_ring(qt_desc, dot_desc, qi_desc, doi_desc, q_bufs, do_bufs, ready, empty, nt, ni, BLOCK_M, STAGES)
 
     @gluon.jit
     def _bwd_stats(lse_ptr, delta_ptr, c, n_txt, nt, ni, t_start, i_stat0, h, n_heads, BLOCK_M: gl.constexpr,
@@ -186,36 +172,17 @@ if gluon is not None:
         D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     ):
         """One (key tile of 128 rows, head); grid (key tiles, heads); 4 warps + 4 + 1 worker warps."""
-        tile = gl.program_id(0)
         h = gl.program_id(1)
-        t = tiles_ptr + tile * 9
-        stream = gl.load(t)
-        row0 = gl.load(t + 1)
-        seg_end = gl.load(t + 2)
-        t_start = gl.load(t + 4)
-        nt = gl.load(t + 5)
-        i_start = gl.load(t + 6)
-        ni = gl.load(t + 7)
-        i_stat0 = gl.load(t + 8)
+        stream, row0, seg_end, _, t_start, nt, i_start, ni, i_stat0 = _ws_tile_row(tiles_ptr)
         col = h * D
         seg0 = gl.where(stream == 0, t_start, i_start)
 
         smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        bars: gl.constexpr = mbarrier.MBarrierLayout()
         k_smem = gl.allocate_shared_memory(gl.bfloat16, [2, _HALF, D], smem)
         v_smem = gl.allocate_shared_memory(gl.bfloat16, [2, _HALF, D], smem)
         q_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, D], smem)
         do_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, D], smem)
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1], bars)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bars)
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bars)
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], bars)
-        mbarrier.init(kv_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)
-        for i in gl.static_range(2):
-            mbarrier.init(turn.index(i), count=1)
+        kv_bar, ready, empty, turn = _ws_barriers(STAGES)
 
         k_desc = _ws_desc(gl.where(stream == 0, k_txt_ptr, k_img_ptr), seg0, seg_end - seg0, row_stride, col, _HALF, D)
         v_desc = _ws_desc(gl.where(stream == 0, v_txt_ptr, v_img_ptr), seg0, seg_end - seg0, row_stride, col, _HALF, D)

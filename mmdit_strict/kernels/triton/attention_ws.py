@@ -62,21 +62,28 @@ if gluon is not None:
         mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem.index(0))
         tma.async_copy_global_to_shared(q_desc, [q_row + _HALF, 0], q_bar, q_smem.index(1))
-        n_txt = gl.cdiv(nt, BLOCK_N)
-        n_all = n_txt + gl.cdiv(ni, BLOCK_N)
+        _ws_ring(kt_desc, vt_desc, ki_desc, vi_desc, k_bufs, v_bufs, ready, empty, nt, ni, BLOCK_N, STAGES)
+
+    @gluon.jit
+    def _ws_ring(at_desc, bt_desc, ai_desc, bi_desc, a_bufs, b_bufs, ready, empty, nt, ni, ROWS: gl.constexpr,
+                 STAGES: gl.constexpr):
+        """Stream two tensors' ``ROWS``-row boxes, the text segment's tiles then the image segment's, ascending,
+        into a ring of ``STAGES`` slots: wait for the slot to be free, then one ``ready`` barrier for both boxes."""
+        n_txt = gl.cdiv(nt, ROWS)
+        n_all = n_txt + gl.cdiv(ni, ROWS)
         for c in range(n_all):
             slot = c % STAGES
             mbarrier.wait(empty.index(slot), ((c // STAGES) & 1) ^ 1)
             bar = ready.index(slot)
-            mbarrier.expect(bar, 2 * kt_desc.block_type.nbytes)
+            mbarrier.expect(bar, 2 * at_desc.block_type.nbytes)
             if c < n_txt:
-                row = c * BLOCK_N
-                tma.async_copy_global_to_shared(kt_desc, [row, 0], bar, k_bufs.index(slot))
-                tma.async_copy_global_to_shared(vt_desc, [row, 0], bar, v_bufs.index(slot))
+                row = c * ROWS
+                tma.async_copy_global_to_shared(at_desc, [row, 0], bar, a_bufs.index(slot))
+                tma.async_copy_global_to_shared(bt_desc, [row, 0], bar, b_bufs.index(slot))
             else:
-                row = (c - n_txt) * BLOCK_N
-                tma.async_copy_global_to_shared(ki_desc, [row, 0], bar, k_bufs.index(slot))
-                tma.async_copy_global_to_shared(vi_desc, [row, 0], bar, v_bufs.index(slot))
+                row = (c - n_txt) * ROWS
+                tma.async_copy_global_to_shared(ai_desc, [row, 0], bar, a_bufs.index(slot))
+                tma.async_copy_global_to_shared(bi_desc, [row, 0], bar, b_bufs.index(slot))
 
     @gluon.jit
     def _ws_softmax(m_i, l_i, s, qk_scale):
@@ -177,6 +184,30 @@ if gluon is not None:
         gl.store(lse_ptr + (stat0 + offs_m).to(gl.int64) * n_heads + h, lse, mask=row_ok)
 
     @gluon.jit
+    def _ws_tile_row(tiles_ptr):
+        """This program's row of the tile table (``attention_fwd_kernels`` lists the nine columns)."""
+        t = tiles_ptr + gl.program_id(0) * 9
+        return (gl.load(t), gl.load(t + 1), gl.load(t + 2), gl.load(t + 3), gl.load(t + 4), gl.load(t + 5),
+                gl.load(t + 6), gl.load(t + 7), gl.load(t + 8))
+
+    @gluon.jit
+    def _ws_barriers(STAGES: gl.constexpr):
+        """The partitions' mbarriers: one for the resident tiles (one arrival), the ring's ``ready`` (one arrival,
+        the TMA bytes) and ``empty`` (both consumers) per slot, and the two consumers' turns."""
+        bars: gl.constexpr = mbarrier.MBarrierLayout()
+        once = gl.allocate_shared_memory(gl.int64, [1], bars)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bars)
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bars)
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], bars)
+        mbarrier.init(once, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
+        return once, ready, empty, turn
+
+    @gluon.jit
     def _ws_desc(base_ptr, row0, n, row_stride, col, ROWS: gl.constexpr, D: gl.constexpr):
         """TMA descriptor over exactly one segment (``attention_fwd_kernels._segment_desc``): rows past it read as zeros."""
         layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -190,35 +221,16 @@ if gluon is not None:
         D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     ):
         """One (query tile of 128 rows, head); grid (query tiles, heads); 4 warps + 4 + 1 worker warps."""
-        tile = gl.program_id(0)
         h = gl.program_id(1)
-        t = tiles_ptr + tile * 9
-        stream = gl.load(t)
-        row0 = gl.load(t + 1)
-        seg_end = gl.load(t + 2)
-        stat0 = gl.load(t + 3)
-        t_start = gl.load(t + 4)
-        nt = gl.load(t + 5)
-        i_start = gl.load(t + 6)
-        ni = gl.load(t + 7)
+        stream, row0, seg_end, stat0, t_start, nt, i_start, ni, _ = _ws_tile_row(tiles_ptr)
         col = h * D
         seg0 = gl.where(stream == 0, t_start, i_start)
 
         smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        bars: gl.constexpr = mbarrier.MBarrierLayout()
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [2, _HALF, D], smem)
         k_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D], smem)
         v_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D], smem)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], bars)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bars)
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bars)
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], bars)
-        mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)
-        for i in gl.static_range(2):
-            mbarrier.init(turn.index(i), count=1)
+        q_bar, ready, empty, turn = _ws_barriers(STAGES)
 
         q_base = gl.where(stream == 0, q_txt_ptr, q_img_ptr)
         q_desc = _ws_desc(q_base, seg0, seg_end - seg0, row_stride, col, _HALF, D)
