@@ -42,8 +42,9 @@ sample's key tiles in the forward's order (``s = fp32(1/√d)``; ``dS̃`` rounde
 before its product). Each gradient is cast once to the input dtype.
 
 Modules: the forward kernel and the tile helpers in :mod:`.attention_fwd_kernels`, the backward kernels in
-:mod:`.attention_bwd_kernels`, the warp-specialized (Gluon, sm_90) forward in :mod:`.attention_ws` and dK/dV kernel in :mod:`.attention_bwd_ws`; this module
-holds the configuration table, the host launchers, the autograd function and the registry entry.
+:mod:`.attention_bwd_kernels`, the warp-specialized (Gluon, sm_90) forward in :mod:`.attention_ws` and dK/dV kernel
+in :mod:`.attention_bwd_ws`; this module holds the configuration table, the host launchers, the autograd function
+and the registry entry.
 
 Why a sample's bytes cannot depend on its batch: every tile, every loop bound and every mask is a
 function of that sample's own text and image lengths; the configuration depends only on
