@@ -12,7 +12,9 @@ three partitions that talk through mbarriers:
 * two **consumer** warpgroups, one per 64-row half of the key tile, each owning its half's dK and dV. Everything
   is key-major, as in the Triton kernel. Per query tile ``j`` a consumer issues ``dV += P̃_{j-1} dO_{j-1}`` and
   ``dK += dS̃_{j-1} Q_{j-1}`` together with ``Sᵀ_j = K Q_jᵀ`` and ``dPᵀ_j = V dO_jᵀ``, waits for all four, frees
-  slot ``j-1`` and computes ``P = exp2(fma(Sᵀ, c, −lse))`` and ``dS = P ∘ (dPᵀ − Δ)`` for tile ``j``.
+  slot ``j-1`` and computes ``P = exp2(fma(Sᵀ, c, −lse))`` and ``dS = P ∘ (dPᵀ − Δ)`` for tile ``j``. The LSE and
+  Δ entries of tile ``j+1`` are loaded while tile ``j``'s products run (loaded just before their use, they left
+  the kernel slower than the Triton one: ``experiments/attention/3bd0f57_bwd_ws``).
 * the two consumers take turns to issue their tensor-core work (the forward's ping-pong), so one warpgroup's
   elementwise work runs while the other's products do.
 
@@ -43,8 +45,6 @@ BLOCK_MS = (32, 64)  # query rows a step this kernel is built for
 CONSUMER_REGS = 240
 LOADER_REGS = 24
 MAXNREG = 168  # kernel-wide cap: 12 warps x 32 threads x 168 <= 65,536 registers
-
-
 SMEM_BYTES = 232448  # shared memory one block may use on sm_90
 
 
