@@ -248,27 +248,27 @@ def _ws_fits(cfg: AttentionConfig, dtype: torch.dtype, d: int, tma: bool, *queri
         raise ValueError(f"fwd_ws runs bf16, d = 128, fwd tiles (128, 128) and 2-3 stages; got {dtype}, d = {d}, fwd {f}")
     if not cfg.fwd_tma:
         raise ValueError("fwd_ws loads through TMA: set fwd_tma")
-    if interpreting() or not tma or any(t.data_ptr() % 16 for t in queries if t.numel()):
-        return False
-    return attention_ws.available() and torch.cuda.get_device_capability(queries[0].device)[0] == 9
+    return tma and _hopper_ws_runs(attention_ws, *queries)
 
 
 def _bwd_ws_fits(cfg: AttentionConfig, dtype: torch.dtype, d: int, *tensors: torch.Tensor) -> bool:
     """Whether the warp-specialized dK/dV kernel serves this call: ValueError for a configuration it cannot run;
     False (the Triton dK/dV kernel) under the interpreter, on a GPU other than sm_90, without Gluon, or when a base
-    is not 16-byte aligned (same bytes on sm_90). Sets Triton's allocator when it serves."""
+    is not 16-byte aligned (same bytes on sm_90)."""
     t = cfg.dkdv
     if (dtype != torch.bfloat16 or d != 128 or t.block_n != attention_bwd_ws.BLOCK_N
             or t.block_m not in attention_bwd_ws.BLOCK_MS or not 2 <= t.stages <= attention_bwd_ws.max_stages(t.block_m)):
         raise ValueError(f"bwd_ws runs bf16, d = 128, dkdv tiles ({'|'.join(map(str, attention_bwd_ws.BLOCK_MS))}, "
                          f"{attention_bwd_ws.BLOCK_N}) and 2 to {attention_bwd_ws.max_stages(t.block_m)} stages "
                          f"(shared memory); got {dtype}, d = {d}, dkdv {t}")
-    if interpreting() or any(x.data_ptr() % 16 for x in tensors if x.numel()):
-        return False
-    if not attention_bwd_ws.available() or torch.cuda.get_device_capability(tensors[0].device)[0] != 9:
-        return False
-    _ensure_allocator()
-    return True
+    return _hopper_ws_runs(attention_bwd_ws, *tensors)
+
+
+def _hopper_ws_runs(module: Any, *tensors: torch.Tensor) -> bool:
+    """Whether a warp-specialized (Gluon, sm_90) kernel of ``module`` can run on ``tensors``: not under the interpreter,
+    16-byte aligned bases (:func:`_tma_fits`, which sets Triton's allocator), Gluon present and an sm_90 GPU."""
+    return (not interpreting() and _tma_fits(*tensors) and module.available()
+            and torch.cuda.get_device_capability(tensors[0].device)[0] == 9)
 
 
 def _launch_opts(warps: int, stages: int) -> dict:
